@@ -1,0 +1,141 @@
+"""The agent's end of the control plane: dial out, register, heartbeat, obey assignments, redial."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import grpc
+
+from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.types import Capabilities, Registration, StageStatus
+from stratamesh.fleet.wire import convert
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import make_channel
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this agent says it is on every (re)registration."""
+
+    agent_id: str
+    name: str
+    stage_address: str
+    mesh: str
+    capabilities: Capabilities
+
+
+class ControlClient:
+    """Keeps one control stream to the coordinator, redialing (and rediscovering) when it drops."""
+
+    def __init__(self, identity: Identity, runner: StageRunner, executor: Executor,
+                 find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5):
+        self._identity = identity
+        self._runner = runner
+        self._executor = executor
+        self._find = find_coordinator
+        self._retry_s = retry_s
+        self.connected = asyncio.Event()
+
+    async def run(self) -> None:
+        """Connects forever; returns only when cancelled."""
+        failures = 0
+        while True:
+            try:
+                address = await self._find()
+                await self._session(address)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, MeshError, OSError, TimeoutError) as exc:
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "control stream down (%s); retrying", _describe(exc))
+            self.connected.clear()
+            await asyncio.sleep(min(self._retry_s * 2 ** min(failures, 4), 5.0))
+
+    async def _session(self, address: str) -> None:
+        outbox: asyncio.Queue[object] = asyncio.Queue()
+        outbox.put_nowait(convert.registration_to_pb(self._registration()))
+        channel = make_channel(address)
+        heartbeat: asyncio.Task[None] | None = None
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            call = pb_grpc.ControlStub(channel).Connect(_drain(outbox))
+            async for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "welcome":
+                    log.info("registered with coordinator %s as %s", address, message.welcome.agent_id)
+                    self.connected.set()
+                    if heartbeat is not None:
+                        heartbeat.cancel()
+                    heartbeat = asyncio.create_task(
+                        self._heartbeat(outbox, message.welcome.heartbeat_interval_s))
+                elif kind == "assign":
+                    task = asyncio.create_task(self._assign(outbox, message.assign))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif kind == "release":
+                    await self._release(outbox, message.release.assignment_id)
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            outbox.put_nowait(_CLOSE)
+            await channel.close(grace=None)
+
+    def _registration(self) -> Registration:
+        i = self._identity
+        return Registration(i.agent_id, i.name, i.stage_address, i.capabilities,
+                            tuple(self._runner.assignments()), i.mesh)
+
+    async def _heartbeat(self, outbox: asyncio.Queue[object], interval_s: float) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._runner.num_sessions))
+            await asyncio.sleep(max(interval_s, 0.05))
+
+    async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment) -> None:
+        try:
+            assignment = convert.assignment_from_pb(message)
+        except MeshError as exc:
+            outbox.put_nowait(convert.stage_status_to_pb(
+                StageStatus(message.assignment_id, "failed", str(exc))))
+            return
+        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, "loading")))
+        loop = asyncio.get_running_loop()
+        try:
+            param_bytes = await loop.run_in_executor(self._executor, self._runner.load, assignment)
+            status = StageStatus(assignment.assignment_id, "ready", param_bytes=param_bytes)
+        except Exception as exc:  # a stage that cannot load is reported, never fatal to the agent
+            log.exception("could not load %s", assignment.assignment_id)
+            status = StageStatus(assignment.assignment_id, "failed", f"{type(exc).__name__}: {exc}")
+        outbox.put_nowait(convert.stage_status_to_pb(status))
+
+    async def _release(self, outbox: asyncio.Queue[object], assignment_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._runner.release, assignment_id)
+        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, "released")))
+
+
+async def _drain(outbox: asyncio.Queue[object]) -> AsyncIterator[object]:
+    while True:
+        message = await outbox.get()
+        if message is _CLOSE:
+            return
+        yield message
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

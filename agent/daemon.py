@@ -1,0 +1,78 @@
+"""`stratamesh agent`: serve the Stage service, advertise on zeroconf, keep the control stream up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from stratamesh.agent.control import ControlClient, Identity
+from stratamesh.agent.dataplane import StageService
+from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.probe import probe
+from stratamesh.fleet import discovery
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import bind, make_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    name: str = field(default_factory=socket.gethostname)
+    host: str = "127.0.0.1"             # where the Stage service listens
+    port: int = 0
+    advertise_host: str | None = None   # the address peers dial; defaults to host
+    coordinator: str | None = None      # host:port; None finds it on zeroconf
+    mesh: str = "default"
+    interfaces: tuple[str, ...] = ("127.0.0.1",)
+    agent_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    num_threads: int = 0                # torch intra-op threads; 0 leaves torch's default
+    discovery_timeout_s: float = 30.0
+
+
+async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
+    """Runs the agent until stop is set."""
+    if options.num_threads > 0:
+        torch.set_num_threads(options.num_threads)
+    runner = StageRunner()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
+    service = StageService(runner, executor, options.agent_id)
+    server = make_server()
+    pb_grpc.add_StageServicer_to_server(service, server)
+    port = bind(server, options.host, options.port)
+    await server.start()
+    service.start()
+    stage_address = f"{options.advertise_host or options.host}:{port}"
+    advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
+    browser = discovery.Browser(interfaces=list(options.interfaces))
+    await advertiser.start(discovery.ServiceRecord(
+        kind="agent", instance=f"{options.name}-{options.agent_id}", mesh=options.mesh,
+        host=options.advertise_host or options.host, port=port,
+        properties={"agent_id": options.agent_id}))
+
+    async def find_coordinator() -> str:
+        if options.coordinator:
+            return options.coordinator
+        record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
+        return f"{record.host}:{record.port}"
+
+    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, probe())
+    control = asyncio.create_task(ControlClient(identity, runner, executor, find_coordinator).run())
+    log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
+    print(f"stratamesh agent: id={options.agent_id} stage={stage_address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        control.cancel()
+        await asyncio.gather(control, return_exceptions=True)
+        await advertiser.close()
+        await browser.close()
+        await service.close()
+        await server.stop(grace=1.0)
+        executor.shutdown(wait=False, cancel_futures=True)

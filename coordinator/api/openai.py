@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from stratamesh.coordinator.api.errors import (
+    ApiError,
+    error_response,
+    install_error_handlers,
+    to_api_error,
+    validation_error,
+)
+from stratamesh.coordinator.api.generation import GenerationRun, Job
+from stratamesh.coordinator.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
+from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
+from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
+from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
+from stratamesh.fleet.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """A model as /v1/models lists it."""
+
+    id: str
+    created: int
+    max_context: int
+    ready: bool
+
+
+class Generator(Protocol):
+    """What the API needs from the mesh; the coordinator's MeshGenerator implements it."""
+
+    def list_models(self) -> list[ModelCard]: ...
+
+    def text(self, model_id: str) -> TextCodec: ...  # raises ModelNotFound
+
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[int]: ...  # unbounded; the API stops it with aclose()
+
+    def health(self) -> dict[str, Any]: ...
+
+
+def create_app(generator: Generator) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over generator."""
+    app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
+    api = OpenAIApi(generator)
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    install_error_handlers(app)
+    return app
+
+
+class OpenAIApi:
+    """The endpoints; every error becomes an OpenAI error body and never reaches the server."""
+
+    def __init__(self, generator: Generator) -> None:
+        self._generator = generator
+
+    async def models(self) -> Response:
+        """GET /v1/models."""
+        try:
+            data = [{"id": c.id, "object": "model", "created": c.created, "owned_by": "stratamesh",
+                     "max_model_len": c.max_context, "ready": c.ready} for c in self._generator.list_models()]
+        except Exception as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self) -> Response:
+        """GET /health: 200 when the mesh says "ok", 503 otherwise."""
+        try:
+            body = self._generator.health()
+        except Exception:
+            log.warning("health check failed", exc_info=True)
+            return JSONResponse({"status": "error"}, status_code=503)
+        return JSONResponse(body, status_code=200 if body.get("status") == "ok" else 503)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        try:
+            req = await parse_body(request, CompletionRequest)
+            card, codec = self._model(req.model)
+            prompt_ids = _prompt_ids(codec, req.prompt)
+            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage)
+            return await self._run(request, req, card, codec, prompt_ids, req.max_tokens, fmt)
+        except Exception as e:
+            return error_response(e)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        try:
+            req = await parse_body(request, ChatCompletionRequest)
+            card, codec = self._model(req.model)
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompt_ids = codec.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage)
+            return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt)
+        except Exception as e:
+            return error_response(e)
+
+    def _model(self, model_id: str) -> tuple[ModelCard, TextCodec]:
+        card = self._card(model_id)
+        if not card.ready:
+            raise ModelNotReady(f"model {model_id!r} is still loading; retry shortly")
+        return card, self._generator.text(model_id)
+
+    def _card(self, model_id: str) -> ModelCard:
+        for card in self._generator.list_models():
+            if card.id == model_id:
+                return card
+        raise ModelNotFound(f"The model `{model_id}` does not exist.")
+
+    async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, codec: TextCodec,
+                   prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat) -> Response:
+        job = _make_job(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
+        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id)
+        run = GenerationRun(job, tokens, IncrementalDetokenizer(codec, job.stop, job.prompt_ids))
+        await run.start()
+        if req.stream:
+            return SSEResponse(_sse_events(run, fmt), on_close=run.aclose)
+        result = await _collect_unless_gone(request, run)
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(fmt.whole(*result, _usage(run)))
+
+
+async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
+    """The request's JSON body validated as model; a 400 ApiError naming the bad field otherwise."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
+def _prompt_ids(codec: TextCodec, prompt: str | list[int]) -> list[int]:
+    ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    bad = [t for t in ids if not 0 <= t < codec.vocab_size]
+    if bad:
+        raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {codec.vocab_size})",
+                       param="prompt")
+    return ids
+
+
+def _make_job(req: GenerationRequest, codec: TextCodec, prompt_ids: Sequence[int], max_context: int,
+              max_tokens: int | None, request_id: str) -> Job:
+    stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else codec.eos_token_ids)
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+    return Job(model_id=req.model, request_id=request_id, prompt_ids=tuple(prompt_ids), params=params,
+               max_tokens=_fit_context(len(prompt_ids), max_tokens, max_context),
+               stop=tuple(req.stop or ()), stop_token_ids=stop_ids)
+
+
+def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: int) -> int:
+    """max_tokens, by default all the context the prompt leaves; a 400 if the request cannot fit."""
+    room = max_context - num_prompt_tokens
+    if max_tokens is None and room >= 1:
+        return room
+    if max_tokens is not None and max_tokens <= room:
+        return max_tokens
+    wanted = f"{num_prompt_tokens + (max_tokens or 1)} tokens ({num_prompt_tokens} in the prompt, " \
+             f"{max_tokens or 1} for the completion)"
+    raise ApiError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
+                        f"{wanted}. Please reduce the prompt or max_tokens.",
+                   param="max_tokens" if max_tokens else "prompt", code="context_length_exceeded")
+
+
+async def _collect_unless_gone(request: Request, run: GenerationRun) -> tuple[str, str] | None:
+    """The whole text and finish reason, or None (and the run closed) if the client disconnects first."""
+    task = asyncio.create_task(run.collect())
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                log.info("request %s: the client went away; generation stopped", run.job.request_id)
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await run.aclose()
+
+
+def _usage(run: GenerationRun) -> dict[str, int]:
+    prompt, completion = len(run.job.prompt_ids), run.num_completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _sse_events(run: GenerationRun, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+    """The SSE body of a started run; a failure mid-stream becomes an error event, then [DONE]."""
+    try:
+        for chunk in fmt.head():
+            yield sse_event(chunk)
+        async for delta in run.deltas():
+            for chunk in fmt.pieces(delta):
+                yield sse_event(chunk)
+        if fmt.include_usage:
+            yield sse_event(fmt.usage_chunk(_usage(run)))
+    except Exception as e:
+        err = to_api_error(e)
+        log.warning("request %s failed mid-stream with %d: %s", run.job.request_id, err.status, err.message)
+        yield sse_event(err.body())
+    yield DONE

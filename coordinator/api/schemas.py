@@ -1,0 +1,180 @@
+"""The OpenAI request bodies stratamesh accepts, validated at the HTTP boundary."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    """stream_options: only include_usage is known."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields /v1/completions and /v1/chat/completions share, OpenAI's plus vLLM's top_k and ignore_eos."""
+
+    model_config = ConfigDict(extra="ignore")  # like vLLM: clients send fields we do not use
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 turn it off
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as vLLM
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension: keep generating past EOS
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if value is not None and any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported yet (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported yet")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: Any  # a string or a list of token ids; a list of several prompts is rejected
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]  # ["text"] or [[1, 2, 3]]: one prompt in a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            raise ValueError("several prompts in one request are not supported yet; send one per request")
+        raise ValueError("prompt must be a string or a non-empty list of token ids")
+
+    @field_validator("logprobs", "best_of")
+    @classmethod
+    def _unsupported(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not (info.field_name == "best_of" and value == 1):
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return value
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _no_echo(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return value
+
+
+class ChatMessage(BaseModel):
+    """One chat message; other keys (name, tool_call_id, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, value: Any) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(_is_text_part(p) for p in value):
+            return "\n".join(p["text"] for p in value)  # as vLLM: text parts joined by newlines
+        raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts; "
+                         "images and audio are not supported")
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools are not supported yet")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only response_format {\"type\": \"text\"} is supported")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, OpenAI's newer name, wins over max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,68 @@
+"""The coordinator's end of the control plane: one Connect stream per agent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.wire import convert
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ControlService(pb_grpc.ControlServicer):
+    """Registers agents, relays their heartbeats and stage reports, and sends them assignments."""
+
+    def __init__(self, deployer: Deployer, mesh: str, heartbeat_interval_s: float = 1.0):
+        self._deployer = deployer
+        self._mesh = mesh
+        self._heartbeat_interval_s = heartbeat_interval_s
+
+    async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
+                      context: grpc.aio.ServicerContext) -> None:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "register":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be register")
+        try:
+            registration = convert.registration_from_pb(first.register)
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if registration.mesh != self._mesh:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"register.mesh {registration.mesh!r} is not this mesh ({self._mesh!r})")
+        outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
+        writer = asyncio.create_task(_write(context, outbox))
+        link = AgentLink(registration.agent_id, registration.stage_address,
+                         registration.capabilities.usable_mem_bytes, outbox.put_nowait)
+        outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
+        self._deployer.agent_connected(link, registration)
+        try:
+            async for message in request_iterator:
+                self._handle(registration.agent_id, message)
+        finally:
+            self._deployer.agent_disconnected(link)
+            writer.cancel()
+
+    def _handle(self, agent_id: str, message: pb.AgentMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "heartbeat":
+            self._deployer.heartbeat(agent_id)
+        elif kind == "stage_status":
+            try:
+                self._deployer.stage_status(agent_id, convert.stage_status_from_pb(message.stage_status))
+            except InvalidInput as exc:
+                log.info("agent %s sent a bad stage status: %s", agent_id, exc)
+        else:
+            log.info("agent %s sent an unexpected %s", agent_id, kind)
+
+
+async def _write(context: grpc.aio.ServicerContext, outbox: asyncio.Queue[pb.CoordinatorMessage]) -> None:
+    while True:
+        await context.write(await outbox.get())

@@ -1,0 +1,116 @@
+"""`stratamesh coordinator`: registry, control and origin gRPC services, zeroconf, and the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from stratamesh.coordinator.api.openai import create_app
+from stratamesh.coordinator.control import ControlService
+from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.origin import Origin, OriginService
+from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.service import MeshGenerator
+from stratamesh.fleet import discovery
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import bind, make_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    """A model to deploy at start: a Hugging Face folder, its served name, its number of stages."""
+
+    path: str
+    model_id: str = ""
+    num_stages: int = 1
+
+    @property
+    def served_id(self) -> str:
+        return self.model_id or Path(self.path).resolve().name
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorOptions:
+    db: str = "stratamesh.db"
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    http_port: int = 8000
+    advertise_host: str | None = None
+    mesh: str = "default"
+    interfaces: tuple[str, ...] = ("127.0.0.1",)
+    models: tuple[ModelRequest, ...] = field(default_factory=tuple)
+    heartbeat_interval_s: float = 1.0
+
+
+async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            deployer.tick()
+        except Exception:  # placement trouble is logged; the coordinator keeps serving
+            log.exception("placement tick failed")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the daemon owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
+    """Runs the coordinator until stop is set."""
+    registry = Registry(options.db)
+    deployer = Deployer(registry, clock=time.time)
+    deployer.start()
+    server = make_server()
+    grpc_port = bind(server, options.host, options.grpc_port)
+    advertise_host = options.advertise_host or options.host
+    origin = Origin(f"{advertise_host}:{grpc_port}")
+    pb_grpc.add_ControlServicer_to_server(
+        ControlService(deployer, options.mesh, options.heartbeat_interval_s), server)
+    pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
+    await server.start()
+    for model in options.models:
+        deployer.add_model(model.served_id, model.path, model.num_stages)
+
+    http = _Server(uvicorn.Config(create_app(MeshGenerator(deployer, origin)), host=options.host,
+                                  port=options.http_port, log_config=None, access_log=False,
+                                  timeout_graceful_shutdown=2))
+    http_task = asyncio.create_task(http.serve())
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.02)
+    if http_task.done():
+        await http_task
+        raise OSError(f"the HTTP API could not start on {options.host}:{options.http_port}")
+    http_port = http.servers[0].sockets[0].getsockname()[1]
+
+    advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
+    await advertiser.start(discovery.ServiceRecord(
+        kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh,
+        host=advertise_host, port=grpc_port, properties={"http": str(http_port)}))
+    log.info("coordinator of mesh %s: grpc %s:%d, http %s:%d", options.mesh, advertise_host,
+             grpc_port, options.host, http_port)
+    print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
+          f"grpc={advertise_host}:{grpc_port}", flush=True)
+    ticker = asyncio.create_task(_tick(deployer))
+    try:
+        await stop.wait()
+    finally:
+        ticker.cancel()
+        await advertiser.close()
+        http.should_exit = True
+        await asyncio.gather(http_task, return_exceptions=True)
+        await origin.close()
+        await server.stop(grace=1.0)
+        registry.close()

@@ -1,0 +1,319 @@
+"""The coordinator's durable state in SQLite (sqlite-utils): agents, models, plans, stages, events."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlite_utils import Database
+from sqlite_utils.db import NotFoundError
+
+from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.types import Capabilities, GpuInfo, StageSpec
+
+log = logging.getLogger(__name__)
+
+Migration = Callable[[Database], None]
+
+
+class SchemaTooNew(MeshError):
+    """The database was written by a newer stratamesh with migrations this code lacks."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRecord:
+    agent_id: str
+    name: str
+    address: str
+    capabilities: Capabilities
+    state: str
+    first_seen: float
+    last_seen: float
+    state_since: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    model_id: str
+    path: str
+    num_layers: int
+    config: dict[str, Any]
+    created: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """One stage of a plan about to be saved: which agent serves which layer range."""
+
+    assignment_id: str
+    stage_index: int
+    agent_id: str
+    spec: StageSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    assignment_id: str
+    plan_id: str
+    stage_index: int
+    agent_id: str
+    spec: StageSpec
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    plan_id: str
+    model_id: str
+    created: float
+    state: str
+    reason: str
+    stages: tuple[StageRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    id: int
+    ts: float
+    kind: str
+    agent_id: str | None
+    detail: str
+
+
+def _m001_core_tables(db: Database) -> None:
+    """Agents, models, plans, stages and events."""
+    db["agents"].create({"agent_id": str, "name": str, "address": str, "capabilities_json": str,
+                         "state": str, "first_seen": float, "last_seen": float,
+                         "state_since": float}, pk="agent_id", if_not_exists=True)
+    db["models"].create({"model_id": str, "path": str, "num_layers": int, "config_json": str,
+                         "created": float}, pk="model_id", if_not_exists=True)
+    db["plans"].create({"plan_id": str, "model_id": str, "created": float, "state": str,
+                        "reason": str}, pk="plan_id", if_not_exists=True)
+    db["stages"].create({"assignment_id": str, "plan_id": str, "stage_index": int,
+                         "agent_id": str, "model_path": str, "start_layer": int,
+                         "end_layer": int, "num_layers": int, "dtype": str, "device": str,
+                         "state": str}, pk="assignment_id", if_not_exists=True)
+    db["events"].create({"id": int, "ts": float, "kind": str, "agent_id": str, "detail": str},
+                        pk="id", if_not_exists=True)
+
+
+def _m002_capability_history_and_indexes(db: Database) -> None:
+    """Every capability report an agent sent, and indexes for the common lookups."""
+    db["agent_capabilities"].create({"id": int, "agent_id": str, "ts": float,
+                                     "capabilities_json": str}, pk="id", if_not_exists=True)
+    db["agent_capabilities"].create_index(["agent_id", "ts"], if_not_exists=True)
+    db["plans"].create_index(["model_id", "state"], if_not_exists=True)
+    db["stages"].create_index(["plan_id", "stage_index"], if_not_exists=True)
+    db["events"].create_index(["ts"], if_not_exists=True)
+
+
+# Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
+MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes)
+
+
+def _caps_to_json(caps: Capabilities) -> str:
+    return json.dumps(asdict(caps), sort_keys=True)
+
+
+def _caps_from_json(text: str) -> Capabilities:
+    d = json.loads(text)
+    return Capabilities(**{**d, "gpus": tuple(GpuInfo(**g) for g in d["gpus"]),
+                           "backends": tuple(d["backends"])})
+
+
+def _agent(row: dict[str, Any]) -> AgentRecord:
+    return AgentRecord(capabilities=_caps_from_json(row.pop("capabilities_json")), **row)
+
+
+def _model(row: dict[str, Any]) -> ModelRecord:
+    return ModelRecord(config=json.loads(row.pop("config_json")), **row)
+
+
+def _stage(row: dict[str, Any], model_id: str) -> StageRecord:
+    spec = StageSpec(model_id, *(row.pop(k) for k in _SPEC_COLUMNS))
+    return StageRecord(**row, spec=spec)
+
+
+class Registry:
+    """Agents, models, plans and events in one SQLite database, safe to share between threads."""
+
+    def __init__(self, path: str, migrations: Sequence[Migration] = MIGRATIONS) -> None:
+        self._db = Database(sqlite3.connect(path, check_same_thread=False))
+        self._lock = threading.RLock()
+        try:
+            if path != ":memory:":
+                self._db.enable_wal()
+            self.applied_migrations = self._migrate(migrations)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _migrate(self, migrations: Sequence[Migration]) -> list[int]:
+        """Apply the migrations this database lacks, in order; return the versions applied now."""
+        table = self._db["migrations"]
+        table.create({"version": int, "name": str}, pk="version", if_not_exists=True)
+        done = {row["version"] for row in table.rows}
+        if done and max(done) > len(migrations):
+            raise SchemaTooNew(f"database schema version {max(done)} is newer than this "
+                               f"code's {len(migrations)}")
+        applied = []
+        for version, migration in enumerate(migrations, start=1):
+            if version in done:
+                continue
+            with self._tx():
+                migration(self._db)
+                table.insert({"version": version, "name": migration.__name__})
+            log.info("applied registry migration %d (%s)", version, migration.__name__)
+            applied.append(version)
+        return applied
+
+    @contextmanager
+    def _tx(self) -> Iterator[Database]:
+        """One transaction under the lock: commits on success, rolls back on error."""
+        with self._lock, self._db.atomic() as db:
+            yield db
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._db.query(sql, list(params)))
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._db.close()
+
+    def upsert_agent(self, agent_id: str, name: str, address: str, capabilities: Capabilities,
+                     now: float) -> None:
+        """Register or re-register an agent as "online"; keeps first_seen, logs capability changes."""
+        caps = _caps_to_json(capabilities)
+        with self._tx() as db:
+            old = self.agent(agent_id)
+            db["agents"].insert({"agent_id": agent_id, "first_seen": now}, ignore=True)
+            db["agents"].update(agent_id, {"name": name, "address": address,
+                                           "capabilities_json": caps, "state": "online",
+                                           "last_seen": now, "state_since": now})
+            if old is None or old.capabilities != capabilities:
+                db["agent_capabilities"].insert(
+                    {"agent_id": agent_id, "ts": now, "capabilities_json": caps})
+
+    def _update(self, table: str, pk: str, updates: dict[str, Any]) -> None:
+        """Update one existing row; InvalidInput names the unknown id."""
+        with self._tx() as db:
+            try:
+                db[table].update(pk, updates)
+            except NotFoundError:
+                raise InvalidInput(f"unknown {db[table].pks[0]} {pk!r}") from None
+
+    def set_agent_state(self, agent_id: str, state: str, now: float) -> None:
+        """Set an agent's state (e.g. "draining") and when it entered it."""
+        self._update("agents", agent_id, {"state": state, "state_since": now})
+
+    def touch_agent(self, agent_id: str, now: float) -> None:
+        """Record a heartbeat; a "lost" agent stays lost until it registers again."""
+        self._update("agents", agent_id, {"last_seen": now})
+
+    def agents(self) -> list[AgentRecord]:
+        """All agents, ordered by agent_id."""
+        return [_agent(r) for r in self._rows("SELECT * FROM agents ORDER BY agent_id")]
+
+    def agent(self, agent_id: str) -> AgentRecord | None:
+        """One agent, or None."""
+        rows = self._rows("SELECT * FROM agents WHERE agent_id = ?", [agent_id])
+        return _agent(rows[0]) if rows else None
+
+    def capability_history(self, agent_id: str) -> list[tuple[float, Capabilities]]:
+        """Each distinct capability report of an agent, oldest first."""
+        rows = self._rows("SELECT ts, capabilities_json FROM agent_capabilities "
+                          "WHERE agent_id = ? ORDER BY ts, id", [agent_id])
+        return [(r["ts"], _caps_from_json(r["capabilities_json"])) for r in rows]
+
+    def expire(self, now: float, ttl_s: float) -> list[str]:
+        """Mark agents not seen for more than ttl_s as "lost"; return the newly lost ids."""
+        where, args = "state != 'lost' AND last_seen < ?", [now - ttl_s]
+        with self._tx() as db:
+            ids = [r["agent_id"] for r in db["agents"].rows_where(where, args, order_by="agent_id")]
+            db.execute(f"UPDATE agents SET state = 'lost', state_since = ? WHERE {where}",
+                       [now, *args])
+        return ids
+
+    def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
+                  now: float) -> None:
+        """Add a model, or update its path and config if it exists (keeping created)."""
+        if num_layers < 1:
+            raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
+        with self._tx() as db:
+            db["models"].insert({"model_id": model_id, "created": now}, ignore=True)
+            db["models"].update(model_id, {"path": path, "num_layers": num_layers,
+                                           "config_json": json.dumps(config, sort_keys=True)})
+
+    def models(self) -> list[ModelRecord]:
+        """All models, ordered by model_id."""
+        return [_model(r) for r in self._rows("SELECT * FROM models ORDER BY model_id")]
+
+    def model(self, model_id: str) -> ModelRecord | None:
+        """One model, or None."""
+        rows = self._rows("SELECT * FROM models WHERE model_id = ?", [model_id])
+        return _model(rows[0]) if rows else None
+
+    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[PlannedStage], reason: str,
+                  now: float) -> None:
+        """Store a new active plan for model_id; its previous active plan becomes "superseded"."""
+        _check_stages(model_id, stages)
+        try:
+            with self._tx() as db:
+                db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? "
+                           "AND state = 'active'", [model_id])
+                db["plans"].insert({"plan_id": plan_id, "model_id": model_id, "created": now,
+                                    "state": "active", "reason": reason})
+                db["stages"].insert_all(_stage_row(plan_id, s) for s in stages)
+        except sqlite3.IntegrityError as exc:
+            raise InvalidInput(f"plan {plan_id!r} repeats an existing id: {exc}") from None
+
+    def active_plan(self, model_id: str) -> PlanRecord | None:
+        """The model's active plan with its stages in pipeline order, or None."""
+        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = 'active'",
+                           [model_id])
+        if not plans:
+            return None
+        stages = self._rows("SELECT * FROM stages WHERE plan_id = ? ORDER BY stage_index",
+                            [plans[0]["plan_id"]])
+        return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages))
+
+    def set_stage_state(self, assignment_id: str, state: str) -> None:
+        """Set one stage's state (e.g. "ready", "failed")."""
+        self._update("stages", assignment_id, {"state": state})
+
+    def log_event(self, kind: str, detail: str, now: float, agent_id: str | None = None) -> int:
+        """Append an event; return its id."""
+        with self._tx() as db:
+            row = {"ts": now, "kind": kind, "agent_id": agent_id, "detail": detail}
+            return db["events"].insert(row).last_rowid
+
+    def events(self, limit: int = 100) -> list[EventRecord]:
+        """The newest events, newest first."""
+        rows = self._rows("SELECT * FROM events ORDER BY ts DESC, id DESC LIMIT ?", [limit])
+        return [EventRecord(**r) for r in rows]
+
+
+_SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device")
+
+
+def _stage_row(plan_id: str, stage: PlannedStage) -> dict[str, Any]:
+    return {"assignment_id": stage.assignment_id, "plan_id": plan_id,
+            "stage_index": stage.stage_index, "agent_id": stage.agent_id,
+            **{k: getattr(stage.spec, k) for k in _SPEC_COLUMNS}, "state": "pending"}
+
+
+def _check_stages(model_id: str, stages: Sequence[PlannedStage]) -> None:
+    """A plan has stages, indexed 0..n-1 in order, all of model_id."""
+    if not stages or [s.stage_index for s in stages] != list(range(len(stages))):
+        raise InvalidInput(f"a plan needs stages with indices 0..n-1 in order, got "
+                           f"{[s.stage_index for s in stages]}")
+    if wrong := [s.assignment_id for s in stages if s.spec.model_id != model_id]:
+        raise InvalidInput(f"stages {wrong} are not for model {model_id!r}")

@@ -1,0 +1,48 @@
+"""What the HTTP API calls: models, their text codecs, generation through the origin, health."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from stratamesh.coordinator.api.openai import ModelCard
+from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.text import TextCodec
+from stratamesh.fleet.types import SamplingParams
+
+
+class MeshGenerator:
+    """The coordinator's Generator: routes each request to a ready replica and runs it from the origin."""
+
+    def __init__(self, deployer: Deployer, origin: Origin):
+        self._deployer = deployer
+        self._origin = origin
+        self._codecs: dict[tuple[str, str], TextCodec] = {}
+
+    def list_models(self) -> list[ModelCard]:
+        return [ModelCard(m.model_id, m.created, m.max_context, self._deployer.is_ready(m.model_id))
+                for m in self._deployer.models()]
+
+    def text(self, model_id: str) -> TextCodec:
+        model = self._deployer.model(model_id)
+        key = (model.model_id, model.path)
+        if key not in self._codecs:
+            self._codecs[key] = TextCodec.from_dir(model.path)
+        return self._codecs[key]
+
+    async def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[int]:
+        model = self._deployer.model(model_id)
+        route = self._deployer.route(model_id)
+        tokens = self._origin.generate(route, prompt_ids, params, request_id, model.hidden_size)
+        async with aclosing(tokens):
+            async for token in tokens:
+                yield token
+
+    def health(self) -> dict:
+        models = {m.model_id: ("ready" if self._deployer.is_ready(m.model_id) else "starting")
+                  for m in self._deployer.models()}
+        ready = bool(models) and all(state == "ready" for state in models.values())
+        return {"status": "ok" if ready else "starting", "models": models,
+                "num_agents": self._deployer.num_agents, "num_sessions": self._origin.num_sessions}

@@ -1,0 +1,35 @@
+"""The one exception family of stratamesh; every part raises these, never bare Exception."""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Base of every stratamesh error."""
+
+
+class InvalidInput(MeshError):
+    """A request, message or file failed validation; the message names the field."""
+
+
+class ModelNotFound(MeshError):
+    """No model of that name is deployed on the mesh."""
+
+
+class ModelNotReady(MeshError):
+    """The model is deployed but not every stage of its plan is ready yet."""
+
+
+class ContextLengthExceeded(InvalidInput):
+    """Prompt plus requested tokens do not fit the model's context."""
+
+
+class CheckpointError(MeshError):
+    """A model folder is missing files or holds tensors that do not match its config."""
+
+
+class StageFailed(MeshError):
+    """A pipeline stage failed a session or could not be reached."""
+
+
+class PlacementError(MeshError):
+    """The fleet cannot hold the model under the given constraints."""

@@ -1,0 +1,181 @@
+"""Starts a coordinator and N agents as processes on this machine, and stops every one of them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stratamesh.fleet.errors import MeshError
+
+log = logging.getLogger(__name__)
+
+_COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+)")
+_AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+)")
+
+
+class LaunchError(MeshError):
+    """A process of the local mesh failed to start or the mesh never became ready."""
+
+
+@dataclass
+class LocalMesh:
+    """A coordinator and num_agents agent processes on loopback, found through zeroconf."""
+
+    model_dir: str
+    num_agents: int = 3
+    num_stages: int | None = None
+    mesh: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
+    db: str | None = None
+    http_port: int = 0
+    log_dir: str | None = None
+    threads_per_agent: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    coordinator: subprocess.Popen | None = None
+    agents: list[subprocess.Popen] = field(default_factory=list)
+    agent_addresses: list[str] = field(default_factory=list)
+    url: str = ""
+    grpc_address: str = ""
+
+    def start(self, timeout_s: float = 120.0) -> LocalMesh:
+        """Starts every process and waits until /health says the model is ready."""
+        self.start_coordinator(timeout_s)
+        spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
+        for process in spawned:  # they import torch in parallel; collect their addresses after
+            self.agent_addresses.append(self._await_line(process, _AGENT_LINE, timeout_s)[1])
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
+        """Starts the coordinator; deploy=False relies on the registry to remember the model."""
+        db = self.db or str(Path(self._logs(), "registry.db"))
+        args = ["coordinator", "--mesh", self.mesh, "--db", db, "--http-port", str(self.http_port)]
+        if deploy:
+            args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
+        self.coordinator = self._spawn("coordinator", args)
+        self.url, self.grpc_address = self._await_line(self.coordinator, _COORDINATOR_LINE, timeout_s)
+
+    def start_agent(self, index: int, timeout_s: float = 60.0) -> subprocess.Popen:
+        """Starts one more agent and waits until it listens."""
+        process = self._spawn_agent(index)
+        self.agent_addresses.append(self._await_line(process, _AGENT_LINE, timeout_s)[1])
+        return process
+
+    def _spawn_agent(self, index: int) -> subprocess.Popen:
+        threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
+        args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--threads", str(threads)]
+        process = self._spawn(f"agent{index}", args)
+        self.agents.append(process)
+        return process
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        health: dict = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            health = self.health()
+            if health.get("status") == "ok":
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"mesh not ready after {timeout_s:.0f} s: {health}")
+
+    def health(self) -> dict:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return json.loads(exc.read() or b"{}")
+        except (OSError, ValueError):
+            return {}
+
+    def stop_coordinator(self) -> None:
+        if self.coordinator is not None:
+            _terminate(self.coordinator)
+            self.coordinator = None
+
+    def stop(self) -> None:
+        """Stops every process this mesh started (SIGTERM, then SIGKILL after a grace period)."""
+        for process in self.agents:
+            _signal(process, signal.SIGTERM)
+        self.stop_coordinator()
+        for process in self.agents:
+            _terminate(process)
+        self.agents.clear()
+
+    def __enter__(self) -> LocalMesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ internals
+    def _logs(self) -> str:
+        if self.log_dir is None:
+            self.log_dir = f"/tmp/stratamesh-{self.mesh}"
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        return self.log_dir
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log_file = open(Path(self._logs(), f"{name}.log"), "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stratamesh.cli", *args], env=env,
+            stdout=subprocess.PIPE, stderr=log_file, start_new_session=True)
+        log_file.close()
+        return process
+
+    def _await_line(self, process: subprocess.Popen, pattern: re.Pattern[str],
+                    timeout_s: float) -> tuple[str, str]:
+        """Waits for the process to print its addresses; keeps draining its stdout after."""
+        found: list[tuple[str, str]] = []
+
+        def read() -> None:
+            assert process.stdout is not None
+            for raw in process.stdout:
+                match = pattern.search(raw.decode(errors="replace"))
+                if match and not found:
+                    found.append((match.group(1), match.group(2)))
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not found and time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise LaunchError(f"{process.args[3]} exited with {process.returncode}; "
+                                  f"see {self.log_dir}")
+            time.sleep(0.05)
+        if not found:
+            raise LaunchError(f"{process.args[3]} printed no address in {timeout_s:.0f} s")
+        return found[0]
+
+    def _check_alive(self) -> None:
+        for process in [self.coordinator, *self.agents]:
+            if process is not None and process.poll() is not None:
+                raise LaunchError(f"a mesh process exited with {process.returncode}; see {self.log_dir}")
+
+
+def _signal(process: subprocess.Popen, sig: int) -> None:
+    if process.poll() is None:
+        try:
+            process.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _terminate(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    _signal(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,188 @@
+"""The vocabulary agents, coordinator and partitioner share: frozen values, no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from stratamesh.fleet.errors import InvalidInput
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int
+    name: str
+    mem_total_bytes: int
+    mem_free_bytes: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an agent's box offers, as it reports it on registration."""
+
+    hostname: str
+    cpu_model: str
+    num_cpus: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: tuple[GpuInfo, ...] = ()
+    backends: tuple[str, ...] = ("torch-cpu",)
+
+    @property
+    def usable_mem_bytes(self) -> int:
+        """Memory a stage may fill: free GPU memory if the box has GPUs, else available RAM."""
+        if self.gpus:
+            return sum(g.mem_free_bytes for g in self.gpus)
+        return self.ram_available_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """A contiguous layer range [start_layer, end_layer) of one model, as one stage serves it."""
+
+    model_id: str
+    model_path: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_layer < self.end_layer <= self.num_layers:
+            raise InvalidInput(
+                f"stage layer range [{self.start_layer}, {self.end_layer}) is not inside "
+                f"[0, {self.num_layers})")
+        if self.dtype not in DTYPES:
+            raise InvalidInput(f"stage dtype {self.dtype!r} is not one of {DTYPES}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end_layer == self.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """An order to an agent: serve this stage under this id."""
+
+    assignment_id: str
+    stage: StageSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the last stage picks a token; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidInput(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidInput(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBlob:
+    """A tensor as bytes: what the wire carries and kernels' codecs produce and consume."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+    codec: str = "raw"
+    scales: TensorBlob | None = field(default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One stage of a route: where it listens and which assignment serves it there."""
+
+    address: str
+    assignment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpen:
+    """Opens a session on a stage; `route` holds the hops after the receiving stage."""
+
+    session_id: str
+    assignment_id: str
+    route: tuple[Hop, ...]
+    origin: str
+    sampling: SamplingParams
+    trace_id: str = ""
+
+    def forwarded(self) -> SessionOpen:
+        """The same open as the next hop must receive it."""
+        head, *rest = self.route
+        return SessionOpen(self.session_id, head.assignment_id, tuple(rest), self.origin,
+                           self.sampling, self.trace_id)
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    """One step of a session: token ids into the first stage, hidden states into later ones."""
+
+    session_id: str
+    step: int
+    start_pos: int
+    token_ids: tuple[int, ...] = ()
+    hidden: TensorBlob | None = None
+    sample: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClose:
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What the last stage returns to the origin: a sampled token, or the error that ended the session."""
+
+    session_id: str
+    step: int
+    token_id: int = -1
+    error: str = ""
+    error_stage: str = ""
+
+
+STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """An agent's first message on its control stream."""
+
+    agent_id: str
+    name: str
+    stage_address: str
+    capabilities: Capabilities
+    held: tuple[Assignment, ...] = ()
+    mesh: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatus:
+    """An agent's report on one assignment: one of STAGE_STATES (less "assigned")."""
+
+    assignment_id: str
+    state: str
+    error: str = ""
+    param_bytes: int = 0

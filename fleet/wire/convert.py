@@ -1,0 +1,205 @@
+"""The one converter between protobuf messages and fleet types; servicers call only these."""
+
+from __future__ import annotations
+
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import (
+    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
+    StageSpec, StageStatus, StepChunk, TensorBlob, TokenEvent,
+)
+from stratamesh.fleet.wire import mesh_pb2 as pb
+
+StageMessage = SessionOpen | StepChunk | SessionClose
+
+
+def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
+    return pb.Capabilities(
+        hostname=caps.hostname, cpu_model=caps.cpu_model, num_cpus=caps.num_cpus,
+        ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
+        gpus=[pb.GpuInfo(index=g.index, name=g.name, mem_total_bytes=g.mem_total_bytes,
+                         mem_free_bytes=g.mem_free_bytes, uuid=g.uuid) for g in caps.gpus],
+        backends=list(caps.backends))
+
+
+def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
+    if msg.num_cpus < 0 or msg.ram_total_bytes < 0 or msg.ram_available_bytes < 0:
+        raise InvalidInput("capabilities: num_cpus and memory sizes must be >= 0")
+    gpus = tuple(GpuInfo(g.index, g.name, g.mem_total_bytes, g.mem_free_bytes, g.uuid) for g in msg.gpus)
+    return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
+                        msg.ram_available_bytes, gpus, tuple(msg.backends))
+
+
+def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
+    return pb.StageSpec(model_id=spec.model_id, model_path=spec.model_path,
+                        start_layer=spec.start_layer, end_layer=spec.end_layer,
+                        num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device)
+
+
+def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
+    return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
+                     msg.dtype or "float32", msg.device or "cpu")
+
+
+def assignment_to_pb(assignment: Assignment) -> pb.Assignment:
+    return pb.Assignment(assignment_id=assignment.assignment_id,
+                         stage=stage_spec_to_pb(assignment.stage))
+
+
+def assignment_from_pb(msg: pb.Assignment) -> Assignment:
+    if not msg.assignment_id:
+        raise InvalidInput("assignment.assignment_id is empty")
+    return Assignment(msg.assignment_id, stage_spec_from_pb(msg.stage))
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                             seed=params.seed or 0, has_seed=params.seed is not None)
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
+                          seed=msg.seed if msg.has_seed else None)
+
+
+def tensor_to_pb(blob: TensorBlob) -> pb.Tensor:
+    msg = pb.Tensor(dtype=blob.dtype, shape=list(blob.shape), data=blob.data, codec=blob.codec)
+    if blob.scales is not None:
+        msg.scales.CopyFrom(tensor_to_pb(blob.scales))
+    return msg
+
+
+def tensor_from_pb(msg: pb.Tensor) -> TensorBlob:
+    if any(d < 0 for d in msg.shape):
+        raise InvalidInput(f"tensor.shape has a negative dimension: {list(msg.shape)}")
+    scales = tensor_from_pb(msg.scales) if msg.HasField("scales") else None
+    return TensorBlob(msg.dtype, tuple(msg.shape), msg.data, msg.codec or "raw", scales)
+
+
+def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
+    match message:
+        case SessionOpen():
+            return pb.StageMessage(open=pb.SessionOpen(
+                session_id=message.session_id, assignment_id=message.assignment_id,
+                route=[h.address for h in message.route],
+                route_assignments=[h.assignment_id for h in message.route],
+                origin=message.origin, sampling=sampling_to_pb(message.sampling),
+                trace_id=message.trace_id))
+        case StepChunk():
+            chunk = pb.StepChunk(session_id=message.session_id, step=message.step,
+                                 start_pos=message.start_pos, token_ids=list(message.token_ids),
+                                 sample=message.sample)
+            if message.hidden is not None:
+                chunk.hidden.CopyFrom(tensor_to_pb(message.hidden))
+            return pb.StageMessage(chunk=chunk)
+        case SessionClose():
+            return pb.StageMessage(close=pb.SessionClose(session_id=message.session_id))
+    raise TypeError(f"not a stage message: {type(message).__name__}")
+
+
+def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
+    """Parses and validates one data-plane message; raises InvalidInput naming the bad field."""
+    kind = msg.WhichOneof("kind")
+    if kind == "open":
+        return _open_from_pb(msg.open)
+    if kind == "chunk":
+        return _chunk_from_pb(msg.chunk)
+    if kind == "close":
+        _require_session_id(msg.close.session_id, "close")
+        return SessionClose(msg.close.session_id)
+    raise InvalidInput("stage message has no kind set")
+
+
+def _require_session_id(session_id: str, where: str) -> None:
+    if not session_id or len(session_id) > 128:
+        raise InvalidInput(f"{where}.session_id must be 1..128 characters")
+
+
+def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
+    _require_session_id(msg.session_id, "open")
+    if len(msg.route) != len(msg.route_assignments):
+        raise InvalidInput("open.route and open.route_assignments differ in length")
+    if not msg.origin:
+        raise InvalidInput("open.origin is empty")
+    route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments))
+    return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
+                       sampling_from_pb(msg.sampling), msg.trace_id)
+
+
+def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
+    _require_session_id(msg.session_id, "chunk")
+    if msg.start_pos < 0 or msg.step < 0:
+        raise InvalidInput("chunk.start_pos and chunk.step must be >= 0")
+    hidden = tensor_from_pb(msg.hidden) if msg.HasField("hidden") else None
+    if hidden is None and not msg.token_ids:
+        raise InvalidInput("chunk carries neither token_ids nor hidden")
+    return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), hidden, msg.sample)
+
+
+def token_event_to_pb(event: TokenEvent) -> pb.TokenEvent:
+    return pb.TokenEvent(session_id=event.session_id, step=event.step, token_id=event.token_id,
+                         error=event.error, error_stage=event.error_stage)
+
+
+def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
+    _require_session_id(msg.session_id, "token_event")
+    return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage)
+
+
+# ---------------------------------------------------------------- control plane
+
+_STATE_TO_PB = {"loading": pb.StageStatus.LOADING, "ready": pb.StageStatus.READY,
+                "failed": pb.StageStatus.FAILED, "released": pb.StageStatus.RELEASED}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def registration_to_pb(reg: Registration) -> pb.AgentMessage:
+    return pb.AgentMessage(register=pb.Register(
+        agent_id=reg.agent_id, name=reg.name, stage_address=reg.stage_address,
+        capabilities=capabilities_to_pb(reg.capabilities),
+        held=[assignment_to_pb(a) for a in reg.held], mesh=reg.mesh))
+
+
+def registration_from_pb(msg: pb.Register) -> Registration:
+    if not msg.agent_id or len(msg.agent_id) > 64:
+        raise InvalidInput("register.agent_id must be 1..64 characters")
+    host, _, port = msg.stage_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"register.stage_address {msg.stage_address!r} is not host:port")
+    return Registration(msg.agent_id, msg.name or msg.agent_id, msg.stage_address,
+                        capabilities_from_pb(msg.capabilities),
+                        tuple(assignment_from_pb(a) for a in msg.held), msg.mesh or "default")
+
+
+def heartbeat_to_pb(seq: int, num_sessions: int) -> pb.AgentMessage:
+    return pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, num_sessions=num_sessions))
+
+
+def stage_status_to_pb(status: StageStatus) -> pb.AgentMessage:
+    return pb.AgentMessage(stage_status=pb.StageStatus(
+        assignment_id=status.assignment_id, state=_STATE_TO_PB[status.state],
+        error=status.error, param_bytes=status.param_bytes))
+
+
+def stage_status_from_pb(msg: pb.StageStatus) -> StageStatus:
+    if msg.state not in _STATE_FROM_PB:
+        raise InvalidInput(f"stage_status.state {msg.state} is not a known state")
+    return StageStatus(msg.assignment_id, _STATE_FROM_PB[msg.state], msg.error, msg.param_bytes)
+
+
+def welcome_to_pb(agent_id: str, heartbeat_interval_s: float) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(welcome=pb.Welcome(agent_id=agent_id,
+                                                    heartbeat_interval_s=heartbeat_interval_s))
+
+
+def assign_to_pb(assignment: Assignment) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(assign=assignment_to_pb(assignment))
+
+
+def release_to_pb(assignment_id: str) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(release=pb.Release(assignment_id=assignment_id))
+
+
+def stage_info_to_pb(agent_id: str, assignments: list[Assignment], tensor_names: list[str],
+                     param_bytes: int, num_sessions: int) -> pb.StageInfo:
+    return pb.StageInfo(agent_id=agent_id, assignments=[assignment_to_pb(a) for a in assignments],
+                        tensor_names=tensor_names, param_bytes=param_bytes, num_sessions=num_sessions)

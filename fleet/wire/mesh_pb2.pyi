@@ -1,0 +1,270 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data", "codec", "scales")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    codec: str
+    scales: Tensor
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class GpuInfo(_message.Message):
+    __slots__ = ("index", "name", "mem_total_bytes", "mem_free_bytes", "uuid")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    mem_total_bytes: int
+    mem_free_bytes: int
+    uuid: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
+    RAM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    cpu_model: str
+    num_cpus: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StageSpec(_message.Message):
+    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    model_path: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    dtype: str
+    device: str
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    has_seed: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    name: str
+    stage_address: str
+    capabilities: Capabilities
+    held: _containers.RepeatedCompositeFieldContainer[Assignment]
+    mesh: str
+    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., stage_address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., held: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., mesh: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("seq", "num_sessions")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    num_sessions: int
+    def __init__(self, seq: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("assignment_id", "state", "error", "param_bytes")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[StageStatus.State]
+        LOADING: _ClassVar[StageStatus.State]
+        READY: _ClassVar[StageStatus.State]
+        FAILED: _ClassVar[StageStatus.State]
+        RELEASED: _ClassVar[StageStatus.State]
+    STATE_UNSPECIFIED: StageStatus.State
+    LOADING: StageStatus.State
+    READY: StageStatus.State
+    FAILED: StageStatus.State
+    RELEASED: StageStatus.State
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    state: StageStatus.State
+    error: str
+    param_bytes: int
+    def __init__(self, assignment_id: _Optional[str] = ..., state: _Optional[_Union[StageStatus.State, str]] = ..., error: _Optional[str] = ..., param_bytes: _Optional[int] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "stage_status")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    stage_status: StageStatus
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("agent_id", "heartbeat_interval_s")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    heartbeat_interval_s: float
+    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("assignment_id", "stage")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    stage: StageSpec
+    def __init__(self, assignment_id: _Optional[str] = ..., stage: _Optional[_Union[StageSpec, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("assignment_id",)
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    def __init__(self, assignment_id: _Optional[str] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("welcome", "assign", "release")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    assign: Assignment
+    release: Release
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "trace_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    assignment_id: str
+    route: _containers.RepeatedScalarFieldContainer[str]
+    route_assignments: _containers.RepeatedScalarFieldContainer[str]
+    origin: str
+    sampling: SamplingParams
+    trace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class StepChunk(_message.Message):
+    __slots__ = ("session_id", "step", "start_pos", "token_ids", "hidden", "sample")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    start_pos: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden: Tensor
+    sample: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class SessionClose(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class StageMessage(_message.Message):
+    __slots__ = ("open", "chunk", "close")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    chunk: StepChunk
+    close: SessionClose
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
+
+class PushSummary(_message.Message):
+    __slots__ = ("num_messages",)
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    num_messages: int
+    def __init__(self, num_messages: _Optional[int] = ...) -> None: ...
+
+class StageInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("agent_id", "assignments", "tensor_names", "param_bytes", "num_sessions")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAMES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    tensor_names: _containers.RepeatedScalarFieldContainer[str]
+    param_bytes: int
+    num_sessions: int
+    def __init__(self, agent_id: _Optional[str] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., tensor_names: _Optional[_Iterable[str]] = ..., param_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_STAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    token_id: int
+    error: str
+    error_stage: str
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ...) -> None: ...
+
+class DeliverSummary(_message.Message):
+    __slots__ = ("num_events",)
+    NUM_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    num_events: int
+    def __init__(self, num_events: _Optional[int] = ...) -> None: ...

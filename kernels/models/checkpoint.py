@@ -1,0 +1,90 @@
+"""Lazy access to a Hugging Face safetensors checkpoint: a stage reads only the tensors it holds."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from stratamesh.fleet.errors import CheckpointError
+from stratamesh.kernels.models.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+class Checkpoint:
+    """A model folder's safetensors, single-file or sharded; files are opened only while loading."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._file_of = self._read_weight_map()   # tensor name -> file name
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def load(self, names: Iterable[str], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The named tensors as owned copies in dtype; CheckpointError naming any missing one."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            if name not in self._file_of:
+                raise CheckpointError(f"checkpoint {self.model_dir} has no tensor {name!r}")
+            by_file[self._file_of[name]].append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file_name, file_names in sorted(by_file.items()):
+            path = self.model_dir / file_name
+            if not path.exists():
+                raise CheckpointError(f"checkpoint shard {path} is missing")
+            with safe_open(str(path), framework="pt") as f:
+                for name in file_names:
+                    # copy=True so nothing keeps the file's memory map alive
+                    out[name] = f.get_tensor(name).to(dtype=dtype, copy=True)
+        return out
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.model_dir / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index: {e}") from None
+            return {str(k): str(v) for k, v in weight_map.items()}
+        single = self.model_dir / SINGLE_FILE
+        if not single.exists():
+            raise CheckpointError(f"{self.model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        with safe_open(str(single), framework="pt") as f:
+            return {name: SINGLE_FILE for name in f.keys()}
+
+
+def layer_tensor_names(config: ModelConfig, layer_idx: int) -> list[str]:
+    """The HF names of one decoder layer's tensors."""
+    p = f"model.layers.{layer_idx}."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names += [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+    if config.attention_bias:
+        names += [f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+    if config.o_proj_bias:
+        names.append(p + "self_attn.o_proj.bias")
+    names += [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
+    """The HF names a stage serving layers [start, end) needs, embedding and head only where they belong."""
+    assert 0 <= start < end <= config.num_layers, (start, end, config.num_layers)
+    names = [EMBED] if start == 0 else []
+    for i in range(start, end):
+        names += layer_tensor_names(config, i)
+    if end == config.num_layers:
+        names.append(FINAL_NORM)
+        head = EMBED if config.tie_word_embeddings else LM_HEAD
+        if head not in names:
+            names.append(head)
+    return names

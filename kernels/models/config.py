@@ -1,0 +1,191 @@
+"""A Llama-family model's shape, parsed from a Hugging Face config.json: pure values, I/O only in read_config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stratamesh.fleet.errors import CheckpointError
+
+ARCHS = ("llama", "qwen2", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What a stage needs to know about a Llama-family decoder (Llama, Qwen2, Mistral)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None   # {"rope_type": "linear"|"llama3", "factor", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False                 # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False                    # Llama's attention_bias also puts one on o_proj
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()            # per layer "full_attention"|"sliding_attention"; () = all alike
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def window_for_layer(self, layer_idx: int) -> int | None:
+        """The sliding window (tokens a query sees, itself included) of a layer, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES.get(self.torch_dtype, 4)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token costs across all layers, in torch_dtype."""
+        return self.num_layers * self.kv_bytes_per_token_per_layer
+
+    @property
+    def num_params_per_layer(self) -> int:
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
+        if self.attention_bias:
+            attn += q_dim + 2 * kv_dim
+        if self.o_proj_bias:
+            attn += self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return attn + mlp + 2 * self.hidden_size
+
+    @property
+    def num_embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from the dict of a config.json; CheckpointError on a model or RoPE we do not run."""
+    arch = raw.get("model_type")
+    if arch not in ARCHS:
+        raise CheckpointError(f"config.json model_type {arch!r} is not supported; supported: {ARCHS}")
+    _reject_unsupported(raw)
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        num_layers = int(raw["num_hidden_layers"])
+        rope_theta, rope_scaling = _parse_rope(raw)
+        sliding_window, layer_types = _parse_window(raw, arch, num_layers)
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_proj_bias=arch == "llama" and bool(raw.get("attention_bias", False)),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_as_ids(raw.get("eos_token_id")),
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json has a malformed field: {e}") from None
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """parse_config of model_dir/config.json, with eos ids merged from generation_config.json if present."""
+    model_dir = Path(model_dir)
+    raw = _read_json(model_dir / "config.json")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = _as_ids(_read_json(gen_path).get("eos_token_id"))
+        merged = list(_as_ids(raw.get("eos_token_id")))
+        merged += [i for i in gen_eos if i not in merged]
+        raw = {**raw, "eos_token_id": merged}
+    return parse_config(raw)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"model folder has no {path.name} ({path})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def _reject_unsupported(raw: dict[str, Any]) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json hidden_act {act!r} is not supported; only 'silu'")
+    if raw.get("mlp_bias"):
+        raise CheckpointError("config.json mlp_bias=true is not supported")
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, normalized scaling or None) from transformers 4 or transformers 5 spelling."""
+    params = raw.get("rope_parameters")
+    if params is not None and any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
+    params = dict(params or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise CheckpointError(f"config.json llama3 rope scaling lacks {missing}")
+    scaling = {k: float(params[k]) for k in _LLAMA3_KEYS}
+    scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return theta, {"rope_type": "llama3", **scaling}
+
+
+def _parse_window(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on."""
+    window = raw.get("sliding_window")
+    if arch == "llama" or window is None:
+        return None, ()
+    if arch == "mistral":
+        return int(window), ()
+    if not raw.get("use_sliding_window", False):
+        return None, ()
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return int(window), tuple(layer_types)
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

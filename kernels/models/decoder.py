@@ -1,0 +1,177 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) as a stage: a contiguous slice of its layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stratamesh.fleet.errors import CheckpointError, InvalidInput
+from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
+                                                  stage_tensor_names)
+from stratamesh.kernels.models.config import ModelConfig, read_config
+from stratamesh.kernels.ops.attention import attention, causal_mask
+from stratamesh.kernels.ops.kv_cache import KVCache
+from stratamesh.kernels.ops.norm import rms_norm
+from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's tensors; weights are [out, in] as in the checkpoint."""
+
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LayerWeights:
+        p = f"model.layers.{layer_idx}."
+        a = p + "self_attn."
+        return cls(
+            input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
+            q=t[a + "q_proj.weight"], k=t[a + "k_proj.weight"], v=t[a + "v_proj.weight"], o=t[a + "o_proj.weight"],
+            gate=t[p + "mlp.gate_proj.weight"], up=t[p + "mlp.up_proj.weight"], down=t[p + "mlp.down_proj.weight"],
+            q_bias=t.get(a + "q_proj.bias"), k_bias=t.get(a + "k_proj.bias"), v_bias=t.get(a + "v_proj.bias"),
+            o_bias=t.get(a + "o_proj.bias"),
+        )
+
+
+class StageModel:
+    """Layers [start, end) of a decoder, plus the embedding if first and the final norm + LM head if last."""
+
+    def __init__(self, config: ModelConfig, spec: StageSpec, tensors: dict[str, torch.Tensor]) -> None:
+        _check_shapes(config, tensors)
+        self.config, self.spec = config, spec
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self._tensors = tensors
+        self._layers = [LayerWeights.from_tensors(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
+        self._embed = tensors.get(EMBED) if spec.is_first else None
+        self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
+        head = EMBED if config.tie_word_embeddings else LM_HEAD
+        self._lm_head = tensors.get(head) if spec.is_last else None
+        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def new_cache(self, chunk_tokens: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(len(self._layers), c.num_kv_heads, c.head_dim, self.dtype, self.spec.device, chunk_tokens)
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run this stage's layers over a chunk at positions p..p+T-1 (p <= cached tokens) -> hidden [T, hidden].
+
+        inputs: token ids [T] on the first stage, else the previous stage's hidden [T, hidden]."""
+        x = self._embed_inputs(inputs)                          # x: [T, hidden]
+        positions = self._check_positions(positions, x.shape[0], cache)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [T, D]
+        start_pos = int(positions[0])
+        for local_idx, layer in enumerate(self._layers):
+            window = self.config.window_for_layer(self.spec.start_layer + local_idx)
+            mask = causal_mask(positions, start_pos + x.shape[0], window)
+            x = x + self._attention(layer, local_idx, x, cos, sin, start_pos, mask, cache)
+            x = x + self._mlp(layer, x)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: hidden [T, hidden] -> float32 logits [T, vocab]; last stage only."""
+        if self._lm_head is None:
+            raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) is not the last stage")
+        h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self._lm_head).float()
+
+    def _attention(self, layer: LayerWeights, local_idx: int, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, start_pos: int, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        c, num_tokens = self.config, x.shape[0]
+        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, c.num_heads, c.head_dim).transpose(0, 1)
+        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [H, T, D]  k, v: [KV, T, D]
+        k_all, v_all = cache.update(local_idx, k, v, start_pos)  # [KV, start_pos + T, D]
+        out = attention(q, k_all, v_all, mask)                   # [H, T, D]
+        out = out.transpose(0, 1).reshape(num_tokens, c.num_heads * c.head_dim)
+        return F.linear(out, layer.o, layer.o_bias)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
+        return F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+
+    def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self._embed is not None:
+            if inputs.dtype != torch.long or inputs.dim() != 1:
+                raise InvalidInput(f"first stage inputs must be token ids [T] int64, got {inputs.dtype} "
+                                   f"{tuple(inputs.shape)}")
+            if inputs.numel() and not 0 <= int(inputs.min()) <= int(inputs.max()) < self.config.vocab_size:
+                raise InvalidInput(f"token ids must be in [0, {self.config.vocab_size})")
+            return F.embedding(inputs.to(self._embed.device), self._embed)
+        if not inputs.is_floating_point() or inputs.dim() != 2 or inputs.shape[1] != self.config.hidden_size:
+            raise InvalidInput(f"stage inputs must be hidden states [T, {self.config.hidden_size}], got "
+                               f"{inputs.dtype} {tuple(inputs.shape)}")
+        return inputs.to(device=self.spec.device, dtype=self.dtype)
+
+    def _check_positions(self, positions: torch.Tensor, num_tokens: int, cache: KVCache) -> torch.Tensor:
+        positions = positions.to(self.spec.device, torch.long)
+        if positions.shape != (num_tokens,) or num_tokens == 0:
+            raise InvalidInput(f"positions must be [T] = [{num_tokens}] with T > 0, got {tuple(positions.shape)}")
+        start = int(positions[0])
+        if not 0 <= start <= cache.num_tokens:
+            raise InvalidInput(f"positions start at {start} but the cache holds {cache.num_tokens} tokens")
+        if not torch.equal(positions, torch.arange(start, start + num_tokens, device=positions.device)):
+            raise InvalidInput("positions must be consecutive")
+        return positions
+
+
+def load_stage(spec: StageSpec) -> StageModel:
+    """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors."""
+    config = read_config(spec.model_path)
+    if config.num_layers != spec.num_layers:
+        raise CheckpointError(f"{spec.model_path} has {config.num_layers} layers, the stage spec says "
+                              f"{spec.num_layers}")
+    names = stage_tensor_names(config, spec.start_layer, spec.end_layer)
+    tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype])
+    tensors = {name: t.to(spec.device) for name, t in tensors.items()}
+    return StageModel(config, spec, tensors)
+
+
+def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """CheckpointError if a tensor's shape disagrees with the config."""
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    expected = {
+        "input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
+        "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.q_proj.bias": (q_dim,),
+        "self_attn.k_proj.weight": (kv_dim, c.hidden_size), "self_attn.k_proj.bias": (kv_dim,),
+        "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.o_proj.weight": (c.hidden_size, q_dim), "self_attn.o_proj.bias": (c.hidden_size,),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
+    top = {EMBED: (c.vocab_size, c.hidden_size), LM_HEAD: (c.vocab_size, c.hidden_size), FINAL_NORM: (c.hidden_size,)}
+    for name, t in tensors.items():
+        want = top.get(name) or expected.get(name.split(".", 3)[-1])
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config implies {want}")

@@ -1,0 +1,23 @@
+"""Causal (optionally sliding-window) attention of a chunk of queries over a cached prefix, via SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
+    """Bool mask [T, S]: query at position p sees keys 0..p, or only the last `window` of them; None if all."""
+    if window is None and q_positions.numel() == 1 and int(q_positions[0]) == num_keys - 1:
+        return None   # one new token, full attention: it sees every cached key
+    k_positions = torch.arange(num_keys, device=q_positions.device)
+    diff = q_positions[:, None] - k_positions[None, :]   # [T, S]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [H, T, D] over k, v [KV, S, D] (grouped-query when KV < H) -> [H, T, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0])

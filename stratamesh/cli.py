@@ -1,0 +1,168 @@
+"""The `stratamesh` command: up, coordinator, agent, model tiny."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+log = logging.getLogger("stratamesh")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        raise SystemExit(2)
+    args.func(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stratamesh", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("STRATAMESH_LOG", "info"))
+    commands = parser.add_subparsers(metavar="COMMAND")
+
+    up = commands.add_parser("up", help="a coordinator and N agents on this machine, serving a model")
+    up.add_argument("--agents", type=int, default=3)
+    up.add_argument("--model", help="a Hugging Face folder; default: a built-in tiny Llama")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.set_defaults(func=_up)
+
+    coordinator = commands.add_parser("coordinator", help="run the coordinator")
+    coordinator.add_argument("--db", default="stratamesh.db", help="SQLite registry file")
+    coordinator.add_argument("--host", default="127.0.0.1")
+    coordinator.add_argument("--grpc-port", type=int, default=0)
+    coordinator.add_argument("--http-port", type=int, default=8000)
+    coordinator.add_argument("--advertise-host")
+    coordinator.add_argument("--mesh", default="default")
+    coordinator.add_argument("--interface", action="append", dest="interfaces",
+                             help="zeroconf interface address (repeatable; default 127.0.0.1)")
+    coordinator.add_argument("--model", help="a Hugging Face folder to deploy")
+    coordinator.add_argument("--served-model-name", default="")
+    coordinator.add_argument("--stages", type=int, default=1, help="pipeline stages for --model")
+    coordinator.set_defaults(func=_coordinator)
+
+    agent = commands.add_parser("agent", help="run an agent daemon")
+    agent.add_argument("--name", default=None)
+    agent.add_argument("--host", default="127.0.0.1")
+    agent.add_argument("--port", type=int, default=0)
+    agent.add_argument("--advertise-host")
+    agent.add_argument("--coordinator", help="host:port of the coordinator; default: zeroconf")
+    agent.add_argument("--mesh", default="default")
+    agent.add_argument("--interface", action="append", dest="interfaces")
+    agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    agent.set_defaults(func=_agent)
+
+    model = commands.add_parser("model", help="model folders")
+    model_commands = model.add_subparsers(metavar="ACTION")
+    tiny = model_commands.add_parser("tiny", help="write a random-weight checkpoint with a real tokenizer")
+    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="llama")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--layers", type=int, default=6)
+    tiny.add_argument("--hidden", type=int, default=256)
+    tiny.add_argument("--intermediate", type=int, default=512)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--vocab", type=int, default=1024)
+    tiny.add_argument("--context", type=int, default=2048)
+    tiny.add_argument("--tie-embeddings", action="store_true")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_model_tiny)
+    return parser
+
+
+def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Runs body(stop) on asyncio; SIGINT or SIGTERM sets stop for a clean shutdown."""
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await body(stop)
+
+    asyncio.run(runner())
+
+
+def _coordinator(args: argparse.Namespace) -> None:
+    from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
+
+    models = (ModelRequest(args.model, args.served_model_name, args.stages),) if args.model else ()
+    options = CoordinatorOptions(
+        db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+        advertise_host=args.advertise_host, mesh=args.mesh,
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), models=models)
+    _run_daemon(lambda stop: run_coordinator(options, stop))
+
+
+def _agent(args: argparse.Namespace) -> None:
+    from stratamesh.agent.daemon import AgentOptions, run_agent
+
+    overrides = {"name": args.name} if args.name else {}
+    options = AgentOptions(
+        host=args.host, port=args.port, advertise_host=args.advertise_host,
+        coordinator=args.coordinator, mesh=args.mesh,
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, **overrides)
+    _run_daemon(lambda stop: run_agent(options, stop))
+
+
+def _model_tiny(args: argparse.Namespace) -> None:
+    from stratamesh.tiny_model import write_tiny_model
+
+    path = write_tiny_model(
+        args.out, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+        intermediate_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab, max_position_embeddings=args.context,
+        tie_word_embeddings=args.tie_embeddings, seed=args.seed)
+    print(path)
+
+
+def _up(args: argparse.Namespace) -> None:
+    from stratamesh.fleet.launcher import LocalMesh
+
+    model_dir = args.model or _builtin_model()
+    mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port)
+    print(f"starting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
+    try:
+        mesh.start()
+        model_id = Path(model_dir).resolve().name
+        print(f"\nstratamesh is up: {args.agents} agents serving '{model_id}'\n"
+              f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
+              f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n\n"
+              f"  curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{model_id}\", \"prompt\": \"The mesh\", \"max_tokens\": 16}}'\n\n"
+              "Ctrl-C stops every process.", flush=True)
+        while all(p.poll() is None for p in [mesh.coordinator, *mesh.agents]):
+            time.sleep(0.5)
+        print("a mesh process exited; stopping the rest", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        mesh.stop()
+
+
+def _builtin_model() -> str:
+    """The built-in tiny Llama, written once into the user's cache."""
+    from stratamesh.tiny_model import write_tiny_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "stratamesh")
+    path = cache / "tiny-llama"
+    if not (path / "model.safetensors").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        write_tiny_model(tmp, arch="llama")
+        tmp.rename(path) if not path.exists() else None
+    return str(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Deterministic random-weight checkpoints in Hugging Face format, small enough for tests and `stratamesh up`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0}
+_MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
+
+
+def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int = 6, hidden_size: int = 256,
+                     intermediate_size: int = 512, num_heads: int = 4, num_kv_heads: int = 2,
+                     vocab_size: int = 1024, max_position_embeddings: int = 2048,
+                     tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
+                     rope_spelling: str = "classic", shard_size_bytes: int | None = None,
+                     seed: int = 0, sliding_window: int | None = None) -> Path:
+    """Write config, generation config, safetensors weights and a ChatML BPE tokenizer to out_dir.
+
+    rope_spelling "classic" writes rope_theta + rope_scaling (transformers 4), "parameters" writes
+    rope_parameters (transformers 5). sliding_window applies to mistral only (default 32)."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {TINY_ARCHS}")
+    if rope_spelling not in ("classic", "parameters"):
+        raise ValueError(f"rope_spelling {rope_spelling!r} is not 'classic' or 'parameters'")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
+                     max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": 0, "eos_token_id": [0, 2], "do_sample": False})
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(max_position_embeddings))
+    weights = _random_weights(config, seed, num_text_tokens=tokenizer.get_vocab_size())
+    _write_weights(out, weights, shard_size_bytes)
+    return out
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on the bundled corpus, with the ChatML special tokens at ids 0..2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS.read_text().splitlines(keepends=True), trainer=trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.get_vocab_size()}")
+    return tokenizer
+
+
+def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
+            vocab_size: int, max_pos: int, tie: bool, rope_scaling: dict[str, Any] | None,
+            rope_spelling: str, sliding_window: int | None) -> dict[str, Any]:
+    theta = _ROPE_THETA[arch]
+    config: dict[str, Any] = {
+        "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": vocab_size,
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": hidden // num_heads,
+        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5 if arch != "qwen2" else 1e-6,
+        "tie_word_embeddings": tie, "bos_token_id": 0, "eos_token_id": 0, "dtype": "float32",
+        "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0,
+    }
+    if rope_spelling == "classic":
+        config["rope_theta"] = theta
+        config["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    else:
+        config["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    elif arch == "qwen2":   # a window is declared but off, as in released Qwen2 checkpoints
+        config.update(use_sliding_window=False, sliding_window=max_pos, max_window_layers=num_layers)
+    else:
+        config["sliding_window"] = sliding_window or _MISTRAL_WINDOW
+    return config
+
+
+def _tokenizer_config(max_pos: int) -> dict[str, Any]:
+    added = {str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, tok in enumerate(SPECIAL_TOKENS)}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+        "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END], "model_max_length": max_pos,
+        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> dict[str, torch.Tensor]:
+    """Weights big enough that attention is sharp and greedy argmax has no near-ties, in HF names.
+
+    The LM head rows of the special tokens and of the vocab padding are zero: their logit is 0 while the
+    best text token's is several units, so an untied tiny model never stops early nor emits an id the
+    tokenizer cannot decode. (Tied: only the padding rows are zero.)"""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+
+    def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std + mean
+
+    w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
+        w[p + "self_attn.q_proj.weight"] = normal(q_dim, hidden, std=hidden ** -0.5)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=hidden ** -0.5)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=hidden ** -0.5)
+        w[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim, std=q_dim ** -0.5)
+        if config["model_type"] == "qwen2":
+            for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                w[p + f"self_attn.{name}_proj.bias"] = normal(dim, std=0.5)
+        w[p + "post_attention_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter ** -0.5)
+    w["model.norm.weight"] = normal(hidden, std=0.1, mean=1.0)
+    w["model.embed_tokens.weight"][num_text_tokens:] = 0
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(config["vocab_size"], hidden, std=2 * hidden ** -0.5)
+        w["lm_head.weight"][:len(SPECIAL_TOKENS)] = 0
+        w["lm_head.weight"][num_text_tokens:] = 0
+    return w
+
+
+def _write_weights(out: Path, weights: dict[str, torch.Tensor], shard_size_bytes: int | None) -> None:
+    metadata = {"format": "pt"}
+    if shard_size_bytes is None:
+        save_file(weights, str(out / "model.safetensors"), metadata=metadata)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, t in weights.items():   # insertion order: embed, layers, norm, head
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and shard_bytes + nbytes > shard_size_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = t
+        shard_bytes += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file_name), metadata=metadata)
+        weight_map.update({name: file_name for name in shard})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,142 @@
+"""The placement driver with a real (in-memory) registry and agents reduced to message lists."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady
+from stratamesh.fleet.types import Assignment, Capabilities, Registration, StageStatus
+from stratamesh.fleet.wire import mesh_pb2 as pb
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    config = {"num_hidden_layers": 6, "hidden_size": 64, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+class Agent:
+    def __init__(self, agent_id: str, mem_gib: int):
+        self.sent: list[pb.CoordinatorMessage] = []
+        self.link = AgentLink(agent_id, f"127.0.0.1:{5000 + int(agent_id[-1])}", mem_gib * GiB, self.sent.append)
+        self.caps = Capabilities("box", "cpu", 2, mem_gib * GiB, mem_gib * GiB)
+
+    def registration(self, held: tuple[Assignment, ...] = ()) -> Registration:
+        return Registration(self.link.agent_id, self.link.agent_id, self.link.stage_address, self.caps, held)
+
+    def assignments(self) -> list[Assignment]:
+        return [Assignment(m.assign.assignment_id, None) for m in self.sent if m.WhichOneof("kind") == "assign"]
+
+
+def connect_all(deployer: Deployer, agents: list[Agent]) -> None:
+    for agent in agents:
+        deployer.agent_connected(agent.link, agent.registration())
+
+
+def report_ready(deployer: Deployer, agents: list[Agent]) -> None:
+    for agent in agents:
+        for assignment in agent.assignments():
+            deployer.stage_status(agent.link.agent_id, StageStatus(assignment.assignment_id, "ready"))
+
+
+def test_plans_once_enough_agents_join_then_serves_a_route(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent("a1", 8), Agent("a2", 8), Agent("a3", 16)]
+    deployer.add_model("m", str(model_dir), num_stages=3)
+    connect_all(deployer, agents[:2])
+    assert registry.active_plan("m") is None
+    connect_all(deployer, agents[2:])
+    plan = registry.active_plan("m")
+    spans = {s.agent_id: (s.spec.start_layer, s.spec.end_layer) for s in plan.stages}
+    assert spans["a3"][1] - spans["a3"][0] == 3          # twice the memory, twice the layers
+    assert sorted(spans.values())[0][0] == 0 and sorted(spans.values())[-1][1] == 6
+    assert all(a[1] == b[0] for a, b in zip(sorted(spans.values()), sorted(spans.values())[1:]))
+    with pytest.raises(ModelNotReady):
+        deployer.route("m")
+    report_ready(deployer, agents)
+    route = deployer.route("m")
+    assert [hop.assignment_id for hop in route] == [s.assignment_id for s in plan.stages]
+    assert deployer.is_ready("m")
+    with pytest.raises(ModelNotFound):
+        deployer.route("other")
+
+
+def test_a_lost_agent_makes_the_model_unready_and_is_readopted_with_its_stage(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent("a1", 8), Agent("a2", 8)]
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    held = registry.active_plan("m").stages[1]
+    second = next(a for a in agents if a.link.agent_id == held.agent_id)
+    deployer.agent_disconnected(second.link)
+    assert not deployer.is_ready("m")
+    second.sent.clear()
+    deployer.agent_connected(second.link, second.registration((Assignment(held.assignment_id, held.spec),)))
+    assert deployer.is_ready("m")
+    assert second.assignments() == []     # adopted as it is: no reload
+
+
+def test_a_restarted_coordinator_adopts_held_stages_and_releases_unknown_ones(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    agents = [Agent("a1", 8), Agent("a2", 8)]
+    first = Deployer(registry, clock=lambda: 1.0)
+    first.add_model("m", str(model_dir), num_stages=2)
+    connect_all(first, agents)
+    stages = registry.active_plan("m").stages
+    restarted = Deployer(registry, clock=lambda: 2.0)
+    restarted.start()
+    for agent in agents:
+        agent.sent.clear()
+        held = tuple(Assignment(s.assignment_id, s.spec) for s in stages if s.agent_id == agent.link.agent_id)
+        stale = (Assignment("old-0", stages[0].spec),)
+        restarted.agent_connected(agent.link, agent.registration(held + stale))
+        assert [m.release.assignment_id for m in agent.sent if m.WhichOneof("kind") == "release"] == ["old-0"]
+    assert restarted.is_ready("m")
+
+
+def test_a_model_folder_without_a_usable_config_is_refused(tmp_path: Path) -> None:
+    deployer = Deployer(Registry(":memory:"), clock=lambda: 0.0)
+    with pytest.raises(CheckpointError, match="config.json"):
+        deployer.add_model("m", str(tmp_path), 1)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 0, "hidden_size": 8,
+                                                      "max_position_embeddings": 8}))
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        deployer.add_model("m", str(tmp_path), 1)
+
+
+def test_a_plan_whose_agents_stay_gone_is_replaced_after_the_grace_period(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    now = [100.0]
+    deployer = Deployer(registry, clock=lambda: now[0], replan_after_s=10)
+    old = [Agent("a1", 8), Agent("a2", 8)]
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, old)
+    report_ready(deployer, old)
+    first_plan = registry.active_plan("m").plan_id
+    deployer.agent_disconnected(old[1].link)
+    newcomer = Agent("a3", 8)
+    connect_all(deployer, [newcomer])
+    now[0] += 5
+    deployer.tick()
+    assert registry.active_plan("m").plan_id == first_plan      # still inside the grace period
+    now[0] += 6
+    old[0].sent.clear()
+    deployer.tick()
+    plan = registry.active_plan("m")
+    assert plan.plan_id != first_plan
+    assert {s.agent_id for s in plan.stages} == {"a1", "a3"}
+    released = [m.release.assignment_id for m in old[0].sent if m.WhichOneof("kind") == "release"]
+    assert released and all(r.startswith(first_plan) for r in released)
+    report_ready(deployer, [old[0], newcomer])
+    assert deployer.is_ready("m")

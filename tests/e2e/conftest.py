@@ -1,0 +1,39 @@
+"""Real meshes for end-to-end tests: a coordinator and agents as processes on loopback."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.tiny_model import write_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+NUM_LAYERS = 6
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 6-layer tiny checkpoint of every supported family."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: write_tiny_model(root / f"tiny-{arch}", arch=arch, num_layers=NUM_LAYERS)
+            for arch in ("llama", "qwen2", "mistral")}
+
+
+def start_mesh(model_dir: Path, tmp_path: Path, num_agents: int = 3) -> LocalMesh:
+    return LocalMesh(str(model_dir), num_agents=num_agents, log_dir=str(tmp_path / "logs"),
+                     db=str(tmp_path / "registry.db")).start()
+
+
+@pytest.fixture(scope="module")
+def llama_mesh(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[LocalMesh]:
+    mesh = start_mesh(tiny_models["llama"], tmp_path_factory.mktemp("llama-mesh"))
+    try:
+        yield mesh
+    finally:
+        mesh.stop()

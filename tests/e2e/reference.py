@@ -1,0 +1,29 @@
+"""The single-process reference: Hugging Face transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@lru_cache(maxsize=4)
+def _load(model_dir: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def greedy_tokens(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy generate of exactly num_tokens new tokens (EOS does not stop it)."""
+    model, _ = _load(str(model_dir))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def encode(model_dir: Path, text: str) -> list[int]:
+    return _load(str(model_dir))[1](text)["input_ids"]

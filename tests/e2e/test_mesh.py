@@ -1,0 +1,135 @@
+"""A coordinator and 3 agents found through zeroconf serve a 6-layer model split 3 ways."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+
+from .conftest import NUM_LAYERS, start_mesh
+from .reference import encode, greedy_tokens
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The mesh carries every layer of the model from the edge to the cloud and back"
+
+
+def complete_ids(mesh: LocalMesh, model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    body = {"model": model_dir.name, "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return choice["token_ids"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_generation_equals_transformers(arch: str, tiny_models: dict[str, Path],
+                                               llama_mesh: LocalMesh, tmp_path: Path) -> None:
+    model_dir = tiny_models[arch]
+    prompt_ids = encode(model_dir, PROMPT)
+    expected = greedy_tokens(model_dir, prompt_ids, 32)
+    assert len(expected) == 32
+    if arch == "llama":
+        assert complete_ids(llama_mesh, model_dir, prompt_ids, 32) == expected
+        return
+    with start_mesh(model_dir, tmp_path) as mesh:
+        assert complete_ids(mesh, model_dir, prompt_ids, 32) == expected
+
+
+def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_models) -> None:
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key="unused")
+    model = tiny_models["llama"].name
+    messages = [{"role": "user", "content": "Where do the layers of the model live?"}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert whole.choices[0].message.content
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+async def _stage_info(address: str) -> pb.StageInfo:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=10)
+
+
+def test_each_stage_holds_only_its_own_layers(llama_mesh: LocalMesh) -> None:
+    infos = [asyncio.run(_stage_info(a)) for a in llama_mesh.agent_addresses]
+    ranges = []
+    for info in infos:
+        (assignment,) = info.assignments
+        start, end = assignment.stage.start_layer, assignment.stage.end_layer
+        ranges.append((start, end))
+        layers = {int(name.split(".")[2]) for name in info.tensor_names if name.startswith("model.layers.")}
+        assert layers == set(range(start, end))
+        assert ("model.embed_tokens.weight" in info.tensor_names) == (start == 0)
+        assert ("model.norm.weight" in info.tensor_names) == (end == NUM_LAYERS)
+    assert sorted(ranges) == [(0, 2), (2, 4), (4, 6)]
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_bad_requests_get_4xx_while_a_generation_completes(llama_mesh: LocalMesh, tiny_models) -> None:
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, PROMPT)
+    expected = greedy_tokens(model_dir, prompt_ids, 96)
+    result: list[list[int]] = []
+    runner = threading.Thread(target=lambda: result.append(
+        complete_ids(llama_mesh, model_dir, prompt_ids, 96)))
+    runner.start()
+    url = f"{llama_mesh.url}/v1/completions"
+    good = {"model": model_dir.name, "prompt": "hello", "max_tokens": 4}
+    cases = [
+        ({**good, "model": "no-such-model"}, 404),
+        ({**good, "max_tokens": -1}, 400),
+        ({**good, "prompt": list(range(1, 10)) * 300}, 400),   # 2700 tokens > 2048 context
+        ({**good, "temperature": -1}, 400),
+    ]
+    for body, status in cases:
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == status, (body, response.text)
+        _error(response)
+    malformed = httpx.post(url, content=b'{"model": "x", "prompt": ', timeout=30,
+                           headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 400
+    _error(malformed)
+    runner.join(timeout=120)
+    assert result == [expected]
+
+
+def test_coordinator_restart_keeps_model_and_agents(tiny_models, tmp_path: Path) -> None:
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, PROMPT)
+    with start_mesh(model_dir, tmp_path) as mesh:
+        before = complete_ids(mesh, model_dir, prompt_ids, 16)
+        mesh.stop_coordinator()
+        registry = Registry(str(tmp_path / "registry.db"))
+        assert [m.model_id for m in registry.models()] == [model_dir.name]
+        assert len(registry.agents()) == 3
+        registry.close()
+        mesh.start_coordinator(deploy=False)   # the model comes from the registry alone
+        mesh.wait_ready(60)
+        assert mesh.health()["num_agents"] == 3
+        assert complete_ids(mesh, model_dir, prompt_ids, 16) == before

@@ -1,0 +1,136 @@
+"""The wire: generated stubs match the proto, the converter round-trips and validates, streams deliver."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stratamesh.fleet.errors import InvalidInput, StageFailed
+from stratamesh.fleet.types import (
+    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
+    StageSpec, StageStatus, StepChunk, TensorBlob, TokenEvent,
+)
+from stratamesh.fleet.wire import convert, gen
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import bind, make_server
+from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
+
+
+def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
+    for fresh in gen.generate(tmp_path):
+        committed = gen.HERE / fresh.name
+        assert fresh.read_text() == committed.read_text(), f"{fresh.name} is stale: run the generator"
+
+
+SPEC = StageSpec("m", "/models/m", 2, 4, 6)
+STAGE_MESSAGES = [
+    SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2"), Hop("10.0.0.3:5000", "a3")), "10.0.0.1:1",
+                SamplingParams(0.7, 40, 0.9, seed=11), "trace"),
+    SessionOpen("s1", "a1", (), "o:1", SamplingParams()),
+    StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
+    StepChunk("s1", 3, 17, hidden=TensorBlob("float32", (2, 4), bytes(32)), sample=True),
+    StepChunk("s1", 3, 17, hidden=TensorBlob("int8", (1, 4), bytes(4), "int8",
+                                             TensorBlob("float32", (1,), bytes(4)))),
+    SessionClose("s1"),
+]
+
+
+@pytest.mark.parametrize("message", STAGE_MESSAGES, ids=lambda m: type(m).__name__)
+def test_stage_messages_round_trip(message) -> None:
+    wire = convert.stage_message_to_pb(message).SerializeToString()
+    assert convert.stage_message_from_pb(pb.StageMessage.FromString(wire)) == message
+
+
+def test_control_messages_round_trip() -> None:
+    caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
+                        ("torch-cpu", "torch-cuda"))
+    reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1")
+    assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
+    assert caps.usable_mem_bytes == 70 << 30
+    status = StageStatus("p-0", "ready", param_bytes=123)
+    assert convert.stage_status_from_pb(convert.stage_status_to_pb(status).stage_status) == status
+    event = TokenEvent("s", 4, 99)
+    assert convert.token_event_from_pb(convert.token_event_to_pb(event)) == event
+
+
+@pytest.mark.parametrize("message, field", [
+    (pb.StageMessage(), "no kind"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], start_pos=-1)), "start_pos"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s")), "neither token_ids nor hidden"),
+    (pb.StageMessage(chunk=pb.StepChunk(token_ids=[1])), "session_id"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", hidden=pb.Tensor(dtype="float32", shape=[-1]))),
+     "negative"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], origin="o:1")), "route"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
+                                         sampling=pb.SamplingParams(temperature=-1))), "temperature"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
+                                         sampling=pb.SamplingParams(top_p=1.5))), "top_p"),
+])
+def test_bad_stage_messages_name_the_field(message: pb.StageMessage, field: str) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        convert.stage_message_from_pb(message)
+
+
+@pytest.mark.parametrize("register, field", [
+    (pb.Register(stage_address="h:1"), "agent_id"),
+    (pb.Register(agent_id="a", stage_address="nohost"), "stage_address"),
+    (pb.Register(agent_id="a", stage_address="h:70000"), "stage_address"),
+    (pb.Register(agent_id="a", stage_address="h:1", held=[pb.Assignment(
+        assignment_id="x", stage=pb.StageSpec(start_layer=3, end_layer=2, num_layers=4))]), "layer range"),
+])
+def test_bad_registrations_name_the_field(register: pb.Register, field: str) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        convert.registration_from_pb(register)
+
+
+class _Sink(pb_grpc.OriginServicer):
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[pb.TokenEvent] = asyncio.Queue()
+
+    async def Deliver(self, request_iterator, context):
+        count = 0
+        async for event in request_iterator:
+            count += 1
+            self.events.put_nowait(event)
+        return pb.DeliverSummary(num_events=count)
+
+
+def _open(channel, it):
+    return pb_grpc.OriginStub(channel).Deliver(it)
+
+
+async def test_outbound_stream_delivers_in_order_and_reports_a_dead_peer() -> None:
+    sink, server = _Sink(), make_server()
+    pb_grpc.add_OriginServicer_to_server(sink, server)
+    port = bind(server, "127.0.0.1", 0)
+    await server.start()
+    broken: list[BaseException | None] = []
+    pool = StreamPool(_open, on_broken=lambda stream, exc: broken.append(exc))
+    stream = pool.get(f"127.0.0.1:{port}")
+    for step in range(100):
+        stream.send(pb.TokenEvent(session_id="s", step=step, token_id=step))
+    got = [(await asyncio.wait_for(sink.events.get(), 5)).step for _ in range(100)]
+    assert got == list(range(100))
+    assert pool.get(f"127.0.0.1:{port}") is stream
+    await server.stop(grace=None)
+    for _ in range(100):
+        if broken:
+            break
+        await asyncio.sleep(0.05)
+    assert broken and isinstance(broken[0], StageFailed)
+    with pytest.raises(StageFailed):
+        stream.send(pb.TokenEvent(session_id="s"))
+    await pool.close()
+
+
+async def test_a_stream_to_nobody_breaks_instead_of_hanging() -> None:
+    broken = asyncio.Event()
+    stream = OutboundStream("127.0.0.1:1", _open, on_broken=lambda s, e: broken.set()).start()
+    stream.send(pb.TokenEvent(session_id="s"))
+    await asyncio.wait_for(broken.wait(), 20)
+    assert not stream.alive
+    await stream.close()

@@ -1,0 +1,27 @@
+"""Fixtures for kernel tests: tiny random checkpoints, written once per session and shared."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from stratamesh.tiny_model import write_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_model(arch="llama", **write_tiny_model_kwargs) -> the folder; the same arguments reuse one folder."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in made:
+            made[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, **kwargs)
+        return made[key]
+
+    return make

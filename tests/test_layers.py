@@ -1,0 +1,88 @@
+"""Imports flow one way (DESIGN.md §1): checked on the source of every module, with ast."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"stratamesh": "stratamesh", "fleet": "stratamesh.fleet", "agent": "stratamesh.agent",
+           "coordinator": "stratamesh.coordinator", "partitioner": "stratamesh.partitioner",
+           "kernels": "stratamesh.kernels"}
+PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors")
+IO_AND_DEVICE = ("torch", "grpc", "zeroconf", "sqlite_utils", "sqlite3", "onnxruntime")
+
+# module prefix -> (stratamesh packages it may import, external modules it must not import)
+RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    ("stratamesh.fleet.types", PURE, IO_AND_DEVICE),
+    ("stratamesh.fleet.errors", PURE, IO_AND_DEVICE),
+    ("stratamesh.fleet", ("stratamesh.fleet",), ("torch",)),
+    ("stratamesh.partitioner", ("stratamesh.partitioner", *PURE), IO_AND_DEVICE),
+    ("stratamesh.kernels", ("stratamesh.kernels", *PURE), ("grpc", "zeroconf", "sqlite_utils")),
+    ("stratamesh.agent.engine.scheduler", ("stratamesh.agent.engine", *PURE), IO_AND_DEVICE),
+    ("stratamesh.agent.engine.block_manager", ("stratamesh.agent.engine", *PURE), IO_AND_DEVICE),
+    ("stratamesh.agent", ("stratamesh.agent", "stratamesh.kernels", "stratamesh.fleet"), ()),
+    ("stratamesh.coordinator", ("stratamesh.coordinator", "stratamesh.partitioner",
+                                "stratamesh.fleet"), ("torch",)),
+]
+
+
+def module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [FOLDERS[folder], *rest]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str) -> set[str]:
+    """Every module an import statement in source names, relative imports resolved."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(module.split(".")[:-node.level] + ([base] if base else []))
+            names.add(base)
+    return names
+
+
+def violations(module: str, imported: set[str]) -> list[str]:
+    for prefix, allowed, forbidden in RULES:
+        if module == prefix or module.startswith(prefix + "."):
+            break
+    else:
+        return []
+    found = []
+    for name in sorted(imported):
+        internal = name == "stratamesh" or name.startswith("stratamesh.")
+        if internal and not any(name == a or name.startswith(a + ".") for a in allowed):
+            found.append(f"{module} imports {name}")
+        if not internal and name.split(".")[0] in forbidden:
+            found.append(f"{module} imports {name}")
+    return found
+
+
+def all_modules() -> list[tuple[str, Path]]:
+    return [(module_name(p), p) for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_imports_flow_one_way() -> None:
+    modules = all_modules()
+    assert len(modules) > 20
+    found = [v for module, path in modules for v in violations(module, imports_of(path.read_text(), module))]
+    assert found == []
+
+
+@pytest.mark.parametrize("module, source, bad", [
+    ("stratamesh.agent.daemon", "from stratamesh.coordinator import registry", True),
+    ("stratamesh.coordinator.origin", "import torch", True),
+    ("stratamesh.partitioner.x", "from stratamesh.fleet.wire import convert", True),
+    ("stratamesh.partitioner.x", "def f():\n    import grpc", True),
+    ("stratamesh.kernels.models.decoder", "from ..ops import rope", False),
+    ("stratamesh.fleet.types", "import pydantic", False),
+])
+def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> None:
+    assert bool(violations(module, imports_of(source, module))) == bad
