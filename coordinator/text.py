@@ -72,21 +72,21 @@ class TextCodec:
         return self._tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text; BOS/EOS only where the tokenizer.json post-processor adds them (as transformers 5)."""
+        """Token ids of text; BOS/EOS only where tokenizer.json's post-processor adds them (as transformers 5)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
-        """Render messages with the model's chat template, as transformers does."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render messages with the model's chat template as transformers does; template_kwargs add variables."""
         if self._template is None:
             raise InvalidInput("this model has no chat template; use /v1/completions")
         # transformers drops None values: templates handle a missing key better than a None one.
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {"tools": None, "documents": None, **self.config.special_tokens, **template_kwargs,
+        context = {"tools": None, "documents": None, **self.config.special_tokens, **(template_kwargs or {}),
                    "messages": chat, "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(context)
@@ -94,9 +94,9 @@ class TextCodec:
             raise InvalidInput(f"chat template failed: {e}") from e
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt ids of a chat; the template places BOS itself, so none is added (as transformers)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ class LocalMesh:
 
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
         """Starts every process and waits until /health says the model is ready."""
+        atexit.register(self.stop)  # never leave daemons behind, even if the caller forgets
         self.start_coordinator(timeout_s)
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
         for process in spawned:  # they import torch in parallel; collect their addresses after
@@ -114,7 +116,7 @@ class LocalMesh:
         self.agents.clear()
 
     def __enter__(self) -> LocalMesh:
-        return self.start()
+        return self if self.coordinator is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -33,14 +33,15 @@ class Delta:
 
     text: str
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens consumed since the previous delta
 
 
 class GenerationRun:
-    """Consumes one job's unbounded token stream until max_tokens, a stop token or a stop string, then closes it."""
+    """Consumes a job's unbounded token stream up to max_tokens, a stop token or a stop string; then closes it."""
 
     def __init__(self, job: Job, tokens: AsyncIterator[int], detokenizer: IncrementalDetokenizer) -> None:
         self.job = job
-        self.num_completion_tokens = 0
+        self.token_ids: list[int] = []
         self._tokens = tokens
         self._detok = detokenizer
         self._first: int | None = None
@@ -57,14 +58,14 @@ class GenerationRun:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas, the last with its finish reason; call start() first."""
         try:
-            token = self._first
+            token, sent = self._first, 0
             while token is not None:
                 delta = self._step(token)
+                if delta.text or delta.finish_reason is not None:
+                    yield replace(delta, token_ids=tuple(self.token_ids[sent:]))
+                    sent = len(self.token_ids)
                 if delta.finish_reason is not None:
-                    yield delta
                     return
-                if delta.text:
-                    yield delta
                 token = await anext(self._tokens, None)
             log.warning("request %s: the token stream ended before a stop condition", self.job.request_id)
             yield Delta(self._detok.flush(), "stop")
@@ -93,8 +94,12 @@ class GenerationRun:
             except Exception:  # closing must never turn a finished response into an error
                 log.warning("request %s: closing the token stream failed", self.job.request_id, exc_info=True)
 
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
     def _step(self, token: int) -> Delta:
-        self.num_completion_tokens += 1
+        self.token_ids.append(token)
         if token in self.job.stop_token_ids:
             return Delta(self._detok.flush(), "stop")
         text = self._detok.push(token)

@@ -24,8 +24,8 @@ from stratamesh.coordinator.api.errors import (
 )
 from stratamesh.coordinator.api.generation import GenerationRun, Job
 from stratamesh.coordinator.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
+from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
 from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
 from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
 from stratamesh.fleet.types import SamplingParams
@@ -101,7 +101,8 @@ class OpenAIApi:
             req = await parse_body(request, CompletionRequest)
             card, codec = self._model(req.model)
             prompt_ids = _prompt_ids(codec, req.prompt)
-            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage)
+            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
+                                   req.return_token_ids)
             return await self._run(request, req, card, codec, prompt_ids, req.max_tokens, fmt)
         except Exception as e:
             return error_response(e)
@@ -112,8 +113,9 @@ class OpenAIApi:
             req = await parse_body(request, ChatCompletionRequest)
             card, codec = self._model(req.model)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            prompt_ids = codec.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
-            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage)
+            prompt_ids = codec.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
+                             req.return_token_ids)
             return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt)
         except Exception as e:
             return error_response(e)
@@ -141,7 +143,7 @@ class OpenAIApi:
         result = await _collect_unless_gone(request, run)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(fmt.whole(*result, _usage(run)))
+        return JSONResponse(fmt.whole(*result, _usage(run), run.token_ids))
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:

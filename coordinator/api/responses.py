@@ -17,10 +17,12 @@ class ResponseFormat:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, include_usage: bool = False,
+                 return_token_ids: bool = False) -> None:
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
         self.created = int(time.time())
 
     def head(self) -> list[dict[str, Any]]:
@@ -31,9 +33,14 @@ class ResponseFormat:
         """Chunks carrying one delta."""
         raise NotImplementedError
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, usage: dict[str, int],
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         """The non-streamed response."""
         raise NotImplementedError
+
+    def _ids(self, token_ids: list[int] | tuple[int, ...] | None) -> dict[str, Any]:
+        """vLLM's return_token_ids: the choice names the token ids it decodes."""
+        return {"token_ids": list(token_ids or ())} if self.return_token_ids else {}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, only usage."""
@@ -58,10 +65,12 @@ class CompletionFormat(ResponseFormat):
     chunk_object_name = "text_completion"
 
     def pieces(self, delta: Delta) -> list[dict[str, Any]]:
-        return [self._chunk({"text": delta.text}, delta.finish_reason)]
+        return [self._chunk({"text": delta.text, **self._ids(delta.token_ids)}, delta.finish_reason)]
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def whole(self, text: str, finish_reason: str, usage: dict[str, int],
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  **self._ids(token_ids)}
         return {**self._envelope(self.object_name), "choices": [choice], "usage": usage}
 
 
@@ -75,12 +84,14 @@ class ChatFormat(ResponseFormat):
         return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
 
     def pieces(self, delta: Delta) -> list[dict[str, Any]]:
-        chunks = [self._chunk({"delta": {"content": delta.text}})] if delta.text else []
+        ids = self._ids(delta.token_ids)
+        chunks = [self._chunk({"delta": {"content": delta.text}, **ids})] if delta.text else []
         if delta.finish_reason is not None:  # as OpenAI: the finish reason comes with an empty delta
-            chunks.append(self._chunk({"delta": {}}, delta.finish_reason))
+            chunks.append(self._chunk({"delta": {}, **({} if delta.text else ids)}, delta.finish_reason))
         return chunks
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, usage: dict[str, int],
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, **self._ids(token_ids)}
         return {**self._envelope(self.object_name), "choices": [choice], "usage": usage}

@@ -33,6 +33,7 @@ class GenerationRequest(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS
+    return_token_ids: bool = False  # vLLM extension: choices carry the token ids they decode
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1

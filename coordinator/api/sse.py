@@ -23,7 +23,7 @@ def sse_event(data: dict[str, Any]) -> bytes:
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always runs on_close, however the stream ends (done, disconnect, cancel)."""
+    """A text/event-stream response that runs on_close however the stream ends (done, disconnect, cancel)."""
 
     media_type = "text/event-stream"
 

@@ -66,7 +66,8 @@ class FakeGenerator:
 
     def script(self, model_id: str) -> Iterator[int]:
         if model_id == "tiny-eos":
-            return itertools.chain(self.story_ids, [min(self.codec.eos_token_ids)], itertools.cycle(self.story_ids))
+            eos = min(self.codec.eos_token_ids)
+            return itertools.chain(self.story_ids, [eos], itertools.cycle(self.story_ids))
         return itertools.cycle(self.story_ids)
 
     def expected_text(self, num_tokens: int) -> str:
@@ -337,9 +338,11 @@ async def test_mid_stream_failure_is_an_error_event(client: httpx.AsyncClient, g
 async def test_unexpected_error_is_500_and_server_keeps_serving(client: httpx.AsyncClient) -> None:
     err = error_of(await client.post("/v1/completions", json={"model": "crashy", "prompt": "x"}), 500)
     assert err["type"] == "server_error"
-    events = sse_events(await client.post("/v1/completions", json={"model": "crashy", "prompt": "x", "stream": True}))
+    resp = await client.post("/v1/completions", json={"model": "crashy", "prompt": "x", "stream": True})
+    events = sse_events(resp)
     assert events[-1]["error"]["code"] == "internal_error"
-    assert (await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})).is_success
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert resp.is_success
 
 
 async def test_mid_stream_failure_without_streaming_is_502(client: httpx.AsyncClient) -> None:
@@ -422,3 +425,19 @@ async def test_disconnect_stops_generation(live_url: str, gen: FakeGenerator) ->
         assert len(gen.closed) == 2, "a non-streaming client left, its generation kept going"
         resp = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
         assert resp.json()["choices"][0]["text"] == gen.expected_text(3)
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/completions", {"prompt": "Hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+])
+async def test_return_token_ids_whole_and_streamed(client: httpx.AsyncClient, gen: FakeGenerator,
+                                                   path: str, extra: dict) -> None:
+    body = {"model": "tiny", "max_tokens": 20, "return_token_ids": True, **extra}
+    whole = (await client.post(path, json=body)).json()
+    expected = list(itertools.islice(itertools.cycle(gen.story_ids), 20))
+    assert whole["choices"][0]["token_ids"] == expected
+    chunks = sse_events(await client.post(path, json={**body, "stream": True}))
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == expected
+    plain = (await client.post(path, json={**body, "return_token_ids": False})).json()
+    assert "token_ids" not in plain["choices"][0]

@@ -62,7 +62,8 @@ def test_bos_added_once(bos_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(model_dir: Path, hf_tokenizer, add_generation_prompt: bool) -> None:  # noqa: ANN001
+def test_chat_template_matches_transformers(model_dir: Path, hf_tokenizer,  # noqa: ANN001
+                                            add_generation_prompt: bool) -> None:
     codec = TextCodec.from_dir(model_dir)
     for chat in CHATS:
         expected_text = hf_tokenizer.apply_chat_template(chat, tokenize=False,
