@@ -19,6 +19,13 @@ from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
 
 log = logging.getLogger(__name__)
 
+# Chunks of at most this many tokens run on the event loop; bigger ones (prefill) on the runner thread.
+INLINE_MAX_TOKENS = 4
+
+
+def _num_tokens(chunk: StepChunk) -> int:
+    return chunk.hidden.shape[0] if chunk.hidden is not None and chunk.hidden.shape else len(chunk.token_ids)
+
 
 class StageService(pb_grpc.StageServicer):
     """Feeds every inbound message to one worker, so each session's chunks run in arrival order."""
@@ -89,8 +96,12 @@ class StageService(pb_grpc.StageServicer):
 
     async def _step(self, chunk: StepChunk) -> None:
         session = self._runner.session(chunk.session_id)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, self._runner.run, chunk)
+        if _num_tokens(chunk) <= INLINE_MAX_TOKENS:
+            # A decode step takes about a millisecond: a thread hand-off would cost a good part of it.
+            result = self._runner.run(chunk)
+        else:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, self._runner.run, chunk)
         if session is None:
             return
         if result.hidden is not None:

@@ -60,6 +60,15 @@ async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
             log.exception("placement tick failed")
 
 
+async def _log_discovered(browser: discovery.Browser, mesh: str, registry: Registry) -> None:
+    """Records every agent seen on zeroconf, joined or not: an operator sees who could join."""
+    async with contextlib.aclosing(browser.watch("agent", mesh)) as records:
+        async for record in records:
+            detail = f"{record.instance} at {record.host}:{record.port}"
+            registry.log_event("agent_discovered", detail, time.time(), record.properties.get("agent_id"))
+            log.info("discovered agent %s", detail)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: the daemon owns shutdown."""
 
@@ -104,10 +113,14 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
           f"grpc={advertise_host}:{grpc_port}", flush=True)
     ticker = asyncio.create_task(_tick(deployer))
+    browser = discovery.Browser(interfaces=list(options.interfaces))
+    watcher = asyncio.create_task(_log_discovered(browser, options.mesh, registry))
     try:
         await stop.wait()
     finally:
         ticker.cancel()
+        watcher.cancel()
+        await browser.close()
         await advertiser.close()
         http.should_exit = True
         await asyncio.gather(http_task, return_exceptions=True)

@@ -42,6 +42,7 @@ class LocalMesh:
     http_port: int = 0
     log_dir: str | None = None
     threads_per_agent: int = 0
+    use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     extra_env: dict[str, str] = field(default_factory=dict)
     coordinator: subprocess.Popen | None = None
     agents: list[subprocess.Popen] = field(default_factory=list)
@@ -77,6 +78,8 @@ class LocalMesh:
     def _spawn_agent(self, index: int) -> subprocess.Popen:
         threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--threads", str(threads)]
+        if not self.use_zeroconf:
+            args += ["--coordinator", self.grpc_address]
         process = self._spawn(f"agent{index}", args)
         self.agents.append(process)
         return process

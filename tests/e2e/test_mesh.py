@@ -133,3 +133,38 @@ def test_coordinator_restart_keeps_model_and_agents(tiny_models, tmp_path: Path)
         mesh.wait_ready(60)
         assert mesh.health()["num_agents"] == 3
         assert complete_ids(mesh, model_dir, prompt_ids, 16) == before
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_still_matches(llama_mesh: LocalMesh, tiny_models) -> None:
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, " ".join([PROMPT] * 60))[:1200]
+    assert len(prompt_ids) > 2 * 512           # three chunks of at most 512 tokens on every hop
+    assert complete_ids(llama_mesh, model_dir, prompt_ids, 8) == greedy_tokens(model_dir, prompt_ids, 8)
+
+
+def _completion(mesh: LocalMesh, body: dict) -> dict:
+    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def test_seeded_sampling_reproduces_and_stop_strings_cut(llama_mesh: LocalMesh, tiny_models) -> None:
+    body = {"model": tiny_models["llama"].name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.9,
+            "top_p": 0.95, "top_k": 50, "ignore_eos": True, "return_token_ids": True}
+    first, again = _completion(llama_mesh, {**body, "seed": 7}), _completion(llama_mesh, {**body, "seed": 7})
+    other = _completion(llama_mesh, {**body, "seed": 8})
+    assert first["token_ids"] == again["token_ids"] and len(first["token_ids"]) == 24
+    assert other["token_ids"] != first["token_ids"]
+    text = first["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = _completion(llama_mesh, {**body, "seed": 7, "stop": [stop]})
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+
+
+def test_agents_can_dial_a_given_coordinator_address(tiny_models, tmp_path: Path) -> None:
+    model_dir = tiny_models["qwen2"]
+    prompt_ids = encode(model_dir, PROMPT)
+    mesh = LocalMesh(str(model_dir), num_agents=2, use_zeroconf=False, log_dir=str(tmp_path / "logs"),
+                     db=str(tmp_path / "registry.db"))
+    with mesh:
+        assert complete_ids(mesh, model_dir, prompt_ids, 16) == greedy_tokens(model_dir, prompt_ids, 16)

@@ -1,0 +1,20 @@
+"""Benchmarks stay runnable: each runs once, tiny, and must print its table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_decode_latency_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_latency.py"), "--tokens", "6",
+                             "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| 3 stages (4 hops per token)" in result.stdout
+    assert "per-hop cost" in result.stdout

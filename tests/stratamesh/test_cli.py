@@ -1,0 +1,69 @@
+"""The `stratamesh` command as a user runs it: a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def stratamesh(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stratamesh.cli", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def test_model_tiny_writes_a_hugging_face_folder(tmp_path: Path) -> None:
+    result = stratamesh("model", "tiny", "--arch", "mistral", "--out", str(tmp_path / "m"), "--layers", "3",
+                        "--hidden", "64", "--intermediate", "128", "--vocab", "800")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == ("mistral", 3, 64)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "m" / name).is_file()
+
+
+def test_bad_arguments_fail_with_usage() -> None:
+    result = stratamesh("model", "tiny", "--arch", "gpt5", "--out", "/tmp/x")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", "2", "--http-port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            match = re.search(r"API\s+(http://\S+)/v1", line)
+            url = match.group(1) if match else None
+        assert url, "".join(lines)
+        children = _children(up.pid)
+        assert len(children) == 3                         # a coordinator and 2 agents
+        body = {"model": "tiny-llama", "prompt": "The mesh", "max_tokens": 8}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if up.poll() is None:
+            up.kill()
