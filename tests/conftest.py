@@ -1,4 +1,4 @@
-"""Fixtures for kernel tests: tiny random checkpoints, written once per session and shared."""
+"""Fixtures for every test: tiny random checkpoints, written once per session and shared."""
 
 from __future__ import annotations
 
