@@ -77,11 +77,27 @@ class _Server(uvicorn.Server):
         yield
 
 
+async def _serve_http(generator: MeshGenerator, options: CoordinatorOptions
+                      ) -> tuple[_Server, asyncio.Task[None], int]:
+    """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
+    http = _Server(uvicorn.Config(create_app(generator), host=options.host, port=options.http_port,
+                                  log_config=None, access_log=False, timeout_graceful_shutdown=2))
+    task = asyncio.create_task(http.serve())
+    while not http.started and not task.done():
+        await asyncio.sleep(0.02)
+    if task.done():
+        await task
+        raise OSError(f"the HTTP API could not start on {options.host}:{options.http_port}")
+    return http, task, http.servers[0].sockets[0].getsockname()[1]
+
+
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = Registry(options.db)
     deployer = Deployer(registry, clock=time.time)
     deployer.start()
+    for model in options.models:  # a bad model folder fails here, before anything listens
+        deployer.add_model(model.served_id, model.path, model.num_stages)
     server = make_server()
     grpc_port = bind(server, options.host, options.grpc_port)
     advertise_host = options.advertise_host or options.host
@@ -90,19 +106,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         ControlService(deployer, options.mesh, options.heartbeat_interval_s), server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
     await server.start()
-    for model in options.models:
-        deployer.add_model(model.served_id, model.path, model.num_stages)
 
-    http = _Server(uvicorn.Config(create_app(MeshGenerator(deployer, origin)), host=options.host,
-                                  port=options.http_port, log_config=None, access_log=False,
-                                  timeout_graceful_shutdown=2))
-    http_task = asyncio.create_task(http.serve())
-    while not http.started and not http_task.done():
-        await asyncio.sleep(0.02)
-    if http_task.done():
-        await http_task
-        raise OSError(f"the HTTP API could not start on {options.host}:{options.http_port}")
-    http_port = http.servers[0].sockets[0].getsockname()[1]
+    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), options)
 
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(

@@ -8,14 +8,19 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.coordinator.records import (AgentRecord, EventRecord, ModelRecord, PlannedStage, PlanRecord,
+                                            StageRecord)
 from stratamesh.fleet.types import Capabilities, GpuInfo, StageSpec
+
+__all__ = ["AgentRecord", "EventRecord", "ModelRecord", "PlanRecord", "PlannedStage", "Registry",
+           "StageRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -24,66 +29,6 @@ Migration = Callable[[Database], None]
 
 class SchemaTooNew(MeshError):
     """The database was written by a newer stratamesh with migrations this code lacks."""
-
-
-@dataclass(frozen=True, slots=True)
-class AgentRecord:
-    agent_id: str
-    name: str
-    address: str
-    capabilities: Capabilities
-    state: str
-    first_seen: float
-    last_seen: float
-    state_since: float
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRecord:
-    model_id: str
-    path: str
-    num_layers: int
-    config: dict[str, Any]
-    created: float
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedStage:
-    """One stage of a plan about to be saved: which agent serves which layer range."""
-
-    assignment_id: str
-    stage_index: int
-    agent_id: str
-    spec: StageSpec
-
-
-@dataclass(frozen=True, slots=True)
-class StageRecord:
-    assignment_id: str
-    plan_id: str
-    stage_index: int
-    agent_id: str
-    spec: StageSpec
-    state: str
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRecord:
-    plan_id: str
-    model_id: str
-    created: float
-    state: str
-    reason: str
-    stages: tuple[StageRecord, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EventRecord:
-    id: int
-    ts: float
-    kind: str
-    agent_id: str | None
-    detail: str
 
 
 def _m001_core_tables(db: Database) -> None:

@@ -117,6 +117,7 @@ class LocalMesh:
         for process in self.agents:
             _terminate(process)
         self.agents.clear()
+        self.agent_addresses.clear()
 
     def __enter__(self) -> LocalMesh:
         return self if self.coordinator is not None else self.start()

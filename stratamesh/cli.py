@@ -6,12 +6,15 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from stratamesh.fleet.errors import MeshError
 
 log = logging.getLogger("stratamesh")
 
@@ -90,7 +93,11 @@ def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
             loop.add_signal_handler(sig, stop.set)
         await body(stop)
 
-    asyncio.run(runner())
+    try:
+        asyncio.run(runner())
+    except MeshError as exc:      # bad flags, a bad model folder, ...: say so, no traceback
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 def _coordinator(args: argparse.Namespace) -> None:
@@ -160,7 +167,10 @@ def _builtin_model() -> str:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache))
         write_tiny_model(tmp, arch="llama")
-        tmp.rename(path) if not path.exists() else None
+        try:
+            tmp.rename(path)        # atomic: a concurrent `up` either sees the whole folder or none
+        except OSError:             # another `up` got there first; theirs is identical
+            shutil.rmtree(tmp)
     return str(path)
 
 

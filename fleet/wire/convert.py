@@ -120,7 +120,7 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.route and open.route_assignments differ in length")
     if not msg.origin:
         raise InvalidInput("open.origin is empty")
-    route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments))
+    route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.trace_id)
 

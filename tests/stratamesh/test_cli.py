@@ -67,3 +67,10 @@ def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path)
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_a_coordinator_given_a_folder_without_a_model_says_so(tmp_path: Path) -> None:
+    result = stratamesh("coordinator", "--model", str(tmp_path), "--db", str(tmp_path / "r.db"),
+                        "--http-port", "0", "--mesh", "cli-test")
+    assert result.returncode == 1
+    assert "config.json" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,68 @@
+"""What the registry stores and returns: frozen rows of agents, models, plans, stages and events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stratamesh.fleet.types import Capabilities, StageSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRecord:
+    agent_id: str
+    name: str
+    address: str
+    capabilities: Capabilities
+    state: str
+    first_seen: float
+    last_seen: float
+    state_since: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    model_id: str
+    path: str
+    num_layers: int
+    config: dict[str, Any]
+    created: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """One stage of a plan about to be saved: which agent serves which layer range."""
+
+    assignment_id: str
+    stage_index: int
+    agent_id: str
+    spec: StageSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    assignment_id: str
+    plan_id: str
+    stage_index: int
+    agent_id: str
+    spec: StageSpec
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    plan_id: str
+    model_id: str
+    created: float
+    state: str
+    reason: str
+    stages: tuple[StageRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    id: int
+    ts: float
+    kind: str
+    agent_id: str | None
+    detail: str
