@@ -138,6 +138,8 @@ def _up(args: argparse.Namespace) -> None:
 
     model_dir = args.model or _builtin_model()
     mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
+        signal.signal(sig, _interrupt)
     print(f"starting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
     try:
         mesh.start()
@@ -155,6 +157,10 @@ def _up(args: argparse.Namespace) -> None:
         print("\nstopping ...", flush=True)
     finally:
         mesh.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _builtin_model() -> str:
