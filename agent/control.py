@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
 
-from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import Capabilities, Registration, StageStatus
 from stratamesh.fleet.wire import convert
@@ -37,11 +36,10 @@ class Identity:
 class ControlClient:
     """Keeps one control stream to the coordinator, redialing (and rediscovering) when it drops."""
 
-    def __init__(self, identity: Identity, runner: StageRunner, executor: Executor,
+    def __init__(self, identity: Identity, host: StageHost,
                  find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5):
         self._identity = identity
-        self._runner = runner
-        self._executor = executor
+        self._host = host
         self._find = find_coordinator
         self._retry_s = retry_s
         self.connected = asyncio.Event()
@@ -95,13 +93,13 @@ class ControlClient:
     def _registration(self) -> Registration:
         i = self._identity
         return Registration(i.agent_id, i.name, i.stage_address, i.capabilities,
-                            tuple(self._runner.assignments()), i.mesh)
+                            tuple(self._host.assignments()), i.mesh)
 
     async def _heartbeat(self, outbox: asyncio.Queue[object], interval_s: float) -> None:
         seq = 0
         while True:
             seq += 1
-            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._runner.num_sessions))
+            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._host.num_sessions))
             await asyncio.sleep(max(interval_s, 0.05))
 
     async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment) -> None:
@@ -112,9 +110,8 @@ class ControlClient:
                 StageStatus(message.assignment_id, "failed", str(exc))))
             return
         outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, "loading")))
-        loop = asyncio.get_running_loop()
         try:
-            param_bytes = await loop.run_in_executor(self._executor, self._runner.load, assignment)
+            param_bytes = await self._host.load(assignment)
             status = StageStatus(assignment.assignment_id, "ready", param_bytes=param_bytes)
         except Exception as exc:  # a stage that cannot load is reported, never fatal to the agent
             log.exception("could not load %s", assignment.assignment_id)
@@ -122,8 +119,7 @@ class ControlClient:
         outbox.put_nowait(convert.stage_status_to_pb(status))
 
     async def _release(self, outbox: asyncio.Queue[object], assignment_id: str) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._runner.release, assignment_id)
+        self._host.release(assignment_id)
         outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, "released")))
 
 

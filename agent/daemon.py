@@ -13,8 +13,9 @@ import torch
 
 from stratamesh.agent.control import ControlClient, Identity
 from stratamesh.agent.dataplane import StageService
-from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.probe import probe
+from stratamesh.agent.stages import StageHost
 from stratamesh.fleet import discovery
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
@@ -34,15 +35,16 @@ class AgentOptions:
     agent_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     num_threads: int = 0                # torch intra-op threads; 0 leaves torch's default
     discovery_timeout_s: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
-    runner = StageRunner()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
-    service = StageService(runner, executor, options.agent_id)
+    host = StageHost(executor, options.engine)
+    service = StageService(host, options.agent_id)
     server = make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
     port = bind(server, options.host, options.port)
@@ -63,7 +65,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         return f"{record.host}:{record.port}"
 
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, probe())
-    control = asyncio.create_task(ControlClient(identity, runner, executor, find_coordinator).run())
+    control = asyncio.create_task(ControlClient(identity, host, find_coordinator).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address}", flush=True)
     try:

@@ -1,40 +1,50 @@
-"""The Stage gRPC service: receives a hop's stream, runs each message in order, streams the result on."""
+"""The Stage gRPC service: takes each hop's stream, batches across sessions, streams results onward."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 
 import grpc
 
-from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.engine.scheduler import Batch
+from stratamesh.agent.engine.stage_engine import Outbox, StageEngine
+from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
-from stratamesh.fleet.types import SessionClose, SessionOpen, StepChunk, TokenEvent
+from stratamesh.fleet.types import SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
+from stratamesh.kernels import codec
 
 log = logging.getLogger(__name__)
 
-# Chunks of at most this many tokens run on the event loop; bigger ones (prefill) on the runner thread.
-INLINE_MAX_TOKENS = 4
+# Steps of at most this many tokens run on the event loop: a thread hand-off would cost a good part
+# of a single-session decode step. Bigger steps run on the runner thread, so the loop keeps sending
+# the previous step's results while the next one computes.
+INLINE_MAX_TOKENS = 1
 
 
-def _num_tokens(chunk: StepChunk) -> int:
-    return chunk.hidden.shape[0] if chunk.hidden is not None and chunk.hidden.shape else len(chunk.token_ids)
+class _Poison:
+    """Stands in the inbox for a message that failed validation: fails its session in order."""
+
+    def __init__(self, session_id: str, exc: MeshError):
+        self.session_id = session_id
+        self.exc = exc
+
+
+Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison
 
 
 class StageService(pb_grpc.StageServicer):
-    """Feeds every inbound message to one worker, so each session's chunks run in arrival order."""
+    """Applies inbound messages in arrival order between steps; one step at a time per agent."""
 
-    def __init__(self, runner: StageRunner, executor: Executor, agent_id: str):
-        self._runner = runner
-        self._executor = executor
+    def __init__(self, host: StageHost, agent_id: str):
+        self._host = host
         self._agent_id = agent_id
-        self._inbox: asyncio.Queue[convert.StageMessage] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Inbound] = asyncio.Queue()
         self._next_stages = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
                                        on_broken=self._next_broken)
         self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it))
@@ -61,97 +71,146 @@ class StageService(pb_grpc.StageServicer):
                 self._reject(message, exc)
         return pb.PushSummary(num_messages=num_messages)
 
-    async def Info(self, request: pb.StageInfoRequest,
-                   context: grpc.aio.ServicerContext) -> pb.StageInfo:
-        runner = self._runner
-        return convert.stage_info_to_pb(self._agent_id, runner.assignments(), runner.tensor_names(),
-                                        runner.param_bytes(), runner.num_sessions)
+    async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> pb.StageInfo:
+        host = self._host
+        return convert.stage_info_to_pb(self._agent_id, host.assignments(), host.tensor_names(),
+                                        host.param_bytes(), host.num_sessions)
 
     # ------------------------------------------------------------ worker
     async def _work(self) -> None:
         while True:
-            message = await self._inbox.get()
-            try:
-                await self._handle(message)
-            except MeshError as exc:
-                self._fail(message.session_id, exc)
-            except Exception as exc:  # a bug in one session must not stop the stage for the others
-                log.exception("session %s failed", message.session_id)
-                self._fail(message.session_id, exc)
+            self._apply(await self._inbox.get())
+            while True:
+                while not self._inbox.empty():
+                    self._apply(self._inbox.get_nowait())
+                if not await self._step():
+                    break
 
-    async def _handle(self, message: convert.StageMessage) -> None:
-        match message:
-            case SessionOpen():
-                self._runner.open(message)
-                if message.route:
-                    self._send_next(message.route[0].address, message.forwarded())
-            case StepChunk():
-                await self._step(message)
-            case _Poison():
-                raise message.exc
-            case SessionClose():
-                session = self._runner.close(message.session_id)
-                if session is not None and session.open.route:
-                    self._send_next(session.open.route[0].address, message)
+    def _apply(self, message: Inbound) -> None:
+        outbox = Outbox()
+        try:
+            match message:
+                case SessionOpen():
+                    self._host.engine(message.assignment_id).open(message, outbox)
+                case StepChunk():
+                    self._engine_of(message.session_id).add(message, None)
+                case StepBatch():
+                    self._add_batch(message)
+                case SessionClose():
+                    engine = self._host.engine_of(message.session_id)
+                    if engine is not None:
+                        engine.close(message.session_id, outbox)
+                case _Poison():
+                    raise message.exc
+        except MeshError as exc:
+            self._fail(_session_of(message), exc, outbox)
+        self._send(outbox)
 
-    async def _step(self, chunk: StepChunk) -> None:
-        session = self._runner.session(chunk.session_id)
-        if _num_tokens(chunk) <= INLINE_MAX_TOKENS:
-            # A decode step takes about a millisecond: a thread hand-off would cost a good part of it.
-            result = self._runner.run(chunk)
-        else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, self._runner.run, chunk)
-        if session is None:
+    def _add_batch(self, batch: StepBatch) -> None:
+        try:
+            hidden, row = codec.decode(batch.hidden), 0   # [sum of chunk lengths, hidden]
+        except MeshError as exc:
+            outbox = Outbox()
+            for chunk in batch.chunks:
+                self._fail(chunk.session_id, exc, outbox)
+            self._send(outbox)
             return
-        if result.hidden is not None:
-            forwarded = StepChunk(chunk.session_id, chunk.step, chunk.start_pos,
-                                  hidden=result.hidden, sample=chunk.sample)
-            self._send_next(session.open.route[0].address, forwarded)
-        elif result.token_id is not None:
-            event = TokenEvent(chunk.session_id, chunk.step, result.token_id)
-            self._origins.get(session.open.origin).send(convert.token_event_to_pb(event))
+        for chunk in batch.chunks:
+            rows = hidden[row:row + len(chunk.token_ids)]
+            row += len(chunk.token_ids)
+            try:
+                engine = self._engine_of(chunk.session_id)
+                if rows.shape[1] != engine.runner.model.config.hidden_size:
+                    raise InvalidInput(f"batch.hidden has {rows.shape[1]} columns, expected "
+                                       f"{engine.runner.model.config.hidden_size}")
+                engine.add(chunk, rows)
+            except MeshError as exc:
+                outbox = Outbox()
+                self._fail(chunk.session_id, exc, outbox)
+                self._send(outbox)
 
-    def _send_next(self, address: str, message: convert.StageMessage) -> None:
-        self._next_stages.get(address).send(convert.stage_message_to_pb(message))
+    def _engine_of(self, session_id: str) -> StageEngine:
+        engine = self._host.engine_of(session_id)
+        if engine is None:
+            raise InvalidInput(f"session_id {session_id!r} is not open here")
+        return engine
+
+    async def _step(self) -> bool:
+        """Runs one batch on every engine that has work; False when none could run."""
+        ran = False
+        for engine in list(self._host.engines.values()):
+            batch = engine.schedule()
+            if batch is None:
+                continue
+            output = await self._run(engine, batch) if batch.chunks else None
+            outbox = Outbox()
+            if output is not None or not batch.chunks:
+                engine.postprocess(batch, output, outbox)
+            self._send(outbox)
+            ran = ran or bool(batch.chunks)
+        return ran
+
+    async def _run(self, engine: StageEngine, batch: Batch):
+        try:
+            if sum(c.end - c.begin for c in batch.chunks) <= INLINE_MAX_TOKENS:
+                return engine.run(batch)
+            return await asyncio.get_running_loop().run_in_executor(self._host.executor, engine.run, batch)
+        except Exception as exc:  # a failed step fails its sessions, never the stage
+            log.exception("a step of %s failed", engine.assignment.assignment_id)
+            outbox = Outbox()
+            for chunk in batch.chunks:
+                self._fail(chunk.session_id, StageFailed(f"{type(exc).__name__}: {exc}"), outbox)
+            engine.postprocess(batch, None, outbox)
+            self._send(outbox)
+            return None
+
+    # ------------------------------------------------------------ sending
+    def _send(self, outbox: Outbox) -> None:
+        for address, message in outbox.stage_messages:
+            try:
+                self._next_stages.get(address).send(convert.stage_message_to_pb(message))
+            except MeshError as exc:
+                log.warning("could not send to %s: %s", address, exc)
+        by_origin: dict[str, list[TokenEvent]] = {}
+        for origin, event in outbox.events:
+            by_origin.setdefault(origin, []).append(event)
+        for origin, events in by_origin.items():
+            try:
+                self._origins.get(origin).send(convert.token_batch_to_pb(events))
+            except MeshError as exc:
+                log.warning("could not tell origin %s: %s", origin, exc)
 
     # ------------------------------------------------------------ failures
-    def _fail(self, session_id: str, exc: BaseException) -> None:
+    def _fail(self, session_id: str, exc: BaseException, outbox: Outbox) -> None:
         """Ends the session here and downstream, and tells its origin why."""
-        session = self._runner.close(session_id)
-        if session is None:
+        engine = self._host.engine_of(session_id) if session_id else None
+        message = engine.close(session_id, outbox) if engine is not None else None
+        if message is None:
             log.info("dropped a message for unknown session %s: %s", session_id, exc)
             return
         log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
-        if session.open.route:
-            try:
-                self._send_next(session.open.route[0].address, SessionClose(session_id))
-            except MeshError:
-                pass
-        event = TokenEvent(session_id, -1, error=str(exc), error_stage=self._agent_id)
-        try:
-            self._origins.get(session.open.origin).send(convert.token_event_to_pb(event))
-        except MeshError as send_exc:
-            log.warning("could not tell origin %s: %s", session.open.origin, send_exc)
+        outbox.events.append((message.origin, TokenEvent(session_id, -1, error=str(exc),
+                                                         error_stage=self._agent_id)))
 
     def _next_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Fails, in order, every session whose next hop was on the broken stream."""
-        for session_id in self._runner.sessions_via(stream.address):
-            self._inbox.put_nowait(_Poison(session_id, StageFailed(str(exc))))
+        for engine in self._host.engines.values():
+            for session_id, message in engine.sessions.items():
+                if message.route and message.route[0].address == stream.address:
+                    self._inbox.put_nowait(_Poison(session_id, StageFailed(str(exc))))
 
-    def _reject(self, message: pb.StageMessage, exc: MeshError) -> None:
+    def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
         kind = message.WhichOneof("kind")
-        session_id = getattr(message, kind).session_id if kind else ""
-        if session_id and self._runner.session(session_id) is not None:
-            # Queue the failure behind the session's earlier messages.
-            self._inbox.put_nowait(_Poison(session_id, exc))
+        if kind == "batch":
+            session_ids = [c.session_id for c in message.batch.chunks]
         else:
+            session_ids = [getattr(message, kind).session_id] if kind else []
+        known = [s for s in session_ids if s and self._host.engine_of(s) is not None]
+        for session_id in known:
+            self._inbox.put_nowait(_Poison(session_id, exc))
+        if not known:
             log.info("rejected a stage message: %s", exc)
 
 
-class _Poison:
-    """Stands in the inbox for a malformed message of a known session: fails it in order."""
-
-    def __init__(self, session_id: str, exc: MeshError):
-        self.session_id = session_id
-        self.exc = exc
+def _session_of(message: Inbound) -> str:
+    return "" if isinstance(message, StepBatch) else message.session_id

@@ -99,13 +99,14 @@ class Deployer:
         plan = self._registry.active_plan(model_id)
         return plan is not None and all(self._serving(s) for s in plan.stages)
 
-    def route(self, model_id: str) -> list[Hop]:
-        """The hops of a ready replica of the model, in pipeline order."""
+    def route(self, model_id: str) -> tuple[list[Hop], int]:
+        """The hops of a ready replica of the model in pipeline order, and its KV block size."""
         self.model(model_id)
         plan = self._registry.active_plan(model_id)
         if plan is None or not all(self._serving(s) for s in plan.stages):
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
-        return [Hop(self._links[s.agent_id].stage_address, s.assignment_id) for s in plan.stages]
+        hops = [Hop(self._links[s.agent_id].stage_address, s.assignment_id) for s in plan.stages]
+        return hops, plan.stages[0].spec.kv_block_size
 
     def _serving(self, stage: StageRecord) -> bool:
         return stage.assignment_id in self._loaded.get(stage.agent_id, ())

@@ -58,8 +58,14 @@ def _m002_capability_history_and_indexes(db: Database) -> None:
     db["events"].create_index(["ts"], if_not_exists=True)
 
 
+def _m003_stage_kv_block_size(db: Database) -> None:
+    """Stages carry the block size of their paged KV cache."""
+    db["stages"].add_column("kv_block_size", int, not_null_default=16)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
-MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes)
+MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
+                                     _m003_stage_kv_block_size)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -246,7 +252,8 @@ class Registry:
         return [EventRecord(**r) for r in rows]
 
 
-_SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device")
+_SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
+                 "kv_block_size")
 
 
 def _stage_row(plan_id: str, stage: PlannedStage) -> dict[str, Any]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 from stratamesh.coordinator.api.openai import ModelCard
 from stratamesh.coordinator.deployer import Deployer
-from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.origin import Generation, Origin
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.types import SamplingParams
 
@@ -31,14 +29,11 @@ class MeshGenerator:
             self._codecs[key] = TextCodec.from_dir(model.path)
         return self._codecs[key]
 
-    async def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[int]:
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> Generation:
         model = self._deployer.model(model_id)
-        route = self._deployer.route(model_id)
-        tokens = self._origin.generate(route, prompt_ids, params, request_id, model.hidden_size)
-        async with aclosing(tokens):
-            async for token in tokens:
-                yield token
+        route, block_size = self._deployer.route(model_id)
+        return self._origin.generate(route, prompt_ids, params, request_id, model.hidden_size, block_size)
 
     def health(self) -> dict:
         models = {m.model_id: ("ready" if self._deployer.is_ready(m.model_id) else "starting")

@@ -44,6 +44,7 @@ class LocalMesh:
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     extra_env: dict[str, str] = field(default_factory=dict)
+    agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     coordinator: subprocess.Popen | None = None
     agents: list[subprocess.Popen] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
@@ -80,7 +81,7 @@ class LocalMesh:
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--threads", str(threads)]
         if not self.use_zeroconf:
             args += ["--coordinator", self.grpc_address]
-        process = self._spawn(f"agent{index}", args)
+        process = self._spawn(f"agent{index}", [*args, *self.agent_args])
         self.agents.append(process)
         return process
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stratamesh.fleet.errors import InvalidInput
 
@@ -50,8 +50,11 @@ class StageSpec:
     num_layers: int
     dtype: str = "float32"
     device: str = "cpu"
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
+        if not 1 <= self.kv_block_size <= 1024:
+            raise InvalidInput(f"stage kv_block_size must be in 1..1024, got {self.kv_block_size}")
         if not 0 <= self.start_layer < self.end_layer <= self.num_layers:
             raise InvalidInput(
                 f"stage layer range [{self.start_layer}, {self.end_layer}) is not inside "
@@ -127,24 +130,33 @@ class SessionOpen:
     origin: str
     sampling: SamplingParams
     trace_id: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    max_cached_tokens: int = 0   # the fewest prompt tokens any stage so far holds in its prefix cache
 
-    def forwarded(self) -> SessionOpen:
-        """The same open as the next hop must receive it."""
+    def forwarded(self, cached_tokens: int) -> SessionOpen:
+        """The open as the next hop must receive it, carrying this stage's cached-token count."""
         head, *rest = self.route
-        return SessionOpen(self.session_id, head.assignment_id, tuple(rest), self.origin,
-                           self.sampling, self.trace_id)
+        return replace(self, assignment_id=head.assignment_id, route=tuple(rest),
+                       max_cached_tokens=min(cached_tokens, self.max_cached_tokens))
 
 
 @dataclass(frozen=True, slots=True)
 class StepChunk:
-    """One step of a session: token ids into the first stage, hidden states into later ones."""
+    """One step of a session: its token ids at positions start_pos.. (every stage gets them)."""
 
     session_id: str
     step: int
     start_pos: int
     token_ids: tuple[int, ...] = ()
-    hidden: TensorBlob | None = None
     sample: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """A stage's step for the next one: chunks, and their hidden states as rows in chunk order."""
+
+    chunks: tuple[StepChunk, ...]
+    hidden: TensorBlob
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +173,9 @@ class TokenEvent:
     token_id: int = -1
     error: str = ""
     error_stage: str = ""
+    opened: bool = False        # the answer to an open: every stage opened the session ...
+    cached_tokens: int = 0      # ... and holds this many leading prompt tokens in its cache
+    preempted: bool = False     # a stage ran out of KV blocks: the origin replays the session
 
 
 STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")

@@ -1,4 +1,4 @@
-"""The `stratamesh` command: up, coordinator, agent, model tiny."""
+"""The `stratamesh` command: up, coordinator, agent, model tiny, bench serve."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from stratamesh.bench.options import add_serve_arguments
 from stratamesh.fleet.errors import MeshError
 
 log = logging.getLogger("stratamesh")
@@ -64,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
     agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    agent.add_argument("--kv-cache-gib", type=float, default=0.5, help="paged KV cache per stage")
+    agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
+    agent.add_argument("--max-batch-seqs", type=int, default=64)
+    agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
     agent.set_defaults(func=_agent)
 
     model = commands.add_parser("model", help="model folders")
@@ -81,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_model_tiny)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(metavar="BENCHMARK")
+    serve = bench_commands.add_parser("serve", help="serving throughput and latency, like `vllm bench serve`")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_bench_serve)
     return parser
 
 
@@ -113,12 +124,15 @@ def _coordinator(args: argparse.Namespace) -> None:
 
 def _agent(args: argparse.Namespace) -> None:
     from stratamesh.agent.daemon import AgentOptions, run_agent
+    from stratamesh.agent.engine.stage_engine import EngineConfig
 
     overrides = {"name": args.name} if args.name else {}
     options = AgentOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
-        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, **overrides)
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads,
+        engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
+                            args.max_batch_seqs, not args.no_prefix_cache), **overrides)
     _run_daemon(lambda stop: run_agent(options, stop))
 
 
@@ -131,6 +145,17 @@ def _model_tiny(args: argparse.Namespace) -> None:
         vocab_size=args.vocab, max_position_embeddings=args.context,
         tie_word_embeddings=args.tie_embeddings, seed=args.seed)
     print(path)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from stratamesh.bench.options import options_from_args
+    from stratamesh.bench.serve import main as bench_serve_main
+
+    try:
+        bench_serve_main(options_from_args(args), args.json)
+    except MeshError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 def _up(args: argparse.Namespace) -> None:

@@ -95,6 +95,11 @@ class GenerationRun:
                 log.warning("request %s: closing the token stream failed", self.job.request_id, exc_info=True)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the mesh's prefix caches served (0 when the Generator does not say)."""
+        return getattr(self._tokens, "cached_tokens", 0)
+
+    @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -216,7 +216,8 @@ async def _collect_unless_gone(request: Request, run: GenerationRun) -> tuple[st
 
 def _usage(run: GenerationRun) -> dict[str, int]:
     prompt, completion = len(run.job.prompt_ids), run.num_completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
 
 
 async def _sse_events(run: GenerationRun, fmt: ResponseFormat) -> AsyncIterator[bytes]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
-    StageSpec, StageStatus, StepChunk, TensorBlob, TokenEvent,
+    StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
-StageMessage = SessionOpen | StepChunk | SessionClose
+StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
 
 
 def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
@@ -32,12 +32,13 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
 def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
     return pb.StageSpec(model_id=spec.model_id, model_path=spec.model_path,
                         start_layer=spec.start_layer, end_layer=spec.end_layer,
-                        num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device)
+                        num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device,
+                        kv_block_size=spec.kv_block_size)
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
-                     msg.dtype or "float32", msg.device or "cpu")
+                     msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16)
 
 
 def assignment_to_pb(assignment: Assignment) -> pb.Assignment:
@@ -83,14 +84,13 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
-                trace_id=message.trace_id))
+                trace_id=message.trace_id, prompt_token_ids=list(message.prompt_token_ids),
+                max_cached_tokens=message.max_cached_tokens))
         case StepChunk():
-            chunk = pb.StepChunk(session_id=message.session_id, step=message.step,
-                                 start_pos=message.start_pos, token_ids=list(message.token_ids),
-                                 sample=message.sample)
-            if message.hidden is not None:
-                chunk.hidden.CopyFrom(tensor_to_pb(message.hidden))
-            return pb.StageMessage(chunk=chunk)
+            return pb.StageMessage(chunk=_chunk_to_pb(message))
+        case StepBatch():
+            return pb.StageMessage(batch=pb.StepBatch(chunks=[_chunk_to_pb(c) for c in message.chunks],
+                                                      hidden=tensor_to_pb(message.hidden)))
         case SessionClose():
             return pb.StageMessage(close=pb.SessionClose(session_id=message.session_id))
     raise TypeError(f"not a stage message: {type(message).__name__}")
@@ -103,6 +103,8 @@ def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
         return _open_from_pb(msg.open)
     if kind == "chunk":
         return _chunk_from_pb(msg.chunk)
+    if kind == "batch":
+        return _batch_from_pb(msg.batch)
     if kind == "close":
         _require_session_id(msg.close.session_id, "close")
         return SessionClose(msg.close.session_id)
@@ -120,29 +122,54 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.route and open.route_assignments differ in length")
     if not msg.origin:
         raise InvalidInput("open.origin is empty")
+    if msg.max_cached_tokens < 0 or msg.max_cached_tokens > len(msg.prompt_token_ids):
+        raise InvalidInput("open.max_cached_tokens must lie in [0, len(prompt_token_ids)]")
     route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
-                       sampling_from_pb(msg.sampling), msg.trace_id)
+                       sampling_from_pb(msg.sampling), msg.trace_id, tuple(msg.prompt_token_ids),
+                       msg.max_cached_tokens)
+
+
+def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
+    return pb.StepChunk(session_id=chunk.session_id, step=chunk.step, start_pos=chunk.start_pos,
+                        token_ids=list(chunk.token_ids), sample=chunk.sample)
 
 
 def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
     _require_session_id(msg.session_id, "chunk")
     if msg.start_pos < 0 or msg.step < 0:
         raise InvalidInput("chunk.start_pos and chunk.step must be >= 0")
-    hidden = tensor_from_pb(msg.hidden) if msg.HasField("hidden") else None
-    if hidden is None and not msg.token_ids:
-        raise InvalidInput("chunk carries neither token_ids nor hidden")
-    return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), hidden, msg.sample)
+    if not msg.token_ids:
+        raise InvalidInput("chunk.token_ids is empty")
+    return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), msg.sample)
 
 
-def token_event_to_pb(event: TokenEvent) -> pb.TokenEvent:
-    return pb.TokenEvent(session_id=event.session_id, step=event.step, token_id=event.token_id,
-                         error=event.error, error_stage=event.error_stage)
+def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:
+    chunks = tuple(_chunk_from_pb(c) for c in msg.chunks)
+    if not chunks:
+        raise InvalidInput("batch.chunks is empty")
+    if not msg.HasField("hidden"):
+        raise InvalidInput("batch.hidden is missing")
+    hidden = tensor_from_pb(msg.hidden)
+    num_rows = sum(len(c.token_ids) for c in chunks)
+    if len(hidden.shape) != 2 or hidden.shape[0] != num_rows:
+        raise InvalidInput(f"batch.hidden has shape {list(hidden.shape)}, expected [{num_rows}, hidden]")
+    return StepBatch(chunks, hidden)
+
+
+def token_batch_to_pb(events: list[TokenEvent]) -> pb.TokenBatch:
+    return pb.TokenBatch(events=[
+        pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
+                      error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
+                      preempted=e.preempted) for e in events])
 
 
 def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
     _require_session_id(msg.session_id, "token_event")
-    return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage)
+    if msg.cached_tokens < 0:
+        raise InvalidInput("token_event.cached_tokens must be >= 0")
+    return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
+                      msg.opened, msg.cached_tokens, msg.preempted)
 
 
 # ---------------------------------------------------------------- control plane

@@ -54,7 +54,7 @@ class Capabilities(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device")
+    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class StageSpec(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     start_layer: int
@@ -69,7 +70,8 @@ class StageSpec(_message.Message):
     num_layers: int
     dtype: str
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_block_size: int
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed")
@@ -176,7 +178,7 @@ class CoordinatorMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "trace_id")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "trace_id", "prompt_token_ids", "max_cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,8 @@ class SessionOpen(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -191,23 +195,31 @@ class SessionOpen(_message.Message):
     origin: str
     sampling: SamplingParams
     trace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepChunk(_message.Message):
-    __slots__ = ("session_id", "step", "start_pos", "token_ids", "hidden", "sample")
+    __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     start_pos: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    hidden: Tensor
     sample: bool
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("chunks", "hidden")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[StepChunk]
+    hidden: Tensor
+    def __init__(self, chunks: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ("session_id",)
@@ -216,14 +228,16 @@ class SessionClose(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class StageMessage(_message.Message):
-    __slots__ = ("open", "chunk", "close")
+    __slots__ = ("open", "chunk", "close", "batch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: StepChunk
     close: SessionClose
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
+    batch: StepBatch
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ...) -> None: ...
 
 class PushSummary(_message.Message):
     __slots__ = ("num_messages",)
@@ -250,18 +264,30 @@ class StageInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., tensor_names: _Optional[_Iterable[str]] = ..., param_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("session_id", "step", "token_id", "error", "error_stage")
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_STAGE_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     token_id: int
     error: str
     error_stage: str
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ...) -> None: ...
+    opened: bool
+    cached_tokens: int
+    preempted: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
 
 class DeliverSummary(_message.Message):
     __slots__ = ("num_events",)

@@ -225,7 +225,7 @@ class OriginStub:
         """
         self.Deliver = channel.stream_unary(
                 '/stratamesh.v1.Origin/Deliver',
-                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenEvent.SerializeToString,
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenBatch.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.DeliverSummary.FromString,
                 _registered_method=True)
 
@@ -244,7 +244,7 @@ def add_OriginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Deliver': grpc.stream_unary_rpc_method_handler(
                     servicer.Deliver,
-                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenEvent.FromString,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenBatch.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.DeliverSummary.SerializeToString,
             ),
     }
@@ -273,7 +273,7 @@ class Origin:
             request_iterator,
             target,
             '/stratamesh.v1.Origin/Deliver',
-            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenEvent.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TokenBatch.SerializeToString,
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.DeliverSummary.FromString,
             options,
             channel_credentials,

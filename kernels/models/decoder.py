@@ -12,9 +12,11 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
                                                   stage_tensor_names)
 from stratamesh.kernels.models.config import ModelConfig, read_config
-from stratamesh.kernels.ops.attention import attention, causal_mask
+from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
+from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
+from stratamesh.kernels.ops.paged_attention import PagedKVCache
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,20 +80,27 @@ class StageModel:
         c = self.config
         return KVCache(len(self._layers), c.num_kv_heads, c.head_dim, self.dtype, self.spec.device, chunk_tokens)
 
-    @torch.inference_mode()
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run this stage's layers over a chunk at positions p..p+T-1 (p <= cached tokens) -> hidden [T, hidden].
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """An empty paged KV cache for this stage's layers, in its dtype and on its device."""
+        c = self.config
+        return PagedKVCache(len(self._layers), num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype,
+                            self.spec.device)
 
-        inputs: token ids [T] on the first stage, else the previous stage's hidden [T, hidden]."""
-        x = self._embed_inputs(inputs)                          # x: [T, hidden]
-        positions = self._check_positions(positions, x.shape[0], cache)
-        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [T, D]
-        start_pos = int(positions[0])
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Run this stage's layers over N tokens at positions [N] -> hidden [N, hidden].
+
+        inputs: token ids [N] on the first stage, else the previous stage's hidden [N, hidden].
+        attn: a KVCache (one sequence, positions consecutive from at most its num_tokens) or a PagedBatch."""
+        x = self._embed_inputs(inputs)                          # x: [N, hidden]
+        positions = self._check_positions(positions, x.shape[0], attn)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [N, D]
+        cos, sin = cos[:, None], sin[:, None]                   # [N, 1, D]: broadcast over heads
         for local_idx, layer in enumerate(self._layers):
             window = self.config.window_for_layer(self.spec.start_layer + local_idx)
-            mask = causal_mask(positions, start_pos + x.shape[0], window)
-            x = x + self._attention(layer, local_idx, x, cos, sin, start_pos, mask, cache)
-            x = x + self._mlp(layer, x)
+            x = x + self._attention(layer, local_idx, x, cos, sin, positions, window, attn)
+            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
+            x = x + swiglu(h, layer.gate, layer.up, layer.down)
         return x
 
     @torch.inference_mode()
@@ -103,21 +112,15 @@ class StageModel:
         return F.linear(h, self._lm_head).float()
 
     def _attention(self, layer: LayerWeights, local_idx: int, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, start_pos: int, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+                   sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:
         c, num_tokens = self.config, x.shape[0]
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, c.num_heads, c.head_dim).transpose(0, 1)
-        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [H, T, D]  k, v: [KV, T, D]
-        k_all, v_all = cache.update(local_idx, k, v, start_pos)  # [KV, start_pos + T, D]
-        out = attention(q, k_all, v_all, mask)                   # [H, T, D]
-        out = out.transpose(0, 1).reshape(num_tokens, c.num_heads * c.head_dim)
-        return F.linear(out, layer.o, layer.o_bias)
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
-        return F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, c.num_heads, c.head_dim)
+        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [N, H, D]  k, v: [N, KV, D]
+        out = attn.attend(local_idx, q, k, v, positions, window)  # [N, H, D]
+        return F.linear(out.reshape(num_tokens, c.num_heads * c.head_dim), layer.o, layer.o_bias)
 
     def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._embed is not None:
@@ -132,15 +135,14 @@ class StageModel:
                                f"{inputs.dtype} {tuple(inputs.shape)}")
         return inputs.to(device=self.spec.device, dtype=self.dtype)
 
-    def _check_positions(self, positions: torch.Tensor, num_tokens: int, cache: KVCache) -> torch.Tensor:
+    def _check_positions(self, positions: torch.Tensor, num_tokens: int, attn: Attention) -> torch.Tensor:
         positions = positions.to(self.spec.device, torch.long)
         if positions.shape != (num_tokens,) or num_tokens == 0:
-            raise InvalidInput(f"positions must be [T] = [{num_tokens}] with T > 0, got {tuple(positions.shape)}")
-        start = int(positions[0])
-        if not 0 <= start <= cache.num_tokens:
-            raise InvalidInput(f"positions start at {start} but the cache holds {cache.num_tokens} tokens")
-        if not torch.equal(positions, torch.arange(start, start + num_tokens, device=positions.device)):
-            raise InvalidInput("positions must be consecutive")
+            raise InvalidInput(f"positions must be [N] = [{num_tokens}] with N > 0, got {tuple(positions.shape)}")
+        try:
+            attn.check_positions(positions)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from e
         return positions
 
 

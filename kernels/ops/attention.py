@@ -1,9 +1,22 @@
-"""Causal (optionally sliding-window) attention of a chunk of queries over a cached prefix, via SDPA."""
+"""The attention interface a decoder calls, and causal (optionally sliding-window) masked SDPA."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
+
+
+class Attention(Protocol):
+    """Where a stage's attention runs: owns the KV it writes, the masks and the math (KVCache, PagedBatch)."""
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """ValueError unless positions [N] are ones this backend can attend at."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Store k, v [N, KV, D] of a layer (index within the stage); q [N, H, D] attends -> [N, H, D]."""
 
 
 def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from stratamesh.kernels.ops.attention import attention, causal_mask
+
 CHUNK_TOKENS = 256
 
 
@@ -47,6 +49,22 @@ class KVCache:
         self._v[layer_idx][:, start_pos:end] = v
         self._lengths[layer_idx] = end
         return self._k[layer_idx][:, :end], self._v[layer_idx][:, :end]
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """ValueError unless positions [N] run consecutively from a start at or below num_tokens."""
+        start = int(positions[0])
+        if not 0 <= start <= self.num_tokens:
+            raise ValueError(f"positions start at {start} but the cache holds {self.num_tokens} tokens")
+        if not torch.equal(positions, torch.arange(start, start + positions.numel(), device=positions.device)):
+            raise ValueError("positions must be consecutive")
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The Attention interface for one sequence: q [N, H, D], k, v [N, KV, D] -> [N, H, D]."""
+        start_pos = int(positions[0])
+        k_all, v_all = self.update(layer_idx, k.transpose(0, 1), v.transpose(0, 1), start_pos)  # [KV, S, D]
+        mask = causal_mask(positions, k_all.shape[1], window)   # [N, S] or None
+        return attention(q.transpose(0, 1), k_all, v_all, mask).transpose(0, 1)
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every position >= num_tokens in every layer."""

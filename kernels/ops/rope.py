@@ -41,7 +41,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [H, T, D] by cos/sin [T, D] (the rotate-half layout HF checkpoints use)."""
+    """Rotate x [..., D] by cos/sin broadcastable to it (the rotate-half layout HF checkpoints use)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

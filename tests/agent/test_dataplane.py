@@ -1,4 +1,4 @@
-"""The Stage service over real gRPC: one bad session fails alone, the others keep their tokens."""
+"""The Stage service over real gRPC: sessions batch together, a bad one fails alone, opens are answered."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stratamesh.agent.dataplane import StageService
-from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.engine.stage_engine import EngineConfig
+from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.types import Assignment, SamplingParams, SessionClose, SessionOpen, StageSpec, StepChunk
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -26,9 +27,13 @@ class Origin(pb_grpc.OriginServicer):
     def queue(self, session_id: str) -> asyncio.Queue[pb.TokenEvent]:
         return self.events.setdefault(session_id, asyncio.Queue())
 
+    async def next(self, session_id: str) -> pb.TokenEvent:
+        return await asyncio.wait_for(self.queue(session_id).get(), 10)
+
     async def Deliver(self, request_iterator, context):
-        async for event in request_iterator:
-            self.queue(event.session_id).put_nowait(event)
+        async for batch in request_iterator:
+            for event in batch.events:
+                self.queue(event.session_id).put_nowait(event)
         return pb.DeliverSummary()
 
 
@@ -47,19 +52,18 @@ def greedy_reference(spec: StageSpec, prompt: list[int], num_tokens: int) -> lis
 @pytest.fixture
 async def stage(tiny_model):
     """One agent serving the whole model as a single stage, and an origin to receive its tokens."""
-    spec = StageSpec("m", str(tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)), 0, 2, 2)
-    runner = StageRunner()
-    runner.load(Assignment("a0", spec))
-    service = StageService(runner, ThreadPoolExecutor(1), "agent-under-test")
-    origin = Origin()
-    server = make_server()
+    spec = StageSpec("m", str(tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)), 0, 2, 2,
+                     kv_block_size=4)
+    host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
+    await host.load(Assignment("a0", spec))
+    service, origin, server = StageService(host, "agent-under-test"), Origin(), make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
     pb_grpc.add_OriginServicer_to_server(origin, server)
-    port = bind(server, "127.0.0.1", 0)
+    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
     await server.start()
     service.start()
-    stream = OutboundStream(f"127.0.0.1:{port}", lambda ch, it: pb_grpc.StageStub(ch).Push(it)).start()
-    yield spec, stream, origin, f"127.0.0.1:{port}", runner
+    stream = OutboundStream(address, lambda ch, it: pb_grpc.StageStub(ch).Push(it)).start()
+    yield spec, stream, origin, address, host
     await stream.close()
     await service.close()
     await server.stop(grace=None)
@@ -69,48 +73,76 @@ def send(stream: OutboundStream, message) -> None:
     stream.send(convert.stage_message_to_pb(message))
 
 
+async def open_session(stream, origin, address, session_id: str, prompt: list[int], cache: bool = True) -> int:
+    send(stream, SessionOpen(session_id, "a0", (), address, SamplingParams(), prompt_token_ids=tuple(prompt),
+                             max_cached_tokens=len(prompt) - 1 if cache else 0))
+    answer = await origin.next(session_id)
+    assert answer.opened and not answer.error
+    return answer.cached_tokens
+
+
+async def decode(stream, origin, session_id: str, prompt: list[int], start: int, num_tokens: int) -> list[int]:
+    send(stream, StepChunk(session_id, 0, start, token_ids=tuple(prompt[start:]), sample=True))
+    tokens, position = [], len(prompt)
+    for step in range(num_tokens):
+        event = await origin.next(session_id)
+        assert not event.error, event.error
+        tokens.append(event.token_id)
+        send(stream, StepChunk(session_id, step + 1, position, token_ids=(event.token_id,), sample=True))
+        position += 1
+    return tokens
+
+
+async def test_concurrent_sessions_batch_and_each_matches_its_reference(stage) -> None:
+    spec, stream, origin, address, host = stage
+    prompts = [[5, 17, 42, 99, 7], list(range(30, 52)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    for i, prompt in enumerate(prompts):
+        assert await open_session(stream, origin, address, f"s{i}", prompt) == 0
+    results = await asyncio.gather(*(decode(stream, origin, f"s{i}", p, 0, 10) for i, p in enumerate(prompts)))
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == greedy_reference(spec, prompt, 10)
+    for i in range(len(prompts)):
+        send(stream, SessionClose(f"s{i}"))
+    await asyncio.sleep(0.2)
+    assert host.num_sessions == 0
+
+
+async def test_a_repeated_prompt_is_served_from_the_prefix_cache(stage) -> None:
+    spec, stream, origin, address, _ = stage
+    prompt = list(range(40, 61))                                  # 21 tokens: 5 full blocks of 4
+    assert await open_session(stream, origin, address, "first", prompt) == 0
+    first = await decode(stream, origin, "first", prompt, 0, 4)
+    send(stream, SessionClose("first"))
+    cached = await open_session(stream, origin, address, "again", prompt)
+    assert cached == 20
+    assert await decode(stream, origin, "again", prompt, cached, 4) == first
+    assert await open_session(stream, origin, address, "nocache", prompt, cache=False) == 0
+
+
 async def test_a_bad_session_fails_alone_while_another_completes(stage) -> None:
-    spec, stream, origin, address, runner = stage
+    spec, stream, origin, address, host = stage
     prompt = [5, 17, 42, 99, 7]
     for sid in ("good", "bad"):
-        send(stream, SessionOpen(sid, "a0", (), address, SamplingParams()))
-    send(stream, StepChunk("good", 0, 0, token_ids=tuple(prompt), sample=True))
+        await open_session(stream, origin, address, sid, prompt)
     send(stream, StepChunk("bad", 0, 3, token_ids=(1, 2), sample=True))       # skips positions 0..2
-    tokens, position = [], len(prompt)
-    for step in range(8):
-        event = await asyncio.wait_for(origin.queue("good").get(), 10)
-        assert not event.error
-        tokens.append(event.token_id)
-        send(stream, StepChunk("good", step + 1, position, token_ids=(event.token_id,), sample=True))
-        position += 1
-    bad = await asyncio.wait_for(origin.queue("bad").get(), 10)
+    good = asyncio.create_task(decode(stream, origin, "good", prompt, 0, 8))
+    bad = await origin.next("bad")
     assert "start_pos" in bad.error and bad.error_stage == "agent-under-test"
-    assert tokens == greedy_reference(spec, prompt, 8)
+    assert await good == greedy_reference(spec, prompt, 8)
     send(stream, SessionClose("good"))
     await asyncio.sleep(0.2)
-    assert runner.num_sessions == 0                 # the bad one was dropped, the good one closed
+    assert host.num_sessions == 0                 # the bad one was dropped, the good one closed
 
 
-@pytest.mark.parametrize("chunk, field", [
-    (StepChunk("s", 0, 0, token_ids=(5000,), sample=True), "token_ids"),               # outside the vocabulary
-    (StepChunk("s", 0, 0, token_ids=(1,), sample=True, hidden=None), None),            # fine: control case
-    (StepChunk("nobody", 0, 0, token_ids=(1,), sample=True), None),                    # unknown session: dropped
-])
-async def test_malformed_chunks_are_reported_to_the_origin(stage, chunk: StepChunk, field: str | None) -> None:
+async def test_token_ids_outside_the_vocabulary_fail_the_session(stage) -> None:
     _, stream, origin, address, _ = stage
-    send(stream, SessionOpen("s", "a0", (), address, SamplingParams()))
-    send(stream, chunk)
-    if chunk.session_id == "nobody":
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(origin.queue("nobody").get(), 0.5)
-        return
-    event = await asyncio.wait_for(origin.queue("s").get(), 10)
-    assert (field in event.error) if field else (not event.error and event.token_id >= 0)
+    await open_session(stream, origin, address, "s", [1, 2, 3])
+    send(stream, StepChunk("s", 0, 0, token_ids=(1, 2, 5000), sample=True))
+    assert "token_ids" in (await origin.next("s")).error
 
 
 async def test_a_wire_message_that_fails_validation_fails_its_session(stage) -> None:
     _, stream, origin, address, _ = stage
-    send(stream, SessionOpen("s", "a0", (), address, SamplingParams()))
+    await open_session(stream, origin, address, "s", [1, 2, 3])
     stream.send(pb.StageMessage(chunk=pb.StepChunk(session_id="s", start_pos=-4, token_ids=[1])))
-    event = await asyncio.wait_for(origin.queue("s").get(), 10)
-    assert "start_pos" in event.error
+    assert "start_pos" in (await origin.next("s")).error

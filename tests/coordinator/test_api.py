@@ -126,7 +126,8 @@ async def test_completion(client: httpx.AsyncClient, gen: FakeGenerator) -> None
                                 "finish_reason": "length"}]
     prompt_ids = gen.codec.encode("Hello")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12,
-                             "total_tokens": len(prompt_ids) + 12}
+                             "total_tokens": len(prompt_ids) + 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert gen.calls == [("tiny", prompt_ids, SamplingParams(temperature=0, top_k=5, seed=7), body["id"])]
     assert gen.closed == [body["id"]]  # the unbounded stream was closed at max_tokens
 

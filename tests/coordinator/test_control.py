@@ -78,7 +78,7 @@ async def test_an_agent_is_welcomed_assigned_and_becomes_ready(coordinator) -> N
         if deployer.is_ready("tiny"):
             break
         await asyncio.sleep(0.02)
-    assert [hop.address for hop in deployer.route("tiny")] == ["127.0.0.1:5555"]
+    assert [hop.address for hop in deployer.route("tiny")[0]] == ["127.0.0.1:5555"]
     assert registry.agent("agent-1").state == "connected"
     await channel.close()
     for _ in range(100):

@@ -63,7 +63,8 @@ def test_plans_once_enough_agents_join_then_serves_a_route(model_dir: Path) -> N
     with pytest.raises(ModelNotReady):
         deployer.route("m")
     report_ready(deployer, agents)
-    route = deployer.route("m")
+    route, block_size = deployer.route("m")
+    assert block_size == 16
     assert [hop.assignment_id for hop in route] == [s.assignment_id for s in plan.stages]
     assert deployer.is_ready("m")
     with pytest.raises(ModelNotFound):

@@ -28,6 +28,8 @@ def reg() -> Registry:
     r.close()
 
 
+ALL_VERSIONS = list(range(1, len(MIGRATIONS) + 1))
+
 def _stages(model_id: str, ranges: list[tuple[str, int, int]], num_layers: int,
             prefix: str) -> list[PlannedStage]:
     return [PlannedStage(f"{prefix}-{i}", i, agent,
@@ -172,7 +174,7 @@ def test_readable_from_other_threads(reg: Registry) -> None:
 def test_file_db_survives_restart(tmp_path: Path) -> None:
     path = str(tmp_path / "registry.db")
     reg = Registry(path)
-    assert reg.applied_migrations == [1, 2]
+    assert reg.applied_migrations == ALL_VERSIONS
     reg.upsert_agent("a1", "edge", "h:1", GPU_BOX, now=T0)
     reg.add_model("m", "/models/m", 8, {"layers": 8}, now=T0)
     reg.save_plan("p1", "m", _stages("m", [("a1", 0, 8)], 8, "p1"), "solo", now=T0)
@@ -198,10 +200,10 @@ def test_old_db_gets_missing_migrations(tmp_path: Path) -> None:
     assert "agent_capabilities" not in _tables(path)
 
     new = Registry(path)
-    assert new.applied_migrations == [2]
+    assert new.applied_migrations == ALL_VERSIONS[1:]
     assert "agent_capabilities" in _tables(path)
     assert new.model("m").path == "/models/m"
-    assert [r["version"] for r in new._rows("SELECT version FROM migrations")] == [1, 2]
+    assert [r["version"] for r in new._rows("SELECT version FROM migrations")] == ALL_VERSIONS
     new.close()
 
 
@@ -228,5 +230,5 @@ def test_failed_migration_leaves_no_trace(tmp_path: Path) -> None:
     assert "half_done" not in _tables(path)
     reg = Registry(path)
     assert reg.applied_migrations == []
-    assert [r["version"] for r in reg._rows("SELECT version FROM migrations")] == [1, 2]
+    assert [r["version"] for r in reg._rows("SELECT version FROM migrations")] == ALL_VERSIONS
     reg.close()

@@ -10,7 +10,7 @@ import pytest
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
-    StageSpec, StageStatus, StepChunk, TensorBlob, TokenEvent,
+    StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -28,12 +28,13 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
 SPEC = StageSpec("m", "/models/m", 2, 4, 6)
 STAGE_MESSAGES = [
     SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2"), Hop("10.0.0.3:5000", "a3")), "10.0.0.1:1",
-                SamplingParams(0.7, 40, 0.9, seed=11), "trace"),
+                SamplingParams(0.7, 40, 0.9, seed=11), "trace", (5, 6, 7, 8), 3),
     SessionOpen("s1", "a1", (), "o:1", SamplingParams()),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
-    StepChunk("s1", 3, 17, hidden=TensorBlob("float32", (2, 4), bytes(32)), sample=True),
-    StepChunk("s1", 3, 17, hidden=TensorBlob("int8", (1, 4), bytes(4), "int8",
-                                             TensorBlob("float32", (1,), bytes(4)))),
+    StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True), StepChunk("s2", 0, 0, (9,))),
+              TensorBlob("float32", (3, 4), bytes(48))),
+    StepBatch((StepChunk("s1", 3, 17, (4,)),), TensorBlob("int8", (1, 4), bytes(4), "int8",
+                                                          TensorBlob("float32", (1,), bytes(4)))),
     SessionClose("s1"),
 ]
 
@@ -52,17 +53,25 @@ def test_control_messages_round_trip() -> None:
     assert caps.usable_mem_bytes == 70 << 30
     status = StageStatus("p-0", "ready", param_bytes=123)
     assert convert.stage_status_from_pb(convert.stage_status_to_pb(status).stage_status) == status
-    event = TokenEvent("s", 4, 99)
-    assert convert.token_event_from_pb(convert.token_event_to_pb(event)) == event
+    events = [TokenEvent("s", 4, 99), TokenEvent("s", -1, opened=True, cached_tokens=32),
+              TokenEvent("s", -1, preempted=True), TokenEvent("s", -1, error="boom", error_stage="a")]
+    wire = convert.token_batch_to_pb(events).SerializeToString()
+    assert [convert.token_event_from_pb(e) for e in pb.TokenBatch.FromString(wire).events] == events
 
 
 @pytest.mark.parametrize("message, field", [
     (pb.StageMessage(), "no kind"),
     (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], start_pos=-1)), "start_pos"),
-    (pb.StageMessage(chunk=pb.StepChunk(session_id="s")), "neither token_ids nor hidden"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s")), "token_ids is empty"),
     (pb.StageMessage(chunk=pb.StepChunk(token_ids=[1])), "session_id"),
-    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", hidden=pb.Tensor(dtype="float32", shape=[-1]))),
-     "negative"),
+    (pb.StageMessage(batch=pb.StepBatch(chunks=[pb.StepChunk(session_id="s", token_ids=[1])],
+                                        hidden=pb.Tensor(dtype="float32", shape=[-1, 4]))), "negative"),
+    (pb.StageMessage(batch=pb.StepBatch(chunks=[pb.StepChunk(session_id="s", token_ids=[1, 2])],
+                                        hidden=pb.Tensor(dtype="float32", shape=[3, 4]))), r"\[2, hidden\]"),
+    (pb.StageMessage(batch=pb.StepBatch()), "chunks is empty"),
+    (pb.StageMessage(batch=pb.StepBatch(chunks=[pb.StepChunk(session_id="s", token_ids=[1])])), "hidden"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", prompt_token_ids=[1],
+                                         max_cached_tokens=2)), "max_cached_tokens"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], origin="o:1")), "route"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
                                          sampling=pb.SamplingParams(temperature=-1))), "temperature"),
@@ -92,9 +101,10 @@ class _Sink(pb_grpc.OriginServicer):
 
     async def Deliver(self, request_iterator, context):
         count = 0
-        async for event in request_iterator:
-            count += 1
-            self.events.put_nowait(event)
+        async for batch in request_iterator:
+            for event in batch.events:
+                count += 1
+                self.events.put_nowait(event)
         return pb.DeliverSummary(num_events=count)
 
 
@@ -111,7 +121,7 @@ async def test_outbound_stream_delivers_in_order_and_reports_a_dead_peer() -> No
     pool = StreamPool(_open, on_broken=lambda stream, exc: broken.append(exc))
     stream = pool.get(f"127.0.0.1:{port}")
     for step in range(100):
-        stream.send(pb.TokenEvent(session_id="s", step=step, token_id=step))
+        stream.send(pb.TokenBatch(events=[pb.TokenEvent(session_id="s", step=step, token_id=step)]))
     got = [(await asyncio.wait_for(sink.events.get(), 5)).step for _ in range(100)]
     assert got == list(range(100))
     assert pool.get(f"127.0.0.1:{port}") is stream
@@ -122,14 +132,14 @@ async def test_outbound_stream_delivers_in_order_and_reports_a_dead_peer() -> No
         await asyncio.sleep(0.05)
     assert broken and isinstance(broken[0], StageFailed)
     with pytest.raises(StageFailed):
-        stream.send(pb.TokenEvent(session_id="s"))
+        stream.send(pb.TokenBatch())
     await pool.close()
 
 
 async def test_a_stream_to_nobody_breaks_instead_of_hanging() -> None:
     broken = asyncio.Event()
     stream = OutboundStream("127.0.0.1:1", _open, on_broken=lambda s, e: broken.set()).start()
-    stream.send(pb.TokenEvent(session_id="s"))
+    stream.send(pb.TokenBatch())
     await asyncio.wait_for(broken.wait(), 20)
     assert not stream.alive
     await stream.close()

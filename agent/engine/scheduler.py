@@ -1,0 +1,214 @@
+"""Picks each step's batch across all sessions of a stage: decodes first, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stratamesh.agent.engine.block_manager import BlockManager
+from stratamesh.agent.engine.sequence import Session, WorkItem
+from stratamesh.fleet.errors import InvalidInput
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """item.token_ids[begin:end] at positions [start_pos, start_pos + end - begin) in this step's pass."""
+
+    session_id: str
+    item: WorkItem
+    begin: int
+    end: int
+    start_pos: int
+    block_table: list[int]
+    sample: bool                # True only for the piece that ends an item that asked to sample
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One forward pass worth of chunks, and the sessions preempted since the last batch."""
+
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+
+
+class Scheduler:
+    """Continuous batching over a stage's sessions; call it from one thread only."""
+
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int = 1024,
+                 max_batch_seqs: int = 64) -> None:
+        assert max_batch_tokens > 0 and max_batch_seqs > 0
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self.sessions: dict[str, Session] = {}
+        self.preempted: set[str] = set()        # until closed: their later items are rejected
+        self.unreported: list[str] = []         # preempted since the last batch
+        self._num_opened = 0
+        self._num_arrived = 0
+
+    # ------------------------------------------------------------ sessions
+    def open(self, session_id: str, prompt_token_ids: Sequence[int], max_cached_tokens: int) -> int:
+        """Registers a session and pins its cached prefix (at most len(prompt) - 1); returns its tokens."""
+        if session_id in self.sessions or session_id in self.preempted:
+            raise InvalidInput(f"session_id {session_id!r} is already open")
+        if not prompt_token_ids:
+            raise InvalidInput(f"prompt_token_ids of session {session_id!r} is empty")
+        prompt = list(prompt_token_ids)
+        limit = min(max_cached_tokens, len(prompt) - 1)
+        num_cached = self.block_manager.open(session_id, prompt, limit)
+        self.sessions[session_id] = Session(session_id, prompt, len(prompt), self._num_opened, num_cached)
+        self._num_opened += 1
+        return num_cached
+
+    def add(self, item: WorkItem) -> None:
+        """Queues a chunk after checking it continues its session exactly where the last one ended."""
+        session = self._live(item.session_id)
+        self._check_start(session, item)
+        new_ids = self._new_token_ids(session, item)
+        if session.next_pos is None and item.start_pos < session.num_computed:
+            # The origin settled on fewer cached tokens than this stage pinned: another stage had less.
+            self.block_manager.truncate(item.session_id, item.start_pos)
+            session.num_computed = item.start_pos
+        session.token_ids.extend(new_ids)
+        session.next_pos = item.end_pos
+        session.queue.append(item)
+        session.arrivals.append(self._num_arrived)
+        self._num_arrived += 1
+
+    @staticmethod
+    def _check_start(session: Session, item: WorkItem) -> None:
+        """The first item may start anywhere in the cached prefix; every later one where the last ended."""
+        if not item.token_ids:
+            raise InvalidInput(f"token_ids of session {item.session_id!r} is empty")
+        if session.next_pos is None:
+            if not 0 <= item.start_pos <= session.num_computed:
+                raise InvalidInput(f"start_pos {item.start_pos} of session {item.session_id!r} is past "
+                                   f"its {session.num_computed} cached tokens")
+        elif item.start_pos != session.next_pos:
+            raise InvalidInput(f"start_pos {item.start_pos} of session {item.session_id!r}, "
+                               f"expected {session.next_pos}")
+
+    def _live(self, session_id: str) -> Session:
+        if session_id in self.preempted:
+            raise InvalidInput(f"session {session_id!r} was preempted")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise InvalidInput(f"session_id {session_id!r} is not open")
+        return session
+
+    @staticmethod
+    def _new_token_ids(session: Session, item: WorkItem) -> tuple[int, ...]:
+        """The item's ids past the known ones; ids it repeats (the prompt) must match them."""
+        overlap = session.token_ids[item.start_pos:item.end_pos]
+        if list(item.token_ids[:len(overlap)]) != overlap:
+            raise InvalidInput(f"token_ids of session {item.session_id!r} at start_pos {item.start_pos} "
+                               f"differ from its prompt")
+        return item.token_ids[len(overlap):]
+
+    def close(self, session_id: str) -> None:
+        """Frees the session's blocks and forgets it; unknown ids are ignored."""
+        self.preempted.discard(session_id)
+        if self.sessions.pop(session_id, None) is not None:
+            self.block_manager.free(session_id)
+
+    def _preempt(self, session: Session) -> None:
+        """Frees the session for recompute: the origin replays it later as a new session."""
+        del self.sessions[session.session_id]
+        self.block_manager.free(session.session_id)
+        self.preempted.add(session.session_id)
+        self.unreported.append(session.session_id)
+
+    # ------------------------------------------------------------ counters
+    @property
+    def has_work(self) -> bool:
+        return bool(self.unreported) or any(s.queue for s in self.sessions.values())
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.queue)
+
+    @property
+    def num_running(self) -> int:
+        """Sessions holding KV blocks."""
+        return sum(1 for s in self.sessions.values() if self.block_manager.tables[s.session_id])
+
+    # ------------------------------------------------------------ steps
+    def schedule(self) -> Batch | None:
+        """The next step's chunks, at most one per session; None when there is nothing to do or report."""
+        chunks: list[ScheduledChunk] = []
+        budget = self.max_batch_tokens
+        blocked: Session | None = None
+        for session in self._candidates():
+            if len(chunks) == self.max_batch_seqs or budget == 0:
+                break
+            if session.session_id not in self.sessions:
+                continue    # preempted for a decode earlier in this loop
+            item = session.queue[0]
+            n = min(len(item.token_ids) - session.offset, budget)
+            if self._reserve(session, item.start_pos + session.offset + n, chunks):
+                chunks.append(self._chunk(session, n))
+                budget -= n
+            elif session.session_id in self.sessions:
+                blocked = session   # a prefill waits for blocks; FCFS: so do the prefills behind it
+                break
+        if not chunks and blocked is not None:
+            self._break_deadlock(blocked)
+        if not chunks and not self.unreported:
+            return None
+        preempted, self.unreported = self.unreported, []
+        return Batch(chunks, preempted)
+
+    def _candidates(self) -> list[Session]:
+        """Sessions with queued work: decodes first, then prefills, each in arrival order."""
+        waiting = [s for s in self.sessions.values() if s.queue]
+        return sorted(waiting, key=lambda s: (not s.is_decode(s.queue[0]), s.arrivals[0]))
+
+    def _reserve(self, session: Session, end_pos: int, chunks: list[ScheduledChunk]) -> bool:
+        """Reserves slots up to end_pos; a decode preempts the newest other session until it fits."""
+        bm = self.block_manager
+        while not bm.can_reserve(session.session_id, end_pos):
+            if not session.is_decode(session.queue[0]):
+                return False
+            in_batch = {c.session_id for c in chunks}
+            victims = [s for s in self.sessions.values() if s is not session
+                       and s.session_id not in in_batch and bm.tables[s.session_id]]
+            self._preempt(max(victims, key=lambda s: s.open_order) if victims else session)
+            if not victims:
+                return False
+        bm.reserve(session.session_id, end_pos)
+        return True
+
+    def _break_deadlock(self, blocked: Session) -> None:
+        """Nothing could run and every session holding blocks waits for more: preempt the newest."""
+        holders = [s for s in self.sessions.values() if self.block_manager.tables[s.session_id]]
+        if all(s.queue for s in holders):
+            self._preempt(max(holders, key=lambda s: s.open_order) if holders else blocked)
+
+    def _chunk(self, session: Session, n: int) -> ScheduledChunk:
+        item, begin = session.queue[0], session.offset
+        end = begin + n
+        return ScheduledChunk(session.session_id, item, begin, end, item.start_pos + begin,
+                              self.block_manager.block_table(session.session_id),
+                              item.sample and end == len(item.token_ids))
+
+    def postprocess(self, batch: Batch) -> None:
+        """Marks the batch's chunks computed, caches full blocks, and drops consumed items."""
+        for chunk in batch.chunks:
+            session = self.sessions.get(chunk.session_id)
+            if session is None or not session.queue or session.queue[0] is not chunk.item:
+                continue    # closed (or preempted) while the pass ran
+            session.num_computed = chunk.start_pos + chunk.num_tokens
+            self.block_manager.commit(session.session_id, session.token_ids, session.num_computed)
+            session.offset = chunk.end
+            if session.offset == len(chunk.item.token_ids):
+                session.queue.popleft()
+                session.arrivals.popleft()
+                session.offset = 0

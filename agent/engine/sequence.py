@@ -1,0 +1,41 @@
+"""What the scheduler tracks per session: the work items that arrive and the session's progress."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One chunk of a session as it arrives: tokens at [start_pos, start_pos + len(token_ids))."""
+
+    session_id: str
+    start_pos: int
+    token_ids: tuple[int, ...]
+    sample: bool
+    step: int = 0
+    payload: object = None      # the upstream hidden states; only the runner looks inside
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class Session:
+    """A live session on this stage: its known token ids, queued items and computed count."""
+
+    session_id: str
+    token_ids: list[int]            # prompt first, then every later token as items bring them
+    prompt_len: int
+    open_order: int                 # victim choice: the most recently opened goes first
+    num_computed: int               # positions < num_computed have their KV (at open: the pinned prefix)
+    next_pos: int | None = None     # where the next item must start; None before the first
+    queue: deque[WorkItem] = field(default_factory=deque)
+    arrivals: deque[int] = field(default_factory=deque)   # global arrival number of each queued item
+    offset: int = 0                 # tokens of queue[0] already computed (a split prefill)
+
+    def is_decode(self, item: WorkItem) -> bool:
+        """Whether the item extends past the prompt (so it may preempt others to get a block)."""
+        return item.start_pos >= self.prompt_len

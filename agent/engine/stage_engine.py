@@ -1,0 +1,144 @@
+"""One stage's engine, nano-vllm's loop across sessions: schedule() -> run() -> postprocess()."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from stratamesh.agent.engine.block_manager import BlockManager
+from stratamesh.agent.engine.scheduler import Batch, Scheduler, WorkItem
+from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import Assignment, SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
+from stratamesh.kernels import codec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How a stage batches: the KV cache budget, the per-step limits, prefix caching."""
+
+    kv_cache_bytes: int = 512 << 20
+    max_batch_tokens: int = 512
+    max_batch_seqs: int = 64
+    enable_prefix_cache: bool = True
+
+
+@dataclass(slots=True)
+class Outbox:
+    """What a step or a message asks the data plane to send, in order."""
+
+    stage_messages: list[tuple[str, StepBatch | SessionOpen | SessionClose]] = field(default_factory=list)
+    events: list[tuple[str, TokenEvent]] = field(default_factory=list)
+
+
+class StageEngine:
+    """Serves one assignment: sessions, their queued chunks, batching, and where the results go."""
+
+    def __init__(self, assignment: Assignment, runner: StageRunner, config: EngineConfig):
+        self.assignment = assignment
+        self.runner = runner
+        block_manager = BlockManager(runner.num_blocks, assignment.stage.kv_block_size,
+                                     config.enable_prefix_cache)
+        self.scheduler = Scheduler(block_manager, config.max_batch_tokens, config.max_batch_seqs)
+        self.sessions: dict[str, SessionOpen] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.assignment.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.assignment.stage.is_last
+
+    # ------------------------------------------------------------ messages
+    def open(self, message: SessionOpen, outbox: Outbox) -> None:
+        """Opens a session; passes the open on, or (last stage) answers the origin."""
+        if message.session_id in self.sessions:
+            raise InvalidInput(f"open.session_id {message.session_id!r} is already open")
+        if self.is_last != (not message.route):
+            raise InvalidInput("open.route must be empty exactly when this is the last stage")
+        self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
+        cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
+                                     message.max_cached_tokens)
+        self.sessions[message.session_id] = message
+        if message.route:
+            outbox.stage_messages.append((message.route[0].address, message.forwarded(cached)))
+        else:
+            event = TokenEvent(message.session_id, -1, opened=True,
+                               cached_tokens=min(cached, message.max_cached_tokens))
+            outbox.events.append((message.origin, event))
+
+    def add(self, chunk: StepChunk, rows: torch.Tensor | None) -> None:
+        """Queues a chunk; rows are its input hidden states on stages after the first."""
+        if chunk.session_id not in self.sessions:
+            raise InvalidInput(f"chunk.session_id {chunk.session_id!r} is not open here")
+        self._check_ids(chunk.token_ids, "chunk.token_ids")
+        if not self.is_first and rows is None:
+            raise InvalidInput("chunk without hidden states on a stage after the first")
+        self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
+                                    chunk.step, rows))
+
+    def close(self, session_id: str, outbox: Outbox) -> SessionOpen | None:
+        """Ends a session here and passes the close on."""
+        message = self.sessions.pop(session_id, None)
+        if message is None:
+            return None
+        self.scheduler.close(session_id)
+        if message.route:
+            outbox.stage_messages.append((message.route[0].address, SessionClose(session_id)))
+        return message
+
+    def _check_ids(self, token_ids: tuple[int, ...], field_name: str) -> None:
+        vocab = self.runner.model.config.vocab_size
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < vocab:
+            raise InvalidInput(f"{field_name} must lie in [0, {vocab})")
+
+    # ------------------------------------------------------------ steps
+    def schedule(self) -> Batch | None:
+        return self.scheduler.schedule() if self.scheduler.has_work else None
+
+    def run(self, batch: Batch) -> StepOutput:
+        """The forward pass (the only call that touches the device; safe on a worker thread)."""
+        payloads = [c.item.payload[c.begin:c.end] if c.item.payload is not None else None
+                    for c in batch.chunks]
+        sampling = {c.session_id: self.sessions[c.session_id].sampling for c in batch.chunks if c.sample}
+        return self.runner.run(batch, payloads, sampling)
+
+    def postprocess(self, batch: Batch, output: StepOutput | None, outbox: Outbox) -> None:
+        """Advances the scheduler and turns the step's output into messages for the next hops."""
+        if output is not None:
+            self.scheduler.postprocess(batch)
+            if self.is_last:
+                self._deliver_tokens(batch, output, outbox)
+            else:
+                self._forward_hidden(batch, output, outbox)
+        for session_id in batch.preempted:
+            log.info("session %s preempted: out of KV blocks; its origin replays it", session_id)
+            message = self.close(session_id, outbox)
+            if message is not None:
+                outbox.events.append((message.origin, TokenEvent(session_id, -1, preempted=True)))
+
+    def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
+        for chunk in batch.chunks:
+            if chunk.sample:
+                event = TokenEvent(chunk.session_id, chunk.item.step, output.tokens[chunk.session_id])
+                outbox.events.append((self.sessions[chunk.session_id].origin, event))
+
+    def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
+        groups: dict[str, tuple[list[StepChunk], list[torch.Tensor]]] = {}
+        row = 0
+        for chunk in batch.chunks:
+            length = chunk.end - chunk.begin
+            address = self.sessions[chunk.session_id].route[0].address
+            chunks, rows = groups.setdefault(address, ([], []))
+            chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
+                                    chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample))
+            rows.append(output.hidden[row:row + length])
+            row += length
+        for address, (chunks, rows) in groups.items():
+            hidden = codec.encode(rows[0] if len(rows) == 1 else torch.cat(rows))
+            outbox.stage_messages.append((address, StepBatch(tuple(chunks), hidden)))

@@ -1,0 +1,75 @@
+"""The stages this agent serves: one engine per assignment, loaded off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+
+from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
+from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import Assignment
+
+log = logging.getLogger(__name__)
+
+
+class StageHost:
+    """Loaded stages by assignment id, and which stage each open session lives on."""
+
+    def __init__(self, executor: Executor, config: EngineConfig):
+        self.executor = executor
+        self.config = config
+        self.engines: dict[str, StageEngine] = {}
+        self._loading: dict[str, asyncio.Future[StageEngine]] = {}
+
+    async def load(self, assignment: Assignment) -> int:
+        """Loads a stage (once per assignment id, however often asked); returns its parameter bytes."""
+        engine = self.engines.get(assignment.assignment_id)
+        if engine is None:
+            pending = self._loading.get(assignment.assignment_id)
+            if pending is None:
+                pending = asyncio.ensure_future(self._load(assignment))
+                self._loading[assignment.assignment_id] = pending
+            try:
+                engine = await asyncio.shield(pending)
+            finally:
+                self._loading.pop(assignment.assignment_id, None)
+        return engine.runner.model.param_bytes
+
+    async def _load(self, assignment: Assignment) -> StageEngine:
+        loop = asyncio.get_running_loop()
+        runner = await loop.run_in_executor(self.executor, StageRunner.load, assignment.stage,
+                                            self.config.kv_cache_bytes)
+        engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
+        return engine
+
+    def release(self, assignment_id: str) -> None:
+        """Drops a stage and every session on it."""
+        self.engines.pop(assignment_id, None)
+
+    def engine(self, assignment_id: str) -> StageEngine:
+        engine = self.engines.get(assignment_id)
+        if engine is None:
+            raise InvalidInput(f"assignment_id {assignment_id!r} is not served here")
+        return engine
+
+    def engine_of(self, session_id: str) -> StageEngine | None:
+        """The engine a session is open on, if any."""
+        for engine in self.engines.values():
+            if session_id in engine.sessions:
+                return engine
+        return None
+
+    def assignments(self) -> list[Assignment]:
+        return [engine.assignment for engine in self.engines.values()]
+
+    def tensor_names(self) -> list[str]:
+        return sorted({n for e in self.engines.values() for n in e.runner.model.tensor_names})
+
+    def param_bytes(self) -> int:
+        return sum(engine.runner.model.param_bytes for engine in self.engines.values())
+
+    @property
+    def num_sessions(self) -> int:
+        return sum(len(engine.sessions) for engine in self.engines.values())

@@ -1,0 +1,195 @@
+"""Output tokens/s of transformers and stratamesh side by side, at concurrency 1, 8 and 32.
+
+    python benchmarks/serve_compare.py [--concurrency 1 8 32] [--input-len 128] [--output-len 64]
+                                       [--shared-prefix] [--quick]
+
+One random-weight Llama (8 layers, hidden 512 by default) and the same token-id prompts for:
+  (a) transformers generate, one request at a time (greedy);
+  (b) transformers generate on left-padded batches of C prompts;
+  (c) stratamesh, 1 stage, driven by `bench serve`'s client at max-concurrency C;
+  (d) stratamesh, 3 stages.
+Then the issue's targets at the largest concurrency, PASS/FAIL (printed, never asserted).
+--shared-prefix adds TTFT p50 of requests sharing a long prefix, prefix cache on vs off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from stratamesh.fleet.launcher import LaunchError, LocalMesh
+
+from stratamesh.bench.datasets import (
+    BenchRequest,
+    random_requests,
+    regular_token_ids,
+    shared_prefix_requests,
+)
+from stratamesh.bench.metrics import BenchMetrics, compute_metrics
+from stratamesh.bench.serve import run_requests
+from stratamesh.tiny_model import write_tiny_model
+
+CONFIGS = ("(a) transformers, sequential", "(b) transformers, batched", "(c) stratamesh, 1 stage",
+           "(d) stratamesh, 3 stages")
+TARGETS = ((2, 0, 5.0), (2, 1, 1.5), (3, 2, 0.8))   # (numerator row, denominator row, at least)
+FULL = {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4}
+QUICK = {"num_layers": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2}
+
+
+def write_model(root: Path, quick: bool) -> Path:
+    """The benchmark's random-weight Llama (vocab 1024) in root."""
+    return write_tiny_model(root / ("quick-llama" if quick else "llama-8x512"), arch="llama", vocab_size=1024,
+                            **(QUICK if quick else FULL))
+
+
+def prompt_sets(vocab: list[int], args: argparse.Namespace) -> dict[int, list[BenchRequest]]:
+    """For each concurrency C: max(2C, min_prompts) random prompts (the same ones for every config)."""
+    return {c: random_requests(vocab, max(2 * c, args.min_prompts), args.input_len, args.output_len, args.seed + c)
+            for c in args.concurrency}
+
+
+def left_pad(prompts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of prompts padded on the left to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf_tok_s(model: torch.nn.Module, requests: list[BenchRequest], batch_size: int) -> float:
+    """Output tokens/s of greedy generate over requests in batches of batch_size (1: sequential)."""
+    num_tokens, start = 0, time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        ids, mask = left_pad([r.prompt_ids for r in batch], pad_id=0)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=batch[0].output_len,
+                                 do_sample=False, pad_token_id=0)
+        num_tokens += (out.shape[1] - ids.shape[1]) * len(batch)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def load_hf(model_dir: Path) -> torch.nn.Module:
+    """The checkpoint in transformers, generating past EOS like ignore_eos (exactly max_new_tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():   # warm-up: the first generate pays one-time setup
+        model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    return model
+
+
+def run_mesh(url: str, model_id: str, requests: list[BenchRequest], concurrency: int) -> BenchMetrics:
+    """One `bench serve` run: all requests at once, at most concurrency in flight."""
+    records, duration_s = asyncio.run(run_requests(url, model_id, requests, math.inf, concurrency, seed=0))
+    return compute_metrics(records, duration_s)
+
+
+def mesh_tok_s(model_dir: Path, num_agents: int, sets: dict[int, list[BenchRequest]]) -> dict[int, float]:
+    """Output tokens/s of a num_agents-stage mesh at each concurrency (failed requests make it nan)."""
+    mesh = LocalMesh(str(model_dir), num_agents=num_agents)
+    try:
+        mesh.start()
+        run_mesh(mesh.url, model_dir.name, sets[min(sets)][:2], 2)    # warm-up
+        results = {c: run_mesh(mesh.url, model_dir.name, requests, c) for c, requests in sets.items()}
+    finally:
+        mesh.stop()
+    return {c: m.output_throughput if m.failed == 0 else math.nan for c, m in results.items()}
+
+
+def prefix_ttft_ms(model_dir: Path, requests: list[BenchRequest], concurrency: int,
+                   agent_args: list[str]) -> tuple[float, int] | None:
+    """(TTFT p50 ms, cached prompt tokens) of a 1-stage mesh; None if the agents reject agent_args."""
+    mesh = LocalMesh(str(model_dir), num_agents=1, agent_args=agent_args)
+    try:
+        mesh.start()
+        vocab = sorted({t for r in requests for t in r.prompt_ids})
+        run_mesh(mesh.url, model_dir.name, random_requests(vocab, 2, 16, 2, seed=99), 2)   # warm-up, no prefix
+        metrics = run_mesh(mesh.url, model_dir.name, requests, concurrency)
+    except LaunchError:
+        return None
+    finally:
+        mesh.stop()
+    return metrics.ttft.median_ms, metrics.total_cached_tokens
+
+
+def print_throughput(rows: list[dict[int, float]], concurrency: list[int]) -> None:
+    """The side-by-side table and the issue's targets at the largest concurrency."""
+    print(f"output tokens/s (higher is better)\n\n| {'configuration':<30} |"
+          + "".join(f" {f'C={c}':>9} |" for c in concurrency))
+    print(f"|{'-' * 32}|" + f"{'-' * 11}|" * len(concurrency))
+    for name, row in zip(CONFIGS, rows):
+        print(f"| {name:<30} |" + "".join(f" {row[c]:9.1f} |" for c in concurrency))
+    top = max(concurrency)
+    print(f"\ntargets at C={top}:")
+    for num, den, goal in TARGETS:
+        ratio = rows[num][top] / rows[den][top]
+        verdict = "PASS" if ratio >= goal else "FAIL"
+        print(f"  {CONFIGS[num][:3]}/{CONFIGS[den][:3]} = {ratio:5.2f}x  (target >= {goal}x)  {verdict}")
+
+
+def print_prefix(on: tuple[float, int] | None, off: tuple[float, int] | None, args: argparse.Namespace) -> None:
+    """TTFT p50 with the prefix cache and without; n/a where the agent has no --no-prefix-cache."""
+    def cell(result: tuple[float, int] | None) -> str:
+        return "n/a" if result is None else f"{result[0]:9.1f} ms  ({result[1]} cached prompt tokens)"
+
+    print(f"\nshared prefix: {args.prefix_requests} requests, {args.prefix_len}-token prefix + "
+          f"{args.suffix_len}-token suffix, 1 stage, max-concurrency {args.prefix_concurrency}")
+    print(f"  TTFT p50, prefix cache on:  {cell(on)}\n  TTFT p50, prefix cache off: {cell(off)}")
+    if on is not None and off is not None:
+        print(f"  speed-up: {off[0] / on[0]:.2f}x")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-prompts", type=int, default=8, help="prompts per concurrency: max(2C, this)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", help="a Hugging Face folder; default: the 8-layer random Llama")
+    parser.add_argument("--shared-prefix", action="store_true", help="add the prefix-cache TTFT section")
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--prefix-requests", type=int, default=32)
+    parser.add_argument("--prefix-concurrency", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="tiny model, C=1 and 4, few short prompts")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.input_len, args.output_len, args.min_prompts = [1, 4], 16, 8, 4
+        args.prefix_len, args.suffix_len, args.prefix_requests, args.prefix_concurrency = 64, 8, 8, 2
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    model_dir = Path(args.model) if args.model else write_model(Path(tempfile.mkdtemp()), args.quick)
+    vocab = regular_token_ids(model_dir)
+    sets = prompt_sets(vocab, args)
+    hf = load_hf(model_dir)
+    rows = [{c: hf_tok_s(hf, sets[c], 1) for c in sets}, {c: hf_tok_s(hf, sets[c], c) for c in sets}]
+    del hf
+    rows += [mesh_tok_s(model_dir, 1, sets), mesh_tok_s(model_dir, 3, sets)]
+    print(f"model {model_dir.name}, input {args.input_len} tokens, output {args.output_len} tokens, "
+          f"prompts per column max(2C, {args.min_prompts}), {os.cpu_count()} CPUs\n")
+    print_throughput(rows, args.concurrency)
+    if args.shared_prefix:
+        requests = shared_prefix_requests(vocab, args.prefix_requests, args.prefix_len, args.suffix_len,
+                                          output_len=4, seed=args.seed)
+        on = prefix_ttft_ms(model_dir, requests, args.prefix_concurrency, [])
+        off = prefix_ttft_ms(model_dir, requests, args.prefix_concurrency, ["--no-prefix-cache"])
+        print_prefix(on, off, args)
+
+
+if __name__ == "__main__":
+    main()

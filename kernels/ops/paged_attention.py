@@ -1,0 +1,177 @@
+"""A paged KV cache (fixed-size blocks shared by many sequences) and batched attention over it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stratamesh.kernels.ops.attention import causal_mask
+
+
+class PagedKVCache:
+    """K and V of every layer of one stage, in num_blocks blocks of block_size token slots each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded gathers read unwritten slots, and garbage NaNs would survive the mask
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype if self.k else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device if self.k else torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @staticmethod
+    def blocks_for_bytes(budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
+                         head_dim: int, dtype: torch.dtype) -> int:
+        """The most blocks whose K and V for num_layers layers fit in budget_bytes."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        return max(0, budget_bytes // block_bytes)
+
+    def flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V as views [num_blocks * block_size, KV, D], indexed by slot."""
+        shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer_idx].view(shape), self.v[layer_idx].view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence in a flattened batch: rows [q_start, q_start + q_len) at positions start_pos.. on;
+    its KV for positions < start_pos is already in the blocks of block_table."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_table: Sequence[int]
+
+    @property
+    def num_ctx(self) -> int:
+        """Keys this sequence's last query sees without a window: cached prefix plus new tokens."""
+        return self.start_pos + self.q_len
+
+
+def _slots(seq: SeqSlice, first_pos: int, end_pos: int, block_size: int) -> list[int]:
+    """Cache slots of positions [first_pos, end_pos) of a sequence."""
+    table = seq.block_table
+    return [table[p // block_size] * block_size + p % block_size for p in range(first_pos, end_pos)]
+
+
+class PagedBatch:
+    """The Attention interface over a PagedKVCache for a batch: decodes in one SDPA call, prefills one each."""
+
+    def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> None:
+        _check_seqs(seqs, cache)
+        self.cache, self.seqs = cache, list(seqs)
+        dev, bs = cache.device, cache.block_size
+        self.num_tokens = sum(s.q_len for s in seqs)
+        self.positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.num_ctx)], device=dev)
+        self._write_slots = torch.tensor([x for s in seqs for x in _slots(s, s.start_pos, s.num_ctx, bs)],
+                                         device=dev)                     # [N]
+        decodes = [s for s in seqs if s.q_len == 1]
+        self._prefills = [s for s in seqs if s.q_len > 1]
+        self._prefill_slots = [torch.tensor(_slots(s, 0, s.num_ctx, bs), device=dev) for s in self._prefills]
+        self._decode_rows = torch.tensor([s.q_start for s in decodes], device=dev, dtype=torch.long)  # [B]
+        max_ctx = max((s.num_ctx for s in decodes), default=0)
+        # padding gathers slot 0 and is masked out
+        self._decode_slots = torch.tensor([_slots(s, 0, s.num_ctx, bs) + [0] * (max_ctx - s.num_ctx)
+                                           for s in decodes], device=dev, dtype=torch.long)   # [B, S]
+        self._decode_pos = torch.tensor([s.start_pos for s in decodes], device=dev)           # [B]
+        self._decode_masks: dict[int | None, torch.Tensor] = {}
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """ValueError unless positions [N] are those the batch's sequences imply."""
+        if not torch.equal(positions.to(self.positions.device), self.positions):
+            raise ValueError("positions disagree with the batch's sequences")
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Write k, v [N, KV, D] to their slots, then q [N, H, D] attends over each sequence -> [N, H, D]."""
+        k_flat, v_flat = self.cache.flat(layer_idx)                 # [slots, KV, D]
+        k_flat.index_copy_(0, self._write_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self._write_slots, v.to(v_flat.dtype))
+        out = torch.empty_like(q)
+        if self._decode_rows.numel():
+            out[self._decode_rows] = self._decode(q[self._decode_rows], k_flat, v_flat, window)
+        for seq, slots in zip(self._prefills, self._prefill_slots):
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                window: int | None) -> torch.Tensor:
+        """Every one-token sequence at once: q [B, H, D] over its padded gathered context -> [B, H, D]."""
+        num_seqs, max_ctx = self._decode_slots.shape
+        k = _gather(k_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *k_flat.shape[1:])
+        v = _gather(v_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *v_flat.shape[1:])
+        k, v = _repeat_kv(k.transpose(1, 2), q.shape[1]), _repeat_kv(v.transpose(1, 2), q.shape[1])  # [B, H, S, D]
+        mask = self._decode_mask(window)                                       # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask)   # q: [B, H, 1, D]
+        return out[:, :, 0]
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """Key-padding (+ window) mask [B, 1, 1, S]: a decode at position p sees keys 0..p (last window)."""
+        if window not in self._decode_masks:
+            k_pos = torch.arange(self._decode_slots.shape[1], device=self._decode_slots.device)
+            diff = self._decode_pos[:, None] - k_pos[None, :]                  # [B, S]
+            mask = diff >= 0
+            if window is not None:
+                mask &= diff < window
+            self._decode_masks[window] = mask[:, None, None, :]
+        return self._decode_masks[window]
+
+    def _prefill(self, seq: SeqSlice, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                 slots: torch.Tensor, window: int | None) -> torch.Tensor:
+        """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]."""
+        num_heads = q.shape[1]
+        k = _repeat_kv(_gather(k_flat, slots).transpose(0, 1)[None], num_heads)[0]   # [H, S, D]
+        v = _repeat_kv(_gather(v_flat, slots).transpose(0, 1)[None], num_heads)[0]
+        q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
+        mask = causal_mask(q_pos, seq.num_ctx, window)                         # [T, S]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)   # q: [H, T, D]
+        return out.transpose(0, 1)
+
+
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of a flattened cache [slots, KV, D] at slots [S] -> [S, KV, D]."""
+    return flat.index_select(0, slots)
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Grouped-query: [B, KV, S, D] -> [B, H, S, D], each KV head shared by H // KV query heads."""
+    batch, kv_heads, seq_len, head_dim = x.shape
+    if kv_heads == num_heads:
+        return x
+    group = num_heads // kv_heads
+    return x[:, :, None].expand(batch, kv_heads, group, seq_len, head_dim).reshape(batch, num_heads, seq_len,
+                                                                                 head_dim)
+
+
+def _check_seqs(seqs: Sequence[SeqSlice], cache: PagedKVCache) -> None:
+    """ValueError unless seqs tile rows 0..N-1 in order and every block table covers its positions."""
+    row = 0
+    for s in seqs:
+        if s.q_start != row or s.q_len < 1 or s.start_pos < 0:
+            raise ValueError(f"sequences must tile the batch rows in order; got q_start={s.q_start}, "
+                             f"q_len={s.q_len}, start_pos={s.start_pos} at row {row}")
+        if len(s.block_table) * cache.block_size < s.num_ctx:
+            raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {s.num_ctx} positions")
+        if any(not 0 <= b < cache.num_blocks for b in s.block_table):
+            raise ValueError(f"block ids must be in [0, {cache.num_blocks})")
+        row += s.q_len
+    if row == 0:
+        raise ValueError("a batch needs at least one token")

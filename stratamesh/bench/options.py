@@ -1,0 +1,73 @@
+"""The flags of `stratamesh bench serve` and the options value they become; no I/O, cheap to import."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from stratamesh.bench.datasets import DATASETS
+from stratamesh.bench.metrics import BenchError, parse_goodput
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """One `bench serve` run: where to send what, how fast, and the SLOs for goodput."""
+
+    url: str = "http://127.0.0.1:8000"
+    model: str = ""                        # "" -> the first model /v1/models lists
+    tokenizer: str | None = None           # a Hugging Face folder to sample token ids from
+    vocab_size: int | None = None          # without a tokenizer: sample ids from [0, vocab_size)
+    dataset: str = "random"
+    num_prompts: int = 100
+    request_rate: float = math.inf         # requests per second, Poisson arrivals; inf: all at once
+    max_concurrency: int | None = None
+    input_len: int = 128
+    output_len: int = 64
+    prefix_len: int = 256                  # shared-prefix only
+    seed: int = 0
+    goodput_ms: dict[str, float] = field(default_factory=dict)
+    warmup: int = 0                        # requests sent (and not counted) before the run
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise BenchError("--num-prompts must be at least 1")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchError("--max-concurrency must be at least 1")
+        if not self.request_rate > 0:
+            raise BenchError("--request-rate must be positive (or inf)")
+        if self.tokenizer is None and not self.vocab_size:
+            raise BenchError("give --tokenizer DIR or --vocab-size N to sample prompt token ids")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags of `bench serve`, vLLM's names where vLLM has one."""
+    d = ServeOptions(vocab_size=1)
+    parser.add_argument("--url", default=d.url, help="the server's base URL")
+    parser.add_argument("--model", default=d.model, help="served model id; default: the first listed")
+    parser.add_argument("--tokenizer", help="a Hugging Face folder: prompts use its regular token ids")
+    parser.add_argument("--vocab-size", type=int, help="without --tokenizer: ids in [0, N)")
+    parser.add_argument("--dataset", choices=DATASETS, default=d.dataset)
+    parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    parser.add_argument("--request-rate", type=float, default=d.request_rate,
+                        help="requests/s, Poisson arrivals (seeded); inf sends all at once")
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    parser.add_argument("--input-len", type=int, default=d.input_len)
+    parser.add_argument("--output-len", type=int, default=d.output_len)
+    parser.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix: prefix tokens")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                        help="SLOs in ms, e.g. ttft:200 tpot:50 (ttft, tpot, e2el)")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="uncounted requests sent first")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from parsed flags; BenchError names a bad one."""
+    return ServeOptions(
+        url=args.url.rstrip("/"), model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
+        prefix_len=args.prefix_len, seed=args.seed, goodput_ms=parse_goodput(args.goodput),
+        warmup=args.warmup)

@@ -1,0 +1,64 @@
+"""The result of `bench serve` as vLLM prints it: a 50-column table, or JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+from stratamesh.bench.metrics import BenchMetrics, LatencyStats, RequestRecord
+from stratamesh.bench.options import ServeOptions
+
+_LATENCIES = (("ttft", "TTFT", "Time to First Token"),
+              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+              ("itl", "ITL", "Inter-token Latency"),
+              ("e2el", "E2EL", "End-to-end Latency"))
+
+
+def _row(label: str, value: float | str) -> str:
+    return f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value!s:<10}"
+
+
+def _latency_rows(name: str, header: str, stats: LatencyStats) -> list[str]:
+    return [f"{header:-^50}", _row(f"Mean {name} (ms):", stats.mean_ms),
+            _row(f"Median {name} (ms):", stats.median_ms), _row(f"P90 {name} (ms):", stats.p90_ms),
+            _row(f"P99 {name} (ms):", stats.p99_ms)]
+
+
+def format_report(metrics: BenchMetrics, options: ServeOptions) -> str:
+    """The human-readable table, in vLLM's layout and wording."""
+    rows = [f"{' Serving Benchmark Result ':=^50}", _row("Successful requests:", metrics.completed),
+            _row("Failed requests:", metrics.failed)]
+    if options.max_concurrency is not None:
+        rows.append(_row("Maximum request concurrency:", options.max_concurrency))
+    if not math.isinf(options.request_rate):
+        rows.append(_row("Request rate configured (RPS):", float(options.request_rate)))
+    rows += [_row("Benchmark duration (s):", metrics.duration_s),
+             _row("Total input tokens:", metrics.total_input_tokens),
+             _row("Total generated tokens:", metrics.total_output_tokens),
+             _row("Total cached prompt tokens:", metrics.total_cached_tokens),
+             _row("Request throughput (req/s):", metrics.request_throughput)]
+    if metrics.request_goodput is not None:
+        rows.append(_row("Request goodput (req/s):", metrics.request_goodput))
+    rows += [_row("Output token throughput (tok/s):", metrics.output_throughput),
+             _row("Total Token throughput (tok/s):", metrics.total_token_throughput)]
+    for attr, name, header in _LATENCIES:
+        rows += _latency_rows(name, header, getattr(metrics, attr))
+    rows.append("=" * 50)
+    rows += [f"error: {error}" for error in metrics.errors[:5]]
+    return "\n".join(rows)
+
+
+def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[RequestRecord] = ()) -> str:
+    """The machine-readable result: settings, metrics and, as vLLM's result file, per-request lists (s)."""
+    settings = {"model": options.model, "dataset": options.dataset, "num_prompts": options.num_prompts,
+                "request_rate": None if math.isinf(options.request_rate) else options.request_rate,
+                "max_concurrency": options.max_concurrency, "input_len": options.input_len,
+                "output_len": options.output_len, "seed": options.seed, "goodput_ms": options.goodput_ms}
+    if options.dataset == "shared-prefix":
+        settings["prefix_len"] = options.prefix_len
+    per_request = {"input_lens": [r.prompt_len for r in records], "output_lens": [r.output_tokens for r in records],
+                   "ttfts": [r.ttft_s for r in records], "e2els": [r.latency_s for r in records],
+                   "itls": [list(r.itl_s) for r in records], "successes": [r.success for r in records]}
+    return json.dumps({**settings, **metrics.to_dict(), **per_request}, indent=2)
+
