@@ -36,6 +36,7 @@ from stratamesh.bench.metrics import BenchMetrics, compute_metrics
 from stratamesh.bench.serve import run_requests
 from stratamesh.tiny_model import write_tiny_model
 
+log = logging.getLogger("serve_compare")
 CONFIGS = ("(a) transformers, sequential", "(b) transformers, batched", "(c) stratamesh, 1 stage",
            "(d) stratamesh, 3 stages")
 TARGETS = ((2, 0, 5.0), (2, 1, 1.5), (3, 2, 0.8))   # (numerator row, denominator row, at least)
@@ -95,12 +96,15 @@ def run_mesh(url: str, model_id: str, requests: list[BenchRequest], concurrency:
 
 
 def mesh_tok_s(model_dir: Path, num_agents: int, sets: dict[int, list[BenchRequest]]) -> dict[int, float]:
-    """Output tokens/s of a num_agents-stage mesh at each concurrency (failed requests make it nan)."""
+    """Output tokens/s of a num_agents-stage mesh at each concurrency (nan if it fails to start or serve)."""
     mesh = LocalMesh(str(model_dir), num_agents=num_agents)
     try:
         mesh.start()
         run_mesh(mesh.url, model_dir.name, sets[min(sets)][:2], 2)    # warm-up
         results = {c: run_mesh(mesh.url, model_dir.name, requests, c) for c, requests in sets.items()}
+    except LaunchError as exc:
+        log.warning("%d-stage mesh did not start: %s", num_agents, exc)
+        return dict.fromkeys(sets, math.nan)
     finally:
         mesh.stop()
     return {c: m.output_throughput if m.failed == 0 else math.nan for c, m in results.items()}
@@ -178,8 +182,11 @@ def main() -> None:
     sets = prompt_sets(vocab, args)
     hf = load_hf(model_dir)
     rows = [{c: hf_tok_s(hf, sets[c], 1) for c in sets}, {c: hf_tok_s(hf, sets[c], c) for c in sets}]
+    log.warning("transformers done: %s", rows)   # progress on stderr: a long run shows where it is
     del hf
-    rows += [mesh_tok_s(model_dir, 1, sets), mesh_tok_s(model_dir, 3, sets)]
+    for num_agents in (1, 3):
+        rows.append(mesh_tok_s(model_dir, num_agents, sets))
+        log.warning("%d-stage mesh done: %s", num_agents, rows[-1])
     print(f"model {model_dir.name}, input {args.input_len} tokens, output {args.output_len} tokens, "
           f"prompts per column max(2C, {args.min_prompts}), {os.cpu_count()} CPUs\n")
     print_throughput(rows, args.concurrency)

@@ -44,6 +44,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
+        self.pipeline_depth = 1                 # stages in the route; the first stage sets it
         self.sessions: dict[str, Session] = {}
         self.preempted: set[str] = set()        # until closed: their later items are rejected
         self.unreported: list[str] = []         # preempted since the last batch
@@ -144,7 +145,7 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """The next step's chunks, at most one per session; None when there is nothing to do or report."""
         chunks: list[ScheduledChunk] = []
-        budget = self.max_batch_tokens
+        budget, decodes_left = self.max_batch_tokens, self._decode_share()
         blocked: Session | None = None
         for session in self._candidates():
             if len(chunks) == self.max_batch_seqs or budget == 0:
@@ -152,6 +153,10 @@ class Scheduler:
             if session.session_id not in self.sessions:
                 continue    # preempted for a decode earlier in this loop
             item = session.queue[0]
+            if session.is_decode(item):
+                if decodes_left == 0:
+                    continue    # this micro-batch is full: the rest go in the next step
+                decodes_left -= 1
             n = min(len(item.token_ids) - session.offset, budget)
             if self._reserve(session, item.start_pos + session.offset + n, chunks):
                 chunks.append(self._chunk(session, n))
@@ -165,6 +170,14 @@ class Scheduler:
             return None
         preempted, self.unreported = self.unreported, []
         return Batch(chunks, preempted)
+
+    def _decode_share(self) -> int:
+        """Decodes per step: with a pipeline of depth K, a K-th of the decoding sessions, so that K
+        micro-batches circulate and every stage has one to work on (vLLM's virtual engines)."""
+        if self.pipeline_depth <= 1:
+            return self.max_batch_seqs
+        decoding = sum(1 for s in self.sessions.values() if s.num_computed >= s.prompt_len)
+        return max(1, -(-decoding // self.pipeline_depth))
 
     def _candidates(self) -> list[Session]:
         """Sessions with queued work: decodes first, then prefills, each in arrival order."""

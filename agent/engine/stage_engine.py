@@ -65,6 +65,8 @@ class StageEngine:
         cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
                                      message.max_cached_tokens)
         self.sessions[message.session_id] = message
+        if self.is_first:
+            self.scheduler.pipeline_depth = len(message.route) + 1
         if message.route:
             outbox.stage_messages.append((message.route[0].address, message.forwarded(cached)))
         else:

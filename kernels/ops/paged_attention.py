@@ -65,10 +65,12 @@ class SeqSlice:
         return self.start_pos + self.q_len
 
 
-def _slots(seq: SeqSlice, first_pos: int, end_pos: int, block_size: int) -> list[int]:
-    """Cache slots of positions [first_pos, end_pos) of a sequence."""
-    table = seq.block_table
-    return [table[p // block_size] * block_size + p % block_size for p in range(first_pos, end_pos)]
+def _slot_rows(tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of every position each block table covers: [num_tables, max_blocks * block_size]."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    offsets = torch.arange(block_size, dtype=torch.long)
+    return (padded[:, :, None] * block_size + offsets).reshape(len(tables), -1).to(device)
 
 
 class PagedBatch:
@@ -79,19 +81,17 @@ class PagedBatch:
         self.cache, self.seqs = cache, list(seqs)
         dev, bs = cache.device, cache.block_size
         self.num_tokens = sum(s.q_len for s in seqs)
-        self.positions = torch.tensor([p for s in seqs for p in range(s.start_pos, s.num_ctx)], device=dev)
-        self._write_slots = torch.tensor([x for s in seqs for x in _slots(s, s.start_pos, s.num_ctx, bs)],
-                                         device=dev)                     # [N]
-        decodes = [s for s in seqs if s.q_len == 1]
-        self._prefills = [s for s in seqs if s.q_len > 1]
-        self._prefill_slots = [torch.tensor(_slots(s, 0, s.num_ctx, bs), device=dev) for s in self._prefills]
-        self._decode_rows = torch.tensor([s.q_start for s in decodes], device=dev, dtype=torch.long)  # [B]
-        max_ctx = max((s.num_ctx for s in decodes), default=0)
-        # padding gathers slot 0 and is masked out
-        self._decode_slots = torch.tensor([_slots(s, 0, s.num_ctx, bs) + [0] * (max_ctx - s.num_ctx)
-                                           for s in decodes], device=dev, dtype=torch.long)   # [B, S]
-        self._decode_pos = torch.tensor([s.start_pos for s in decodes], device=dev)           # [B]
-        self._decode_masks: dict[int | None, torch.Tensor] = {}
+        self.positions = torch.cat([torch.arange(s.start_pos, s.num_ctx) for s in seqs]).to(dev)   # [N]
+        slot_rows = _slot_rows([s.block_table for s in seqs], bs, dev)           # [num seqs, blocks * bs]
+        self._write_slots = torch.cat([slot_rows[i, s.start_pos:s.num_ctx] for i, s in enumerate(seqs)])
+        decodes = [i for i, s in enumerate(seqs) if s.q_len == 1]
+        self._prefills = [(s, slot_rows[i, :s.num_ctx]) for i, s in enumerate(seqs) if s.q_len > 1]
+        self._decode_rows = torch.tensor([seqs[i].q_start for i in decodes], device=dev, dtype=torch.long)  # [B]
+        max_ctx = max((seqs[i].num_ctx for i in decodes), default=0)
+        # [B, S]; positions past a sequence's end gather whatever its table points at and are masked out
+        self._decode_slots = slot_rows[decodes, :max_ctx] if decodes else slot_rows[:0, :0]
+        self._decode_pos = torch.tensor([seqs[i].start_pos for i in decodes], device=dev)   # [B]
+        self._decode_masks: dict[int | None, torch.Tensor | None] = {}
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """ValueError unless positions [N] are those the batch's sequences imply."""
@@ -107,7 +107,7 @@ class PagedBatch:
         out = torch.empty_like(q)
         if self._decode_rows.numel():
             out[self._decode_rows] = self._decode(q[self._decode_rows], k_flat, v_flat, window)
-        for seq, slots in zip(self._prefills, self._prefill_slots):
+        for seq, slots in self._prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window)
         return out
@@ -118,15 +118,19 @@ class PagedBatch:
         num_seqs, max_ctx = self._decode_slots.shape
         k = _gather(k_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *k_flat.shape[1:])
         v = _gather(v_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *v_flat.shape[1:])
-        k, v = _repeat_kv(k.transpose(1, 2), q.shape[1]), _repeat_kv(v.transpose(1, 2), q.shape[1])  # [B, H, S, D]
-        mask = self._decode_mask(window)                                       # [B, 1, 1, S]
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask)   # q: [B, H, 1, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                            # [B, KV, S, D]
+        mask = self._decode_mask(window)                                       # [B, 1, 1, S] or None
+        q = q[:, :, None]                                                      # q: [B, H, 1, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
         return out[:, :, 0]
 
-    def _decode_mask(self, window: int | None) -> torch.Tensor:
+    def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """Key-padding (+ window) mask [B, 1, 1, S]: a decode at position p sees keys 0..p (last window)."""
+        num_seqs, max_ctx = self._decode_slots.shape
+        if num_seqs == 1 and (window is None or window >= max_ctx):
+            return None                      # one sequence, nothing padded, nothing out of the window
         if window not in self._decode_masks:
-            k_pos = torch.arange(self._decode_slots.shape[1], device=self._decode_slots.device)
+            k_pos = torch.arange(max_ctx, device=self._decode_slots.device)
             diff = self._decode_pos[:, None] - k_pos[None, :]                  # [B, S]
             mask = diff >= 0
             if window is not None:
@@ -137,12 +141,12 @@ class PagedBatch:
     def _prefill(self, seq: SeqSlice, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                  slots: torch.Tensor, window: int | None) -> torch.Tensor:
         """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]."""
-        num_heads = q.shape[1]
-        k = _repeat_kv(_gather(k_flat, slots).transpose(0, 1)[None], num_heads)[0]   # [H, S, D]
-        v = _repeat_kv(_gather(v_flat, slots).transpose(0, 1)[None], num_heads)[0]
+        k = _gather(k_flat, slots).transpose(0, 1)                             # [KV, S, D]
+        v = _gather(v_flat, slots).transpose(0, 1)
         q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
         mask = causal_mask(q_pos, seq.num_ctx, window)                         # [T, S]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)   # q: [H, T, D]
+        q = q.transpose(0, 1)                                                  # q: [H, T, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
         return out.transpose(0, 1)
 
 
@@ -151,14 +155,9 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots)
 
 
-def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Grouped-query: [B, KV, S, D] -> [B, H, S, D], each KV head shared by H // KV query heads."""
-    batch, kv_heads, seq_len, head_dim = x.shape
-    if kv_heads == num_heads:
-        return x
-    group = num_heads // kv_heads
-    return x[:, :, None].expand(batch, kv_heads, group, seq_len, head_dim).reshape(batch, num_heads, seq_len,
-                                                                                 head_dim)
+def _is_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Grouped-query attention, q [..., H, T, D] and k [..., KV, S, D] with KV < H: SDPA shares KV heads."""
+    return k.shape[-3] != q.shape[-3]
 
 
 def _check_seqs(seqs: Sequence[SeqSlice], cache: PagedKVCache) -> None:

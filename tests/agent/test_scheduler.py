@@ -312,3 +312,26 @@ def check(s: Scheduler, batch: Batch) -> None:
 def test_random_operations_keep_invariants_and_are_deterministic(seed: int) -> None:
     first, again = random_run(seed), random_run(seed)
     assert first and repr(first) == repr(again)
+
+
+def test_a_pipeline_of_depth_k_decodes_a_kth_of_its_sessions_per_step() -> None:
+    """With K stages, the first stage sends K micro-batches around so every stage has one to work on."""
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_batch_tokens=64, max_batch_seqs=64)
+    sched.pipeline_depth = 3
+    for i in range(7):
+        sched.open(f"s{i}", [1, 2, 3], 0)
+        sched.add(WorkItem(f"s{i}", 0, (1, 2, 3), True, 0))
+    prefill = sched.schedule()
+    assert len(prefill.chunks) == 7                 # prefills are not capped
+    sched.postprocess(prefill)
+    for i in range(7):
+        sched.add(WorkItem(f"s{i}", 3, (9,), True, 1))
+    sizes = []
+    while (batch := sched.schedule()) is not None:
+        sizes.append(len(batch.chunks))
+        sched.postprocess(batch)
+    assert sizes == [3, 3, 1]                       # ceil(7 / 3) decodes per step
+    sched.pipeline_depth = 1
+    for i in range(7):
+        sched.add(WorkItem(f"s{i}", 4, (9,), True, 2))
+    assert len(sched.schedule().chunks) == 7
