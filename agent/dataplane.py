@@ -81,10 +81,30 @@ class StageService(pb_grpc.StageServicer):
         while True:
             self._apply(await self._inbox.get())
             while True:
-                while not self._inbox.empty():
-                    self._apply(self._inbox.get_nowait())
+                self._drain()
+                await self._coalesce()
                 if not await self._step():
                     break
+
+    def _drain(self) -> None:
+        while not self._inbox.empty():
+            self._apply(self._inbox.get_nowait())
+
+    async def _coalesce(self) -> None:
+        """Waits briefly while decodes of the coming step are still arriving one by one from the origin."""
+        engines = [e for e in self._host.engines.values() if e.wants_more_decodes()]
+        if not engines:
+            return
+        deadline = asyncio.get_running_loop().time() + self._host.config.coalesce_s
+        while any(e.wants_more_decodes() for e in engines):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            try:
+                self._apply(await asyncio.wait_for(self._inbox.get(), remaining))
+            except asyncio.TimeoutError:
+                return
+            self._drain()
 
     def _apply(self, message: Inbound) -> None:
         outbox = Outbox()

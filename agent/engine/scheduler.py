@@ -171,6 +171,20 @@ class Scheduler:
         preempted, self.unreported = self.unreported, []
         return Batch(chunks, preempted)
 
+    @property
+    def decodes_in_flight(self) -> int:
+        """Decoding sessions with nothing queued: their next token is on its way back to this stage."""
+        return sum(1 for s in self.sessions.values() if s.num_computed >= s.prompt_len and not s.queue)
+
+    @property
+    def decodes_ready(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.queue and s.is_decode(s.queue[0]))
+
+    def wants_more_decodes(self) -> bool:
+        """Whether sessions still on their way would fill this step's micro-batch more than those here."""
+        ready = self.decodes_ready
+        return self.decodes_in_flight > 0 and ready < self._decode_share()
+
     def _decode_share(self) -> int:
         """Decodes per step: with a pipeline of depth K, a K-th of the decoding sessions, so that K
         micro-batches circulate and every stage has one to work on (vLLM's virtual engines)."""

@@ -25,6 +25,9 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_batch_seqs: int = 64
     enable_prefix_cache: bool = True
+    # The first stage waits up to this long for the tokens of a step's other sessions, so that decodes
+    # arriving one message per session from the origin still run as one batch.
+    coalesce_s: float = 0.004
 
 
 @dataclass(slots=True)
@@ -100,6 +103,10 @@ class StageEngine:
             raise InvalidInput(f"{field_name} must lie in [0, {vocab})")
 
     # ------------------------------------------------------------ steps
+    def wants_more_decodes(self) -> bool:
+        """First stage only: more of this step's decodes are on their way from the origin."""
+        return self.is_first and self.scheduler.wants_more_decodes()
+
     def schedule(self) -> Batch | None:
         return self.scheduler.schedule() if self.scheduler.has_work else None
 

@@ -90,6 +90,11 @@ class PagedBatch:
         max_ctx = max((seqs[i].num_ctx for i in decodes), default=0)
         # [B, S]; positions past a sequence's end gather whatever its table points at and are masked out
         self._decode_slots = slot_rows[decodes, :max_ctx] if decodes else slot_rows[:0, :0]
+        # Decodes gather whole blocks (rows of block_size * KV * D values), far fewer copies than slots.
+        num_blocks = -(-max_ctx // bs)
+        self._decode_blocks = torch.tensor([list(seqs[i].block_table[:num_blocks]) + [0] * (
+            num_blocks - min(num_blocks, len(seqs[i].block_table))) for i in decodes],
+            dtype=torch.long).to(dev)                                           # [B, blocks]
         self._decode_pos = torch.tensor([seqs[i].start_pos for i in decodes], device=dev)   # [B]
         self._decode_masks: dict[int | None, torch.Tensor | None] = {}
 
@@ -116,13 +121,20 @@ class PagedBatch:
                 window: int | None) -> torch.Tensor:
         """Every one-token sequence at once: q [B, H, D] over its padded gathered context -> [B, H, D]."""
         num_seqs, max_ctx = self._decode_slots.shape
-        k = _gather(k_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *k_flat.shape[1:])
-        v = _gather(v_flat, self._decode_slots.flatten()).view(num_seqs, max_ctx, *v_flat.shape[1:])
-        k, v = k.transpose(1, 2), v.transpose(1, 2)                            # [B, KV, S, D]
+        k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
+        v = self._gather_blocks(v_flat)[:, :max_ctx].transpose(1, 2)
         mask = self._decode_mask(window)                                       # [B, 1, 1, S] or None
         q = q[:, :, None]                                                      # q: [B, H, 1, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
         return out[:, :, 0]
+
+    def _gather_blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each decode's blocks, whole: [slots, KV, D] -> [B, blocks * block_size, KV, D]."""
+        bs = self.cache.block_size
+        blocks = flat.view(-1, bs, *flat.shape[1:])                            # [num_blocks, bs, KV, D]
+        num_seqs, num_blocks = self._decode_blocks.shape
+        picked = blocks.index_select(0, self._decode_blocks.flatten())         # [B * blocks, bs, KV, D]
+        return picked.view(num_seqs, num_blocks * bs, *flat.shape[1:])
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """Key-padding (+ window) mask [B, 1, 1, S]: a decode at position p sees keys 0..p (last window)."""
