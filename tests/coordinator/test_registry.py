@@ -232,3 +232,10 @@ def test_failed_migration_leaves_no_trace(tmp_path: Path) -> None:
     assert reg.applied_migrations == []
     assert [r["version"] for r in reg._rows("SELECT version FROM migrations")] == ALL_VERSIONS
     reg.close()
+
+
+def test_a_stage_keeps_its_kv_block_size(reg: Registry) -> None:
+    spec = StageSpec("m", "/models/m", 0, 4, 4, kv_block_size=32)
+    reg.add_model("m", "/models/m", 4, {}, now=T0)
+    reg.save_plan("p1", "m", [PlannedStage("p1-0", 0, "a1", spec)], "one", now=T0)
+    assert reg.active_plan("m").stages[0].spec == spec
