@@ -18,3 +18,11 @@ def test_decode_latency_benchmark_prints_its_table() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 3 stages (4 hops per token)" in result.stdout
     assert "per-hop cost" in result.stdout
+
+
+def test_stage_step_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stage_step.py"), "--batch", "4",
+                             "--prompt-len", "16", "--layers", "2", "--hidden", "128", "--steps", "3"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| stratamesh stage engine" in result.stdout and "decode step ratio" in result.stdout

@@ -1,0 +1,89 @@
+"""One stage's step in process, next to transformers' forward on the same batch: is the kernel the bottleneck?
+
+    python benchmarks/stage_step.py [--batch 32] [--prompt-len 128] [--layers 8] [--hidden 512] [--steps 20]
+
+Times, on this machine and with the same torch threads, a batched decode step (every session one token)
+and the prefill of batch x prompt-len tokens, for the stratamesh stage engine (scheduler + paged KV
+cache + runner, all layers in one stage) and for transformers with its own KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
+from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
+from stratamesh.tiny_model import write_tiny_model
+
+
+def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    """(prefill seconds, median decode step seconds) of one stage serving every layer."""
+    spec = StageSpec("m", str(model_dir), 0, layers, layers)
+    engine = StageEngine(Assignment("a", spec), StageRunner.load(spec, 512 << 20),
+                         EngineConfig(max_batch_tokens=batch * prompt_len, enable_prefix_cache=False))
+    prompt = tuple(range(1, prompt_len + 1))
+    for i in range(batch):
+        engine.open(SessionOpen(f"s{i}", "a", (), "o:1", SamplingParams(), prompt_token_ids=prompt), Outbox())
+        engine.add(StepChunk(f"s{i}", 0, 0, prompt, True), None)
+    start = time.perf_counter()
+    while (step := engine.schedule()) is not None:
+        engine.postprocess(step, engine.run(step), Outbox())
+    prefill_s, times = time.perf_counter() - start, []
+    for n in range(steps):
+        for i in range(batch):
+            engine.add(StepChunk(f"s{i}", n + 1, prompt_len + n, (5,), True), None)
+        start = time.perf_counter()
+        step = engine.schedule()
+        engine.postprocess(step, engine.run(step), Outbox())
+        times.append(time.perf_counter() - start)
+    return prefill_s, statistics.median(times)
+
+
+def transformers_times(model_dir: Path, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        past = model(torch.randint(1, 700, (batch, prompt_len)), use_cache=True).past_key_values
+        prefill_s, times = time.perf_counter() - start, []
+        for _ in range(steps):
+            start = time.perf_counter()
+            past = model(torch.randint(1, 700, (batch, 1)), past_key_values=past, use_cache=True).past_key_values
+            times.append(time.perf_counter() - start)
+    return prefill_s, statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "llama", num_layers=args.layers,
+                                 hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16,
+                                 num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
+    ours = stratamesh_times(model_dir, args.layers, args.batch, args.prompt_len, args.steps)
+    theirs = transformers_times(model_dir, args.batch, args.prompt_len, args.steps)
+    print(f"Llama {args.layers} layers x hidden {args.hidden}, batch {args.batch}, prompt {args.prompt_len}, "
+          f"{torch.get_num_threads()} threads\n")
+    print(f"| {'':<26} | {'prefill s':>9} | {'decode step ms':>14} |")
+    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 16}|")
+    for name, (prefill_s, step_s) in (("stratamesh stage engine", ours), ("transformers", theirs)):
+        print(f"| {name:<26} | {prefill_s:9.3f} | {step_s * 1e3:14.2f} |")
+    print(f"\ndecode step ratio stratamesh / transformers = {ours[1] / theirs[1]:.2f}x "
+          f"(prefill {ours[0] / theirs[0]:.2f}x); lower is better")
+
+
+if __name__ == "__main__":
+    main()
