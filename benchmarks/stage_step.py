@@ -1,6 +1,7 @@
 """One stage's step in process, next to transformers' forward on the same batch: is the kernel the bottleneck?
 
     python benchmarks/stage_step.py [--batch 32] [--prompt-len 128] [--layers 8] [--hidden 512] [--steps 20]
+                                    [--dtype float32|bfloat16]
 
 Times, on this machine and with the same torch threads, a batched decode step (every session one token)
 and the prefill of batch x prompt-len tokens, for the stratamesh stage engine (scheduler + paged KV
@@ -25,9 +26,10 @@ from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, Stag
 from stratamesh.tiny_model import write_tiny_model
 
 
-def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int,
+                     dtype: str) -> tuple[float, float]:
     """(prefill seconds, median decode step seconds) of one stage serving every layer."""
-    spec = StageSpec("m", str(model_dir), 0, layers, layers)
+    spec = StageSpec("m", str(model_dir), 0, layers, layers, dtype=dtype)
     engine = StageEngine(Assignment("a", spec), StageRunner.load(spec, 512 << 20),
                          EngineConfig(max_batch_tokens=batch * prompt_len, enable_prefix_cache=False))
     prompt = tuple(range(1, prompt_len + 1))
@@ -48,8 +50,9 @@ def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, 
     return prefill_s, statistics.median(times)
 
 
-def transformers_times(model_dir: Path, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def transformers_times(model_dir: Path, batch: int, prompt_len: int, steps: int,
+                       dtype: str) -> tuple[float, float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         start = time.perf_counter()
         past = model(torch.randint(1, 700, (batch, prompt_len)), use_cache=True).past_key_values
@@ -68,15 +71,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "llama", num_layers=args.layers,
                                  hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16,
                                  num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
-    ours = stratamesh_times(model_dir, args.layers, args.batch, args.prompt_len, args.steps)
-    theirs = transformers_times(model_dir, args.batch, args.prompt_len, args.steps)
-    print(f"Llama {args.layers} layers x hidden {args.hidden}, batch {args.batch}, prompt {args.prompt_len}, "
-          f"{torch.get_num_threads()} threads\n")
+    ours = stratamesh_times(model_dir, args.layers, args.batch, args.prompt_len, args.steps, args.dtype)
+    theirs = transformers_times(model_dir, args.batch, args.prompt_len, args.steps, args.dtype)
+    print(f"Llama {args.layers} layers x hidden {args.hidden}, {args.dtype}, batch {args.batch}, "
+          f"prompt {args.prompt_len}, {torch.get_num_threads()} threads\n")
     print(f"| {'':<26} | {'prefill s':>9} | {'decode step ms':>14} |")
     print(f"|{'-' * 28}|{'-' * 11}|{'-' * 16}|")
     for name, (prefill_s, step_s) in (("stratamesh stage engine", ours), ("transformers", theirs)):

@@ -49,19 +49,18 @@ class StageRunner:
     def run(self, batch: Batch, payloads: list[torch.Tensor | None],
             sampling: Mapping[str, SamplingParams]) -> StepOutput:
         """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows."""
-        model, seqs, positions = self.model, [], []
-        q_start = 0
+        model, seqs, q_start = self.model, [], 0
         for chunk in batch.chunks:
             length = chunk.end - chunk.begin
             seqs.append(SeqSlice(q_start, length, chunk.start_pos, chunk.block_table))
-            positions.append(torch.arange(chunk.start_pos, chunk.start_pos + length))
             q_start += length
+        attn = PagedBatch(self.cache, seqs)
         if model.spec.is_first:
             inputs = torch.tensor([t for c in batch.chunks for t in c.item.token_ids[c.begin:c.end]])
         else:
             inputs = torch.cat(payloads)                           # [N, hidden]
         with torch.inference_mode():
-            hidden = model.forward(inputs, torch.cat(positions), PagedBatch(self.cache, seqs))
+            hidden = model.forward(inputs, attn.positions, attn)
             if not model.spec.is_last:
                 return StepOutput(hidden=hidden)
             rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]

@@ -65,12 +65,16 @@ class SeqSlice:
         return self.start_pos + self.q_len
 
 
-def _slot_rows(tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> torch.Tensor:
-    """Cache slots of every position each block table covers: [num_tables, max_blocks * block_size]."""
+def _padded_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Block tables as one tensor [num_tables, max_blocks], short ones padded with block 0."""
     width = max(len(t) for t in tables)
-    padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    offsets = torch.arange(block_size, dtype=torch.long)
-    return (padded[:, :, None] * block_size + offsets).reshape(len(tables), -1).to(device)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _slot_rows(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of every position each block table covers: [num_tables, max_blocks * block_size]."""
+    offsets = torch.arange(block_size, dtype=torch.long, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
 
 
 class PagedBatch:
@@ -82,19 +86,16 @@ class PagedBatch:
         dev, bs = cache.device, cache.block_size
         self.num_tokens = sum(s.q_len for s in seqs)
         self.positions = torch.cat([torch.arange(s.start_pos, s.num_ctx) for s in seqs]).to(dev)   # [N]
-        slot_rows = _slot_rows([s.block_table for s in seqs], bs, dev)           # [num seqs, blocks * bs]
+        tables = _padded_tables([s.block_table for s in seqs]).to(dev)         # [num seqs, blocks]
+        slot_rows = _slot_rows(tables, bs)                                      # [num seqs, blocks * bs]
         self._write_slots = torch.cat([slot_rows[i, s.start_pos:s.num_ctx] for i, s in enumerate(seqs)])
         decodes = [i for i, s in enumerate(seqs) if s.q_len == 1]
         self._prefills = [(s, slot_rows[i, :s.num_ctx]) for i, s in enumerate(seqs) if s.q_len > 1]
         self._decode_rows = torch.tensor([seqs[i].q_start for i in decodes], device=dev, dtype=torch.long)  # [B]
-        max_ctx = max((seqs[i].num_ctx for i in decodes), default=0)
-        # [B, S]; positions past a sequence's end gather whatever its table points at and are masked out
-        self._decode_slots = slot_rows[decodes, :max_ctx] if decodes else slot_rows[:0, :0]
-        # Decodes gather whole blocks (rows of block_size * KV * D values), far fewer copies than slots.
-        num_blocks = -(-max_ctx // bs)
-        self._decode_blocks = torch.tensor([list(seqs[i].block_table[:num_blocks]) + [0] * (
-            num_blocks - min(num_blocks, len(seqs[i].block_table))) for i in decodes],
-            dtype=torch.long).to(dev)                                           # [B, blocks]
+        self._decode_ctx = max((seqs[i].num_ctx for i in decodes), default=0)
+        # Decodes gather whole blocks (rows of block_size * KV * D values), far fewer copies than slots;
+        # positions past a sequence's end read whatever its padded table points at and are masked out.
+        self._decode_blocks = tables[decodes, :-(-self._decode_ctx // bs)]     # [B, blocks]
         self._decode_pos = torch.tensor([seqs[i].start_pos for i in decodes], device=dev)   # [B]
         self._decode_masks: dict[int | None, torch.Tensor | None] = {}
 
@@ -120,7 +121,7 @@ class PagedBatch:
     def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 window: int | None) -> torch.Tensor:
         """Every one-token sequence at once: q [B, H, D] over its padded gathered context -> [B, H, D]."""
-        num_seqs, max_ctx = self._decode_slots.shape
+        max_ctx = self._decode_ctx
         k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
         v = self._gather_blocks(v_flat)[:, :max_ctx].transpose(1, 2)
         mask = self._decode_mask(window)                                       # [B, 1, 1, S] or None
@@ -138,11 +139,11 @@ class PagedBatch:
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """Key-padding (+ window) mask [B, 1, 1, S]: a decode at position p sees keys 0..p (last window)."""
-        num_seqs, max_ctx = self._decode_slots.shape
+        num_seqs, max_ctx = self._decode_blocks.shape[0], self._decode_ctx
         if num_seqs == 1 and (window is None or window >= max_ctx):
             return None                      # one sequence, nothing padded, nothing out of the window
         if window not in self._decode_masks:
-            k_pos = torch.arange(max_ctx, device=self._decode_slots.device)
+            k_pos = torch.arange(max_ctx, device=self._decode_pos.device)
             diff = self._decode_pos[:, None] - k_pos[None, :]                  # [B, S]
             mask = diff >= 0
             if window is not None:
