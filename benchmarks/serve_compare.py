@@ -1,14 +1,17 @@
 """Output tokens/s of transformers and stratamesh side by side, at concurrency 1, 8 and 32.
 
     python benchmarks/serve_compare.py [--concurrency 1 8 32] [--input-len 128] [--output-len 64]
-                                       [--shared-prefix] [--quick]
+                                       [--range-ratio R] [--shared-prefix] [--quick]
 
 One random-weight Llama (8 layers, hidden 512 by default) and the same token-id prompts for:
   (a) transformers generate, one request at a time (greedy);
-  (b) transformers generate on left-padded batches of C prompts;
+  (b) transformers generate on left-padded batches of C prompts (a batch runs until its longest request
+      is done; each request counts only its own output tokens);
   (c) stratamesh, 1 stage, driven by `bench serve`'s client at max-concurrency C;
   (d) stratamesh, 3 stages.
 Then the issue's targets at the largest concurrency, PASS/FAIL (printed, never asserted).
+--range-ratio draws each prompt's input and output length from [len*(1-R), len*(1+R)] (vLLM's
+--random-range-ratio): the workload where continuous batching pulls ahead of padded batches.
 --shared-prefix adds TTFT p50 of requests sharing a long prefix, prefix cache on vs off.
 """
 
@@ -52,7 +55,8 @@ def write_model(root: Path, quick: bool) -> Path:
 
 def prompt_sets(vocab: list[int], args: argparse.Namespace) -> dict[int, list[BenchRequest]]:
     """For each concurrency C: max(2C, min_prompts) random prompts (the same ones for every config)."""
-    return {c: random_requests(vocab, max(2 * c, args.min_prompts), args.input_len, args.output_len, args.seed + c)
+    return {c: random_requests(vocab, max(2 * c, args.min_prompts), args.input_len, args.output_len, args.seed + c,
+                               args.range_ratio)
             for c in args.concurrency}
 
 
@@ -71,9 +75,9 @@ def hf_tok_s(model: torch.nn.Module, requests: list[BenchRequest], batch_size: i
         batch = requests[i:i + batch_size]
         ids, mask = left_pad([r.prompt_ids for r in batch], pad_id=0)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=batch[0].output_len,
-                                 do_sample=False, pad_token_id=0)
-        num_tokens += (out.shape[1] - ids.shape[1]) * len(batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(r.output_len for r in batch),
+                           do_sample=False, pad_token_id=0)
+        num_tokens += sum(r.output_len for r in batch)
     return num_tokens / (time.perf_counter() - start)
 
 
@@ -158,6 +162,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="draw lengths from [len*(1-R), len*(1+R)] (vLLM's --random-range-ratio)")
     parser.add_argument("--min-prompts", type=int, default=8, help="prompts per concurrency: max(2C, this)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="a Hugging Face folder; default: the 8-layer random Llama")
@@ -188,6 +194,7 @@ def main() -> None:
         rows.append(mesh_tok_s(model_dir, num_agents, sets))
         log.warning("%d-stage mesh done: %s", num_agents, rows[-1])
     print(f"model {model_dir.name}, input {args.input_len} tokens, output {args.output_len} tokens, "
+          f"range ratio {args.range_ratio}, "
           f"prompts per column max(2C, {args.min_prompts}), {os.cpu_count()} CPUs\n")
     print_throughput(rows, args.concurrency)
     if args.shared_prefix:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stratamesh.kernels.ops import triton_decode
 from stratamesh.kernels.ops.attention import causal_mask
 
 
@@ -112,15 +113,21 @@ class PagedBatch:
         v_flat.index_copy_(0, self._write_slots, v.to(v_flat.dtype))
         out = torch.empty_like(q)
         if self._decode_rows.numel():
-            out[self._decode_rows] = self._decode(q[self._decode_rows], k_flat, v_flat, window)
+            out[self._decode_rows] = self._decode(layer_idx, q[self._decode_rows], k_flat, v_flat, window)
         for seq, slots in self._prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window)
         return out
 
-    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+    def _decode(self, layer_idx: int, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 window: int | None) -> torch.Tensor:
-        """Every one-token sequence at once: q [B, H, D] over its padded gathered context -> [B, H, D]."""
+        """Every one-token sequence at once: q [B, H, D] over its context -> [B, H, D].
+
+        On CUDA one Triton kernel reads the blocks in place; elsewhere SDPA over the gathered blocks."""
+        if q.is_cuda and triton_decode.available():
+            return triton_decode.paged_decode(q, self.cache.k[layer_idx], self.cache.v[layer_idx],
+                                              self._decode_blocks, self._decode_pos + 1, q.shape[-1] ** -0.5,
+                                              window)
         max_ctx = self._decode_ctx
         k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
         v = self._gather_blocks(v_flat)[:, :max_ctx].transpose(1, 2)

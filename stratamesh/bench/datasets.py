@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +50,21 @@ def _config_special_ids(folder: Path) -> set[int]:
 
 
 def random_requests(vocab_ids: list[int], num_prompts: int, input_len: int, output_len: int,
-                    seed: int) -> list[BenchRequest]:
-    """num_prompts prompts of input_len ids drawn uniformly from vocab_ids."""
+                    seed: int, range_ratio: float = 0.0) -> list[BenchRequest]:
+    """num_prompts prompts of ids drawn uniformly from vocab_ids.
+
+    As vLLM's random dataset: range_ratio 0 gives every prompt input_len ids and output_len tokens to
+    generate; r in (0, 1) draws each length uniformly from [len * (1 - r), len * (1 + r)] instead."""
     _check_lengths(vocab_ids, input_len, output_len)
+    if not 0 <= range_ratio < 1:
+        raise BenchError(f"range ratio {range_ratio} must be in [0, 1)")
     rng = random.Random(seed)
-    return [BenchRequest(tuple(rng.choices(vocab_ids, k=input_len)), output_len) for _ in range(num_prompts)]
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))))
+
+    return [BenchRequest(tuple(rng.choices(vocab_ids, k=length(input_len))), length(output_len))
+            for _ in range(num_prompts)]
 
 
 def shared_prefix_requests(vocab_ids: list[int], num_prompts: int, prefix_len: int, input_len: int,
@@ -67,10 +78,10 @@ def shared_prefix_requests(vocab_ids: list[int], num_prompts: int, prefix_len: i
 
 
 def make_requests(dataset: str, vocab_ids: list[int], num_prompts: int, input_len: int, output_len: int,
-                  seed: int, prefix_len: int = 0) -> list[BenchRequest]:
-    """The prompts of a named dataset (one of DATASETS)."""
+                  seed: int, prefix_len: int = 0, range_ratio: float = 0.0) -> list[BenchRequest]:
+    """The prompts of a named dataset (one of DATASETS); range_ratio applies to random."""
     if dataset == "random":
-        return random_requests(vocab_ids, num_prompts, input_len, output_len, seed)
+        return random_requests(vocab_ids, num_prompts, input_len, output_len, seed, range_ratio)
     if dataset == "shared-prefix":
         return shared_prefix_requests(vocab_ids, num_prompts, prefix_len, input_len, output_len, seed)
     raise BenchError(f"dataset {dataset!r} is not one of {DATASETS}")

@@ -25,6 +25,7 @@ class ServeOptions:
     input_len: int = 128
     output_len: int = 64
     prefix_len: int = 256                  # shared-prefix only
+    range_ratio: float = 0.0               # random only: lengths uniform in [len * (1 - r), len * (1 + r)]
     seed: int = 0
     goodput_ms: dict[str, float] = field(default_factory=dict)
     warmup: int = 0                        # requests sent (and not counted) before the run
@@ -37,6 +38,8 @@ class ServeOptions:
             raise BenchError("--max-concurrency must be at least 1")
         if not self.request_rate > 0:
             raise BenchError("--request-rate must be positive (or inf)")
+        if not 0 <= self.range_ratio < 1:
+            raise BenchError("--random-range-ratio must be in [0, 1)")
         if self.tokenizer is None and not self.vocab_size:
             raise BenchError("give --tokenizer DIR or --vocab-size N to sample prompt token ids")
 
@@ -56,6 +59,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=d.input_len)
     parser.add_argument("--output-len", type=int, default=d.output_len)
     parser.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix: prefix tokens")
+    parser.add_argument("--random-range-ratio", type=float, default=d.range_ratio,
+                        help="random: draw each input and output length from [len*(1-r), len*(1+r)]")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                         help="SLOs in ms, e.g. ttft:200 tpot:50 (ttft, tpot, e2el)")
@@ -69,5 +74,5 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         url=args.url.rstrip("/"), model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        prefix_len=args.prefix_len, seed=args.seed, goodput_ms=parse_goodput(args.goodput),
+        prefix_len=args.prefix_len, range_ratio=args.random_range_ratio, seed=args.seed, goodput_ms=parse_goodput(args.goodput),
         warmup=args.warmup)

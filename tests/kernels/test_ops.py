@@ -38,6 +38,20 @@ def test_rope(scaling):
                                atol=2e-4, rtol=0)
 
 
+def test_rope_is_bit_identical_to_transformers_rotate_half():
+    """The roll with a signed sin must give exactly HF's x * cos + rotate_half(x) * sin."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    inv_freq = rope_inv_freq(64, 10000.0, None)
+    positions = torch.arange(0, 300, 7)
+    x = randn(len(positions), 4, 64, seed=5)
+    cos, signed_sin = rope_cos_sin(inv_freq, positions, torch.float32)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    sin = torch.cat((freqs, freqs), dim=-1).sin()                               # HF's sin
+    expected = x * cos[:, None] + rotate_half(x) * sin[:, None]
+    assert torch.equal(apply_rope(x, cos[:, None], signed_sin[:, None]), expected)
+
+
 def test_llama3_scaling_changes_the_rotation():
     """Guards the rope test: the llama3 reference must differ from the unscaled one at long positions."""
     x, positions = randn(2, 1, 32, seed=4), torch.tensor([100, 1000])

@@ -182,6 +182,15 @@ def test_datasets_are_deterministic_per_seed() -> None:
     assert len({r.prompt_ids for r in first}) == 5
 
 
+def test_random_range_ratio_spreads_lengths_like_vllm() -> None:
+    requests = make_requests("random", list(range(3, 1000)), 200, 100, 40, seed=3, range_ratio=0.5)
+    inputs, outputs = [r.prompt_len for r in requests], [r.output_len for r in requests]
+    assert 50 <= min(inputs) < 60 and 140 < max(inputs) <= 150
+    assert 20 <= min(outputs) and max(outputs) <= 60 and len(set(outputs)) > 20
+    with pytest.raises(BenchError, match="range ratio"):
+        make_requests("random", [1], 1, 1, 1, seed=0, range_ratio=1.0)
+
+
 def test_shared_prefix_prompts_share_exactly_the_prefix() -> None:
     requests = shared_prefix_requests(list(range(100, 200)), 4, prefix_len=12, input_len=6, output_len=2, seed=0)
     prefixes = {r.prompt_ids[:12] for r in requests}
@@ -211,7 +220,7 @@ def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"num_prompts": 0}, {"max_concurrency": 0}, {"request_rate": 0.0},
-                                    {"vocab_size": None}])
+                                    {"vocab_size": None}, {"range_ratio": -0.1}])
 def test_bad_options_are_named_errors(kwargs: dict) -> None:
     with pytest.raises(BenchError):
         ServeOptions(**{"vocab_size": 10, **kwargs})
