@@ -36,6 +36,8 @@ class AgentOptions:
     num_threads: int = 0                # torch intra-op threads; 0 leaves torch's default
     discovery_timeout_s: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    site: str = ""                      # reported to the planner: where this box is
+    tier: str = "edge"
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
@@ -64,7 +66,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
         return f"{record.host}:{record.port}"
 
-    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, probe())
+    capabilities = probe(options.site, options.tier)
+    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities)
     control = asyncio.create_task(ControlClient(identity, host, find_coordinator).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address}", flush=True)

@@ -94,13 +94,16 @@ def backends_for(gpus: list[GpuInfo], cuda_available: bool) -> tuple[str, ...]:
     return ("torch-cpu", "torch-cuda") if gpus and cuda_available else ("torch-cpu",)
 
 
-def probe() -> Capabilities:
-    """Reads and parses this box's capabilities."""
+def probe(site: str = "", tier: str = "edge", measure: bool = True) -> Capabilities:
+    """Reads and parses this box's capabilities; measure: time a matmul and a copy for the planner."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()]
     import torch
 
+    from stratamesh.agent.speed import measure_speeds
+
     return Capabilities(
         hostname=socket.gethostname(), cpu_model=parse_cpu_model(read_cpuinfo()),
         num_cpus=os.cpu_count() or 1, ram_total_bytes=total, ram_available_bytes=available,
-        gpus=tuple(gpus), backends=backends_for(gpus, torch.cuda.is_available()))
+        gpus=tuple(gpus), backends=backends_for(gpus, torch.cuda.is_available()),
+        speeds=measure_speeds() if measure else (), site=site, tier=tier)

@@ -40,7 +40,7 @@ class ControlService(pb_grpc.ControlServicer):
         outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
         link = AgentLink(registration.agent_id, registration.stage_address,
-                         registration.capabilities.usable_mem_bytes, outbox.put_nowait)
+                         registration.capabilities, outbox.put_nowait)
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
         self._deployer.agent_connected(link, registration)
         try:

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from stratamesh.coordinator.placement import plan_stages
 from stratamesh.coordinator.registry import PlannedStage, Registry, StageRecord
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import Assignment, Hop, Registration, StageStatus
+from stratamesh.fleet.types import Assignment, Capabilities, Hop, Registration, StageStatus
 from stratamesh.fleet.wire import convert
-from stratamesh.partitioner.proportional import plan_proportional
+from stratamesh.partitioner.profile import profile_from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class AgentLink:
 
     agent_id: str
     stage_address: str
-    usable_mem_bytes: int
+    capabilities: Capabilities
     send: Callable[[object], None]
 
 
@@ -49,6 +50,7 @@ def read_model_config(path: str) -> dict:
     for key in ("num_hidden_layers", "hidden_size", "max_position_embeddings"):
         if not isinstance(config.get(key), int) or config[key] <= 0:
             raise CheckpointError(f"{path}/config.json: {key} must be a positive integer")
+    profile_from_hf_config(config)     # the planner's fields: CheckpointError names a missing one
     return config
 
 
@@ -211,9 +213,9 @@ class Deployer:
 
     def _plan(self, model_id: str, num_stages: int) -> None:
         model = self._registry.model(model_id)
-        devices = [(link.agent_id, link.usable_mem_bytes) for link in self._links.values()]
+        agents = {link.agent_id: link.capabilities for link in self._links.values()}
         try:
-            placed = plan_proportional(model_id, model.path, model.num_layers, devices, num_stages)
+            planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages)
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())
@@ -221,8 +223,7 @@ class Deployer:
         plan_id = uuid.uuid4().hex[:12]
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
-        reason = "layers in proportion to usable memory: " + ", ".join(
-            f"{s.agent_id}=[{s.spec.start_layer},{s.spec.end_layer})" for s in stages)
+        reason = planned.reason
         self._registry.save_plan(plan_id, model_id, stages, reason, self._clock())
         self._registry.log_event("plan", reason, self._clock())
         log.info("planned %s: %s", model_id, reason)

@@ -17,7 +17,7 @@ from sqlite_utils.db import NotFoundError
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.coordinator.records import (AgentRecord, EventRecord, ModelRecord, PlannedStage, PlanRecord,
                                             StageRecord)
-from stratamesh.fleet.types import Capabilities, GpuInfo, StageSpec
+from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo, StageSpec
 
 __all__ = ["AgentRecord", "EventRecord", "ModelRecord", "PlanRecord", "PlannedStage", "Registry",
            "StageRecord"]
@@ -75,7 +75,8 @@ def _caps_to_json(caps: Capabilities) -> str:
 def _caps_from_json(text: str) -> Capabilities:
     d = json.loads(text)
     return Capabilities(**{**d, "gpus": tuple(GpuInfo(**g) for g in d["gpus"]),
-                           "backends": tuple(d["backends"])})
+                           "backends": tuple(d["backends"]),
+                           "speeds": tuple(SpeedInfo(**s) for s in d.get("speeds", ()))})
 
 
 def _agent(row: dict[str, Any]) -> AgentRecord:

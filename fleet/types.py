@@ -20,6 +20,16 @@ class GpuInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeedInfo:
+    """What a box measured for one backend and dtype: a large matmul and a large copy."""
+
+    backend: str
+    dtype: str
+    flops: float              # FLOP/s
+    mem_bandwidth: float      # bytes/s
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What an agent's box offers, as it reports it on registration."""
 
@@ -30,6 +40,9 @@ class Capabilities:
     ram_available_bytes: int
     gpus: tuple[GpuInfo, ...] = ()
     backends: tuple[str, ...] = ("torch-cpu",)
+    speeds: tuple[SpeedInfo, ...] = ()
+    site: str = ""              # where the box is (a building, a cloud region): the operator says
+    tier: str = "edge"          # "edge" or "cloud"
 
     @property
     def usable_mem_bytes(self) -> int:

@@ -1,4 +1,4 @@
-"""The `stratamesh` command: up, coordinator, agent, model tiny, bench serve."""
+"""The `stratamesh` command: up, coordinator, agent, model tiny, plan, bench serve."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from stratamesh.bench.options import add_serve_arguments
+from stratamesh.plan_command import add_plan_arguments, run_plan
 from stratamesh.fleet.errors import MeshError
 
 log = logging.getLogger("stratamesh")
@@ -69,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
     agent.add_argument("--max-batch-seqs", type=int, default=64)
     agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
+    agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
+    agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
     agent.set_defaults(func=_agent)
 
     model = commands.add_parser("model", help="model folders")
@@ -86,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_model_tiny)
+
+    plan = commands.add_parser("plan", help="plan a model's stages over a fleet file (no daemon needed)")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(metavar="BENCHMARK")
@@ -130,10 +137,19 @@ def _agent(args: argparse.Namespace) -> None:
     options = AgentOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
-        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads,
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
+        tier=args.tier,
         engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
                             args.max_batch_seqs, not args.no_prefix_cache), **overrides)
     _run_daemon(lambda stop: run_agent(options, stop))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    try:
+        print(run_plan(args))
+    except MeshError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 def _model_tiny(args: argparse.Namespace) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
+    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo,
     StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -18,15 +18,22 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
         gpus=[pb.GpuInfo(index=g.index, name=g.name, mem_total_bytes=g.mem_total_bytes,
                          mem_free_bytes=g.mem_free_bytes, uuid=g.uuid) for g in caps.gpus],
-        backends=list(caps.backends))
+        backends=list(caps.backends), site=caps.site, tier=caps.tier,
+        speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth)
+                for s in caps.speeds])
 
 
 def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if msg.num_cpus < 0 or msg.ram_total_bytes < 0 or msg.ram_available_bytes < 0:
         raise InvalidInput("capabilities: num_cpus and memory sizes must be >= 0")
+    if any(not (s.flops > 0 and s.mem_bandwidth > 0) for s in msg.speeds):
+        raise InvalidInput("capabilities: speeds must have positive flops and mem_bandwidth")
+    if msg.tier not in ("", "edge", "cloud"):
+        raise InvalidInput(f"capabilities: tier {msg.tier!r} is not edge or cloud")
     gpus = tuple(GpuInfo(g.index, g.name, g.mem_total_bytes, g.mem_free_bytes, g.uuid) for g in msg.gpus)
+    speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
-                        msg.ram_available_bytes, gpus, tuple(msg.backends))
+                        msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge")
 
 
 def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:

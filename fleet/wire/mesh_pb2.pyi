@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends")
+    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,9 @@ class Capabilities(_message.Message):
     RAM_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    SPEEDS_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_model: str
     num_cpus: int
@@ -51,7 +54,22 @@ class Capabilities(_message.Message):
     ram_available_bytes: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    speeds: _containers.RepeatedCompositeFieldContainer[Speed]
+    site: str
+    tier: str
+    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class Speed(_message.Message):
+    __slots__ = ("backend", "dtype", "flops", "mem_bandwidth")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    MEM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    dtype: str
+    flops: float
+    mem_bandwidth: float
+    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ...) -> None: ...
 
 class StageSpec(_message.Message):
     __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size")

@@ -10,7 +10,7 @@ import pytest
 from stratamesh.coordinator.deployer import AgentLink, Deployer
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady
-from stratamesh.fleet.types import Assignment, Capabilities, Registration, StageStatus
+from stratamesh.fleet.types import Assignment, Capabilities, Registration, SpeedInfo, StageStatus
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
 GiB = 1 << 30
@@ -18,7 +18,8 @@ GiB = 1 << 30
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    config = {"num_hidden_layers": 6, "hidden_size": 64, "max_position_embeddings": 128}
+    config = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -26,8 +27,9 @@ def model_dir(tmp_path: Path) -> Path:
 class Agent:
     def __init__(self, agent_id: str, mem_gib: int):
         self.sent: list[pb.CoordinatorMessage] = []
-        self.link = AgentLink(agent_id, f"127.0.0.1:{5000 + int(agent_id[-1])}", mem_gib * GiB, self.sent.append)
-        self.caps = Capabilities("box", "cpu", 2, mem_gib * GiB, mem_gib * GiB)
+        self.caps = Capabilities(f"box-{agent_id}", "cpu", 2, mem_gib * GiB, mem_gib * GiB,
+                                 speeds=(SpeedInfo("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
+        self.link = AgentLink(agent_id, f"127.0.0.1:{5000 + int(agent_id[-1])}", self.caps, self.sent.append)
 
     def registration(self, held: tuple[Assignment, ...] = ()) -> Registration:
         return Registration(self.link.agent_id, self.link.agent_id, self.link.stage_address, self.caps, held)
@@ -57,7 +59,8 @@ def test_plans_once_enough_agents_join_then_serves_a_route(model_dir: Path) -> N
     connect_all(deployer, agents[2:])
     plan = registry.active_plan("m")
     spans = {s.agent_id: (s.spec.start_layer, s.spec.end_layer) for s in plan.stages}
-    assert spans["a3"][1] - spans["a3"][0] == 3          # twice the memory, twice the layers
+    sizes = {agent: end - start for agent, (start, end) in spans.items()}
+    assert sizes["a3"] >= 3 and sizes["a3"] > max(sizes["a1"], sizes["a2"])   # twice as fast: the most layers
     assert sorted(spans.values())[0][0] == 0 and sorted(spans.values())[-1][1] == 6
     assert all(a[1] == b[0] for a, b in zip(sorted(spans.values()), sorted(spans.values())[1:]))
     with pytest.raises(ModelNotReady):

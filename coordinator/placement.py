@@ -1,0 +1,52 @@
+"""From connected agents and a model's config to the planner's inputs, and from its Plan to stage specs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stratamesh.fleet.types import Capabilities, StageSpec
+from stratamesh.partitioner.fleet import Device, FleetSnapshot, Speed
+from stratamesh.partitioner.plan import Plan, PlanRequest
+from stratamesh.partitioner.planner import plan_pipeline
+from stratamesh.partitioner.profile import profile_from_hf_config
+
+STAGE_DTYPE = "float32"          # what the CPU stages run today, whatever the checkpoint stores
+# An agent too old to measure its speed is planned as a modest CPU box.
+UNMEASURED = Speed("torch-cpu", STAGE_DTYPE, flops=50e9, mem_bandwidth=10e9)
+KV_CONTEXT_TOKENS = 4096         # the KV reserve a stage must hold: this context ...
+KV_SEQUENCES = 8                 # ... for this many sequences
+
+
+def fleet_of(agents: Mapping[str, Capabilities]) -> FleetSnapshot:
+    """One device per agent; agents on one host share the host's best measurement (their probes overlapped)."""
+    best: dict[tuple[str, str, str], Speed] = {}
+    for caps in agents.values():
+        for s in caps.speeds:
+            key = (caps.hostname, s.backend, s.dtype)
+            if key not in best or s.flops > best[key].flops:
+                best[key] = Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth)
+    devices = []
+    for agent_id, caps in agents.items():
+        speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname) or (UNMEASURED,)
+        devices.append(Device(agent_id, caps.usable_mem_bytes, speeds, caps.tier or "edge", caps.site,
+                              node=caps.hostname))
+    return FleetSnapshot(tuple(devices))
+
+
+def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
+                num_stages: int, previous: Plan | None = None) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+    """The planner's best num_stages-stage pipeline over the agents (PlacementError if none fits)."""
+    profile = profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
+    context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
+    request = PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
+                          concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
+    plan = plan_pipeline(profile, fleet_of(agents), request, previous)
+    return plan, stage_specs(plan, model_id, model_path, profile.num_layers)
+
+
+def stage_specs(plan: Plan, model_id: str, model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
+    """(agent id, spec) of each stage of the plan's first pipeline, in order."""
+    stages: Sequence = plan.pipelines[0].stages
+    return [(s.devices[0], StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype))
+            for s in stages]

@@ -1,0 +1,137 @@
+"""The cost model: how long a unit (a device or a tensor-parallel group) takes for a layer range, and links.
+
+A stage's step is roofline-bound: max(bytes read / memory bandwidth, FLOPs / FLOP/s), plus a fixed per-step
+overhead and, in a tensor-parallel group, two all-reduces of the step's activations per layer. Tables are
+numpy arrays over (start, end) layer pairs so the planner's dynamic programmes are array operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stratamesh.partitioner.fleet import Device, FleetSnapshot, Link, Speed
+from stratamesh.partitioner.plan import PlanRequest
+from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile
+
+TP_EFFICIENCY = 0.9        # of a group's summed FLOP/s and bandwidth, after the shards' imbalance
+TP_MIN_BANDWIDTH = 20e9    # bytes/s: slower intra-node links are not worth sharding a layer over
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """What serves one stage: one device, or a tensor-parallel group of devices on one node."""
+
+    devices: tuple[Device, ...]
+    speed: Speed                   # effective: the group's summed FLOP/s and bandwidth
+    memory_bytes: int              # the group's: degree x its smallest device
+    overhead_s: float
+    allreduce_s: float             # per layer per step (0 for one device)
+
+    @property
+    def id(self) -> str:
+        return "+".join(d.id for d in self.devices)
+
+    @property
+    def lead(self) -> Device:
+        return self.devices[0]
+
+    @property
+    def degree(self) -> int:
+        return len(self.devices)
+
+
+def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
+    """The device alone, or None if it measured nothing for the profile's dtype."""
+    speed = device.speed(profile.dtype)
+    if speed is None:
+        return None
+    return Unit((device,), speed, device.memory_bytes, device.step_overhead_s, 0.0)
+
+
+def group_unit(devices: tuple[Device, ...], link: Link, profile: ModelProfile, request: PlanRequest) -> Unit | None:
+    """A tensor-parallel group: its degree must divide the heads and the KV heads, and every member measured."""
+    degree = len(devices)
+    if profile.num_heads % degree or profile.num_kv_heads % degree or link.bandwidth < TP_MIN_BANDWIDTH:
+        return None
+    speeds = [d.speed(profile.dtype) for d in devices]
+    if any(s is None for s in speeds):
+        return None
+    slowest = min(speeds, key=lambda s: (s.flops, s.mem_bandwidth))
+    speed = Speed(slowest.backend, profile.dtype, degree * slowest.flops * TP_EFFICIENCY,
+                  degree * slowest.mem_bandwidth * TP_EFFICIENCY)
+    # ring all-reduce of the step's activations, twice per layer (after attention and after the MLP)
+    payload = request.step_tokens * profile.activation_bytes_per_token
+    one = 2 * (degree - 1) / degree * payload / link.bandwidth + 2 * (degree - 1) * link.rtt_s / 2
+    memory = degree * min(d.memory_bytes for d in devices)
+    return Unit(devices, speed, memory, max(d.step_overhead_s for d in devices), 2 * one)
+
+
+class StageTables:
+    """Per unit, over layer ranges [a, b): predicted step time (inf where it does not fit) and memory."""
+
+    def __init__(self, profile: ModelProfile, request: PlanRequest) -> None:
+        self.profile, self.request = profile, request
+        bpp, num = profile.bytes_per_param, profile.num_layers
+        self.param_bytes = _prefix([p * bpp for p in profile.layer_params])
+        self.kv_bytes = _prefix(profile.layer_kv_bytes_per_token)
+        flops = [f + request.mean_context * a
+                 for f, a in zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)]
+        self.flops = _prefix(flops)
+        a, b = np.meshgrid(np.arange(num + 1), np.arange(num + 1), indexing="ij")   # a: start, b: end
+        self.starts, self.ends, self.valid = a, b, b > a
+        self.memory = self._memory()                                                    # [L+1, L+1] bytes
+
+    def _memory(self) -> np.ndarray:
+        p, req = self.profile, self.request
+        span = lambda prefix: prefix[self.ends] - prefix[self.starts]   # noqa: E731
+        kv_reserve = req.concurrency * req.context_len * span(self.kv_bytes)
+        first, last = self.starts == 0, self.ends == p.num_layers
+        head = np.where(first & p.tied_embeddings, p.head_bytes - p.embed_bytes, p.head_bytes)
+        return span(self.param_bytes) + kv_reserve + first * p.embed_bytes + last * head
+
+    def kv_reserve(self, start: int, end: int) -> int:
+        req = self.request
+        return int(req.concurrency * req.context_len * (self.kv_bytes[end] - self.kv_bytes[start]))
+
+    def times(self, unit: Unit) -> np.ndarray:
+        """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
+        p, tokens = self.profile, self.request.step_tokens
+        span = lambda prefix: prefix[self.ends] - prefix[self.starts]   # noqa: E731
+        last = self.ends == p.num_layers
+        read = span(self.param_bytes) + tokens * self.request.mean_context * span(self.kv_bytes) + last * p.head_bytes
+        flops = tokens * (span(self.flops) + last * p.head_flops_per_token)
+        layers = self.ends - self.starts
+        t = np.maximum(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
+        t = t + unit.overhead_s + layers * unit.allreduce_s
+        fits = self.valid & (self.memory <= unit.memory_bytes)
+        return np.where(fits, t, np.inf)
+
+
+def hop_s(link: Link, payload_bytes: float) -> float:
+    """One message over a link: half a round trip plus the transfer."""
+    return link.rtt_s / 2 + payload_bytes / link.bandwidth
+
+
+class LinkCosts:
+    """Transfer and hop times between units and to/from the origin, for one step's payloads."""
+
+    def __init__(self, fleet: FleetSnapshot, profile: ModelProfile, request: PlanRequest) -> None:
+        self.fleet = fleet
+        self.activation_bytes = request.step_tokens * profile.activation_bytes_per_token
+        self.token_bytes = request.step_tokens * TOKEN_ID_BYTES
+
+    def between(self, a: Unit, b: Unit) -> tuple[float, float]:
+        """(transfer s, hop s) of activations from a's rank 0 to b's."""
+        link = self.fleet.link(a.lead, b.lead)
+        return self.activation_bytes / link.bandwidth, hop_s(link, self.activation_bytes)
+
+    def origin(self, unit: Unit) -> tuple[float, float]:
+        """(transfer s, hop s) of token ids between the origin and unit."""
+        link = self.fleet.link(None, unit.lead)
+        return self.token_bytes / link.bandwidth, hop_s(link, self.token_bytes)
+
+
+def _prefix(values: list[float] | tuple[float, ...]) -> np.ndarray:
+    return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))

@@ -1,0 +1,143 @@
+"""A snapshot of the fleet the planner sees: devices (memory, measured speed, tier, site, node) and links."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stratamesh.fleet.errors import InvalidInput
+
+ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)
+TIERS = ("edge", "cloud")
+
+
+@dataclass(frozen=True, slots=True)
+class Speed:
+    """What a device measured for one backend and dtype."""
+
+    backend: str              # "torch-cuda", "torch-cpu", "onnxruntime"
+    dtype: str
+    flops: float              # FLOP/s of a large matmul
+    mem_bandwidth: float      # bytes/s of a large copy
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One GPU or one CPU box that can serve a stage."""
+
+    id: str
+    memory_bytes: int         # usable: free GPU memory, or available RAM
+    speeds: tuple[Speed, ...]
+    tier: str = "edge"
+    site: str = ""            # a building or a cloud region: links inside one are fast
+    node: str = ""            # a machine: GPUs on one node may form a tensor-parallel group; "" = id
+    step_overhead_s: float = 0.0   # fixed cost of one step (framework, kernel launches)
+
+    @property
+    def node_id(self) -> str:
+        return self.node or self.id
+
+    def speed(self, dtype: str) -> Speed | None:
+        """The fastest measured backend for dtype (ties by backend name), or None."""
+        matches = [s for s in self.speeds if s.dtype == dtype]
+        return max(matches, key=lambda s: (s.flops, s.mem_bandwidth, s.backend), default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A measured link between two devices (or a device and ORIGIN), the same both ways."""
+
+    a: str
+    b: str
+    bandwidth: float          # bytes/s
+    rtt_s: float
+
+
+# Links never measured: GPUs of one node talk over PCIe 4.0 x16, boxes of one site over 10 GbE, and sites
+# over a 100 Mbit/s WAN with 40 ms round trips.
+NODE_LINK = Link("", "", bandwidth=25e9, rtt_s=20e-6)
+SITE_LINK = Link("", "", bandwidth=1.25e9, rtt_s=0.3e-3)
+WAN_LINK = Link("", "", bandwidth=12.5e6, rtt_s=40e-3)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """Devices and measured links; origin_site is where requests enter ("" = near every device)."""
+
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    origin_site: str = ""
+    _index: dict[tuple[str, str], Link] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ids = [d.id for d in self.devices]
+        if len(set(ids)) != len(ids) or ORIGIN in ids:
+            raise InvalidInput(f"device ids must be unique and not {ORIGIN!r}")
+        for link in self.links:
+            self._index[_key(link.a, link.b)] = link
+
+    def device(self, device_id: str) -> Device:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise InvalidInput(f"no device {device_id!r} in the fleet")
+
+    def link(self, a: Device | None, b: Device | None) -> Link:
+        """The link between two devices (None: the origin): measured, or the default for where they sit."""
+        measured = self._index.get(_key(a.id if a else ORIGIN, b.id if b else ORIGIN))
+        if measured is not None:
+            return measured
+        if a is None or b is None:
+            device = a or b
+            near = not self.origin_site or device is None or device.site == self.origin_site
+            return SITE_LINK if near else WAN_LINK
+        if a.node_id == b.node_id:
+            return NODE_LINK
+        return SITE_LINK if a.site == b.site else WAN_LINK
+
+    def without(self, device_ids: set[str]) -> FleetSnapshot:
+        """The same fleet minus some devices (their links stay; they are never asked for)."""
+        return FleetSnapshot(tuple(d for d in self.devices if d.id not in device_ids), self.links, self.origin_site)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"origin_site": self.origin_site,
+                "devices": [{**asdict(d), "speeds": [asdict(s) for s in d.speeds]} for d in self.devices],
+                "links": [asdict(link) for link in self.links]}
+
+
+def _key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+def fleet_from_dict(raw: Mapping[str, Any]) -> FleetSnapshot:
+    """A FleetSnapshot from its JSON form (to_dict's shape); InvalidInput names the bad field."""
+    try:
+        devices = tuple(_device(d) for d in raw["devices"])
+        links = tuple(_link(link) for link in raw.get("links", ()))
+        return FleetSnapshot(devices, links, str(raw.get("origin_site", "")))
+    except KeyError as e:
+        raise InvalidInput(f"fleet lacks required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise InvalidInput(f"fleet has a malformed field: {e}") from None
+
+
+def _device(raw: Mapping[str, Any]) -> Device:
+    speeds = tuple(Speed(str(s["backend"]), str(s["dtype"]), float(s["flops"]), float(s["mem_bandwidth"]))
+                   for s in raw["speeds"])
+    device = Device(str(raw["id"]), int(raw["memory_bytes"]), speeds, str(raw.get("tier", "edge")),
+                    str(raw.get("site", "")), str(raw.get("node", "")), float(raw.get("step_overhead_s", 0.0)))
+    if device.tier not in TIERS:
+        raise InvalidInput(f"device {device.id!r}: tier {device.tier!r} is not one of {TIERS}")
+    if device.memory_bytes < 0 or device.step_overhead_s < 0:
+        raise InvalidInput(f"device {device.id!r}: memory and overhead must not be negative")
+    if any(not (s.flops > 0 and s.mem_bandwidth > 0) for s in speeds):
+        raise InvalidInput(f"device {device.id!r}: flops and mem_bandwidth must be positive")
+    return device
+
+
+def _link(raw: Mapping[str, Any]) -> Link:
+    link = Link(str(raw["a"]), str(raw["b"]), float(raw["bandwidth"]), float(raw["rtt_s"]))
+    if not (link.bandwidth > 0 and link.rtt_s >= 0):
+        raise InvalidInput(f"link {link.a}-{link.b}: bandwidth must be positive and rtt_s not negative")
+    return link

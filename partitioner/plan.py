@@ -1,0 +1,136 @@
+"""What the planner is asked (PlanRequest) and what it answers (Plan): values with a stable JSON form."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from stratamesh.fleet.errors import InvalidInput
+
+OBJECTIVES = ("throughput", "latency")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """The objective, the workload a plan must hold, and the constraints on where stages may go.
+
+    throughput: the smallest bottleneck (slowest stage compute or link transfer of one step), ties broken
+    by latency; latency: the smallest step (every stage plus the K+1 hops from and back to the origin).
+    A step is concurrency tokens (one per sequence) at an average context of context_len / 2; every stage
+    reserves KV for concurrency x context_len tokens."""
+
+    objective: str = "throughput"
+    context_len: int = 2048
+    concurrency: int = 8
+    first_site: str | None = None          # data residency: the first stage (it sees token ids) stays here
+    last_site: str | None = None           # ... and the last (it produces them)
+    exclude: frozenset[str] = frozenset()  # device ids never to use
+    max_stages: int | None = None
+    num_stages: int | None = None          # exactly this many stages (an operator's --stages)
+    max_replicas: int = 1                  # pipelines; more only while a further one fits in what is left
+    tensor_parallel: bool = True           # group GPUs of one node with fast links
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise InvalidInput(f"objective {self.objective!r} is not one of {OBJECTIVES}")
+        if self.context_len < 1 or self.concurrency < 1 or self.max_replicas < 1:
+            raise InvalidInput("context_len, concurrency and max_replicas must be at least 1")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise InvalidInput("max_stages must be at least 1")
+        if self.num_stages is not None and not 1 <= self.num_stages <= (self.max_stages or self.num_stages):
+            raise InvalidInput("num_stages must be at least 1 and at most max_stages")
+
+    @property
+    def stage_limit(self) -> int | None:
+        """The most stages a pipeline may have."""
+        return self.num_stages or self.max_stages
+
+    @property
+    def step_tokens(self) -> int:
+        return self.concurrency
+
+    @property
+    def mean_context(self) -> float:
+        return self.context_len / 2
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """Layers [start_layer, end_layer) on one device or one tensor-parallel group (rank 0 first)."""
+
+    devices: tuple[str, ...]
+    start_layer: int
+    end_layer: int
+    backend: str
+    dtype: str
+    compute_s: float                # predicted time of one step
+    send_s: float                   # predicted transfer of its output to the next stage (or the origin)
+    memory_bytes: int               # weights + KV reserve, per device
+    headroom_bytes: int             # usable memory left on the tightest device of the group
+    kv_budget_bytes: int            # the KV reserve inside memory_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """One replica: stages in order, its bottleneck and its step time."""
+
+    stages: tuple[PlannedStage, ...]
+    bottleneck_s: float             # slowest stage compute or link transfer: one step per this, pipelined
+    step_s: float                   # one token of one sequence through every stage and hop
+    bottleneck: str                 # what it is, in words
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Replicas of pipelines for one model, what they are predicted to do, and why this one."""
+
+    model: str
+    objective: str
+    pipelines: tuple[Pipeline, ...]
+    tokens_per_s: float             # predicted, all replicas together
+    reason: str
+    layers_moved: int = 0           # on a re-plan: layers whose device changed
+    search: str = ""                # how the order was found: "exact" or "heuristic"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def objective_s(self) -> float:
+        """The value minimised: bottleneck (throughput) or step time (latency) of the first replica."""
+        first = self.pipelines[0]
+        return first.bottleneck_s if self.objective == "throughput" else first.step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "objective": self.objective, "tokens_per_s": _round(self.tokens_per_s),
+            "reason": self.reason, "layers_moved": self.layers_moved, "search": self.search,
+            "pipelines": [{
+                "bottleneck_s": _round(p.bottleneck_s), "step_s": _round(p.step_s), "bottleneck": p.bottleneck,
+                "stages": [{
+                    "devices": list(s.devices), "start_layer": s.start_layer, "end_layer": s.end_layer,
+                    "backend": s.backend, "dtype": s.dtype, "compute_s": _round(s.compute_s),
+                    "send_s": _round(s.send_s), "memory_bytes": s.memory_bytes,
+                    "headroom_bytes": s.headroom_bytes, "kv_budget_bytes": s.kv_budget_bytes,
+                } for s in p.stages],
+            } for p in self.pipelines],
+        }
+
+    def to_json(self) -> str:
+        """Stable: sorted keys, floats rounded to 6 significant digits."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")

@@ -1,0 +1,109 @@
+"""What a model costs per layer (bytes, KV, FLOPs, activations), read from a Hugging Face config dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stratamesh.fleet.errors import CheckpointError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Per-layer costs of a decoder at one dtype; the embedding sits on the first stage, norm + head on the last.
+
+    Costs are per token: a step of B tokens at an average context of C tokens reads every parameter once,
+    reads B * C * kv_bytes of KV and does B * (flops + C * attn_flops_per_ctx) FLOPs per layer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    dtype: str
+    layer_params: tuple[int, ...]                 # parameters of each layer
+    layer_kv_bytes_per_token: tuple[int, ...]     # K + V bytes one token costs in each layer
+    layer_flops_per_token: tuple[int, ...]        # matmul FLOPs per token (2 per multiply-add)
+    layer_attn_flops_per_ctx: tuple[int, ...]     # attention FLOPs per token per context token
+    embed_params: int                             # on the first stage
+    head_params: int                              # final norm + LM head on the last stage
+    head_flops_per_token: int
+    tied_embeddings: bool = False                 # one matrix: a single stage holding both counts it once
+
+    @property
+    def bytes_per_param(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """The hidden state one token carries from a stage to the next."""
+        return self.hidden_size * self.bytes_per_param
+
+    def layer_param_bytes(self, layer: int) -> int:
+        return self.layer_params[layer] * self.bytes_per_param
+
+    @property
+    def embed_bytes(self) -> int:
+        return self.embed_params * self.bytes_per_param
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_params * self.bytes_per_param
+
+    @property
+    def total_bytes(self) -> int:
+        """Every parameter once (a tied head is the embedding)."""
+        head = self.head_params - (self.embed_params if self.tied_embeddings else 0)
+        return (sum(self.layer_params) + self.embed_params + head) * self.bytes_per_param
+
+    def at_dtype(self, dtype: str) -> ModelProfile:
+        """The same model stored and run in another dtype."""
+        _check_dtype(dtype)
+        kv = tuple(b // self.bytes_per_param * DTYPE_BYTES[dtype] for b in self.layer_kv_bytes_per_token)
+        return replace(self, dtype=dtype, layer_kv_bytes_per_token=kv)
+
+
+def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, name: str = "") -> ModelProfile:
+    """The profile of a Llama-family config.json dict (Llama, Qwen2, Mistral); CheckpointError if malformed."""
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        num_layers, inter, vocab = int(raw["num_hidden_layers"]), int(raw["intermediate_size"]), int(raw["vocab_size"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+    except KeyError as e:
+        raise CheckpointError(f"config lacks required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config has a malformed field: {e}") from None
+    dtype = dtype or str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    _check_dtype(dtype)
+    if min(hidden, heads, num_layers, inter, vocab, kv_heads, head_dim) < 1 or heads % kv_heads:
+        raise CheckpointError(f"config sizes must be positive and heads ({heads}) a multiple of kv heads "
+                              f"({kv_heads})")
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
+    matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
+    layer = matmul + bias + 2 * hidden                                  # + the two RMSNorm weights
+    tied = bool(raw.get("tie_word_embeddings", False))
+    return ModelProfile(
+        name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "model"),
+        num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, vocab_size=vocab,
+        dtype=dtype,
+        layer_params=(layer,) * num_layers,
+        layer_kv_bytes_per_token=(2 * kv_dim * DTYPE_BYTES[dtype],) * num_layers,
+        layer_flops_per_token=(2 * matmul,) * num_layers,
+        layer_attn_flops_per_ctx=(4 * q_dim,) * num_layers,             # q.k and p.v, 2 FLOPs per multiply-add
+        embed_params=vocab * hidden,
+        head_params=vocab * hidden + hidden,
+        head_flops_per_token=2 * vocab * hidden,
+        tied_embeddings=tied,
+    )
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
