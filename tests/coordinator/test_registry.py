@@ -11,14 +11,15 @@ import pytest
 from stratamesh.coordinator.registry import (
     MIGRATIONS, AgentRecord, PlannedStage, Registry, SchemaTooNew)
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Capabilities, GpuInfo, StageSpec
+from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo, StageSpec
 
 T0 = 1_700_000_000.0
 CPU_BOX = Capabilities("edge-1", "ARM Cortex-A78", 8, 16 << 30, 12 << 30)
 GPU_BOX = Capabilities("cloud-1", "EPYC", 64, 512 << 30, 480 << 30,
                        gpus=(GpuInfo(0, "H100", 80 << 30, 79 << 30, "GPU-abc"),
                              GpuInfo(1, "H100", 80 << 30, 70 << 30)),
-                       backends=("torch-cuda", "torch-cpu"))
+                       backends=("torch-cuda", "torch-cpu"),
+                       speeds=(SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),), site="eu-west", tier="cloud")
 
 
 @pytest.fixture

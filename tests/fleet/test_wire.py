@@ -10,7 +10,7 @@ import pytest
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
-    StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
+    SpeedInfo, StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -45,9 +45,17 @@ def test_stage_messages_round_trip(message) -> None:
     assert convert.stage_message_from_pb(pb.StageMessage.FromString(wire)) == message
 
 
+def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
+    for caps in (Capabilities("b", "c", 1, 1, 1, speeds=(SpeedInfo("torch-cpu", "float32", 0.0, 1e9),)),
+                 Capabilities("b", "c", 1, 1, 1, tier="orbit")):
+        with pytest.raises(InvalidInput):
+            convert.capabilities_from_pb(convert.capabilities_to_pb(caps))
+
+
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
-                        ("torch-cpu", "torch-cuda"))
+                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),),
+                        site="eu-west", tier="cloud")
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
     assert caps.usable_mem_bytes == 70 << 30
