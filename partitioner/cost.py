@@ -50,8 +50,15 @@ def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
     return Unit((device,), speed, device.memory_bytes, device.step_overhead_s, 0.0)
 
 
+def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
+    """The weakest link inside a group: the lowest bandwidth and the longest round trip over its pairs."""
+    pairs = [fleet.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1:]]
+    return Link("", "", min(p.bandwidth for p in pairs), max(p.rtt_s for p in pairs))
+
+
 def group_unit(devices: tuple[Device, ...], link: Link, profile: ModelProfile, request: PlanRequest) -> Unit | None:
-    """A tensor-parallel group: its degree must divide the heads and the KV heads, and every member measured."""
+    """A tensor-parallel group over its weakest link (group_link): its degree must divide the heads and the KV
+    heads, and every member must have measured the dtype."""
     degree = len(devices)
     if profile.num_heads % degree or profile.num_kv_heads % degree or link.bandwidth < TP_MIN_BANDWIDTH:
         return None
@@ -94,6 +101,16 @@ class StageTables:
     def kv_reserve(self, start: int, end: int) -> int:
         req = self.request
         return int(req.concurrency * req.context_len * (self.kv_bytes[end] - self.kv_bytes[start]))
+
+    def time_of(self, unit: Unit, start: int, end: int) -> float:
+        """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
+        p, tokens, ctx = self.profile, self.request.step_tokens, self.request.mean_context
+        last = end == p.num_layers
+        read = (self.param_bytes[end] - self.param_bytes[start] + last * p.head_bytes
+                + tokens * ctx * (self.kv_bytes[end] - self.kv_bytes[start]))
+        flops = tokens * (self.flops[end] - self.flops[start] + last * p.head_flops_per_token)
+        compute = max(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
+        return float(compute + unit.overhead_s + (end - start) * unit.allreduce_s)
 
     def times(self, unit: Unit) -> np.ndarray:
         """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""

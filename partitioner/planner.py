@@ -22,7 +22,7 @@ import numpy as np
 
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner import describe
-from stratamesh.partitioner.cost import LinkCosts, StageTables, Unit, group_unit, single_unit
+from stratamesh.partitioner.cost import LinkCosts, StageTables, Unit, group_link, group_unit, single_unit
 from stratamesh.partitioner.fleet import FleetSnapshot
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.profile import ModelProfile
@@ -33,7 +33,7 @@ UNITS_PER_SITE = 8        # the heuristic keeps the fastest units of a site ...
 MAX_SITES = 4             # ... of the strongest sites (plus pinned ones)
 TIE = 1 + 1e-9            # relative slack when restricting to the best bottleneck
 TP_DEGREES = (2, 4, 8)
-SWAP_TRIALS = 64          # pair swaps the heuristic tries after the site orders
+SWAP_TRIALS = 32          # pair swaps the heuristic tries after the site orders
 
 
 def plan_pipeline(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest = PlanRequest(),
@@ -67,7 +67,7 @@ def evaluate(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,
     for ids, _, _ in placement:
         devices = tuple(fleet.device(i) for i in ids)
         unit = (single_unit(devices[0], profile) if len(devices) == 1
-                else group_unit(devices, fleet.link(devices[0], devices[-1]), profile, request))
+                else group_unit(devices, group_link(fleet, devices), profile, request))
         if unit is None:
             raise PlacementError(f"{'+'.join(ids)} cannot serve {profile.dtype} (no speed measured, or a "
                                  f"group that does not divide the heads)")
@@ -87,9 +87,9 @@ def evaluate(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,
 def _best_pipeline(profile: ModelProfile, fleet: FleetSnapshot, tables: StageTables, request: PlanRequest,
                    search: str) -> tuple[Pipeline, str] | None:
     """The best pipeline over the tensor-parallel configurations, and how its order was found."""
-    links, best = LinkCosts(fleet, profile, request), None
+    links, best, per_layer = LinkCosts(fleet, profile, request), None, {}
     for units in _configurations(profile, fleet, request):
-        found = _search(units, tables, links, request, search)
+        found = _search(units, tables, links, request, search, per_layer)
         if found is None:
             continue
         chosen, ranges, how = found
@@ -102,7 +102,8 @@ def _best_pipeline(profile: ModelProfile, fleet: FleetSnapshot, tables: StageTab
 
 def _configurations(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest) -> list[list[Unit]]:
     """Disjoint unit sets: every device alone, then for each TP degree, each node's GPUs grouped."""
-    singles = [u for d in fleet.devices if (u := single_unit(d, profile)) is not None]
+    alone = {d.id: u for d in fleet.devices if (u := single_unit(d, profile)) is not None}
+    singles = list(alone.values())
     configs = [singles]
     if not request.tensor_parallel:
         return configs
@@ -112,9 +113,9 @@ def _configurations(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRe
     for degree in TP_DEGREES:
         grouped, any_group = [], False
         for node_devices in by_node.values():
-            groups = _groups(node_devices, degree, fleet, profile, request)
+            groups = _groups(node_devices, degree, fleet, profile, request) if len(node_devices) >= degree else []
             any_group |= bool(groups)
-            grouped += groups or [u for d in node_devices if (u := single_unit(d, profile)) is not None]
+            grouped += groups or [alone[d.id] for d in node_devices if d.id in alone]
         if any_group:
             configs.append(grouped)
     return configs
@@ -128,9 +129,7 @@ def _groups(devices: list, degree: int, fleet: FleetSnapshot, profile: ModelProf
     units, grouped = [], False
     for i in range(0, len(devices) - len(devices) % degree, degree):
         members = tuple(devices[i:i + degree])
-        slowest = min((fleet.link(a, b) for a, b in itertools.combinations(members, 2)),
-                      key=lambda link: link.bandwidth)
-        unit = group_unit(members, slowest, profile, request)
+        unit = group_unit(members, group_link(fleet, members), profile, request)
         if unit is None:
             return []
         units.append(unit)
@@ -140,11 +139,11 @@ def _groups(devices: list, degree: int, fleet: FleetSnapshot, profile: ModelProf
 
 
 def _search(units: list[Unit], tables: StageTables, links: LinkCosts, request: PlanRequest,
-            search: str) -> tuple[list[Unit], list[tuple[int, int]], str] | None:
+            search: str, per_layer: dict[int, float]) -> tuple[list[Unit], list[tuple[int, int]], str] | None:
     """The best units in order and their layer ranges: exact when few units (or asked), else the heuristic."""
     exact = search == "exact" or (search == "auto" and len(units) <= EXACT_UNITS)
     if not exact:
-        units = _candidates(units, tables, request)
+        units = _candidates(units, tables, request, per_layer)
     costs = _costs(units, tables, links, request, request.objective)
     limit, exact_stages = request.stage_limit, request.num_stages is not None
     if exact:
@@ -182,22 +181,26 @@ def _costs(units: list[Unit], tables: StageTables, links: LinkCosts, request: Pl
 
 
 # ------------------------------------------------------------------ the heuristic for many units
-def _candidates(units: list[Unit], tables: StageTables, request: PlanRequest) -> list[Unit]:
-    """The UNITS_PER_SITE fastest units of each of the MAX_SITES strongest sites, and of pinned sites."""
+def _candidates(units: list[Unit], tables: StageTables, request: PlanRequest,
+                cache: dict[int, float]) -> list[Unit]:
+    """The UNITS_PER_SITE fastest units of each of the MAX_SITES strongest sites, and of pinned sites.
+
+    cache: one layer's time per unit object, shared by the configurations (they share their single units)."""
     middle = max(1, tables.profile.num_layers // 2)
-    per_layer = {u.id: float(tables.times(u)[middle - 1, middle]) for u in units}
-    by_site: dict[str, list[Unit]] = {}
-    for u in sorted(units, key=lambda u: (per_layer[u.id], -u.memory_bytes, u.id)):
-        if np.isfinite(per_layer[u.id]):
-            by_site.setdefault(u.lead.site, []).append(u)
-    kept = {site: us[:UNITS_PER_SITE] for site, us in by_site.items()}
+    one_layer = float(tables.memory[middle - 1, middle])
+    per_layer = [cache.get(id(u)) or cache.setdefault(id(u), tables.time_of(u, middle - 1, middle)) for u in units]
+    by_site: dict[str, list[int]] = {}
+    for i in sorted(range(len(units)), key=lambda i: (per_layer[i], -units[i].memory_bytes, units[i].lead.id)):
+        if units[i].memory_bytes >= one_layer:
+            by_site.setdefault(units[i].lead.site, []).append(i)
+    kept = {site: members[:UNITS_PER_SITE] for site, members in by_site.items()}
 
     def strength(site: str) -> float:   # layers per second the site's kept units could serve
-        return sum(1 / per_layer[u.id] for u in kept[site])
+        return sum(1 / per_layer[i] for i in kept[site])
 
     sites = sorted(kept, key=lambda s: (-strength(s), s))[:MAX_SITES]
     sites += [s for s in (request.first_site, request.last_site) if s in kept and s not in sites]
-    return [u for site in sites for u in kept[site]]
+    return [units[i] for site in sites for i in kept[site]]
 
 
 def _heuristic(units: list[Unit], costs: Costs, request: PlanRequest) -> Split | None:

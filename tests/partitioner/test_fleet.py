@@ -1,0 +1,191 @@
+"""FleetSnapshot: its JSON form, validation that names the bad field, default links and speeds."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.partitioner.fleet import (
+    NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
+)
+from tests.partitioner.random_fleets import random_case
+
+GOOD = {
+    "origin_site": "home",
+    "devices": [
+        {"id": "laptop", "memory_bytes": 8_000_000_000, "tier": "edge", "site": "home", "node": "",
+         "step_overhead_s": 0.002,
+         "speeds": [{"backend": "torch-cpu", "dtype": "float32", "flops": 2e11, "mem_bandwidth": 5e10}]},
+        {"id": "gpu0", "memory_bytes": 80_000_000_000, "tier": "cloud", "site": "dc", "node": "box",
+         "speeds": [{"backend": "torch-cuda", "dtype": "bfloat16", "flops": 9e14, "mem_bandwidth": 3e12},
+                    {"backend": "torch-cuda", "dtype": "float32", "flops": 6e13, "mem_bandwidth": 3e12}]},
+    ],
+    "links": [{"a": "laptop", "b": "gpu0", "bandwidth": 1e7, "rtt_s": 0.03}],
+}
+
+
+def test_from_dict_reads_every_field() -> None:
+    fleet = fleet_from_dict(GOOD)
+    laptop, gpu = fleet.devices
+    assert fleet.origin_site == "home"
+    assert laptop == Device("laptop", 8_000_000_000, (Speed("torch-cpu", "float32", 2e11, 5e10),), "edge",
+                            "home", "", 0.002)
+    assert (gpu.tier, gpu.site, gpu.node, gpu.step_overhead_s, len(gpu.speeds)) == ("cloud", "dc", "box", 0.0, 2)
+    assert fleet.links == (Link("laptop", "gpu0", 1e7, 0.03),)
+
+
+def test_optional_fields_default() -> None:
+    fleet = fleet_from_dict({"devices": [{"id": "x", "memory_bytes": 1, "speeds": []}]})
+    assert fleet.devices == (Device("x", 1, ()),) and fleet.links == () and fleet.origin_site == ""
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_round_trip_through_json(seed: int) -> None:
+    fleet = random_case(seed).fleet
+    raw = json.loads(json.dumps(fleet.to_dict()))
+    assert fleet_from_dict(raw) == fleet
+    assert fleet_from_dict(raw).to_dict() == raw
+
+
+def _broken(path: tuple, value) -> dict:
+    """GOOD with the field at path set to value (or removed, for the DELETE marker)."""
+    raw = copy.deepcopy(GOOD)
+    *parents, key = path
+    holder = raw
+    for p in parents:
+        holder = holder[p]
+    if value is DELETE:
+        del holder[key]
+    else:
+        holder[key] = value
+    return raw
+
+
+DELETE = object()
+MALFORMED_BUG = pytest.mark.xfail(strict=True, reason=(
+    "fleet_from_dict turns a TypeError/ValueError from int()/float() into 'fleet has a malformed field: "
+    "<the conversion's message>', which never names the field (e.g. 'invalid literal for int() with base 10: "
+    "'lots''), against its docstring 'InvalidInput names the bad field'"))
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (("devices",), DELETE, "devices"),
+    (("devices", 0, "id"), DELETE, "'id'"),
+    (("devices", 0, "memory_bytes"), DELETE, "memory_bytes"),
+    (("devices", 0, "speeds"), DELETE, "speeds"),
+    (("devices", 1, "speeds", 0, "flops"), DELETE, "flops"),
+    (("devices", 1, "speeds", 0, "mem_bandwidth"), DELETE, "mem_bandwidth"),
+    (("devices", 0, "speeds", 0, "backend"), DELETE, "backend"),
+    (("devices", 0, "tier"), "fog", "tier"),
+    (("devices", 0, "memory_bytes"), -1, "memory"),
+    (("devices", 0, "step_overhead_s"), -0.1, "overhead"),
+    (("devices", 0, "speeds", 0, "flops"), 0, "flops"),
+    (("devices", 0, "speeds", 0, "mem_bandwidth"), -5e9, "mem_bandwidth"),
+    (("devices", 0, "speeds", 0, "flops"), float("nan"), "flops"),
+    (("links", 0, "a"), DELETE, "'a'"),
+    (("links", 0, "bandwidth"), 0, "bandwidth"),
+    (("links", 0, "bandwidth"), float("nan"), "bandwidth"),
+    (("links", 0, "rtt_s"), -0.001, "rtt_s"),
+    (("links", 0, "rtt_s"), DELETE, "rtt_s"),
+    (("devices", 1, "id"), "laptop", "unique"),
+    (("devices", 1, "id"), ORIGIN, "unique"),
+    pytest.param(("devices", 0, "memory_bytes"), "lots", "memory_bytes", marks=MALFORMED_BUG),
+    pytest.param(("devices", 0, "speeds", 0, "flops"), "fast", "flops", marks=MALFORMED_BUG),
+    pytest.param(("links", 0, "rtt_s"), None, "rtt_s", marks=MALFORMED_BUG),
+    pytest.param(("devices",), None, "devices", marks=MALFORMED_BUG),
+    pytest.param(("devices", 0, "step_overhead_s"), float("nan"), "overhead", marks=pytest.mark.xfail(
+        strict=True, reason="_device checks step_overhead_s < 0, which is False for NaN: a NaN overhead is "
+                            "accepted and would make every stage time NaN")),
+])
+def test_bad_fields_name_the_field(path, value, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        fleet_from_dict(_broken(path, value))
+
+
+def _device(device_id: str, site: str = "", node: str = "") -> Device:
+    return Device(device_id, 1, (Speed("torch-cpu", "float32", 1e9, 1e9),), site=site, node=node)
+
+
+A, B = _device("a", "s1", "n1"), _device("b", "s1", "n1")        # one node
+C = _device("c", "s1", "n2")                                    # same site, another node
+D = _device("d", "s2")                                          # another site, its own node
+E, F = _device("e", "s1"), _device("f", "s1")                   # node "" means a node of its own
+
+
+@pytest.mark.parametrize("x, y, expected", [
+    (A, B, NODE_LINK), (A, C, SITE_LINK), (A, D, WAN_LINK), (C, D, WAN_LINK), (E, F, SITE_LINK),
+    (D, A, WAN_LINK), (B, A, NODE_LINK),
+])
+def test_default_links(x, y, expected) -> None:
+    fleet = FleetSnapshot((A, B, C, D, E, F))
+    assert fleet.link(x, y) == expected
+    assert NODE_LINK.bandwidth > SITE_LINK.bandwidth > WAN_LINK.bandwidth
+    assert NODE_LINK.rtt_s < SITE_LINK.rtt_s < WAN_LINK.rtt_s
+
+
+@pytest.mark.parametrize("origin_site, device, expected", [
+    ("", D, SITE_LINK),          # no origin site: near everyone
+    ("s1", A, SITE_LINK),
+    ("s1", D, WAN_LINK),
+    ("elsewhere", A, WAN_LINK),
+])
+def test_default_origin_links(origin_site, device, expected) -> None:
+    fleet = FleetSnapshot((A, B, C, D, E, F), origin_site=origin_site)
+    assert fleet.link(None, device) == expected
+    assert fleet.link(device, None) == expected
+
+
+def test_measured_links_win_both_ways() -> None:
+    ab, d_origin = Link("b", "a", 3e11, 1e-6), Link(ORIGIN, "d", 5e6, 0.1)
+    fleet = FleetSnapshot((A, B, C, D), (ab, d_origin), origin_site="s2")
+    assert fleet.link(A, B) == ab and fleet.link(B, A) == ab
+    assert fleet.link(D, None) == d_origin and fleet.link(None, D) == d_origin
+    assert fleet.link(A, C) == SITE_LINK and fleet.link(None, A) == WAN_LINK
+
+
+def test_without_keeps_links_and_origin() -> None:
+    fleet = fleet_from_dict(GOOD)
+    smaller = fleet.without({"gpu0"})
+    assert [d.id for d in smaller.devices] == ["laptop"]
+    assert smaller.links == fleet.links and smaller.origin_site == "home"
+    assert fleet.without(set()) == fleet
+
+
+def test_unknown_device() -> None:
+    with pytest.raises(InvalidInput, match="nope"):
+        fleet_from_dict(GOOD).device("nope")
+
+
+def test_speed_picks_the_fastest_backend_for_the_dtype() -> None:
+    device = Device("x", 1, (
+        Speed("onnxruntime", "float16", 5e12, 1e11),
+        Speed("torch-cuda", "float16", 9e12, 1e11),
+        Speed("torch-cuda", "float32", 9e13, 9e11),      # faster, but another dtype
+        Speed("torch-cpu", "float16", 9e12, 2e10),
+        Speed("triton", "float16", 9e12, 1e11),          # ties torch-cuda: the name breaks the tie
+    ))
+    assert device.speed("float16") == Speed("triton", "float16", 9e12, 1e11)
+    assert device.speed("float32").backend == "torch-cuda"
+    assert device.speed("bfloat16") is None
+    reordered = Device("x", 1, tuple(reversed(device.speeds)))
+    assert reordered.speed("float16") == device.speed("float16")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "FleetSnapshot indexes links by unordered pair and the last one listed wins, so two measurements of one "
+    "pair (a->b and b->a, as two agents probing each other report) give a link, and so a plan, that depends "
+    "on the order of the link list; neither fleet_from_dict nor FleetSnapshot rejects or reconciles them"))
+def test_two_measurements_of_one_pair_do_not_depend_on_their_order() -> None:
+    slow = {"a": "laptop", "b": "gpu0", "bandwidth": 1e6, "rtt_s": 0.05}
+    fast = {"a": "gpu0", "b": "laptop", "bandwidth": 1e10, "rtt_s": 0.001}
+    answers = []
+    for links in ([slow, fast], [fast, slow]):
+        try:
+            fleet = fleet_from_dict({**GOOD, "links": links})
+            answers.append(fleet.link(*fleet.devices))
+        except InvalidInput:
+            answers.append("rejected")
+    assert answers[0] == answers[1]

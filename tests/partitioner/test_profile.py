@@ -1,0 +1,150 @@
+"""ModelProfile from Hugging Face configs: parameter counts of known models, KV bytes, dtypes, bad configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratamesh.fleet.errors import CheckpointError
+from stratamesh.partitioner.profile import profile_from_hf_config
+
+LLAMA_31_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "_name_or_path": "meta-llama/Llama-3.1-8B",
+}
+LLAMA_32_1B = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+QWEN25_05B = {   # q/k/v carry biases
+    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_06B = {    # head_dim (128) is not hidden / heads (64)
+    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
+
+# published parameter counts; kv: K + V bytes per token per layer in bf16 = 2 * kv_heads * head_dim * 2
+@pytest.mark.parametrize("config, params, kv_bytes, layer_params", [
+    (LLAMA_31_8B, 8_030_261_248, 2 * 8 * 128 * 2, 218_112_000),
+    (LLAMA_32_1B, 1_235_814_400, 2 * 8 * 64 * 2, 60_821_504),
+    (QWEN25_05B, 494_032_768, 2 * 2 * 64 * 2, 14_912_384),
+])
+def test_known_models(config, params, kv_bytes, layer_params) -> None:
+    profile = profile_from_hf_config(config)
+    assert profile.dtype == "bfloat16" and profile.bytes_per_param == 2
+    assert profile.total_bytes / 2 == pytest.approx(params, rel=1e-9)
+    assert profile.layer_kv_bytes_per_token == (kv_bytes,) * config["num_hidden_layers"]
+    assert profile.layer_params == (layer_params,) * config["num_hidden_layers"]
+    assert profile.activation_bytes_per_token == config["hidden_size"] * 2
+    assert profile.embed_params == config["vocab_size"] * config["hidden_size"]
+    assert profile.head_params == profile.embed_params + config["hidden_size"]     # + the final norm
+    assert profile.head_flops_per_token == 2 * profile.embed_params
+
+
+def test_llama_31_8b_in_detail() -> None:
+    profile = profile_from_hf_config(LLAMA_31_8B)
+    assert profile.name == "meta-llama/Llama-3.1-8B"
+    assert profile.num_layers == 32 and profile.num_heads == 32 and profile.num_kv_heads == 8
+    assert profile.total_bytes / 2 == pytest.approx(8.03e9, rel=0.01)
+    assert profile.layer_param_bytes(5) == 2 * 218_112_000
+    assert profile.embed_bytes == 2 * 128256 * 4096
+    matmul = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    assert profile.layer_flops_per_token == (2 * matmul,) * 32
+    assert profile.layer_attn_flops_per_ctx == (4 * 4096,) * 32
+    assert not profile.tied_embeddings
+
+
+def test_head_dim_from_config() -> None:
+    profile = profile_from_hf_config(QWEN3_06B)
+    q_dim, kv_dim = 16 * 128, 8 * 128
+    assert profile.layer_kv_bytes_per_token[0] == 2 * kv_dim * 2
+    assert profile.layer_attn_flops_per_ctx[0] == 4 * q_dim
+    assert profile.layer_params[0] == 1024 * (q_dim + 2 * kv_dim) + q_dim * 1024 + 3 * 1024 * 3072 + 2 * 1024
+
+
+def test_tied_embeddings_counted_once() -> None:
+    tied = profile_from_hf_config(LLAMA_32_1B)
+    untied = profile_from_hf_config({**LLAMA_32_1B, "tie_word_embeddings": False})
+    assert tied.tied_embeddings and not untied.tied_embeddings
+    assert untied.total_bytes - tied.total_bytes == tied.embed_bytes
+    assert tied.head_bytes == untied.head_bytes        # a last stage without the first still holds the head
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({}, "bfloat16"),                                            # torch_dtype
+    ({"dtype": "float16"}, "float16"),                            # newer configs say dtype
+    ({"torch_dtype": None}, "float32"),                           # nothing said: float32
+])
+def test_dtype_from_config(extra, expected) -> None:
+    assert profile_from_hf_config({**LLAMA_32_1B, **extra}).dtype == expected
+
+
+def test_dtype_argument_wins() -> None:
+    profile = profile_from_hf_config(LLAMA_32_1B, dtype="float32", name="mine")
+    assert profile.dtype == "float32" and profile.name == "mine"
+    assert profile.layer_kv_bytes_per_token[0] == 2 * 8 * 64 * 4
+
+
+def test_missing_kv_heads_means_multi_head() -> None:
+    config = {k: v for k, v in LLAMA_31_8B.items() if k != "num_key_value_heads"}
+    profile = profile_from_hf_config(config)
+    assert profile.num_kv_heads == 32
+    assert profile.layer_kv_bytes_per_token[0] == 2 * 4096 * 2
+
+
+def test_attention_bias_adds_qkv_biases() -> None:
+    plain = profile_from_hf_config(LLAMA_31_8B)
+    biased = profile_from_hf_config({**LLAMA_31_8B, "attention_bias": True})
+    assert biased.layer_params[0] - plain.layer_params[0] == 4096 + 2 * 1024
+
+
+@pytest.mark.parametrize("dtype, bytes_per_param", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("int8", 1)])
+def test_at_dtype(dtype, bytes_per_param) -> None:
+    profile = profile_from_hf_config(LLAMA_31_8B)
+    other = profile.at_dtype(dtype)
+    assert other.dtype == dtype and other.bytes_per_param == bytes_per_param
+    assert other.layer_params == profile.layer_params                    # parameters do not change
+    assert other.total_bytes == profile.total_bytes // 2 * bytes_per_param
+    assert other.layer_kv_bytes_per_token == (2 * 8 * 128 * bytes_per_param,) * 32
+    assert other.activation_bytes_per_token == 4096 * bytes_per_param
+    assert other.at_dtype("bfloat16") == profile
+    assert other == profile_from_hf_config(LLAMA_31_8B, dtype=dtype)
+
+
+def test_at_unknown_dtype() -> None:
+    with pytest.raises(CheckpointError, match="float8"):
+        profile_from_hf_config(LLAMA_31_8B).at_dtype("float8")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": None}, "hidden_size"),                       # None stands for "remove the field"
+    ({"num_attention_heads": None}, "num_attention_heads"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"intermediate_size": None}, "intermediate_size"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_size": "big"}, "malformed"),
+    ({"num_hidden_layers": [32]}, "malformed"),
+    ({"num_hidden_layers": 0}, "positive"),
+    ({"vocab_size": -1}, "positive"),
+    ({"intermediate_size": 0}, "positive"),
+    ({"num_key_value_heads": 5}, "multiple of kv heads"),
+    ({"num_key_value_heads": -8}, "positive"),
+    ({"head_dim": -1}, "positive"),
+    ({"torch_dtype": "float8_e4m3"}, "float8_e4m3"),
+    pytest.param({"num_attention_heads": 0}, "positive", marks=pytest.mark.xfail(
+        strict=True, raises=ZeroDivisionError,
+        reason="profile_from_hf_config computes hidden // heads inside the try, which only catches KeyError, "
+               "TypeError and ValueError: num_attention_heads=0 escapes as ZeroDivisionError")),
+])
+def test_bad_configs(change, match) -> None:
+    config = {**LLAMA_31_8B, **{k: v for k, v in change.items() if v is not None}}
+    for key in (k for k, v in change.items() if v is None):
+        del config[key]
+    with pytest.raises(CheckpointError, match=match):
+        profile_from_hf_config(config)
