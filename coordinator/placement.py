@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from stratamesh.fleet.types import Capabilities, StageSpec
@@ -35,18 +35,17 @@ def fleet_of(agents: Mapping[str, Capabilities]) -> FleetSnapshot:
 
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                num_stages: int, previous: Plan | None = None) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                num_stages: int) -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents (PlacementError if none fits)."""
     profile = profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
     context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
     request = PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
                           concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
-    plan = plan_pipeline(profile, fleet_of(agents), request, previous)
+    plan = plan_pipeline(profile, fleet_of(agents), request)
     return plan, stage_specs(plan, model_id, model_path, profile.num_layers)
 
 
 def stage_specs(plan: Plan, model_id: str, model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage of the plan's first pipeline, in order."""
-    stages: Sequence = plan.pipelines[0].stages
     return [(s.devices[0], StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype))
-            for s in stages]
+            for s in plan.pipelines[0].stages]

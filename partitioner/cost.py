@@ -7,7 +7,9 @@ numpy arrays over (start, end) layer pairs so the planner's dynamic programmes a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -90,9 +92,12 @@ class StageTables:
         self.starts, self.ends, self.valid = a, b, b > a
         self.memory = self._memory()                                                    # [L+1, L+1] bytes
 
+    def _span(self, prefix: np.ndarray) -> np.ndarray:
+        """prefix summed over every range [a, b): [L+1, L+1]."""
+        return prefix[self.ends] - prefix[self.starts]
+
     def _memory(self) -> np.ndarray:
-        p, req = self.profile, self.request
-        span = lambda prefix: prefix[self.ends] - prefix[self.starts]   # noqa: E731
+        p, req, span = self.profile, self.request, self._span
         kv_reserve = req.concurrency * req.context_len * span(self.kv_bytes)
         first, last = self.starts == 0, self.ends == p.num_layers
         head = np.where(first & p.tied_embeddings, p.head_bytes - p.embed_bytes, p.head_bytes)
@@ -104,26 +109,24 @@ class StageTables:
 
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
-        p, tokens, ctx = self.profile, self.request.step_tokens, self.request.mean_context
-        last = end == p.num_layers
-        read = (self.param_bytes[end] - self.param_bytes[start] + last * p.head_bytes
-                + tokens * ctx * (self.kv_bytes[end] - self.kv_bytes[start]))
-        flops = tokens * (self.flops[end] - self.flops[start] + last * p.head_flops_per_token)
-        compute = max(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
-        return float(compute + unit.overhead_s + (end - start) * unit.allreduce_s)
+        between = lambda prefix: prefix[end] - prefix[start]   # noqa: E731
+        return float(self._roofline(unit, between, end == self.profile.num_layers, end - start))
 
     def times(self, unit: Unit) -> np.ndarray:
         """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
-        p, tokens = self.profile, self.request.step_tokens
-        span = lambda prefix: prefix[self.ends] - prefix[self.starts]   # noqa: E731
-        last = self.ends == p.num_layers
-        read = span(self.param_bytes) + tokens * self.request.mean_context * span(self.kv_bytes) + last * p.head_bytes
-        flops = tokens * (span(self.flops) + last * p.head_flops_per_token)
-        layers = self.ends - self.starts
-        t = np.maximum(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
-        t = t + unit.overhead_s + layers * unit.allreduce_s
+        t = self._roofline(unit, self._span, self.ends == self.profile.num_layers, self.ends - self.starts)
         fits = self.valid & (self.memory <= unit.memory_bytes)
         return np.where(fits, t, np.inf)
+
+    def _roofline(self, unit: Unit, span: Callable[[np.ndarray], Any], last: Any, layers: Any) -> Any:
+        """max(bytes read / bandwidth, FLOPs / FLOP/s) + overhead + all-reduces, over scalars or arrays alike.
+
+        span(prefix) sums a per-layer prefix over the range(s); last: the range ends at the last layer."""
+        p, tokens = self.profile, self.request.step_tokens
+        read = span(self.param_bytes) + tokens * self.request.mean_context * span(self.kv_bytes) + last * p.head_bytes
+        flops = tokens * (span(self.flops) + last * p.head_flops_per_token)
+        compute = np.maximum(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
+        return compute + unit.overhead_s + layers * unit.allreduce_s
 
 
 def hop_s(link: Link, payload_bytes: float) -> float:

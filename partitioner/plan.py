@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
@@ -103,8 +103,7 @@ class Plan:
     tokens_per_s: float             # predicted, all replicas together
     reason: str
     layers_moved: int = 0           # on a re-plan: layers whose device changed
-    search: str = ""                # how the order was found: "exact" or "heuristic"
-    extra: dict[str, Any] = field(default_factory=dict)
+    search: str = ""                # how the order was found: "exact", "heuristic" or "kept"
 
     @property
     def objective_s(self) -> float:

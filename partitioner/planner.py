@@ -113,7 +113,7 @@ def _configurations(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRe
     for degree in TP_DEGREES:
         grouped, any_group = [], False
         for node_devices in by_node.values():
-            groups = _groups(node_devices, degree, fleet, profile, request) if len(node_devices) >= degree else []
+            groups = _groups(node_devices, degree, fleet, profile, request)
             any_group |= bool(groups)
             grouped += groups or [alone[d.id] for d in node_devices if d.id in alone]
         if any_group:
@@ -144,7 +144,8 @@ def _search(units: list[Unit], tables: StageTables, links: LinkCosts, request: P
     exact = search == "exact" or (search == "auto" and len(units) <= EXACT_UNITS)
     if not exact:
         units = _candidates(units, tables, request, per_layer)
-    costs = _costs(units, tables, links, request, request.objective)
+    times = [tables.times(u) for u in units]
+    costs = _costs(units, times, links, request, request.objective)
     limit, exact_stages = request.stage_limit, request.num_stages is not None
     if exact:
         split = every_order(costs, limit, exact_stages)
@@ -153,18 +154,19 @@ def _search(units: list[Unit], tables: StageTables, links: LinkCosts, request: P
     if split is None:
         return None
     if request.objective == "throughput":   # among the best bottlenecks, the smallest step
-        capped = _costs(units, tables, links, request, "latency", cap=split.value * TIE)
+        capped = _costs(units, times, links, request, "latency", cap=split.value * TIE)
         tie = (every_order(capped, limit, exact_stages) if exact
                else fixed_order(capped, split.units, limit, exact_stages))
         split = split if tie is None else tie
     return [units[i] for i in split.units], list(split.ranges), "exact" if exact else "heuristic"
 
 
-def _costs(units: list[Unit], tables: StageTables, links: LinkCosts, request: PlanRequest, objective: str,
+def _costs(units: list[Unit], times: list[np.ndarray], links: LinkCosts, request: PlanRequest, objective: str,
            cap: float = np.inf) -> Costs:
-    """Costs of one objective over units; with cap, every stage or transfer slower than cap is forbidden."""
+    """Costs of one objective over units with stage times (tables.times of each); with cap, every stage or
+    transfer slower than cap is forbidden."""
     throughput, n = objective == "throughput", len(units)
-    stage = [np.where(t <= cap, t, np.inf) for t in (tables.times(u) for u in units)]
+    stage = [np.where(t <= cap, t, np.inf) for t in times]
     link = np.full((n, n), np.inf)
     for i, j in itertools.permutations(range(n), 2):
         transfer, hop = links.between(units[i], units[j])
@@ -188,7 +190,10 @@ def _candidates(units: list[Unit], tables: StageTables, request: PlanRequest,
     cache: one layer's time per unit object, shared by the configurations (they share their single units)."""
     middle = max(1, tables.profile.num_layers // 2)
     one_layer = float(tables.memory[middle - 1, middle])
-    per_layer = [cache.get(id(u)) or cache.setdefault(id(u), tables.time_of(u, middle - 1, middle)) for u in units]
+    for u in units:
+        if id(u) not in cache:
+            cache[id(u)] = tables.time_of(u, middle - 1, middle)
+    per_layer = [cache[id(u)] for u in units]
     by_site: dict[str, list[int]] = {}
     for i in sorted(range(len(units)), key=lambda i: (per_layer[i], -units[i].memory_bytes, units[i].lead.id)):
         if units[i].memory_bytes >= one_layer:
@@ -235,9 +240,10 @@ def _improve_by_swaps(costs: Costs, best: Split, order: list[int], request: Plan
 def _pipeline(units: list[Unit], ranges: list[tuple[int, int]], tables: StageTables,
               links: LinkCosts) -> Pipeline:
     """Stages with their predicted times and memory, the bottleneck and the step time."""
-    stages, step, slowest = [], links.origin(units[0])[1], (links.origin(units[0])[0], "origin -> first stage")
+    enter_transfer, step = links.origin(units[0])
+    stages, slowest = [], (enter_transfer, "origin -> first stage")
     for k, (unit, (a, b)) in enumerate(zip(units, ranges, strict=True)):
-        compute = float(tables.times(unit)[a, b])
+        compute = tables.time_of(unit, a, b)
         transfer, hop = links.between(unit, units[k + 1]) if k + 1 < len(units) else links.origin(unit)
         memory = int(tables.memory[a, b])
         stages.append(PlannedStage(

@@ -98,6 +98,7 @@ class PagedBatch:
         # positions past a sequence's end read whatever its padded table points at and are masked out.
         self._decode_blocks = tables[decodes, :-(-self._decode_ctx // bs)]     # [B, blocks]
         self._decode_pos = torch.tensor([seqs[i].start_pos for i in decodes], device=dev)   # [B]
+        self._decode_lens = self._decode_pos + 1                                             # [B] keys each sees
         self._decode_masks: dict[int | None, torch.Tensor | None] = {}
 
     def check_positions(self, positions: torch.Tensor) -> None:
@@ -126,7 +127,7 @@ class PagedBatch:
         On CUDA one Triton kernel reads the blocks in place; elsewhere SDPA over the gathered blocks."""
         if q.is_cuda and triton_decode.available():
             return triton_decode.paged_decode(q, self.cache.k[layer_idx], self.cache.v[layer_idx],
-                                              self._decode_blocks, self._decode_pos + 1, q.shape[-1] ** -0.5,
+                                              self._decode_blocks, self._decode_lens, q.shape[-1] ** -0.5,
                                               window)
         max_ctx = self._decode_ctx
         k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
