@@ -1,7 +1,8 @@
 """Predicted step costs of exo's ring split, Petals' greedy spans and plan_pipeline on seeded fleets, and plan time.
 
     python benchmarks/partition_compare.py [--fleets 1000] [--model llama-3.1-8b]
-                                           [--objective throughput|latency] [--quick]
+                                           [--objective throughput|latency] [--gap-fleets 100]
+                                           [--gap-devices 10] [--quick]
 
 Section 1: over --fleets seeded heterogeneous fleets (fleet/sim.py random_fleet: 1-3 edge sites of 1-4 boxes,
 0-2 cloud nodes of 4 or 8 GPUs), each strategy places the model and partitioner.planner.evaluate scores the
@@ -9,9 +10,13 @@ placement with the cost model plan_pipeline minimises, so all three are judged b
 (throughput) or the step time (latency) of one decode step. A strategy whose placement does not fit (or that
 cannot place at all) is infeasible on that fleet. Ratios are taken per fleet where all three are feasible.
 
-Section 2: plan_pipeline's wall time on large_fleet(seed, 10,000) for llama-3.1-70b (80 layers).
+Section 2: the heuristic's optimality gap. On --gap-fleets fleets of --gap-devices devices (beyond
+planner.EXACT_UNITS units, where plan_pipeline uses the heuristic), the heuristic's objective over the exact
+optimum of every ordered subset.
 
---quick: 30 fleets and 1,000 devices, a smoke test.
+Section 3: plan_pipeline's wall time on large_fleet(seed, 10,000) for llama-3.1-70b (80 layers).
+
+--quick: 30 fleets, 10 gap fleets and 1,000 devices, a smoke test.
 """
 
 from __future__ import annotations
@@ -260,6 +265,40 @@ def print_placements(results: Results, profile: ModelProfile, request: PlanReque
         print(f"- {what_odd}: {len(seeds)} fleets" + (f" (seeds {seeds[:10]})" if seeds else ""))
 
 
+def heuristic_gaps(profile: ModelProfile, request: PlanRequest, seeds: Sequence[int],
+                   num_devices: int) -> tuple[list[float], list[int]]:
+    """heuristic / exact objective on random_fleet(seed, num_devices) for each seed where the exact search finds
+    a plan, and the seeds where it does but the heuristic does not."""
+    gaps, missed = [], []
+    for seed in seeds:
+        fleet = fleet_from_dict(sim.random_fleet(seed, num_devices=num_devices))
+        try:
+            exact = plan_pipeline(profile, fleet, request, search="exact").objective_s
+        except PlacementError:
+            continue
+        try:
+            gaps.append(plan_pipeline(profile, fleet, request, search="heuristic").objective_s / exact)
+        except PlacementError:
+            missed.append(seed)
+    return gaps, missed
+
+
+def print_heuristic_gaps(profile: ModelProfile, request: PlanRequest, num_fleets: int, num_devices: int) -> None:
+    print(f"## The heuristic's gap: search='heuristic' against search='exact' (every ordered subset) on "
+          f"random_fleet(seed, {num_devices}) for {profile.name}, objective {request.objective}\n")
+    gaps, missed = heuristic_gaps(profile, request, range(num_fleets), num_devices)
+    if not gaps:
+        print("no fleet had an exact plan")
+        return
+    median, _, p90 = spread(gaps)
+    print(f"| fleets with an exact plan | heuristic optimal | median | p90 | worst | heuristic found none |\n"
+          f"|---:|---:|---:|---:|---:|---:|\n"
+          f"| {len(gaps) + len(missed)} | {sum(g <= 1 + 1e-9 for g in gaps)} | {median:.4f} | {p90:.4f} | "
+          f"{max(gaps):.4f} | {len(missed)} |")
+    if missed:
+        print(f"\n- the heuristic found no plan where the exact search did: seeds {missed[:10]}")
+
+
 def plan_times(profile: ModelProfile, request: PlanRequest, num_devices: int, runs: int) -> list[float]:
     """Seconds plan_pipeline takes on large_fleet(seed, num_devices) for seeds 0..runs-1 (building it untimed)."""
     times = []
@@ -293,13 +332,18 @@ def main() -> None:
     parser.add_argument("--objective", default="throughput", choices=("throughput", "latency"))
     parser.add_argument("--devices", type=int, default=10_000, help="devices of the planning-time fleet")
     parser.add_argument("--runs", type=int, default=3, help="planning-time runs (one fleet each)")
-    parser.add_argument("--quick", action="store_true", help="30 fleets, 1,000 devices: a smoke test")
+    parser.add_argument("--gap-fleets", type=int, default=100, help="fleets for the heuristic-vs-exact gap")
+    parser.add_argument("--gap-devices", type=int, default=10, help="devices of each gap fleet")
+    parser.add_argument("--quick", action="store_true", help="30 fleets, 10 gap fleets, 1,000 devices: a smoke test")
     args = parser.parse_args()
     fleets, devices = (30, 1000) if args.quick else (args.fleets, args.devices)
+    gap_fleets = 10 if args.quick else args.gap_fleets
     request = PlanRequest(objective=args.objective)
     started = time.perf_counter()
     profile = profile_from_hf_config(sim.model_config(args.model), name=args.model)
     print_placements(compare(profile, request, range(fleets)), profile, request)
+    print()
+    print_heuristic_gaps(profile, request, gap_fleets, args.gap_devices)
     print()
     big = profile_from_hf_config(sim.model_config("llama-3.1-70b"), name="llama-3.1-70b")
     print_plan_times(big, request, devices, args.runs)

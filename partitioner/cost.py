@@ -7,7 +7,7 @@ numpy arrays over (start, end) layer pairs so the planner's dynamic programmes a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,23 +58,20 @@ def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
     return Link("", "", min(p.bandwidth for p in pairs), max(p.rtt_s for p in pairs))
 
 
-def group_unit(devices: tuple[Device, ...], link: Link, profile: ModelProfile, request: PlanRequest) -> Unit | None:
-    """A tensor-parallel group over its weakest link (group_link): its degree must divide the heads and the KV
-    heads, and every member must have measured the dtype."""
-    degree = len(devices)
+def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, request: PlanRequest) -> Unit | None:
+    """Single units (single_unit) as one tensor-parallel group over its weakest link (group_link), or None:
+    the degree must divide the heads and the KV heads, and the link be fast enough."""
+    degree = len(members)
     if profile.num_heads % degree or profile.num_kv_heads % degree or link.bandwidth < TP_MIN_BANDWIDTH:
         return None
-    speeds = [d.speed(profile.dtype) for d in devices]
-    if any(s is None for s in speeds):
-        return None
-    slowest = min(speeds, key=lambda s: (s.flops, s.mem_bandwidth))
+    slowest = min((m.speed for m in members), key=lambda s: (s.flops, s.mem_bandwidth))
     speed = Speed(slowest.backend, profile.dtype, degree * slowest.flops * TP_EFFICIENCY,
                   degree * slowest.mem_bandwidth * TP_EFFICIENCY)
     # ring all-reduce of the step's activations, twice per layer (after attention and after the MLP)
     payload = request.step_tokens * profile.activation_bytes_per_token
     one = 2 * (degree - 1) / degree * payload / link.bandwidth + 2 * (degree - 1) * link.rtt_s / 2
-    memory = degree * min(d.memory_bytes for d in devices)
-    return Unit(devices, speed, memory, max(d.step_overhead_s for d in devices), 2 * one)
+    memory = degree * min(m.memory_bytes for m in members)
+    return Unit(tuple(m.lead for m in members), speed, memory, max(m.overhead_s for m in members), 2 * one)
 
 
 class StageTables:
@@ -110,23 +107,35 @@ class StageTables:
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
         between = lambda prefix: prefix[end] - prefix[start]   # noqa: E731
-        return float(self._roofline(unit, between, end == self.profile.num_layers, end - start))
+        return float(self._roofline(_rates(unit), between, end == self.profile.num_layers, end - start))
 
     def times(self, unit: Unit) -> np.ndarray:
         """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
-        t = self._roofline(unit, self._span, self.ends == self.profile.num_layers, self.ends - self.starts)
+        t = self._roofline(_rates(unit), self._span, self.ends == self.profile.num_layers, self.ends - self.starts)
         fits = self.valid & (self.memory <= unit.memory_bytes)
         return np.where(fits, t, np.inf)
 
-    def _roofline(self, unit: Unit, span: Callable[[np.ndarray], Any], last: Any, layers: Any) -> Any:
+    def times_of(self, units: Sequence[Unit], start: int, end: int) -> np.ndarray:
+        """Step time of each unit serving [start, end), ignoring memory: one array operation for many units."""
+        rates = np.array([_rates(u) for u in units], dtype=np.float64).reshape(-1, 4).T
+        between = lambda prefix: prefix[end] - prefix[start]   # noqa: E731
+        return self._roofline(tuple(rates), between, end == self.profile.num_layers, end - start)
+
+    def _roofline(self, rates: tuple[Any, Any, Any, Any], span: Callable[[np.ndarray], Any], last: Any,
+                  layers: Any) -> Any:
         """max(bytes read / bandwidth, FLOPs / FLOP/s) + overhead + all-reduces, over scalars or arrays alike.
 
+        rates: (bandwidth, FLOP/s, overhead, all-reduce per layer) of one unit, or arrays over units;
         span(prefix) sums a per-layer prefix over the range(s); last: the range ends at the last layer."""
+        bandwidth, flop_rate, overhead, allreduce = rates
         p, tokens = self.profile, self.request.step_tokens
         read = span(self.param_bytes) + tokens * self.request.mean_context * span(self.kv_bytes) + last * p.head_bytes
         flops = tokens * (span(self.flops) + last * p.head_flops_per_token)
-        compute = np.maximum(read / unit.speed.mem_bandwidth, flops / unit.speed.flops)
-        return compute + unit.overhead_s + layers * unit.allreduce_s
+        return np.maximum(read / bandwidth, flops / flop_rate) + overhead + layers * allreduce
+
+
+def _rates(unit: Unit) -> tuple[float, float, float, float]:
+    return unit.speed.mem_bandwidth, unit.speed.flops, unit.overhead_s, unit.allreduce_s
 
 
 def hop_s(link: Link, payload_bytes: float) -> float:

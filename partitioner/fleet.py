@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,8 +41,12 @@ class Device:
 
     def speed(self, dtype: str) -> Speed | None:
         """The fastest measured backend for dtype (ties by backend name), or None."""
-        matches = [s for s in self.speeds if s.dtype == dtype]
-        return max(matches, key=lambda s: (s.flops, s.mem_bandwidth, s.backend), default=None)
+        best = None
+        for s in self.speeds:
+            if s.dtype == dtype and (best is None or (s.flops, s.mem_bandwidth, s.backend)
+                                     > (best.flops, best.mem_bandwidth, best.backend)):
+                best = s
+        return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +79,11 @@ class FleetSnapshot:
         ids = [d.id for d in self.devices]
         if len(set(ids)) != len(ids) or ORIGIN in ids:
             raise InvalidInput(f"device ids must be unique and not {ORIGIN!r}")
-        for link in self.links:
-            self._index[_key(link.a, link.b)] = link
+        for link in self.links:   # two measurements of one pair (each end probed the other): the weaker holds
+            key = _key(link.a, link.b)
+            seen = self._index.get(key)
+            self._index[key] = link if seen is None else Link(*key, min(seen.bandwidth, link.bandwidth),
+                                                              max(seen.rtt_s, link.rtt_s))
 
     def device(self, device_id: str) -> Device:
         for d in self.devices:
@@ -112,32 +120,69 @@ def _key(a: str, b: str) -> tuple[str, str]:
 
 def fleet_from_dict(raw: Mapping[str, Any]) -> FleetSnapshot:
     """A FleetSnapshot from its JSON form (to_dict's shape); InvalidInput names the bad field."""
-    try:
-        devices = tuple(_device(d) for d in raw["devices"])
-        links = tuple(_link(link) for link in raw.get("links", ()))
-        return FleetSnapshot(devices, links, str(raw.get("origin_site", "")))
-    except KeyError as e:
-        raise InvalidInput(f"fleet lacks required field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise InvalidInput(f"fleet has a malformed field: {e}") from None
+    devices = _items(raw, "devices", "fleet")
+    links = _items(raw, "links", "fleet", default=())
+    return FleetSnapshot(tuple(_device(d, f"devices[{k}]") for k, d in enumerate(devices)),
+                         tuple(_link(x, f"links[{k}]") for k, x in enumerate(links)),
+                         str(raw.get("origin_site", "")))
 
 
-def _device(raw: Mapping[str, Any]) -> Device:
-    speeds = tuple(Speed(str(s["backend"]), str(s["dtype"]), float(s["flops"]), float(s["mem_bandwidth"]))
-                   for s in raw["speeds"])
-    device = Device(str(raw["id"]), int(raw["memory_bytes"]), speeds, str(raw.get("tier", "edge")),
-                    str(raw.get("site", "")), str(raw.get("node", "")), float(raw.get("step_overhead_s", 0.0)))
+def _device(raw: Mapping[str, Any], where: str) -> Device:
+    speeds = tuple(_speed(s, f"{where}.speeds[{k}]") for k, s in enumerate(_items(raw, "speeds", where)))
+    device = Device(_field(raw, "id", str, where), _field(raw, "memory_bytes", int, where), speeds,
+                    _field(raw, "tier", str, where, "edge"), _field(raw, "site", str, where, ""),
+                    _field(raw, "node", str, where, ""), _field(raw, "step_overhead_s", float, where, 0.0))
     if device.tier not in TIERS:
         raise InvalidInput(f"device {device.id!r}: tier {device.tier!r} is not one of {TIERS}")
-    if device.memory_bytes < 0 or device.step_overhead_s < 0:
-        raise InvalidInput(f"device {device.id!r}: memory and overhead must not be negative")
-    if any(not (s.flops > 0 and s.mem_bandwidth > 0) for s in speeds):
-        raise InvalidInput(f"device {device.id!r}: flops and mem_bandwidth must be positive")
+    if device.memory_bytes < 0 or not 0 <= device.step_overhead_s < math.inf:
+        raise InvalidInput(f"device {device.id!r}: memory_bytes and step_overhead_s must be finite and not "
+                           f"negative")
+    if any(not (0 < s.flops < math.inf and 0 < s.mem_bandwidth < math.inf) for s in speeds):
+        raise InvalidInput(f"device {device.id!r}: flops and mem_bandwidth must be finite and positive")
     return device
 
 
-def _link(raw: Mapping[str, Any]) -> Link:
-    link = Link(str(raw["a"]), str(raw["b"]), float(raw["bandwidth"]), float(raw["rtt_s"]))
-    if not (link.bandwidth > 0 and link.rtt_s >= 0):
-        raise InvalidInput(f"link {link.a}-{link.b}: bandwidth must be positive and rtt_s not negative")
+def _speed(raw: Mapping[str, Any], where: str) -> Speed:
+    return Speed(_field(raw, "backend", str, where), _field(raw, "dtype", str, where),
+                 _field(raw, "flops", float, where), _field(raw, "mem_bandwidth", float, where))
+
+
+def _link(raw: Mapping[str, Any], where: str) -> Link:
+    link = Link(_field(raw, "a", str, where), _field(raw, "b", str, where), _field(raw, "bandwidth", float, where),
+                _field(raw, "rtt_s", float, where))
+    if not (0 < link.bandwidth < math.inf and 0 <= link.rtt_s < math.inf):
+        raise InvalidInput(f"link {link.a}-{link.b}: bandwidth must be positive and rtt_s not negative "
+                           f"(both finite)")
     return link
+
+
+_MISSING = object()
+
+
+def _field(raw: Any, key: str, kind: type, where: str, default: Any = _MISSING) -> Any:
+    """raw[key] converted by kind; InvalidInput that names where.key when it is missing or malformed."""
+    if not isinstance(raw, Mapping):
+        raise InvalidInput(f"{where} must be an object, got {type(raw).__name__}")
+    if key not in raw:
+        if default is _MISSING:
+            raise InvalidInput(f"{where} lacks required field {key!r}")
+        return default
+    value = raw[key]
+    if kind is not str and (value is None or isinstance(value, bool | str)):
+        raise InvalidInput(f"{where}.{key} must be a number, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidInput(f"{where}.{key} is malformed: {value!r}") from None
+
+
+def _items(raw: Any, key: str, where: str, default: Any = _MISSING) -> list[Any]:
+    """raw[key] as a list; InvalidInput naming the field when it is missing or not a list."""
+    if not isinstance(raw, Mapping):
+        raise InvalidInput(f"{where} must be an object, got {type(raw).__name__}")
+    if key not in raw and default is _MISSING:
+        raise InvalidInput(f"{where} lacks required field {key!r}")
+    value = raw.get(key, default)
+    if not isinstance(value, list | tuple):
+        raise InvalidInput(f"{where}.{key} must be a list, got {type(value).__name__}")
+    return list(value)

@@ -17,8 +17,9 @@ class PlanRequest:
 
     throughput: the smallest bottleneck (slowest stage compute or link transfer of one step), ties broken
     by latency; latency: the smallest step (every stage plus the K+1 hops from and back to the origin).
-    A step is concurrency tokens (one per sequence) at an average context of context_len / 2; every stage
-    reserves KV for concurrency x context_len tokens."""
+    A step is a micro-batch of concurrency tokens (one per sequence) at an average context of context_len / 2;
+    every stage reserves KV for one micro-batch (concurrency x context_len tokens). A pipeline keeps every
+    stage busy only with several micro-batches in flight: the plan says how many the memory left holds."""
 
     objective: str = "throughput"
     context_len: int = 2048
@@ -87,6 +88,8 @@ class Pipeline:
     bottleneck_s: float             # slowest stage compute or link transfer: one step per this, pipelined
     step_s: float                   # one token of one sequence through every stage and hop
     bottleneck: str                 # what it is, in words
+    micro_batches: int = 1          # of concurrency sequences in flight: as many as every stage's KV room holds
+    tokens_per_s: float = 0.0       # predicted: concurrency x min(micro_batches / step_s, 1 / bottleneck_s)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -117,6 +120,7 @@ class Plan:
             "reason": self.reason, "layers_moved": self.layers_moved, "search": self.search,
             "pipelines": [{
                 "bottleneck_s": _round(p.bottleneck_s), "step_s": _round(p.step_s), "bottleneck": p.bottleneck,
+                "micro_batches": p.micro_batches, "tokens_per_s": _round(p.tokens_per_s),
                 "stages": [{
                     "devices": list(s.devices), "start_layer": s.start_layer, "end_layer": s.end_layer,
                     "backend": s.backend, "dtype": s.dtype, "compute_s": _round(s.compute_s),

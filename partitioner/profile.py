@@ -74,16 +74,19 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers, inter, vocab = int(raw["num_hidden_layers"]), int(raw["intermediate_size"]), int(raw["vocab_size"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        head_dim = int(raw.get("head_dim") or 0)
     except KeyError as e:
         raise CheckpointError(f"config lacks required field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"config has a malformed field: {e}") from None
     dtype = dtype or str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     _check_dtype(dtype)
-    if min(hidden, heads, num_layers, inter, vocab, kv_heads, head_dim) < 1 or heads % kv_heads:
+    if min(hidden, heads, num_layers, inter, vocab, kv_heads) < 1 or head_dim < 0 or heads % kv_heads:
         raise CheckpointError(f"config sizes must be positive and heads ({heads}) a multiple of kv heads "
                               f"({kv_heads})")
+    head_dim = head_dim or hidden // heads
+    if head_dim < 1:
+        raise CheckpointError(f"head_dim must be positive (hidden_size {hidden} over {heads} heads)")
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
     matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter

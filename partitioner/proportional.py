@@ -1,16 +1,13 @@
-"""The first placement: contiguous layer ranges in proportion to each device's usable memory."""
+"""Contiguous layer ranges in proportion to weights: exo's memory-weighted ring split, the baseline that
+benchmarks/partition_compare.py measures the planner against (the coordinator plans with planner.py)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from fractions import Fraction
 
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import StageSpec
-
-log = logging.getLogger(__name__)
 
 
 def split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -51,27 +48,3 @@ def _largest_remainder(total: int, weights: list[Fraction]) -> list[int]:
         sizes[donor] -= 1
         sizes[i] = 1
     return sizes
-
-
-def plan_proportional(model_id: str, model_path: str, num_layers: int,
-                      devices: Sequence[tuple[str, int]],
-                      num_stages: int | None = None) -> list[tuple[str, StageSpec]]:
-    """Pipeline stages on the num_stages largest devices (agent_id order), sized by memory."""
-    chosen = _pick_devices(devices, len(devices) if num_stages is None else num_stages)
-    ranges = split_layers(num_layers, [mem for _, mem in chosen])
-    return [(agent_id, StageSpec(model_id, model_path, start, end, num_layers))
-            for (agent_id, _), (start, end) in zip(chosen, ranges, strict=True)]
-
-
-def _pick_devices(devices: Sequence[tuple[str, int]], num_stages: int) -> list[tuple[str, int]]:
-    """The num_stages devices with the most memory (ties by agent_id), in agent_id order."""
-    ids = [agent_id for agent_id, _ in devices]
-    if len(set(ids)) != len(ids):
-        raise PlacementError(f"device list repeats an agent_id: {sorted(ids)}")
-    if not 1 <= num_stages <= len(devices):
-        raise PlacementError(f"num_stages must be in 1..{len(devices)} (the number of "
-                             f"devices), got {num_stages}")
-    largest = sorted(devices, key=lambda d: (-d[1], d[0]))[:num_stages]
-    if empty := sorted(agent_id for agent_id, mem in largest if mem <= 0):
-        raise PlacementError(f"devices {empty} have no usable memory")
-    return sorted(largest, key=lambda d: d[0])

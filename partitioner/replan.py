@@ -20,8 +20,8 @@ def stay_close(best: Plan, previous: Plan, profile: ModelProfile, fleet: FleetSn
     if kept is not None:
         value = kept[0].bottleneck_s if request.objective == "throughput" else kept[0].step_s
         if value <= best.objective_s * (1 + KEEP_WITHIN):
-            tokens_per_s = sum(request.step_tokens / p.bottleneck_s for p in kept)
-            plan = replace(best, pipelines=kept, tokens_per_s=tokens_per_s, layers_moved=0, search="kept")
+            plan = replace(best, pipelines=kept, tokens_per_s=sum(p.tokens_per_s for p in kept), layers_moved=0,
+                           search="kept")
             return replace(plan, reason=describe.reason(plan, request)
                            + f" Kept the previous placement: within {KEEP_WITHIN:.0%} of the best "
                              f"({describe.ms(best.objective_s)}).")
@@ -31,13 +31,16 @@ def stay_close(best: Plan, previous: Plan, profile: ModelProfile, fleet: FleetSn
 
 def _still_valid(previous: Plan, profile: ModelProfile, fleet: FleetSnapshot,
                  request: PlanRequest) -> tuple[Pipeline, ...] | None:
-    """The previous pipelines re-evaluated on the new fleet, or None if a device left or a stage no longer fits."""
+    """The previous pipelines re-evaluated on the new fleet, or None if a device left, a stage no longer fits
+    or the placement breaks the request (pinned sites, stage counts, replicas, tensor parallelism)."""
     from stratamesh.partitioner.planner import evaluate
 
     ids = {d.id for d in fleet.devices} - set(request.exclude)
+    if len(previous.pipelines) > request.max_replicas:
+        return None
     pipelines = []
     for pipeline in previous.pipelines:
-        if not set(pipeline.devices) <= ids:
+        if not set(pipeline.devices) <= ids or not _honours(pipeline, fleet, request):
             return None
         placement = [(s.devices, s.start_layer, s.end_layer) for s in pipeline.stages]
         try:
@@ -45,6 +48,17 @@ def _still_valid(previous: Plan, profile: ModelProfile, fleet: FleetSnapshot,
         except PlacementError:
             return None
     return tuple(pipelines)
+
+
+def _honours(pipeline: Pipeline, fleet: FleetSnapshot, request: PlanRequest) -> bool:
+    """Whether a placement obeys the request's constraints (memory and devices are evaluate's to check)."""
+    stages, limit = pipeline.stages, request.stage_limit
+    first, last = fleet.device(stages[0].devices[0]), fleet.device(stages[-1].devices[0])
+    return ((request.first_site is None or first.site == request.first_site)
+            and (request.last_site is None or last.site == request.last_site)
+            and (limit is None or len(stages) <= limit)
+            and (request.num_stages is None or len(stages) == request.num_stages)
+            and (request.tensor_parallel or all(s.tp_degree == 1 for s in stages)))
 
 
 def layers_moved(before: Plan, after: Plan) -> int:

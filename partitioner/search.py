@@ -115,6 +115,8 @@ def every_order(costs: Costs, max_stages: int | None = None, exact_stages: bool 
     exact_stages: exactly max_stages stages, not at most."""
     n, num_layers = len(costs.stage), costs.num_layers
     limit = min(max_stages or n, n, num_layers)
+    if exact_stages and max_stages is not None and max_stages > limit:
+        return None
     # table[(mask, j)]: the stages on the units of mask, the last on j -> (value, prev unit, start a) over b
     table: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for mask in range(1, 1 << n):

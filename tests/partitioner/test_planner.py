@@ -12,10 +12,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from stratamesh.fleet import sim
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH
-from stratamesh.partitioner.fleet import NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed
-from stratamesh.partitioner.plan import Plan, PlanRequest
+from stratamesh.partitioner.fleet import (
+    NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
+)
+from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config
 from tests.partitioner.random_fleets import Case, random_case, shuffled, speed_of
@@ -189,7 +192,7 @@ def _check_evaluate(ref: Reference, placement: list[tuple[str, int, int]]) -> No
     p, r, fleet = ref.p, ref.req, ref.fleet
     args = (p, fleet, r, [((i,), a, b) for i, a, b in placement])
     if any(ref.stage_memory(a, b) > fleet.device(i).memory_bytes for i, a, b in placement):
-        with pytest.raises(PlacementError, match=r"cannot hold layers .* needs [\d.]+ GB more memory"):
+        with pytest.raises(PlacementError, match=r"cannot hold layers .* needs [\d.]+ [KMGT]?B more memory"):
             evaluate(*args)
         return
     pipeline = evaluate(*args)
@@ -276,17 +279,13 @@ def test_exact_stage_count_is_optimal(seed: int) -> None:
     assert plan.objective_s == pytest.approx(optimum, rel=REL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "search.every_order clips the stage count to min(num_stages, units, layers) before applying "
-    "exact_stages, so a request for more stages than there are units (or layers) gets a plan with fewer "
-    "stages instead of a PlacementError; fixed_order returns None in the same case"))
 @pytest.mark.parametrize("num_stages", [3, 5])
 def test_more_stages_than_possible_is_an_error(num_stages: int) -> None:
     profile = profile_from_hf_config({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
                                       "intermediate_size": 128, "vocab_size": 300}, dtype="float32")
     devices = tuple(Device(f"d{k}", 10**9, (Speed("torch-cpu", "float32", 1e11, 1e10),)) for k in range(2))
     request = PlanRequest(num_stages=num_stages, max_stages=num_stages)
-    with pytest.raises(PlacementError):
+    with pytest.raises(PlacementError, match=f"exactly {num_stages} stages .* only 2 usable device"):
         plan_pipeline(profile, FleetSnapshot(devices), request)
 
 
@@ -320,11 +319,22 @@ def _check_plan(case: Case, plan: Plan) -> None:
             assert all(fleet.device(i).site == r.last_site for i in stages[-1].devices)
         assert len(stages) <= (r.max_stages or len(stages))
         assert r.num_stages is None or len(stages) == r.num_stages
-    assert plan.tokens_per_s == pytest.approx(sum(r.concurrency / q.bottleneck_s for q in plan.pipelines))
+        _check_micro_batches(pipeline, r)
+    assert plan.tokens_per_s == pytest.approx(sum(q.tokens_per_s for q in plan.pipelines))
 
 
-INFEASIBLE = (r"needs [\d.]+ GB more memory|pinned to site '\w+', which has no usable device|no device measured a "
-              r"speed for \w+|would fit in [\d.]+ GB in total, but not as contiguous stages")
+def _check_micro_batches(pipeline: Pipeline, r: PlanRequest) -> None:
+    """As many micro-batches as every stage holds KV for, but no more than keep the slowest one busy."""
+    m = pipeline.micro_batches
+    assert 1 <= m <= max(1, math.ceil(pipeline.step_s / pipeline.bottleneck_s - 1e-9))
+    assert all((m - 1) * s.kv_budget_bytes <= s.headroom_bytes for s in pipeline.stages)
+    if m < pipeline.step_s / pipeline.bottleneck_s:      # one more would not fit somewhere
+        assert any(m * s.kv_budget_bytes > s.headroom_bytes for s in pipeline.stages)
+    assert pipeline.tokens_per_s == pytest.approx(r.concurrency * min(m / pipeline.step_s, 1 / pipeline.bottleneck_s))
+
+
+INFEASIBLE = (r"needs [\d.]+ [KMGT]?B more memory|pinned to site '\w+', which has no usable device|no device measured a "
+              r"speed for \w+|would fit in [\d.]+ [KMGT]?B in total, but not as contiguous stages")
 
 
 def _property_cases() -> list[tuple[int, bool]]:
@@ -457,22 +467,22 @@ def test_too_little_memory_says_how_much_more() -> None:
     request = PlanRequest(context_len=2048, concurrency=8)
     need = profile.total_bytes + 8 * 2048 * sum(profile.layer_kv_bytes_per_token)
     fleet = FleetSnapshot(tuple(_gpu(f"g{k}", 4 * 10**9) for k in range(3)))
-    with pytest.raises(PlacementError, match=r"needs [\d.]+ GB more memory") as err:
+    with pytest.raises(PlacementError, match=r"needs [\d.]+ [KMGT]?B more memory") as err:
         plan_pipeline(profile, fleet, request)
     missing = float(re.search(r"needs ([\d.]+) GB more memory", str(err.value)).group(1))
     assert missing == pytest.approx((need - 12 * 10**9) / 1e9, abs=0.051)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "describe.gb prints one decimal of a GB, so for a model of a few MB the message reads 'needs 0.0 GB more "
-    "memory': it does not say what is missing"))
 def test_too_little_memory_for_a_small_model_says_how_much() -> None:
     profile = profile_from_hf_config(SMALL)                               # about 40 MB of weights
     request = PlanRequest(context_len=64, concurrency=1)
     fleet = FleetSnapshot((_gpu("g", profile.total_bytes // 2),))
     with pytest.raises(PlacementError) as err:
         plan_pipeline(profile, fleet, request)
-    assert not re.search(r"needs 0\.0 GB", str(err.value)), str(err.value)
+    need = profile.total_bytes + 64 * sum(profile.layer_kv_bytes_per_token)
+    said = re.search(r"needs (\d+\.\d) MB more memory", str(err.value))
+    assert said, str(err.value)
+    assert float(said.group(1)) == pytest.approx((need - profile.total_bytes // 2) / 1e6, abs=0.051)
 
 
 @pytest.mark.parametrize("request_, match", [
@@ -496,14 +506,10 @@ def _layer_too_big(num_devices: int) -> tuple[ModelProfile, FleetSnapshot, PlanR
 
 
 def test_one_layer_too_big_for_any_device() -> None:
-    with pytest.raises(PlacementError, match=r"one layer .* needs [\d.]+ GB more memory on one device"):
+    with pytest.raises(PlacementError, match=r"one layer .* needs [\d.]+ [KMGT]?B more memory on one device"):
         plan_pipeline(*_layer_too_big(8))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "beyond EXACT_UNITS units the heuristic's _candidates drops every unit that cannot hold a middle layer; "
-    "when that is all of them, _heuristic calls fixed_order with an empty order and np.argmin of an empty "
-    "array raises ValueError instead of the PlacementError that says what is missing"))
 def test_many_devices_none_holding_a_layer_is_a_placement_error() -> None:
     with pytest.raises(PlacementError, match="one layer"):
         plan_pipeline(*_layer_too_big(12))
@@ -591,11 +597,6 @@ def test_evaluate_of_a_plan_is_the_plan() -> None:
 
 
 # ------------------------------------------------------------------ the heuristic
-@pytest.mark.xfail(strict=True, raises=PlacementError, reason=(
-    "the heuristic (used beyond EXACT_UNITS units) only tries orders with each site's units contiguous, "
-    "then swaps from the best feasible one: with first_site == last_site it can never order edge -> cloud "
-    "-> edge, so when the edge alone cannot hold the model it raises PlacementError although such a plan "
-    "exists (search='exact' finds it)"))
 def test_heuristic_finds_edge_cloud_edge() -> None:
     profile = profile_from_hf_config(SMALL)
     request = PlanRequest(first_site="edge", last_site="edge")
@@ -607,6 +608,27 @@ def test_heuristic_finds_edge_cloud_edge() -> None:
     assert exact.pipelines[0].stages[0].devices[0].startswith("e")
     plan = plan_pipeline(profile, fleet, request)                     # 10 units: the heuristic
     _check_plan(Case(profile, fleet, request), plan)
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+def test_heuristic_close_to_exact_beyond_exact_units(objective: str) -> None:
+    """On seeded 10-device fleets (more units than EXACT_UNITS): the exact optimum is a lower bound the
+    heuristic never beats, and the heuristic finds a plan whenever one exists, within 5% (the benchmark's
+    gap section reports the distribution)."""
+    profile = profile_from_hf_config(sim.model_config("llama-3.1-8b"))
+    request = PlanRequest(objective=objective)
+    compared = 0
+    for seed in range(6):
+        fleet = fleet_from_dict(sim.random_fleet(seed, num_devices=10))
+        try:
+            exact = plan_pipeline(profile, fleet, request, search="exact")
+        except PlacementError:
+            continue
+        heuristic = plan_pipeline(profile, fleet, request, search="heuristic")
+        assert heuristic.search == "heuristic" and exact.search == "exact"
+        assert exact.objective_s * (1 - 1e-9) <= heuristic.objective_s <= exact.objective_s * 1.05, seed
+        compared += 1
+    assert compared >= 3
 
 
 # ------------------------------------------------------------------ the answer: JSON and reason

@@ -1,4 +1,4 @@
-"""Proportional placement: tables for known splits, seeded random properties, and errors."""
+"""Proportional splits (exo's baseline): tables for known splits, seeded random properties, and errors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from fractions import Fraction
 import pytest
 
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import StageSpec
-from stratamesh.partitioner.proportional import plan_proportional, split_layers
+from stratamesh.partitioner.proportional import split_layers
 
 GiB = 1 << 30
 
@@ -81,50 +80,3 @@ def test_split_layers_bigger_weight_never_fewer_layers() -> None:
             for j in range(len(weights)):
                 if weights[i] > weights[j]:
                     assert sizes[i] >= sizes[j], (num_layers, weights, sizes)
-
-
-DEVICES = [("edge-b", 8 * GiB), ("cloud-a", 80 * GiB), ("edge-a", 8 * GiB), ("mid", 24 * GiB)]
-
-
-def test_plan_proportional_clear_example() -> None:
-    plan = plan_proportional("llama", "/models/llama", 30, DEVICES[:2] + DEVICES[3:])
-    # quotas 30 * (80, 8, 24) / 112 = 21.43, 2.14, 6.43: the spare layer goes to the first tie
-    assert plan == [("cloud-a", StageSpec("llama", "/models/llama", 0, 22, 30)),
-                    ("edge-b", StageSpec("llama", "/models/llama", 22, 24, 30)),
-                    ("mid", StageSpec("llama", "/models/llama", 24, 30, 30))]
-
-
-def test_plan_proportional_picks_largest_devices_ties_by_id() -> None:
-    plan = plan_proportional("m", "/m", 12, DEVICES, num_stages=3)
-    assert [agent for agent, _ in plan] == ["cloud-a", "edge-a", "mid"]  # edge-a beats edge-b
-    assert [(s.start_layer, s.end_layer) for _, s in plan] == [(0, 9), (9, 10), (10, 12)]
-    assert plan[0][1].is_first and plan[-1][1].is_last
-
-
-def test_plan_proportional_same_plan_for_any_device_order() -> None:
-    rng = random.Random(3)
-    expected = plan_proportional("m", "/m", 40, DEVICES, num_stages=3)
-    for _ in range(30):
-        shuffled = DEVICES[:]
-        rng.shuffle(shuffled)
-        assert plan_proportional("m", "/m", 40, shuffled, num_stages=3) == expected
-        assert plan_proportional("m", "/m", 40, shuffled) == plan_proportional("m", "/m", 40, DEVICES)
-
-
-def test_plan_proportional_skips_unpicked_empty_device() -> None:
-    plan = plan_proportional("m", "/m", 4, [("full", 0), ("a", GiB), ("b", GiB)], num_stages=2)
-    assert [agent for agent, _ in plan] == ["a", "b"]
-
-
-@pytest.mark.parametrize("devices, num_stages, num_layers, match", [
-    ([], None, 8, "no weights|num_stages"),
-    (DEVICES, 0, 8, "num_stages"),
-    (DEVICES, 5, 8, "num_stages"),
-    (DEVICES, None, 3, "4 stages"),
-    ([("a", GiB), ("a", 2 * GiB)], None, 8, "repeats"),
-    ([("a", GiB), ("b", 0)], None, 8, "no usable memory"),
-    ([("a", GiB), ("b", -5)], 2, 8, "no usable memory"),
-])
-def test_plan_proportional_errors(devices, num_stages, num_layers, match) -> None:
-    with pytest.raises(PlacementError, match=match):
-        plan_proportional("m", "/m", num_layers, devices, num_stages)
