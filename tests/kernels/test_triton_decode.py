@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from stratamesh.kernels.ops import triton_decode
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.reference import paged_attention_reference
 from stratamesh.kernels.ops.triton_decode import available, paged_decode
@@ -57,8 +58,8 @@ def reference(q, k, v, tables, context_lens, window):
     return paged_attention_reference(q.cpu().float(), seqs, keys, values, window)
 
 
-def decode(q, k, v, tables, context_lens, window):
-    return paged_decode(q, k, v, tables, context_lens, 1 / math.sqrt(q.shape[-1]), window)
+def decode(q, k, v, tables, context_lens, window, num_splits=None):
+    return paged_decode(q, k, v, tables, context_lens, 1 / math.sqrt(q.shape[-1]), window, num_splits)
 
 
 def test_available_here():
@@ -72,6 +73,18 @@ def test_matches_the_reference(num_heads, num_kv_heads, head_dim, window, block_
     q, k, v, tables, ctx = random_batch(CONTEXTS, num_heads, num_kv_heads, block_size, head_dim,
                                         NUM_BLOCKS, seed=num_heads + block_size)
     out = decode(q, k, v, tables, ctx, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.cpu().double(), reference(q, k, v, tables, ctx, window), atol=ATOL_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 2, HEAD_DIM), (4, 1, 128)])
+@pytest.mark.parametrize("window", [None, 100])      # 136 keys of table: 3 tiles; a window of 100: 2 tiles
+@pytest.mark.parametrize("num_splits", [2, 3, 50])
+def test_split_contexts_match_the_reference(num_heads, num_kv_heads, head_dim, window, num_splits):
+    """Split-KV: chunks of whole tiles, merged by the combine kernel; short sequences leave chunks empty."""
+    q, k, v, tables, ctx = random_batch(CONTEXTS, num_heads, num_kv_heads, 4, head_dim, NUM_BLOCKS,
+                                        seed=num_splits + head_dim)
+    out = decode(q, k, v, tables, ctx, window, num_splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, tables, ctx, window), atol=ATOL_FP32, rtol=0)
 
@@ -91,15 +104,19 @@ def test_int64_tables_and_strided_q():
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, tables, ctx, None), atol=ATOL_FP32, rtol=0)
 
 
-def test_an_empty_context_gives_zeros():
-    q, k, v, tables, ctx = random_batch([4, 9], 4, 4, 4, HEAD_DIM, NUM_BLOCKS, seed=3)
-    out = decode(q, k, v, tables, torch.zeros_like(ctx), None)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_an_empty_context_gives_zeros(num_splits):
+    q, k, v, tables, ctx = random_batch([4, 90], 4, 4, 4, HEAD_DIM, NUM_BLOCKS, seed=3)
+    out = decode(q, k, v, tables, torch.zeros_like(ctx), None, num_splits)
     assert torch.equal(out, torch.zeros_like(out))
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_agrees_with_paged_batch(window):
-    """The production torch path on a batch of decodes: PagedBatch writes the new k, v, then both attend."""
+def test_agrees_with_paged_batch(window, monkeypatch):
+    """The production torch path on a batch of decodes: PagedBatch writes the new k, v, then both attend.
+
+    On CUDA PagedBatch would call this kernel itself: it is told Triton is unavailable, so it gathers + SDPA."""
+    monkeypatch.setattr(triton_decode, "available", lambda: False)
     g = torch.Generator().manual_seed(4)
     num_heads, num_kv_heads, block_size = 8, 2, 4
     cache = PagedKVCache(2, NUM_BLOCKS, block_size, num_kv_heads, HEAD_DIM, device=DEVICE)
@@ -149,12 +166,14 @@ def test_bad_inputs_are_rejected(change, match):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, ATOL_HALF),
                                          (torch.float16, ATOL_HALF)])
 @pytest.mark.parametrize("window", [None, 256])
-def test_large_batch_on_gpu(dtype, atol, window):
-    """Llama-8B-like heads (H=32, KV=8, D=128), 16-slot blocks, 64 sequences of up to 2000 keys."""
+@pytest.mark.parametrize("num_seqs, num_splits", [(64, None), (64, 4), (3, None)])
+def test_large_batch_on_gpu(dtype, atol, window, num_seqs, num_splits):
+    """Llama-8B-like heads (H=32, KV=8, D=128), 16-slot blocks, sequences of up to 2000 keys; split or not
+    (None: the automatic count, 1 for 64 sequences on an H100, many for 3)."""
     g = torch.Generator().manual_seed(7)
-    context_lens = torch.randint(1, 2001, (64,), generator=g).tolist()
+    context_lens = torch.randint(1, 2001, (num_seqs,), generator=g).tolist()
     num_blocks = sum(-(-n // 16) for n in context_lens) + 64
     q, k, v, tables, ctx = random_batch(context_lens, 32, 8, 16, 128, num_blocks, seed=8, dtype=dtype)
-    out = decode(q, k, v, tables, ctx, window)
+    out = decode(q, k, v, tables, ctx, window, num_splits)
     assert out.dtype == dtype
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, tables, ctx, window), atol=atol, rtol=0)
