@@ -38,6 +38,7 @@ class AgentOptions:
     engine: EngineConfig = field(default_factory=EngineConfig)
     site: str = ""                      # reported to the planner: where this box is
     tier: str = "edge"
+    remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
@@ -66,7 +67,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
         return f"{record.host}:{record.port}"
 
-    capabilities = probe(options.site, options.tier)
+    capabilities = probe(options.site, options.tier, remeasure=options.remeasure)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities)
     control = asyncio.create_task(ControlClient(identity, host, find_coordinator).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)

@@ -1,4 +1,4 @@
-"""What this box offers: CPU, RAM and NVIDIA GPUs. Reading (I/O) is split from parsing (pure)."""
+"""What this box offers: CPU, RAM, NVIDIA GPUs and backends. Reading (I/O) is split from parsing (pure)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import logging
 import os
 import platform
 import socket
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stratamesh.fleet.types import Capabilities, GpuInfo
 
@@ -15,13 +17,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RawGpu:
-    """One GPU as NVML reports it, before any interpretation."""
+    """One GPU as NVML reports it, before any interpretation; None where a reading failed."""
 
     index: int
     name: str | bytes
     mem_total_bytes: int
     mem_free_bytes: int
-    uuid: str | bytes
+    uuid: str | bytes | None
+    compute_capability: tuple[int, int] | None = None   # (major, minor)
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    power_mw: int | None = None
+    power_limit_mw: int | None = None
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> str:
@@ -40,27 +47,57 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> str:
         return ""
 
 
-def read_nvml() -> list[RawGpu]:
-    """Every NVIDIA GPU through nvidia-ml-py; an empty list where there is no driver or NVML fails."""
+def read_nvml(nvml: Any = None) -> list[RawGpu]:
+    """Every NVIDIA GPU through nvml (default: pynvml); [] where there is no driver or NVML fails."""
     try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound on boxes without NVIDIA: no GPU
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001  NVMLError_LibraryNotFound on boxes without NVIDIA: no GPU
         log.debug("no NVML: %s", exc)
         return []
     try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(RawGpu(index, pynvml.nvmlDeviceGetName(handle), int(mem.total),
-                               int(mem.free), pynvml.nvmlDeviceGetUUID(handle)))
-        return gpus
-    except Exception as exc:
+        return [_read_one_gpu(nvml, index, nvml.nvmlDeviceGetHandleByIndex(index))
+                for index in range(nvml.nvmlDeviceGetCount())]
+    except Exception as exc:  # noqa: BLE001  any failure here means no usable GPU list
         log.warning("NVML query failed, reporting no GPUs: %s", exc)
         return []
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            nvml.nvmlShutdown()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("nvmlShutdown failed: %s", exc)
+
+
+def _read_one_gpu(nvml: Any, index: int, handle: Any) -> RawGpu:
+    """Name and memory must read; each other reading is None if it fails (not every GPU has every sensor)."""
+    def optional(what: str, read: Callable[[], Any]) -> Any:
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001  NVMLError_NotSupported, or a binding too old
+            log.debug("GPU %d: no %s: %s", index, what, exc)
+            return None
+
+    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    utilization = optional("utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+    return RawGpu(
+        index, nvml.nvmlDeviceGetName(handle), int(mem.total), int(mem.free),
+        optional("uuid", lambda: nvml.nvmlDeviceGetUUID(handle)),
+        optional("compute capability", lambda: tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))),
+        None if utilization is None else utilization.gpu,
+        optional("temperature", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+        optional("power draw", lambda: nvml.nvmlDeviceGetPowerUsage(handle)),
+        optional("power limit", lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle)))
+
+
+def read_onnx_providers() -> list[str]:
+    """onnxruntime's execution providers; [] where onnxruntime is not installed or fails to load."""
+    try:
+        import onnxruntime
+        return list(onnxruntime.get_available_providers())
+    except Exception as exc:  # noqa: BLE001  ImportError, or a broken install (a missing library)
+        log.debug("no onnxruntime: %s", exc)
+        return []
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
@@ -84,26 +121,53 @@ def parse_cpu_model(text: str) -> str:
 
 
 def parse_gpu(raw: RawGpu) -> GpuInfo:
-    def text(value: str | bytes) -> str:
-        return value.decode(errors="replace") if isinstance(value, bytes) else value
+    """NVML's raw values in our units: str names, "major.minor", watts."""
+    def text(value: str | bytes | None) -> str:
+        return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
 
-    return GpuInfo(raw.index, text(raw.name), raw.mem_total_bytes, raw.mem_free_bytes, text(raw.uuid))
+    def number(value: int | None, scale: float = 1.0) -> float | None:
+        return None if value is None else value * scale
+
+    cc = raw.compute_capability
+    return GpuInfo(
+        raw.index, text(raw.name), raw.mem_total_bytes, raw.mem_free_bytes, text(raw.uuid),
+        compute_capability=f"{cc[0]}.{cc[1]}" if cc else "",
+        utilization_pct=number(raw.utilization_pct), temperature_c=number(raw.temperature_c),
+        power_w=number(raw.power_mw, 1e-3), power_limit_w=number(raw.power_limit_mw, 1e-3))
 
 
-def backends_for(gpus: list[GpuInfo], cuda_available: bool) -> tuple[str, ...]:
-    return ("torch-cpu", "torch-cuda") if gpus and cuda_available else ("torch-cpu",)
+# onnxruntime providers that run on an NVIDIA GPU: reported only where the probe saw one.
+ONNX_GPU_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider"})
+# Listed by the plain CPU wheel, but it calls a remote endpoint: nothing a stage can run on.
+ONNX_REMOTE_PROVIDERS = frozenset({"AzureExecutionProvider"})
 
 
-def probe(site: str = "", tier: str = "edge", measure: bool = True) -> Capabilities:
-    """Reads and parses this box's capabilities; measure: time a matmul and a copy for the planner."""
+def onnx_backend(provider: str) -> str:
+    """"CUDAExecutionProvider" -> "onnxruntime-cuda"."""
+    return "onnxruntime-" + provider.lower().removesuffix("executionprovider")
+
+
+def backends_for(gpus: Sequence[GpuInfo], cuda_available: bool, onnx_providers: Iterable[str] = ()) -> tuple[str, ...]:
+    """What this box can run stages on: torch first, then onnxruntime's providers by name."""
+    torch_backends = ("torch-cpu", "torch-cuda") if gpus and cuda_available else ("torch-cpu",)
+    onnx = {onnx_backend(p) for p in onnx_providers
+            if p not in ONNX_REMOTE_PROVIDERS and (gpus or p not in ONNX_GPU_PROVIDERS)}
+    return torch_backends + tuple(sorted(onnx))
+
+
+def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False) -> Capabilities:
+    """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed)."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()]
+    hostname, cpu_model = socket.gethostname(), parse_cpu_model(read_cpuinfo())
     import torch
 
-    from stratamesh.agent.speed import measure_speeds
+    from stratamesh.agent.speed import DEFAULT_MAX_AGE_S, box_fingerprint, cached_speeds
 
+    speeds = cached_speeds(max_age_s=0.0 if remeasure else DEFAULT_MAX_AGE_S,
+                           fingerprint=box_fingerprint(hostname, cpu_model, gpus)) if measure else ()
     return Capabilities(
-        hostname=socket.gethostname(), cpu_model=parse_cpu_model(read_cpuinfo()),
-        num_cpus=os.cpu_count() or 1, ram_total_bytes=total, ram_available_bytes=available,
-        gpus=tuple(gpus), backends=backends_for(gpus, torch.cuda.is_available()),
-        speeds=measure_speeds() if measure else (), site=site, tier=tier)
+        hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
+        ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
+        backends=backends_for(gpus, torch.cuda.is_available(), read_onnx_providers()),
+        speeds=speeds, site=site, tier=tier)

@@ -1,47 +1,143 @@
-"""Measured speed of this box for the planner: FLOP/s of a large matmul and bytes/s of a large copy."""
+"""Measured speed of this box for the planner: FLOP/s of a large matmul and bytes/s of a large copy, cached per box."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from stratamesh.fleet.types import SpeedInfo
+from stratamesh.fleet.types import GpuInfo, SpeedInfo
 
-MATMUL_SIZE = 1024        # fp32: 2 GFLOP a product; large enough for the BLAS to reach steady state
-COPY_BYTES = 64 << 20     # larger than any last-level cache here
+log = logging.getLogger(__name__)
+
+CPU_MATMUL_N = 1024                 # fp32: 2 GFLOP a product; large enough for the BLAS to reach steady state
+CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
+# Large enough to keep an H100's tensor cores busy; fp32 runs at a fraction of their rate, so a smaller n.
+CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
+CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
+DEFAULT_MAX_AGE_S = 7 * 86400.0
 
 
 def measure_speeds(reps: int = 3) -> tuple[SpeedInfo, ...]:
-    """float32 on the CPU, and float32 + bfloat16 on the first CUDA device if there is one (~0.3 s in all)."""
-    speeds = [_measure("torch-cpu", "cpu", torch.float32, reps)]
+    """float32 on the CPU, and float32, bfloat16 and float16 on the first CUDA device if there is one."""
+    speeds = [_measure("torch-cpu", "cpu", torch.float32, CPU_MATMUL_N, CPU_COPY_BYTES, reps)]
     if torch.cuda.is_available():
-        speeds += [_measure("torch-cuda", "cuda", dtype, reps) for dtype in (torch.float32, torch.bfloat16)]
+        free_bytes, _ = torch.cuda.mem_get_info()
+        copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
+        speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]
+        torch.cuda.empty_cache()   # hand the buffers back before stages load
     return tuple(speeds)
 
 
-def _measure(backend: str, device: str, dtype: torch.dtype, reps: int) -> SpeedInfo:
-    n = MATMUL_SIZE
+def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> SpeedInfo:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    src = torch.empty(COPY_BYTES // a.element_size(), device=device, dtype=dtype)
+    src = torch.rand(copy_bytes // a.element_size(), device=device, dtype=dtype)   # rand: faster than randn
     dst = torch.empty_like(src)
     matmul_s = _best_time(lambda: torch.mm(a, b), device, reps)
     copy_s = _best_time(lambda: dst.copy_(src), device, reps)
-    return SpeedInfo(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, 2 * COPY_BYTES / copy_s)
+    moved_bytes = 2 * src.numel() * src.element_size()   # read the source, write the destination
+    return SpeedInfo(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, moved_bytes / copy_s)
 
 
 def _best_time(work: Callable[[], object], device: str, reps: int) -> float:
     """The fastest of reps runs after one warm-up, in seconds (the least disturbed by other processes)."""
-    best = float("inf")
-    for i in range(reps + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    _time_once(work, device)   # warm-up: first-call setup (BLAS threads, cuBLAS handles) is not speed
+    return min(_time_once(work, device) for _ in range(max(reps, 1)))
+
+
+def _time_once(work: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         work()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    work()
+    return time.perf_counter() - start_s
+
+
+def default_cache_path() -> Path:
+    """$STRATAMESH_CACHE_DIR/speeds.json, else ~/.cache/stratamesh/speeds.json."""
+    cache_dir = os.environ.get("STRATAMESH_CACHE_DIR") or Path.home() / ".cache" / "stratamesh"
+    return Path(cache_dir) / "speeds.json"
+
+
+def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo]) -> str:
+    """Changes when what was measured may have: the host, its CPU, its GPUs or the torch build."""
+    box = [hostname, cpu_model, [[g.name, g.uuid] for g in gpus], torch.__version__]
+    return hashlib.sha256(json.dumps(box).encode()).hexdigest()[:16]
+
+
+def this_box_fingerprint() -> str:
+    from stratamesh.agent import probe  # probe imports this module
+
+    gpus = [probe.parse_gpu(raw) for raw in probe.read_nvml()]
+    return box_fingerprint(socket.gethostname(), probe.parse_cpu_model(probe.read_cpuinfo()), gpus)
+
+
+def cached_speeds(cache_path: Path | None = None, max_age_s: float = DEFAULT_MAX_AGE_S,
+                  measure: Callable[[], tuple[SpeedInfo, ...]] = measure_speeds, *,
+                  fingerprint: str | None = None, now: float | None = None) -> tuple[SpeedInfo, ...]:
+    """The cached speeds if this box measured them less than max_age_s ago, else measure() stored in the cache."""
+    path = cache_path or default_cache_path()
+    fingerprint = this_box_fingerprint() if fingerprint is None else fingerprint
+    now = time.time() if now is None else now
+    speeds = _load(path, fingerprint, now, max_age_s)
+    if speeds is None:
+        speeds = tuple(measure())
+        _store(path, {"fingerprint": fingerprint, "measured_at": now, "speeds": [asdict(s) for s in speeds]})
+    return speeds
+
+
+def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[SpeedInfo, ...] | None:
+    """The cached speeds if they fit this box and are fresh; None (measure again) otherwise."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        speeds = tuple(_speed(s) for s in entry["speeds"])
+        measured_at = float(entry["measured_at"])
+        cached_fingerprint = entry["fingerprint"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # JSONDecodeError is a ValueError
+        log.warning("ignoring the unreadable speed cache %s: %s", path, exc)
+        return None
+    if cached_fingerprint != fingerprint or not speeds:
+        log.info("speed cache %s is for another box or torch build: measuring", path)
+        return None
+    if not 0 <= now - measured_at < max_age_s:
+        log.info("speed cache %s is stale: measuring", path)
+        return None
+    return speeds
+
+
+def _speed(entry: dict) -> SpeedInfo:
+    speed = SpeedInfo(str(entry["backend"]), str(entry["dtype"]), float(entry["flops"]),
+                      float(entry["mem_bandwidth"]))
+    if not (0 < speed.flops < math.inf and 0 < speed.mem_bandwidth < math.inf):
+        raise ValueError(f"speed {speed} is not positive and finite")
+    return speed
+
+
+def _store(path: Path, entry: dict) -> None:
+    """Writes the cache atomically (agents on one box may probe at once); a failure only costs a re-measure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=path.name,
+                                         suffix=".tmp", delete=False) as f:
+            json.dump(entry, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as exc:
+        log.warning("could not write the speed cache %s: %s", path, exc)

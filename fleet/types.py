@@ -12,11 +12,18 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
+    """One NVIDIA GPU as the probe saw it; None where NVML could not say."""
+
     index: int
     name: str
     mem_total_bytes: int
     mem_free_bytes: int
     uuid: str = ""
+    compute_capability: str = ""            # "9.0"
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

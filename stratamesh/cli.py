@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
+    agent.add_argument("--remeasure", action="store_true",
+                       help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.set_defaults(func=_agent)
 
     model = commands.add_parser("model", help="model folders")
@@ -138,7 +140,7 @@ def _agent(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
-        tier=args.tier,
+        tier=args.tier, remeasure=args.remeasure,
         engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
                             args.max_batch_seqs, not args.no_prefix_cache), **overrides)
     _run_daemon(lambda stop: run_agent(options, stop))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 from stratamesh.tiny_model import write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache
+os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,28 @@ from stratamesh.fleet.wire import mesh_pb2 as pb
 StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
 
 
+# GpuInfo readings NVML may not give: None on our side, an unset proto3 optional on the wire.
+_GPU_READINGS = ("utilization_pct", "temperature_c", "power_w", "power_limit_w")
+
+
+def gpu_to_pb(gpu: GpuInfo) -> pb.GpuInfo:
+    readings = {name: getattr(gpu, name) for name in _GPU_READINGS if getattr(gpu, name) is not None}
+    return pb.GpuInfo(index=gpu.index, name=gpu.name, mem_total_bytes=gpu.mem_total_bytes,
+                      mem_free_bytes=gpu.mem_free_bytes, uuid=gpu.uuid,
+                      compute_capability=gpu.compute_capability, **readings)
+
+
+def gpu_from_pb(msg: pb.GpuInfo) -> GpuInfo:
+    readings = {name: getattr(msg, name) if msg.HasField(name) else None for name in _GPU_READINGS}
+    return GpuInfo(msg.index, msg.name, msg.mem_total_bytes, msg.mem_free_bytes, msg.uuid,
+                   msg.compute_capability, **readings)
+
+
 def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
     return pb.Capabilities(
         hostname=caps.hostname, cpu_model=caps.cpu_model, num_cpus=caps.num_cpus,
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
-        gpus=[pb.GpuInfo(index=g.index, name=g.name, mem_total_bytes=g.mem_total_bytes,
-                         mem_free_bytes=g.mem_free_bytes, uuid=g.uuid) for g in caps.gpus],
+        gpus=[gpu_to_pb(g) for g in caps.gpus],
         backends=list(caps.backends), site=caps.site, tier=caps.tier,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth)
                 for s in caps.speeds])
@@ -30,7 +46,7 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
         raise InvalidInput("capabilities: speeds must have positive flops and mem_bandwidth")
     if msg.tier not in ("", "edge", "cloud"):
         raise InvalidInput(f"capabilities: tier {msg.tier!r} is not edge or cloud")
-    gpus = tuple(GpuInfo(g.index, g.name, g.mem_total_bytes, g.mem_free_bytes, g.uuid) for g in msg.gpus)
+    gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge")

@@ -22,18 +22,28 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "name", "mem_total_bytes", "mem_free_bytes", "uuid")
+    __slots__ = ("index", "name", "mem_total_bytes", "mem_free_bytes", "uuid", "compute_capability", "utilization_pct", "temperature_c", "power_w", "power_limit_w")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PCT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    POWER_W_FIELD_NUMBER: _ClassVar[int]
+    POWER_LIMIT_W_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     mem_total_bytes: int
     mem_free_bytes: int
     uuid: str
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ...) -> None: ...
+    compute_capability: str
+    utilization_pct: float
+    temperature_c: float
+    power_w: float
+    power_limit_w: float
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ..., compute_capability: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier")

@@ -1,12 +1,25 @@
-"""Probe parsing is pure: tables of what /proc and NVML may say."""
+"""Probe parsing is pure: tables of what /proc and NVML may say; a stand-in NVML module drives the reader."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from stratamesh.agent.probe import RawGpu, backends_for, parse_cpu_model, parse_gpu, parse_meminfo, probe
+from stratamesh.agent.probe import (
+    RawGpu, backends_for, onnx_backend, parse_cpu_model, parse_gpu, parse_meminfo, probe, read_nvml,
+    read_onnx_providers,
+)
+from stratamesh.fleet.types import GpuInfo
 
 MEMINFO = "MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+
+
+@pytest.fixture(autouse=True)
+def speed_cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -23,20 +36,151 @@ def test_parse_cpu_model() -> None:
     assert parse_cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 9654\n") == "AMD EPYC 9654"
 
 
-@pytest.mark.parametrize("raw, name, uuid", [
-    (RawGpu(0, b"NVIDIA H100 80GB HBM3", 85 << 30, 80 << 30, b"GPU-1"), "NVIDIA H100 80GB HBM3", "GPU-1"),
-    (RawGpu(1, "NVIDIA L4", 24 << 30, 20 << 30, "GPU-2"), "NVIDIA L4", "GPU-2"),
+@pytest.mark.parametrize("raw, expected", [
+    (RawGpu(0, b"NVIDIA H100 80GB HBM3", 85 << 30, 80 << 30, b"GPU-1", (9, 0), 37, 41, 123_456, 700_000),
+     GpuInfo(0, "NVIDIA H100 80GB HBM3", 85 << 30, 80 << 30, "GPU-1", "9.0", 37.0, 41.0, 123.456, 700.0)),
+    (RawGpu(1, "NVIDIA L4", 24 << 30, 20 << 30, "GPU-2", (8, 9), 0, 30, 16_000, 72_000),
+     GpuInfo(1, "NVIDIA L4", 24 << 30, 20 << 30, "GPU-2", "8.9", 0.0, 30.0, 16.0, 72.0)),
+    (RawGpu(2, "Jetson", 8 << 30, 4 << 30, None),   # every optional reading failed
+     GpuInfo(2, "Jetson", 8 << 30, 4 << 30, "", "", None, None, None, None)),
 ])
-def test_parse_gpu_accepts_bytes_or_str(raw: RawGpu, name: str, uuid: str) -> None:
+def test_parse_gpu(raw: RawGpu, expected: GpuInfo) -> None:
+    assert parse_gpu(raw) == expected
+
+
+class NVMLError(Exception):
+    """What the stand-in NVML raises, as pynvml raises its NVMLError subclasses."""
+
+
+class FakeNvml:
+    """The pynvml functions read_nvml calls, over a list of GPUs; `failing` names functions that raise."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, gpus: list[dict], failing: tuple[str, ...] = ()) -> None:
+        self.gpus, self.failing, self.shut_down = gpus, failing, False
+
+    def _check(self, name: str) -> None:
+        if name in self.failing:
+            raise NVMLError(f"{name}: Not Supported")
+
+    def nvmlInit(self) -> None:
+        self._check("nvmlInit")
+
+    def nvmlShutdown(self) -> None:
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> dict:
+        self._check("nvmlDeviceGetHandleByIndex")
+        return self.gpus[index]
+
+    def nvmlDeviceGetName(self, handle: dict) -> bytes:
+        return handle["name"]
+
+    def nvmlDeviceGetUUID(self, handle: dict) -> bytes:
+        self._check("nvmlDeviceGetUUID")
+        return handle["uuid"]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: dict) -> SimpleNamespace:
+        return SimpleNamespace(total=handle["total"], free=handle["free"], used=handle["total"] - handle["free"])
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: dict) -> tuple[int, int]:
+        self._check("nvmlDeviceGetCudaComputeCapability")
+        return handle["cc"]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: dict) -> SimpleNamespace:
+        self._check("nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=handle["util"], memory=3)
+
+    def nvmlDeviceGetTemperature(self, handle: dict, sensor: int) -> int:
+        self._check("nvmlDeviceGetTemperature")
+        assert sensor == self.NVML_TEMPERATURE_GPU
+        return handle["temp"]
+
+    def nvmlDeviceGetPowerUsage(self, handle: dict) -> int:
+        self._check("nvmlDeviceGetPowerUsage")
+        return handle["power_mw"]
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: dict) -> int:
+        self._check("nvmlDeviceGetEnforcedPowerLimit")
+        return handle["limit_mw"]
+
+
+H100 = {"name": b"NVIDIA H100", "uuid": b"GPU-a", "total": 80 << 30, "free": 79 << 30, "cc": (9, 0),
+        "util": 12, "temp": 45, "power_mw": 98_000, "limit_mw": 700_000}
+L4 = {"name": "NVIDIA L4", "uuid": "GPU-b", "total": 24 << 30, "free": 23 << 30, "cc": (8, 9),
+      "util": 0, "temp": 33, "power_mw": 16_000, "limit_mw": 72_000}
+
+
+def test_read_nvml_reads_every_field_of_every_gpu() -> None:
+    nvml = FakeNvml([H100, L4])
+    assert read_nvml(nvml) == [
+        RawGpu(0, b"NVIDIA H100", 80 << 30, 79 << 30, b"GPU-a", (9, 0), 12, 45, 98_000, 700_000),
+        RawGpu(1, "NVIDIA L4", 24 << 30, 23 << 30, "GPU-b", (8, 9), 0, 33, 16_000, 72_000)]
+    assert nvml.shut_down
+
+
+@pytest.mark.parametrize("failing", [("nvmlInit",), ("nvmlDeviceGetCount",), ("nvmlDeviceGetHandleByIndex",)])
+def test_read_nvml_reports_no_gpu_when_init_count_or_handle_fails(failing: tuple[str, ...]) -> None:
+    assert read_nvml(FakeNvml([H100], failing)) == []
+
+
+def test_read_nvml_warns_only_after_a_successful_init(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="stratamesh.agent.probe"):
+        read_nvml(FakeNvml([H100], ("nvmlInit",)))
+        assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+        caplog.clear()
+        read_nvml(FakeNvml([H100], ("nvmlDeviceGetCount",)))
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_read_nvml_keeps_a_gpu_whose_sensors_fail(caplog: pytest.LogCaptureFixture) -> None:
+    failing = ("nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit")
+    with caplog.at_level(logging.DEBUG, logger="stratamesh.agent.probe"):
+        (raw,) = read_nvml(FakeNvml([H100], failing))
+    assert (raw.temperature_c, raw.power_mw, raw.power_limit_mw) == (None, None, None)
+    assert (raw.utilization_pct, raw.compute_capability, raw.uuid) == (12, (9, 0), b"GPU-a")
+    assert len(caplog.records) == 3 and all(r.levelno == logging.DEBUG for r in caplog.records)
     gpu = parse_gpu(raw)
-    assert (gpu.name, gpu.uuid, gpu.mem_free_bytes) == (name, uuid, raw.mem_free_bytes)
+    assert (gpu.name, gpu.compute_capability, gpu.temperature_c, gpu.power_w) == ("NVIDIA H100", "9.0", None, None)
 
 
-def test_backends() -> None:
-    gpu = parse_gpu(RawGpu(0, "L4", 1, 1, "u"))
-    assert backends_for([], cuda_available=True) == ("torch-cpu",)
-    assert backends_for([gpu], cuda_available=False) == ("torch-cpu",)
-    assert backends_for([gpu], cuda_available=True) == ("torch-cpu", "torch-cuda")
+def test_read_nvml_without_any_optional_reading() -> None:
+    failing = ("nvmlDeviceGetUUID", "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetUtilizationRates",
+               "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit")
+    assert read_nvml(FakeNvml([L4], failing)) == [RawGpu(0, "NVIDIA L4", 24 << 30, 23 << 30, None)]
+
+
+GPU = GpuInfo(0, "L4", 1, 1, "u")
+
+
+@pytest.mark.parametrize("gpus, cuda, providers, expected", [
+    ([], True, (), ("torch-cpu",)),
+    ([GPU], False, (), ("torch-cpu",)),
+    ([GPU], True, (), ("torch-cpu", "torch-cuda")),
+    ([], False, ["AzureExecutionProvider", "CPUExecutionProvider"], ("torch-cpu", "onnxruntime-cpu")),
+    ([GPU], True, ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+     ("torch-cpu", "torch-cuda", "onnxruntime-cpu", "onnxruntime-cuda", "onnxruntime-tensorrt")),
+    # onnxruntime-gpu lists CUDA even without a GPU: only what can run is reported
+    ([], False, ["CUDAExecutionProvider", "CPUExecutionProvider"], ("torch-cpu", "onnxruntime-cpu")),
+    ([], False, ["OpenVINOExecutionProvider", "CPUExecutionProvider", "CPUExecutionProvider"],
+     ("torch-cpu", "onnxruntime-cpu", "onnxruntime-openvino")),
+])
+def test_backends(gpus: list[GpuInfo], cuda: bool, providers: list[str], expected: tuple[str, ...]) -> None:
+    assert backends_for(gpus, cuda, providers) == expected
+    assert backends_for(gpus, cuda, list(reversed(providers))) == expected
+
+
+@pytest.mark.parametrize("provider, backend", [
+    ("CUDAExecutionProvider", "onnxruntime-cuda"), ("TensorrtExecutionProvider", "onnxruntime-tensorrt"),
+    ("CPUExecutionProvider", "onnxruntime-cpu"), ("CoreMLExecutionProvider", "onnxruntime-coreml"),
+])
+def test_onnx_backend_names(provider: str, backend: str) -> None:
+    assert onnx_backend(provider) == backend
 
 
 def test_probe_on_this_box() -> None:
@@ -44,3 +188,7 @@ def test_probe_on_this_box() -> None:
     assert caps.num_cpus >= 1 and caps.ram_total_bytes > 0
     assert caps.usable_mem_bytes == (caps.ram_available_bytes if not caps.gpus
                                      else sum(g.mem_free_bytes for g in caps.gpus))
+    assert caps.backends[0] == "torch-cpu"
+    assert ("onnxruntime-cpu" in caps.backends) == ("CPUExecutionProvider" in read_onnx_providers())
+    assert caps.speeds and caps.speeds[0].backend == "torch-cpu"
+    assert probe().speeds == caps.speeds   # the second probe reads the cache

@@ -67,6 +67,23 @@ def test_control_messages_round_trip() -> None:
     assert [convert.token_event_from_pb(e) for e in pb.TokenBatch.FromString(wire).events] == events
 
 
+@pytest.mark.parametrize("gpu", [
+    GpuInfo(0, "NVIDIA H100", 80 << 30, 70 << 30, "GPU-a", "9.0", 37.0, 41.0, 123.5, 700.0),
+    GpuInfo(1, "NVIDIA L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 0.0, 0.0, 0.0, 0.0),   # zero is not unknown
+    GpuInfo(2, "Jetson", 8 << 30, 4 << 30),                                              # NVML said nothing more
+    GpuInfo(3, "A10", 24 << 30, 1 << 30, "GPU-c", "8.6", utilization_pct=5.0, power_limit_w=150.0),
+], ids=["every-field", "zeros", "bare", "some"])
+def test_gpu_info_round_trips_with_and_without_readings(gpu: GpuInfo) -> None:
+    caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (gpu,))
+    wire = convert.capabilities_to_pb(caps).SerializeToString()
+    assert convert.capabilities_from_pb(pb.Capabilities.FromString(wire)).gpus == (gpu,)
+
+
+def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
+    msg = convert.gpu_to_pb(GpuInfo(0, "L4", 1, 1, power_w=0.0))
+    assert [f.name for f, _ in msg.ListFields()] == ["name", "mem_total_bytes", "mem_free_bytes", "power_w"]
+
+
 @pytest.mark.parametrize("message, field", [
     (pb.StageMessage(), "no kind"),
     (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], start_pos=-1)), "start_pos"),
