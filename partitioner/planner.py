@@ -112,8 +112,10 @@ def _best_pipeline(profile: ModelProfile, fleet: FleetSnapshot, tables: StageTab
         per_layer, ranked = _per_layer(configs, tables), None
         for units in configs:
             units = _candidates(units, tables, request, per_layer)
+            if not units:
+                continue
             costs = _costs(units, [tables.times(u) for u in units], links, request, request.objective)
-            split, orders = _site_orders(units, costs, request, ranked) if units else (None, [])
+            split, orders = _site_orders(units, costs, request, ranked)
             if split is None and ranked is not None:
                 split, orders = _site_orders(units, costs, request)
             if split is not None:
