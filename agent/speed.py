@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -81,19 +80,12 @@ def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo]) -> s
     return hashlib.sha256(json.dumps(box).encode()).hexdigest()[:16]
 
 
-def this_box_fingerprint() -> str:
-    from stratamesh.agent import probe  # probe imports this module
-
-    gpus = [probe.parse_gpu(raw) for raw in probe.read_nvml()]
-    return box_fingerprint(socket.gethostname(), probe.parse_cpu_model(probe.read_cpuinfo()), gpus)
-
-
 def cached_speeds(cache_path: Path | None = None, max_age_s: float = DEFAULT_MAX_AGE_S,
                   measure: Callable[[], tuple[SpeedInfo, ...]] = measure_speeds, *,
-                  fingerprint: str | None = None, now: float | None = None) -> tuple[SpeedInfo, ...]:
-    """The cached speeds if this box measured them less than max_age_s ago, else measure() stored in the cache."""
+                  fingerprint: str, now: float | None = None) -> tuple[SpeedInfo, ...]:
+    """The cached speeds if the box with this fingerprint (box_fingerprint) measured them less than max_age_s
+    ago, else measure() stored in the cache."""
     path = cache_path or default_cache_path()
-    fingerprint = this_box_fingerprint() if fingerprint is None else fingerprint
     now = time.time() if now is None else now
     speeds = _load(path, fingerprint, now, max_age_s)
     if speeds is None:

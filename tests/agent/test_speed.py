@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,9 @@ def test_default_path_and_this_box(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path))
     assert default_cache_path() == tmp_path / "speeds.json"
     measure = CountingMeasure()
-    cached_speeds(measure=measure)   # this box's real fingerprint, twice
-    cached_speeds(measure=measure)
+    box = box_fingerprint(socket.gethostname(), "cpu", [])
+    cached_speeds(measure=measure, fingerprint=box)   # the default path, twice
+    cached_speeds(measure=measure, fingerprint=box)
     assert measure.calls == 1 and (tmp_path / "speeds.json").exists()
 
 
