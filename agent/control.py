@@ -11,7 +11,7 @@ import grpc
 
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import Capabilities, Registration, StageStatus
+from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -31,15 +31,18 @@ class Identity:
     stage_address: str
     mesh: str
     capabilities: Capabilities
+    metrics_address: str = ""
 
 
 class ControlClient:
     """Keeps one control stream to the coordinator, redialing (and rediscovering) when it drops."""
 
     def __init__(self, identity: Identity, host: StageHost,
-                 find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5):
+                 find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5,
+                 telemetry: Callable[[], Awaitable[Telemetry]] | None = None):
         self._identity = identity
         self._host = host
+        self._telemetry = telemetry
         self._find = find_coordinator
         self._retry_s = retry_s
         self.connected = asyncio.Event()
@@ -93,13 +96,19 @@ class ControlClient:
     def _registration(self) -> Registration:
         i = self._identity
         return Registration(i.agent_id, i.name, i.stage_address, i.capabilities,
-                            tuple(self._host.assignments()), i.mesh)
+                            tuple(self._host.assignments()), i.mesh, i.metrics_address)
 
     async def _heartbeat(self, outbox: asyncio.Queue[object], interval_s: float) -> None:
         seq = 0
         while True:
             seq += 1
-            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._host.num_sessions))
+            telemetry = None
+            if self._telemetry is not None:
+                try:
+                    telemetry = await self._telemetry()
+                except Exception:  # a heartbeat without telemetry still says the agent is alive
+                    log.warning("could not take telemetry", exc_info=True)
+            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._host.num_sessions, telemetry))
             await asyncio.sleep(max(interval_s, 0.05))
 
     async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment) -> None:

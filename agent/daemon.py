@@ -16,6 +16,7 @@ from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.probe import probe
 from stratamesh.agent.stages import StageHost
+from stratamesh.agent.telemetry import TelemetrySampler
 from stratamesh.fleet import discovery
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
@@ -69,7 +70,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
 
     capabilities = probe(options.site, options.tier, remeasure=options.remeasure)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities)
-    control = asyncio.create_task(ControlClient(identity, host, find_coordinator).run())
+    sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
+    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sampler.sample).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address}", flush=True)
     try:

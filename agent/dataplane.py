@@ -53,6 +53,10 @@ class StageService(pb_grpc.StageServicer):
     def start(self) -> None:
         self._worker = asyncio.get_running_loop().create_task(self._work())
 
+    def inbox_depth(self) -> int:
+        """Messages received and not yet applied."""
+        return self._inbox.qsize()
+
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
@@ -163,6 +167,8 @@ class StageService(pb_grpc.StageServicer):
             if batch is None:
                 continue
             output = await self._run(engine, batch) if batch.chunks else None
+            if output is not None:
+                self._host.num_computed_tokens += sum(c.num_tokens for c in batch.chunks)
             outbox = Outbox()
             if output is not None or not batch.chunks:
                 engine.postprocess(batch, output, outbox)

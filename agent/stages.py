@@ -21,6 +21,7 @@ class StageHost:
         self.executor = executor
         self.config = config
         self.engines: dict[str, StageEngine] = {}
+        self.num_computed_tokens = 0        # tokens all stages have run through their layers, ever
         self._loading: dict[str, asyncio.Future[StageEngine]] = {}
 
     async def load(self, assignment: Assignment) -> int:

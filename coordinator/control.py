@@ -52,15 +52,18 @@ class ControlService(pb_grpc.ControlServicer):
 
     def _handle(self, agent_id: str, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "heartbeat":
-            self._deployer.heartbeat(agent_id)
-        elif kind == "stage_status":
-            try:
+        try:
+            if kind == "heartbeat":
+                telemetry = message.heartbeat.telemetry if message.heartbeat.HasField("telemetry") else None
+                self._deployer.heartbeat(agent_id, convert.telemetry_from_pb(telemetry) if telemetry else None)
+            elif kind == "stage_status":
                 self._deployer.stage_status(agent_id, convert.stage_status_from_pb(message.stage_status))
-            except InvalidInput as exc:
-                log.info("agent %s sent a bad stage status: %s", agent_id, exc)
-        else:
-            log.info("agent %s sent an unexpected %s", agent_id, kind)
+            elif kind == "links":
+                self._deployer.links_reported(agent_id, convert.link_report_from_pb(message.links))
+            else:
+                log.info("agent %s sent an unexpected %s", agent_id, kind)
+        except InvalidInput as exc:
+            log.info("agent %s sent a bad %s: %s", agent_id, kind, exc)
 
 
 async def _write(context: grpc.aio.ServicerContext, outbox: asyncio.Queue[pb.CoordinatorMessage]) -> None:

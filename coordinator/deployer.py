@@ -12,11 +12,17 @@ from pathlib import Path
 from stratamesh.coordinator.placement import plan_stages
 from stratamesh.coordinator.registry import PlannedStage, Registry, StageRecord
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import Assignment, Capabilities, Hop, Registration, StageStatus
+from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Registration, StageStatus,
+                                    Telemetry)
 from stratamesh.fleet.wire import convert
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 log = logging.getLogger(__name__)
+
+# Heartbeat telemetry kept per agent: an hour, and at most this many rows (an hour of 1 s heartbeats).
+TELEMETRY_MAX_AGE_S = 3600.0
+TELEMETRY_MAX_ROWS_PER_AGENT = 3600
+TELEMETRY_PRUNE_EVERY_S = 60.0
 
 
 @dataclass(slots=True)
@@ -64,6 +70,8 @@ class Deployer:
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
         self._pending: dict[str, int] = {}     # model id -> stages wanted for its first plan
+        self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
+        self._pruned_at = float("-inf")
 
     def start(self) -> None:
         """After a (re)start no agent is connected and no stage known loaded until its agent says so."""
@@ -142,13 +150,26 @@ class Deployer:
         now = self._clock()
         del self._links[link.agent_id]
         self._loaded.pop(link.agent_id, None)
+        self.telemetry.pop(link.agent_id, None)
         for assignment_id in self._planned_for(link.agent_id):
             self._registry.set_stage_state(assignment_id, "assigned")
         self._registry.set_agent_state(link.agent_id, "disconnected", now)
         self._registry.log_event("agent_disconnected", "", now, agent_id=link.agent_id)
 
-    def heartbeat(self, agent_id: str) -> None:
-        self._registry.touch_agent(agent_id, self._clock())
+    def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
+        """Records that the agent is alive, and what it reported about its load."""
+        now = self._clock()
+        self._registry.touch_agent(agent_id, now)
+        if telemetry is not None:
+            self._registry.record_telemetry(agent_id, telemetry, now)
+            self.telemetry[agent_id] = telemetry
+
+    def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
+        """Stores an agent's link measurements for the planner and the operator."""
+        self._registry.record_links(agent_id, links, self._clock())
+        for m in links:
+            if m.error:
+                log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
 
     def stage_status(self, agent_id: str, status: StageStatus) -> None:
         """Records an agent's report on one of its assignments."""
@@ -175,8 +196,11 @@ class Deployer:
 
     # ------------------------------------------------------------ planning
     def tick(self) -> None:
-        """Re-plans a model whose plan names agents gone for longer than the grace period."""
+        """Re-plans a model whose plan names agents gone for longer than the grace period; prunes telemetry."""
         now = self._clock()
+        if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
+            self._pruned_at = now
+            self._registry.prune_telemetry(now, TELEMETRY_MAX_AGE_S, TELEMETRY_MAX_ROWS_PER_AGENT)
         for model in self._registry.models():
             plan = self._registry.active_plan(model.model_id)
             if plan is None or len(self._links) < len(plan.stages):

@@ -66,3 +66,15 @@ class EventRecord:
     kind: str
     agent_id: str | None
     detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRecord:
+    """The newest measurement of the link from agent_id to peer_id (error: the latest probe failed)."""
+
+    agent_id: str
+    peer_id: str
+    rtt_s: float
+    bandwidth_bytes_per_s: float
+    error: str
+    ts: float

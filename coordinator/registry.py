@@ -15,11 +15,12 @@ from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
-from stratamesh.coordinator.records import (AgentRecord, EventRecord, ModelRecord, PlannedStage, PlanRecord,
-                                            StageRecord)
-from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo, StageSpec
+from stratamesh.coordinator.records import (AgentRecord, EventRecord, LinkRecord, ModelRecord, PlannedStage,
+                                            PlanRecord, StageRecord)
+from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
+                                    Telemetry)
 
-__all__ = ["AgentRecord", "EventRecord", "ModelRecord", "PlanRecord", "PlannedStage", "Registry",
+__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "PlannedStage", "Registry",
            "StageRecord"]
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,20 @@ def _m003_stage_kv_block_size(db: Database) -> None:
     db["stages"].add_column("kv_block_size", int, not_null_default=16)
 
 
+def _m004_telemetry_and_links(db: Database) -> None:
+    """Heartbeat telemetry (a bounded history) and the latest measurement of each link."""
+    db["telemetry"].create({"id": int, "agent_id": str, "ts": float, "queue_depth": int,
+                            "tokens_per_s": float, "kv_usage": float, "telemetry_json": str},
+                           pk="id", if_not_exists=True)
+    db["telemetry"].create_index(["agent_id", "ts"], if_not_exists=True)
+    db["telemetry"].create_index(["ts"], if_not_exists=True)
+    db["links"].create({"agent_id": str, "peer_id": str, "rtt_s": float, "bandwidth_bytes_per_s": float,
+                        "error": str, "ts": float}, pk=("agent_id", "peer_id"), if_not_exists=True)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
-                                     _m003_stage_kv_block_size)
+                                     _m003_stage_kv_block_size, _m004_telemetry_and_links)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -77,6 +89,12 @@ def _caps_from_json(text: str) -> Capabilities:
     return Capabilities(**{**d, "gpus": tuple(GpuInfo(**g) for g in d["gpus"]),
                            "backends": tuple(d["backends"]),
                            "speeds": tuple(SpeedInfo(**s) for s in d.get("speeds", ()))})
+
+
+def _telemetry_from_json(text: str) -> Telemetry:
+    d = json.loads(text)
+    return Telemetry(**{**d, "stages": tuple(StageLoad(**s) for s in d["stages"]),
+                        "gpus": tuple(GpuInfo(**g) for g in d["gpus"])})
 
 
 def _agent(row: dict[str, Any]) -> AgentRecord:
@@ -251,6 +269,52 @@ class Registry:
         """The newest events, newest first."""
         rows = self._rows("SELECT * FROM events ORDER BY ts DESC, id DESC LIMIT ?", [limit])
         return [EventRecord(**r) for r in rows]
+
+    # ------------------------------------------------------------ telemetry
+    def record_telemetry(self, agent_id: str, telemetry: Telemetry, now: float) -> None:
+        """Append one heartbeat's telemetry, stamped with the coordinator's clock."""
+        kv_usage = max((s.kv_usage for s in telemetry.stages), default=0.0)
+        with self._tx() as db:
+            db["telemetry"].insert({"agent_id": agent_id, "ts": now, "queue_depth": telemetry.queue_depth,
+                                    "tokens_per_s": telemetry.tokens_per_s, "kv_usage": kv_usage,
+                                    "telemetry_json": json.dumps(asdict(telemetry))})
+
+    def telemetry(self, agent_id: str, since: float = 0.0, limit: int = 1000) -> list[tuple[float, Telemetry]]:
+        """An agent's telemetry newer than since, oldest first (at most the newest limit rows)."""
+        rows = self._rows("SELECT ts, telemetry_json FROM (SELECT * FROM telemetry WHERE agent_id = ? AND ts > ? "
+                          "ORDER BY ts DESC, id DESC LIMIT ?) ORDER BY ts, id", [agent_id, since, limit])
+        return [(r["ts"], _telemetry_from_json(r["telemetry_json"])) for r in rows]
+
+    def latest_telemetry(self) -> dict[str, tuple[float, Telemetry]]:
+        """Each agent's newest telemetry and when it came."""
+        rows = self._rows("SELECT t.agent_id, t.ts, t.telemetry_json FROM telemetry t JOIN "
+                          "(SELECT agent_id, MAX(id) AS id FROM telemetry GROUP BY agent_id) m ON t.id = m.id")
+        return {r["agent_id"]: (r["ts"], _telemetry_from_json(r["telemetry_json"])) for r in rows}
+
+    def prune_telemetry(self, now: float, max_age_s: float, max_rows_per_agent: int) -> int:
+        """Drop telemetry older than max_age_s and all but each agent's newest rows; return rows dropped."""
+        with self._tx() as db:
+            old = db.execute("DELETE FROM telemetry WHERE ts < ?", [now - max_age_s]).rowcount
+            extra = db.execute(
+                "DELETE FROM telemetry WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER "
+                "(PARTITION BY agent_id ORDER BY id DESC) AS n FROM telemetry) WHERE n > ?)",
+                [max_rows_per_agent]).rowcount
+        return old + extra
+
+    # ------------------------------------------------------------ links
+    def record_links(self, agent_id: str, links: Sequence[LinkMeasurement], now: float) -> None:
+        """Keep each link's newest measurement from agent_id; a failed probe keeps the last figures."""
+        with self._tx() as db:
+            for m in links:
+                row = {"agent_id": agent_id, "peer_id": m.peer_agent_id, "error": m.error, "ts": now}
+                if not m.error:
+                    row |= {"rtt_s": m.rtt_s, "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s}
+                db["links"].upsert(row, pk=("agent_id", "peer_id"))
+
+    def links(self) -> list[LinkRecord]:
+        """Every link measured at least once, ordered by its two ends."""
+        rows = self._rows("SELECT * FROM links WHERE rtt_s IS NOT NULL ORDER BY agent_id, peer_id")
+        return [LinkRecord(**r) for r in rows]
 
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",

@@ -149,7 +149,7 @@ class SessionOpen:
     route: tuple[Hop, ...]
     origin: str
     sampling: SamplingParams
-    trace_id: str = ""
+    traceparent: str = ""       # W3C trace context of the request; "" when it is not traced
     prompt_token_ids: tuple[int, ...] = ()
     max_cached_tokens: int = 0   # the fewest prompt tokens any stage so far holds in its prefix cache
 
@@ -169,6 +169,8 @@ class StepChunk:
     start_pos: int
     token_ids: tuple[int, ...] = ()
     sample: bool = False
+    trace_id: str = ""          # 32 hex digits; "" when the request is not traced
+    sent_unix_ns: int = 0       # when the origin sent it (0 on chunks inside a StepBatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class StepBatch:
 
     chunks: tuple[StepChunk, ...]
     hidden: TensorBlob
+    sent_unix_ns: int = 0       # when the sending stage finished computing it
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,7 @@ class TokenEvent:
     opened: bool = False        # the answer to an open: every stage opened the session ...
     cached_tokens: int = 0      # ... and holds this many leading prompt tokens in its cache
     preempted: bool = False     # a stage ran out of KV blocks: the origin replays the session
+    sent_unix_ns: int = 0       # when the last stage finished the step that produced it
 
 
 STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")
@@ -211,6 +215,7 @@ class Registration:
     capabilities: Capabilities
     held: tuple[Assignment, ...] = ()
     mesh: str = "default"
+    metrics_address: str = ""   # host:port of the agent's Prometheus /metrics; "" if it serves none
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,3 +226,50 @@ class StageStatus:
     state: str
     error: str = ""
     param_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StageLoad:
+    """How busy one stage of an agent is."""
+
+    assignment_id: str
+    num_running: int            # sessions holding KV blocks
+    num_waiting: int            # sessions with chunks queued
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_query_tokens: int = 0    # prompt tokens looked up in the prefix cache since the stage loaded
+    prefix_hit_tokens: int = 0      # ... and found there
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the stage's KV blocks in use (0 with no blocks)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """What an agent reports with each heartbeat."""
+
+    unix_s: float
+    queue_depth: int = 0        # messages and chunks waiting for a step, all stages
+    tokens_per_s: float = 0.0   # tokens its stages computed per second since the last heartbeat
+    stages: tuple[StageLoad, ...] = ()
+    gpus: tuple[GpuInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Another agent whose link this agent should measure."""
+
+    agent_id: str
+    address: str                # its Stage and Link services
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMeasurement:
+    """A measured link from the reporting agent to a peer; error instead of figures when it failed."""
+
+    peer_agent_id: str
+    rtt_s: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
+    error: str = ""

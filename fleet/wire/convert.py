@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from stratamesh.fleet.errors import InvalidInput
+import re
+
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo,
-    StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
+    Assignment, Capabilities, GpuInfo, Hop, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
+    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob,
+    TokenEvent,
 )
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
 StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
+
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+_TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 # GpuInfo readings NVML may not give: None on our side, an unset proto3 optional on the wire.
@@ -107,13 +113,14 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
-                trace_id=message.trace_id, prompt_token_ids=list(message.prompt_token_ids),
+                traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
                 max_cached_tokens=message.max_cached_tokens))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepBatch():
             return pb.StageMessage(batch=pb.StepBatch(chunks=[_chunk_to_pb(c) for c in message.chunks],
-                                                      hidden=tensor_to_pb(message.hidden)))
+                                                      hidden=tensor_to_pb(message.hidden),
+                                                      sent_unix_ns=message.sent_unix_ns))
         case SessionClose():
             return pb.StageMessage(close=pb.SessionClose(session_id=message.session_id))
     raise TypeError(f"not a stage message: {type(message).__name__}")
@@ -147,15 +154,18 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.origin is empty")
     if msg.max_cached_tokens < 0 or msg.max_cached_tokens > len(msg.prompt_token_ids):
         raise InvalidInput("open.max_cached_tokens must lie in [0, len(prompt_token_ids)]")
+    if msg.traceparent and not _TRACEPARENT.fullmatch(msg.traceparent):
+        raise InvalidInput("open.traceparent is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
-                       sampling_from_pb(msg.sampling), msg.trace_id, tuple(msg.prompt_token_ids),
+                       sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens)
 
 
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
     return pb.StepChunk(session_id=chunk.session_id, step=chunk.step, start_pos=chunk.start_pos,
-                        token_ids=list(chunk.token_ids), sample=chunk.sample)
+                        token_ids=list(chunk.token_ids), sample=chunk.sample, trace_id=chunk.trace_id,
+                        sent_unix_ns=chunk.sent_unix_ns)
 
 
 def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
@@ -164,7 +174,12 @@ def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
         raise InvalidInput("chunk.start_pos and chunk.step must be >= 0")
     if not msg.token_ids:
         raise InvalidInput("chunk.token_ids is empty")
-    return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), msg.sample)
+    if msg.trace_id and not _TRACE_ID.fullmatch(msg.trace_id):
+        raise InvalidInput("chunk.trace_id must be 32 lowercase hex digits or empty")
+    if msg.sent_unix_ns < 0:
+        raise InvalidInput("chunk.sent_unix_ns must be >= 0")
+    return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), msg.sample,
+                     msg.trace_id, msg.sent_unix_ns)
 
 
 def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:
@@ -177,22 +192,24 @@ def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:
     num_rows = sum(len(c.token_ids) for c in chunks)
     if len(hidden.shape) != 2 or hidden.shape[0] != num_rows:
         raise InvalidInput(f"batch.hidden has shape {list(hidden.shape)}, expected [{num_rows}, hidden]")
-    return StepBatch(chunks, hidden)
+    if msg.sent_unix_ns < 0:
+        raise InvalidInput("batch.sent_unix_ns must be >= 0")
+    return StepBatch(chunks, hidden, msg.sent_unix_ns)
 
 
 def token_batch_to_pb(events: list[TokenEvent]) -> pb.TokenBatch:
     return pb.TokenBatch(events=[
         pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
                       error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
-                      preempted=e.preempted) for e in events])
+                      preempted=e.preempted, sent_unix_ns=e.sent_unix_ns) for e in events])
 
 
 def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
     _require_session_id(msg.session_id, "token_event")
-    if msg.cached_tokens < 0:
-        raise InvalidInput("token_event.cached_tokens must be >= 0")
+    if msg.cached_tokens < 0 or msg.sent_unix_ns < 0:
+        raise InvalidInput("token_event.cached_tokens and token_event.sent_unix_ns must be >= 0")
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
-                      msg.opened, msg.cached_tokens, msg.preempted)
+                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns)
 
 
 # ---------------------------------------------------------------- control plane
@@ -206,22 +223,87 @@ def registration_to_pb(reg: Registration) -> pb.AgentMessage:
     return pb.AgentMessage(register=pb.Register(
         agent_id=reg.agent_id, name=reg.name, stage_address=reg.stage_address,
         capabilities=capabilities_to_pb(reg.capabilities),
-        held=[assignment_to_pb(a) for a in reg.held], mesh=reg.mesh))
+        held=[assignment_to_pb(a) for a in reg.held], mesh=reg.mesh, metrics_address=reg.metrics_address))
 
 
 def registration_from_pb(msg: pb.Register) -> Registration:
     if not msg.agent_id or len(msg.agent_id) > 64:
         raise InvalidInput("register.agent_id must be 1..64 characters")
-    host, _, port = msg.stage_address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"register.stage_address {msg.stage_address!r} is not host:port")
+    _require_address(msg.stage_address, "register.stage_address")
+    if msg.metrics_address:
+        _require_address(msg.metrics_address, "register.metrics_address")
     return Registration(msg.agent_id, msg.name or msg.agent_id, msg.stage_address,
                         capabilities_from_pb(msg.capabilities),
-                        tuple(assignment_from_pb(a) for a in msg.held), msg.mesh or "default")
+                        tuple(assignment_from_pb(a) for a in msg.held), msg.mesh or "default",
+                        msg.metrics_address)
 
 
-def heartbeat_to_pb(seq: int, num_sessions: int) -> pb.AgentMessage:
-    return pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, num_sessions=num_sessions))
+def _require_address(address: str, where: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"{where} {address!r} is not host:port")
+
+
+def heartbeat_to_pb(seq: int, num_sessions: int, telemetry: Telemetry | None = None) -> pb.AgentMessage:
+    message = pb.Heartbeat(seq=seq, num_sessions=num_sessions)
+    if telemetry is not None:
+        message.telemetry.CopyFrom(telemetry_to_pb(telemetry))
+    return pb.AgentMessage(heartbeat=message)
+
+
+def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
+    return pb.Telemetry(
+        unix_s=t.unix_s, queue_depth=t.queue_depth, tokens_per_s=t.tokens_per_s,
+        stages=[pb.StageLoad(assignment_id=s.assignment_id, num_running=s.num_running, num_waiting=s.num_waiting,
+                             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+                             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
+                for s in t.stages],
+        gpus=[gpu_to_pb(g) for g in t.gpus])
+
+
+def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
+    """A heartbeat's telemetry; InvalidInput for negative counts or more blocks used than held."""
+    if msg.queue_depth < 0 or not msg.tokens_per_s >= 0:
+        raise InvalidInput("telemetry.queue_depth and telemetry.tokens_per_s must be >= 0")
+    stages = []
+    for s in msg.stages:
+        counts = (s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.prefix_query_tokens,
+                  s.prefix_hit_tokens)
+        if min(counts) < 0 or s.kv_blocks_used > s.kv_blocks_total or s.prefix_hit_tokens > s.prefix_query_tokens:
+            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts}")
+        stages.append(StageLoad(s.assignment_id, *counts))
+    return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
+                     tuple(gpu_from_pb(g) for g in msg.gpus))
+
+
+def link_report_to_pb(links: list[LinkMeasurement]) -> pb.AgentMessage:
+    return pb.AgentMessage(links=pb.LinkReport(links=[
+        pb.LinkMeasurement(peer_agent_id=m.peer_agent_id, rtt_s=m.rtt_s,
+                           bandwidth_bytes_per_s=m.bandwidth_bytes_per_s, error=m.error) for m in links]))
+
+
+def link_report_from_pb(msg: pb.LinkReport) -> list[LinkMeasurement]:
+    """An agent's link measurements; InvalidInput for a missing peer or a figure that is not a positive number."""
+    links = []
+    for m in msg.links:
+        if not m.peer_agent_id:
+            raise InvalidInput("links[].peer_agent_id is empty")
+        if not m.error and not (0 < m.rtt_s < 3600 and 0 < m.bandwidth_bytes_per_s < 1e15):
+            raise InvalidInput(f"links[{m.peer_agent_id!r}]: rtt_s and bandwidth_bytes_per_s must be positive "
+                               f"and finite, got {m.rtt_s}, {m.bandwidth_bytes_per_s}")
+        links.append(LinkMeasurement(m.peer_agent_id, m.rtt_s, m.bandwidth_bytes_per_s, m.error))
+    return links
+
+
+def probe_links_to_pb(peers: list[Peer]) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(probe_links=pb.ProbeLinks(
+        peers=[pb.Peer(agent_id=p.agent_id, address=p.address) for p in peers]))
+
+
+def probe_links_from_pb(msg: pb.ProbeLinks) -> list[Peer]:
+    for p in msg.peers:
+        _require_address(p.address, f"probe_links.peers[{p.agent_id!r}].address")
+    return [Peer(p.agent_id, p.address) for p in msg.peers]
 
 
 def stage_status_to_pb(status: StageStatus) -> pb.AgentMessage:

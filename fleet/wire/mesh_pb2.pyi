@@ -116,28 +116,82 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh")
+    __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh", "metrics_address")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     name: str
     stage_address: str
     capabilities: Capabilities
     held: _containers.RepeatedCompositeFieldContainer[Assignment]
     mesh: str
-    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., stage_address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., held: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., mesh: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., stage_address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., held: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., mesh: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "num_sessions")
+    __slots__ = ("seq", "num_sessions", "telemetry")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     seq: int
     num_sessions: int
-    def __init__(self, seq: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    telemetry: Telemetry
+    def __init__(self, seq: _Optional[int] = ..., num_sessions: _Optional[int] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+
+class Telemetry(_message.Message):
+    __slots__ = ("unix_s", "queue_depth", "tokens_per_s", "stages", "gpus")
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    unix_s: float
+    queue_depth: int
+    tokens_per_s: float
+    stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("assignment_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, assignment_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("peer_agent_id", "rtt_s", "bandwidth_bytes_per_s", "error")
+    PEER_AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    peer_agent_id: str
+    rtt_s: float
+    bandwidth_bytes_per_s: float
+    error: str
+    def __init__(self, peer_agent_id: _Optional[str] = ..., rtt_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LinkReport(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("assignment_id", "state", "error", "param_bytes")
@@ -164,14 +218,16 @@ class StageStatus(_message.Message):
     def __init__(self, assignment_id: _Optional[str] = ..., state: _Optional[_Union[StageStatus.State, str]] = ..., error: _Optional[str] = ..., param_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "stage_status")
+    __slots__ = ("register", "heartbeat", "stage_status", "links")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     stage_status: StageStatus
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ...) -> None: ...
+    links: LinkReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("agent_id", "heartbeat_interval_s")
@@ -195,25 +251,41 @@ class Release(_message.Message):
     assignment_id: str
     def __init__(self, assignment_id: _Optional[str] = ...) -> None: ...
 
+class Peer(_message.Message):
+    __slots__ = ("agent_id", "address")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    address: str
+    def __init__(self, agent_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ProbeLinks(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "release")
+    __slots__ = ("welcome", "assign", "release", "probe_links")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LINKS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assignment
     release: Release
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    probe_links: ProbeLinks
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "trace_id", "prompt_token_ids", "max_cached_tokens")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
@@ -222,32 +294,38 @@ class SessionOpen(_message.Message):
     route_assignments: _containers.RepeatedScalarFieldContainer[str]
     origin: str
     sampling: SamplingParams
-    trace_id: str
+    traceparent: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepChunk(_message.Message):
-    __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample")
+    __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     start_pos: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    trace_id: str
+    sent_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., trace_id: _Optional[str] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("chunks", "hidden")
+    __slots__ = ("chunks", "hidden", "sent_unix_ns")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[StepChunk]
     hidden: Tensor
-    def __init__(self, chunks: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class SessionClose(_message.Message):
     __slots__ = ("session_id",)
@@ -291,8 +369,65 @@ class StageInfo(_message.Message):
     num_sessions: int
     def __init__(self, agent_id: _Optional[str] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., tensor_names: _Optional[_Iterable[str]] = ..., param_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
+class TraceRequest(_message.Message):
+    __slots__ = ("trace_id",)
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    trace_id: str
+    def __init__(self, trace_id: _Optional[str] = ...) -> None: ...
+
+class SpanData(_message.Message):
+    __slots__ = ("name", "trace_id", "span_id", "parent_span_id", "start_unix_ns", "end_unix_ns", "attributes")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SPAN_ID_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_unix_ns: int
+    end_unix_ns: int
+    attributes: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., trace_id: _Optional[str] = ..., span_id: _Optional[str] = ..., parent_span_id: _Optional[str] = ..., start_unix_ns: _Optional[int] = ..., end_unix_ns: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TraceSpans(_message.Message):
+    __slots__ = ("spans",)
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    spans: _containers.RepeatedCompositeFieldContainer[SpanData]
+    def __init__(self, spans: _Optional[_Iterable[_Union[SpanData, _Mapping]]] = ...) -> None: ...
+
+class EchoMessage(_message.Message):
+    __slots__ = ("seq", "payload")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    payload: bytes
+    def __init__(self, seq: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class BulkChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class BulkSummary(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
 class TokenEvent(_message.Message):
-    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted")
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +436,7 @@ class TokenEvent(_message.Message):
     OPENED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     token_id: int
@@ -309,7 +445,8 @@ class TokenEvent(_message.Message):
     opened: bool
     cached_tokens: int
     preempted: bool
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("events",)

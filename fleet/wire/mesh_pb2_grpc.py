@@ -117,6 +117,11 @@ class StageStub:
                 request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfoRequest.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/stratamesh.v1.Stage/Trace',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -135,6 +140,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """The spans this agent recorded for one trace (kept in memory, bounded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +159,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfoRequest.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfo.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -203,6 +220,151 @@ class Stage:
             '/stratamesh.v1.Stage/Info',
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfoRequest.SerializeToString,
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratamesh.v1.Stage/Trace',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class LinkStub:
+    """Served next to Stage on every agent: what a peer times to measure the link between them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Echo = channel.stream_stream(
+                '/stratamesh.v1.Link/Echo',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.FromString,
+                _registered_method=True)
+        self.Bulk = channel.stream_unary(
+                '/stratamesh.v1.Link/Bulk',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkChunk.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkSummary.FromString,
+                _registered_method=True)
+
+
+class LinkServicer:
+    """Served next to Stage on every agent: what a peer times to measure the link between them.
+    """
+
+    def Echo(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Bulk(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LinkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Echo': grpc.stream_stream_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.SerializeToString,
+            ),
+            'Bulk': grpc.stream_unary_rpc_method_handler(
+                    servicer.Bulk,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkChunk.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkSummary.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stratamesh.v1.Link', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stratamesh.v1.Link', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Link:
+    """Served next to Stage on every agent: what a peer times to measure the link between them.
+    """
+
+    @staticmethod
+    def Echo(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stratamesh.v1.Link/Echo',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bulk(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/stratamesh.v1.Link/Bulk',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkChunk.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkSummary.FromString,
             options,
             channel_credentials,
             insecure,

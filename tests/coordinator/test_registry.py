@@ -11,7 +11,8 @@ import pytest
 from stratamesh.coordinator.registry import (
     MIGRATIONS, AgentRecord, PlannedStage, Registry, SchemaTooNew)
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo, StageSpec
+from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
+                                    Telemetry)
 
 T0 = 1_700_000_000.0
 CPU_BOX = Capabilities("edge-1", "ARM Cortex-A78", 8, 16 << 30, 12 << 30)
@@ -240,3 +241,41 @@ def test_a_stage_keeps_its_kv_block_size(reg: Registry) -> None:
     reg.add_model("m", "/models/m", 4, {}, now=T0)
     reg.save_plan("p1", "m", [PlannedStage("p1-0", 0, "a1", spec)], "one", now=T0)
     assert reg.active_plan("m").stages[0].spec == spec
+
+
+def _telemetry(i: int) -> Telemetry:
+    return Telemetry(T0 + i, queue_depth=i, tokens_per_s=10.0 * i,
+                     stages=(StageLoad("p-0", 1, i, i, 64, 32, 16),),
+                     gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "u", "8.9", 50.0 + i, 60.0, None, 72.0),))
+
+
+def test_telemetry_round_trips_and_reads_back_by_agent_and_time(reg: Registry) -> None:
+    for i in range(5):
+        reg.record_telemetry("a", _telemetry(i), now=T0 + i)
+    reg.record_telemetry("b", _telemetry(9), now=T0 + 2.5)
+    assert reg.telemetry("a") == [(T0 + i, _telemetry(i)) for i in range(5)]
+    assert reg.telemetry("a", since=T0 + 2) == [(T0 + 3, _telemetry(3)), (T0 + 4, _telemetry(4))]
+    assert reg.telemetry("a", limit=2) == [(T0 + 3, _telemetry(3)), (T0 + 4, _telemetry(4))]
+    assert reg.latest_telemetry() == {"a": (T0 + 4, _telemetry(4)), "b": (T0 + 2.5, _telemetry(9))}
+
+
+def test_telemetry_retention_drops_old_rows_and_caps_each_agent(reg: Registry) -> None:
+    for i in range(10):
+        reg.record_telemetry("a", _telemetry(i), now=T0 + i)
+        reg.record_telemetry("b", _telemetry(i), now=T0 + i)
+    reg.record_telemetry("c", _telemetry(0), now=T0 + 9)
+    # older than 5 s at T0 + 10 goes (rows 0..4 of a and b); then each agent keeps its newest 3
+    assert reg.prune_telemetry(now=T0 + 10, max_age_s=5.5, max_rows_per_agent=3) == 5 + 5 + 2 + 2
+    assert [ts for ts, _ in reg.telemetry("a")] == [T0 + 7, T0 + 8, T0 + 9]
+    assert [ts for ts, _ in reg.telemetry("b")] == [T0 + 7, T0 + 8, T0 + 9]
+    assert [ts for ts, _ in reg.telemetry("c")] == [T0 + 9]
+    assert reg.prune_telemetry(now=T0 + 10, max_age_s=5.5, max_rows_per_agent=3) == 0
+
+
+def test_links_keep_the_newest_figures_and_survive_a_failed_probe(reg: Registry) -> None:
+    reg.record_links("a", [LinkMeasurement("b", 0.002, 1e8), LinkMeasurement("c", error="refused")], now=T0)
+    assert [(l.agent_id, l.peer_id, l.rtt_s) for l in reg.links()] == [("a", "b", 0.002)]  # c: never measured
+    reg.record_links("a", [LinkMeasurement("b", 0.001, 2e8)], now=T0 + 1)
+    reg.record_links("a", [LinkMeasurement("b", error="timeout")], now=T0 + 2)
+    (link,) = reg.links()
+    assert (link.rtt_s, link.bandwidth_bytes_per_s, link.error, link.ts) == (0.001, 2e8, "timeout", T0 + 2)

@@ -9,8 +9,9 @@ import pytest
 
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, Registration, SamplingParams, SessionClose, SessionOpen,
-    SpeedInfo, StageSpec, StageStatus, StepBatch, StepChunk, TensorBlob, TokenEvent,
+    Assignment, Capabilities, GpuInfo, Hop, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
+    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob,
+    TokenEvent,
 )
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -26,13 +27,16 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
 
 
 SPEC = StageSpec("m", "/models/m", 2, 4, 6)
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 STAGE_MESSAGES = [
     SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2"), Hop("10.0.0.3:5000", "a3")), "10.0.0.1:1",
-                SamplingParams(0.7, 40, 0.9, seed=11), "trace", (5, 6, 7, 8), 3),
+                SamplingParams(0.7, 40, 0.9, seed=11), TRACEPARENT, (5, 6, 7, 8), 3),
     SessionOpen("s1", "a1", (), "o:1", SamplingParams()),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
-    StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True), StepChunk("s2", 0, 0, (9,))),
-              TensorBlob("float32", (3, 4), bytes(48))),
+    StepChunk("s1", 0, 0, (1, 2, 3), True, TRACE_ID, sent_unix_ns=1_700_000_000_123_456_789),
+    StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True, trace_id=TRACE_ID), StepChunk("s2", 0, 0, (9,))),
+              TensorBlob("float32", (3, 4), bytes(48)), sent_unix_ns=1_700_000_000_000_000_001),
     StepBatch((StepChunk("s1", 3, 17, (4,)),), TensorBlob("int8", (1, 4), bytes(4), "int8",
                                                           TensorBlob("float32", (1,), bytes(4)))),
     SessionClose("s1"),
@@ -56,13 +60,15 @@ def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
                         ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),),
                         site="eu-west", tier="cloud")
-    reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1")
+    reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",
+                       metrics_address="127.0.0.1:9100")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
     assert caps.usable_mem_bytes == 70 << 30
     status = StageStatus("p-0", "ready", param_bytes=123)
     assert convert.stage_status_from_pb(convert.stage_status_to_pb(status).stage_status) == status
     events = [TokenEvent("s", 4, 99), TokenEvent("s", -1, opened=True, cached_tokens=32),
-              TokenEvent("s", -1, preempted=True), TokenEvent("s", -1, error="boom", error_stage="a")]
+              TokenEvent("s", -1, preempted=True), TokenEvent("s", -1, error="boom", error_stage="a"),
+              TokenEvent("s", 5, 7, sent_unix_ns=123)]
     wire = convert.token_batch_to_pb(events).SerializeToString()
     assert [convert.token_event_from_pb(e) for e in pb.TokenBatch.FromString(wire).events] == events
 
@@ -168,3 +174,47 @@ async def test_a_stream_to_nobody_breaks_instead_of_hanging() -> None:
     await asyncio.wait_for(broken.wait(), 20)
     assert not stream.alive
     await stream.close()
+
+
+def test_telemetry_links_and_probe_round_trip() -> None:
+    telemetry = Telemetry(1_700_000_000.5, queue_depth=3, tokens_per_s=812.5,
+                          stages=(StageLoad("p-0", 2, 1, 40, 512, 96, 64), StageLoad("p-1", 0, 0, 0, 8)),
+                          gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 55.0, 61.0, 40.0, 72.0),))
+    wire = convert.heartbeat_to_pb(7, 2, telemetry).SerializeToString()
+    heartbeat = pb.AgentMessage.FromString(wire).heartbeat
+    assert heartbeat.seq == 7 and convert.telemetry_from_pb(heartbeat.telemetry) == telemetry
+    assert telemetry.stages[0].kv_usage == 40 / 512 and telemetry.stages[1].kv_usage == 0.0
+    links = [LinkMeasurement("b", 0.00031, 6.2e8), LinkMeasurement("c", error="UNAVAILABLE: refused")]
+    assert convert.link_report_from_pb(convert.link_report_to_pb(links).links) == links
+    peers = [Peer("b", "10.0.0.2:5000"), Peer("c", "box-c:5001")]
+    assert convert.probe_links_from_pb(convert.probe_links_to_pb(peers).probe_links) == peers
+
+
+@pytest.mark.parametrize("stage", [
+    pb.StageLoad(assignment_id="p", kv_blocks_used=9, kv_blocks_total=8),
+    pb.StageLoad(assignment_id="p", num_running=-1),
+    pb.StageLoad(assignment_id="p", prefix_query_tokens=4, prefix_hit_tokens=5),
+], ids=["more-used-than-held", "negative", "more-hits-than-queries"])
+def test_inconsistent_telemetry_is_rejected(stage) -> None:
+    with pytest.raises(InvalidInput, match="telemetry.stages"):
+        convert.telemetry_from_pb(pb.Telemetry(stages=[stage]))
+
+
+@pytest.mark.parametrize("link, match", [
+    (pb.LinkMeasurement(peer_agent_id="", rtt_s=1e-3, bandwidth_bytes_per_s=1e9), "peer_agent_id"),
+    (pb.LinkMeasurement(peer_agent_id="b", rtt_s=0.0, bandwidth_bytes_per_s=1e9), "positive"),
+    (pb.LinkMeasurement(peer_agent_id="b", rtt_s=1e-3, bandwidth_bytes_per_s=float("nan")), "positive"),
+])
+def test_bad_link_measurements_are_rejected(link, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        convert.link_report_from_pb(pb.LinkReport(links=[link]))
+
+
+@pytest.mark.parametrize("message, match", [
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], trace_id="XYZ")), "trace_id"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], sent_unix_ns=-5)), "sent_unix_ns"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", traceparent="00-abc")), "traceparent"),
+])
+def test_bad_trace_fields_are_rejected(message, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        convert.stage_message_from_pb(message)
