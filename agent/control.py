@@ -11,6 +11,7 @@ import grpc
 
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -46,6 +47,7 @@ class ControlClient:
         self._find = find_coordinator
         self._retry_s = retry_s
         self.connected = asyncio.Event()
+        self._probing = asyncio.Lock()   # one link probe at a time: two would share the wire
 
     async def run(self) -> None:
         """Connects forever; returns only when cancelled."""
@@ -87,6 +89,10 @@ class ControlClient:
                     task.add_done_callback(tasks.discard)
                 elif kind == "release":
                     await self._release(outbox, message.release.assignment_id)
+                elif kind == "probe_links":
+                    task = asyncio.create_task(self._probe_links(outbox, message.probe_links))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()
@@ -130,6 +136,17 @@ class ControlClient:
     async def _release(self, outbox: asyncio.Queue[object], assignment_id: str) -> None:
         self._host.release(assignment_id)
         outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, "released")))
+
+    async def _probe_links(self, outbox: asyncio.Queue[object], message: pb.ProbeLinks) -> None:
+        """Measures the links to the peers the coordinator named and reports them (failures included)."""
+        try:
+            peers = convert.probe_links_from_pb(message)
+        except MeshError as exc:
+            log.warning("the coordinator asked for a bad link probe: %s", exc)
+            return
+        async with self._probing:
+            measurements = await measure_peers(peers)
+        outbox.put_nowait(convert.link_report_to_pb(measurements))
 
 
 async def _drain(outbox: asyncio.Queue[object]) -> AsyncIterator[object]:

@@ -13,11 +13,16 @@ import torch
 
 from stratamesh.agent.control import ControlClient, Identity
 from stratamesh.agent.dataplane import StageService
+from stratamesh.agent.metrics import AgentMetrics, stage_labels
+from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.probe import probe
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.telemetry import TelemetrySampler
 from stratamesh.fleet import discovery
+from stratamesh.fleet.links import LinkService
+from stratamesh.fleet.tracing import span_store
+from stratamesh.fleet.types import Telemetry
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 
@@ -40,6 +45,9 @@ class AgentOptions:
     site: str = ""                      # reported to the planner: where this box is
     tier: str = "edge"
     remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
+    metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
+    traces_json: str = ""               # append every span as OpenTelemetry JSON to this file
+    otlp_traces_endpoint: str = ""      # export spans over OTLP/HTTP to this collector
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
@@ -48,9 +56,12 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         torch.set_num_threads(options.num_threads)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
     host = StageHost(executor, options.engine)
-    service = StageService(host, options.agent_id)
+    metrics = AgentMetrics()
+    spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
+    service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans))
     server = make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
+    pb_grpc.add_LinkServicer_to_server(LinkService(), server)
     port = bind(server, options.host, options.port)
     await server.start()
     service.start()
@@ -68,12 +79,23 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
         return f"{record.host}:{record.port}"
 
+    metrics_server, metrics_address = None, ""
+    if options.metrics_port is not None:
+        metrics_server, metrics_port = metrics.serve(options.host, options.metrics_port)
+        metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
     capabilities = probe(options.site, options.tier, remeasure=options.remeasure)
-    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities)
+    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
     sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
-    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sampler.sample).run())
+
+    async def sample() -> Telemetry:
+        telemetry = await sampler.sample()
+        metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
+        return telemetry
+
+    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sample).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
-    print(f"stratamesh agent: id={options.agent_id} stage={stage_address}", flush=True)
+    print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",
+          flush=True)
     try:
         await stop.wait()
     finally:
@@ -84,3 +106,6 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         await service.close()
         await server.stop(grace=1.0)
         executor.shutdown(wait=False, cancel_futures=True)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        spans.close()

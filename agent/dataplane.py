@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import Outbox, StageEngine
+from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
+from stratamesh.fleet.logs import trace_context
+from stratamesh.fleet.tracing import parse_traceparent
 from stratamesh.fleet.types import SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -36,15 +41,17 @@ class _Poison:
 
 
 Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison
+Arrival = tuple[Inbound, int]   # a message and when it arrived (Unix ns)
 
 
 class StageService(pb_grpc.StageServicer):
     """Applies inbound messages in arrival order between steps; one step at a time per agent."""
 
-    def __init__(self, host: StageHost, agent_id: str):
+    def __init__(self, host: StageHost, agent_id: str, observer: StageObserver | None = None):
         self._host = host
         self._agent_id = agent_id
-        self._inbox: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.observer = observer or StageObserver(agent_id)
+        self._inbox: asyncio.Queue[Arrival] = asyncio.Queue()
         self._next_stages = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
                                        on_broken=self._next_broken)
         self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it))
@@ -70,7 +77,7 @@ class StageService(pb_grpc.StageServicer):
         async for message in request_iterator:
             num_messages += 1
             try:
-                self._inbox.put_nowait(convert.stage_message_from_pb(message))
+                self._inbox.put_nowait((convert.stage_message_from_pb(message), time.time_ns()))
             except InvalidInput as exc:
                 self._reject(message, exc)
         return pb.PushSummary(num_messages=num_messages)
@@ -80,10 +87,13 @@ class StageService(pb_grpc.StageServicer):
         return convert.stage_info_to_pb(self._agent_id, host.assignments(), host.tensor_names(),
                                         host.param_bytes(), host.num_sessions)
 
+    async def Trace(self, request: pb.TraceRequest, context: grpc.aio.ServicerContext) -> pb.TraceSpans:
+        return convert.spans_to_pb(self.observer.spans.trace(request.trace_id))
+
     # ------------------------------------------------------------ worker
     async def _work(self) -> None:
         while True:
-            self._apply(await self._inbox.get())
+            self._apply(*await self._inbox.get())
             while True:
                 self._drain()
                 await self._coalesce()
@@ -92,7 +102,7 @@ class StageService(pb_grpc.StageServicer):
 
     def _drain(self) -> None:
         while not self._inbox.empty():
-            self._apply(self._inbox.get_nowait())
+            self._apply(*self._inbox.get_nowait())
 
     async def _coalesce(self) -> None:
         """Waits briefly while decodes of the coming step are still arriving one by one from the origin."""
@@ -105,21 +115,26 @@ class StageService(pb_grpc.StageServicer):
             if remaining <= 0:
                 return
             try:
-                self._apply(await asyncio.wait_for(self._inbox.get(), remaining))
+                self._apply(*await asyncio.wait_for(self._inbox.get(), remaining))
             except asyncio.TimeoutError:
                 return
             self._drain()
 
-    def _apply(self, message: Inbound) -> None:
+    def _apply(self, message: Inbound, arrived_ns: int) -> None:
         outbox = Outbox()
         try:
             match message:
                 case SessionOpen():
-                    self._host.engine(message.assignment_id).open(message, outbox)
+                    with trace_context(parse_traceparent(message.traceparent)[0]):
+                        self._host.engine(message.assignment_id).open(message, outbox)
+                        log.debug("session %s opened on %s (%d prompt tokens)", message.session_id,
+                                  message.assignment_id, len(message.prompt_token_ids))
                 case StepChunk():
-                    self._engine_of(message.session_id).add(message, None)
+                    engine = self._engine_of(message.session_id)
+                    engine.add(message, None, arrived_ns)
+                    self.observer.arrived(engine, message, arrived_ns, message.sent_unix_ns)
                 case StepBatch():
-                    self._add_batch(message)
+                    self._add_batch(message, arrived_ns)
                 case SessionClose():
                     engine = self._host.engine_of(message.session_id)
                     if engine is not None:
@@ -130,7 +145,7 @@ class StageService(pb_grpc.StageServicer):
             self._fail(_session_of(message), exc, outbox)
         self._send(outbox)
 
-    def _add_batch(self, batch: StepBatch) -> None:
+    def _add_batch(self, batch: StepBatch, arrived_ns: int) -> None:
         try:
             hidden, row = codec.decode(batch.hidden), 0   # [sum of chunk lengths, hidden]
         except MeshError as exc:
@@ -147,7 +162,8 @@ class StageService(pb_grpc.StageServicer):
                 if rows.shape[1] != engine.runner.model.config.hidden_size:
                     raise InvalidInput(f"batch.hidden has {rows.shape[1]} columns, expected "
                                        f"{engine.runner.model.config.hidden_size}")
-                engine.add(chunk, rows)
+                engine.add(chunk, rows, arrived_ns)
+                self.observer.arrived(engine, chunk, arrived_ns, batch.sent_unix_ns)
             except MeshError as exc:
                 outbox = Outbox()
                 self._fail(chunk.session_id, exc, outbox)
@@ -166,13 +182,17 @@ class StageService(pb_grpc.StageServicer):
             batch = engine.schedule()
             if batch is None:
                 continue
+            start_ns = time.time_ns()
             output = await self._run(engine, batch) if batch.chunks else None
+            end_ns = time.time_ns()
             if output is not None:
                 self._host.num_computed_tokens += sum(c.num_tokens for c in batch.chunks)
+                self.observer.stepped(engine, batch, start_ns, end_ns)
+            self.observer.preempted(engine, len(batch.preempted))
             outbox = Outbox()
             if output is not None or not batch.chunks:
                 engine.postprocess(batch, output, outbox)
-            self._send(outbox)
+            self._send(outbox, sent_ns=end_ns)
             ran = ran or bool(batch.chunks)
         return ran
 
@@ -191,20 +211,25 @@ class StageService(pb_grpc.StageServicer):
             return None
 
     # ------------------------------------------------------------ sending
-    def _send(self, outbox: Outbox) -> None:
+    def _send(self, outbox: Outbox, sent_ns: int = 0) -> None:
+        """Sends what a step or message produced; sent_ns stamps a step's results with when it finished."""
         for address, message in outbox.stage_messages:
-            try:
-                self._next_stages.get(address).send(convert.stage_message_to_pb(message))
-            except MeshError as exc:
-                log.warning("could not send to %s: %s", address, exc)
+            if sent_ns and isinstance(message, StepBatch):
+                message = replace(message, sent_unix_ns=sent_ns)
+            self._send_to(self._next_stages, address, convert.stage_message_to_pb(message))
         by_origin: dict[str, list[TokenEvent]] = {}
         for origin, event in outbox.events:
-            by_origin.setdefault(origin, []).append(event)
+            by_origin.setdefault(origin, []).append(replace(event, sent_unix_ns=sent_ns) if sent_ns else event)
         for origin, events in by_origin.items():
-            try:
-                self._origins.get(origin).send(convert.token_batch_to_pb(events))
-            except MeshError as exc:
-                log.warning("could not tell origin %s: %s", origin, exc)
+            self._send_to(self._origins, origin, convert.token_batch_to_pb(events))
+
+    def _send_to(self, pool: StreamPool, address: str, message: pb.StageMessage | pb.TokenBatch) -> None:
+        try:
+            pool.get(address).send(message)
+        except MeshError as exc:
+            log.warning("could not send to %s: %s", address, exc)
+            return
+        self.observer.sent(address, message.ByteSize())
 
     # ------------------------------------------------------------ failures
     def _fail(self, session_id: str, exc: BaseException, outbox: Outbox) -> None:
@@ -214,7 +239,8 @@ class StageService(pb_grpc.StageServicer):
         if message is None:
             log.info("dropped a message for unknown session %s: %s", session_id, exc)
             return
-        log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
+        with trace_context(parse_traceparent(message.traceparent)[0]):
+            log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
         outbox.events.append((message.origin, TokenEvent(session_id, -1, error=str(exc),
                                                          error_stage=self._agent_id)))
 
@@ -223,7 +249,7 @@ class StageService(pb_grpc.StageServicer):
         for engine in self._host.engines.values():
             for session_id, message in engine.sessions.items():
                 if message.route and message.route[0].address == stream.address:
-                    self._inbox.put_nowait(_Poison(session_id, StageFailed(str(exc))))
+                    self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc))), 0))
 
     def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
         kind = message.WhichOneof("kind")
@@ -233,7 +259,7 @@ class StageService(pb_grpc.StageServicer):
             session_ids = [getattr(message, kind).session_id] if kind else []
         known = [s for s in session_ids if s and self._host.engine_of(s) is not None]
         for session_id in known:
-            self._inbox.put_nowait(_Poison(session_id, exc))
+            self._inbox.put_nowait((_Poison(session_id, exc), 0))
         if not known:
             log.info("rejected a stage message: %s", exc)
 

@@ -24,6 +24,7 @@ class ControlService(pb_grpc.ControlServicer):
         self._deployer = deployer
         self._mesh = mesh
         self._heartbeat_interval_s = heartbeat_interval_s
+        self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
 
     async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
                       context: grpc.aio.ServicerContext) -> None:
@@ -43,6 +44,7 @@ class ControlService(pb_grpc.ControlServicer):
                          registration.capabilities, outbox.put_nowait)
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
         self._deployer.agent_connected(link, registration)
+        self.metrics_addresses[registration.agent_id] = registration.metrics_address
         try:
             async for message in request_iterator:
                 self._handle(registration.agent_id, message)

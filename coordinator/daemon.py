@@ -12,13 +12,19 @@ from pathlib import Path
 
 import uvicorn
 
+from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.control import ControlService
 from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.fleet_metrics import FleetCollector, active_stages, hop_histogram
+from stratamesh.coordinator.metrics import ApiMetrics
+from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.origin import Origin, OriginService
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.service import MeshGenerator
 from stratamesh.fleet import discovery
+from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 
@@ -49,6 +55,9 @@ class CoordinatorOptions:
     interfaces: tuple[str, ...] = ("127.0.0.1",)
     models: tuple[ModelRequest, ...] = field(default_factory=tuple)
     heartbeat_interval_s: float = 1.0
+    trace_sample_rate: float = 1.0       # fraction of requests traced at every stage
+    traces_json: str = ""                # append every span as OpenTelemetry JSON to this file
+    otlp_traces_endpoint: str = ""       # export spans over OTLP/HTTP to this collector
 
 
 async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
@@ -77,10 +86,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _serve_http(generator: MeshGenerator, options: CoordinatorOptions
-                      ) -> tuple[_Server, asyncio.Task[None], int]:
+async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMetrics,
+                      options: CoordinatorOptions) -> tuple[_Server, asyncio.Task[None], int]:
     """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
-    http = _Server(uvicorn.Config(create_app(generator), host=options.host, port=options.http_port,
+    app = create_app(generator, metrics)
+    app.include_router(admin_router(admin))
+    http = _Server(uvicorn.Config(app, host=options.host, port=options.http_port,
                                   log_config=None, access_log=False, timeout_graceful_shutdown=2))
     task = asyncio.create_task(http.serve())
     while not http.started and not task.done():
@@ -101,13 +112,19 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     server = make_server()
     grpc_port = bind(server, options.host, options.grpc_port)
     advertise_host = options.advertise_host or options.host
-    origin = Origin(f"{advertise_host}:{grpc_port}")
-    pb_grpc.add_ControlServicer_to_server(
-        ControlService(deployer, options.mesh, options.heartbeat_interval_s), server)
+    spans = span_store("stratamesh-coordinator", options.traces_json, options.otlp_traces_endpoint)
+    metrics = ApiMetrics()
+    metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
+    last_hop = hop_histogram(metrics.registry).labels("origin")
+    origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
+                    on_hop=last_hop.observe)
+    control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
+    pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
     await server.start()
 
-    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), options)
+    admin = MeshAdmin(registry, origin, control.metrics_addresses)
+    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, options)
 
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(
@@ -118,12 +135,14 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
           f"grpc={advertise_host}:{grpc_port}", flush=True)
     ticker = asyncio.create_task(_tick(deployer))
+    origin_links = asyncio.create_task(OriginLinkProber(deployer, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))
     watcher = asyncio.create_task(_log_discovered(browser, options.mesh, registry))
     try:
         await stop.wait()
     finally:
         ticker.cancel()
+        origin_links.cancel()
         watcher.cancel()
         await browser.close()
         await advertiser.close()
@@ -131,4 +150,5 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         await asyncio.gather(http_task, return_exceptions=True)
         await origin.close()
         await server.stop(grace=1.0)
+        spans.close()
         registry.close()

@@ -12,8 +12,8 @@ from pathlib import Path
 from stratamesh.coordinator.placement import plan_stages
 from stratamesh.coordinator.registry import PlannedStage, Registry, StageRecord
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Registration, StageStatus,
-                                    Telemetry)
+from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
+                                    StageStatus, Telemetry)
 from stratamesh.fleet.wire import convert
 from stratamesh.partitioner.profile import profile_from_hf_config
 
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 TELEMETRY_MAX_AGE_S = 3600.0
 TELEMETRY_MAX_ROWS_PER_AGENT = 3600
 TELEMETRY_PRUNE_EVERY_S = 60.0
+# Every connected agent measures its links to all the others this often (and when one of them connects).
+LINK_PROBE_EVERY_S = 300.0
 
 
 @dataclass(slots=True)
@@ -63,10 +65,13 @@ def read_model_config(path: str) -> dict:
 class Deployer:
     """Keeps every deployed model's active plan served: plans, pushes assignments, tracks readiness."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float], replan_after_s: float = 10.0):
+    def __init__(self, registry: Registry, clock: Callable[[], float], replan_after_s: float = 10.0,
+                 link_probe_every_s: float = LINK_PROBE_EVERY_S):
         self._registry = registry
         self._clock = clock
         self._replan_after_s = replan_after_s
+        self._link_probe_every_s = link_probe_every_s
+        self._probed_at = clock()
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
         self._pending: dict[str, int] = {}     # model id -> stages wanted for its first plan
@@ -126,6 +131,10 @@ class Deployer:
     def num_agents(self) -> int:
         return len(self._links)
 
+    def peers(self) -> list[Peer]:
+        """Every connected agent and the address of its Stage and Link services, by agent id."""
+        return [Peer(link.agent_id, link.stage_address) for _, link in sorted(self._links.items())]
+
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
         now = self._clock()
@@ -142,6 +151,7 @@ class Deployer:
                 self._registry.set_stage_state(held.assignment_id, "ready")
             else:
                 link.send(convert.release_to_pb(held.assignment_id))
+        self._probe_links_of(link)
         self.reconcile()
 
     def agent_disconnected(self, link: AgentLink) -> None:
@@ -171,6 +181,24 @@ class Deployer:
             if m.error:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
 
+    def _probe_links_of(self, newcomer: AgentLink) -> None:
+        """Asks the newcomer to measure its links to every other agent, and each of them its link to it."""
+        others = [p for p in self.peers() if p.agent_id != newcomer.agent_id]
+        if not others:
+            return
+        newcomer.send(convert.probe_links_to_pb(others))
+        itself = [Peer(newcomer.agent_id, newcomer.stage_address)]
+        for other in others:
+            self._links[other.agent_id].send(convert.probe_links_to_pb(itself))
+
+    def _probe_all_links(self) -> None:
+        """Asks every connected agent to measure its links to all the others again."""
+        peers = self.peers()
+        for link in self._links.values():
+            others = [p for p in peers if p.agent_id != link.agent_id]
+            if others:
+                link.send(convert.probe_links_to_pb(others))
+
     def stage_status(self, agent_id: str, status: StageStatus) -> None:
         """Records an agent's report on one of its assignments."""
         if status.assignment_id not in self._planned_for(agent_id):
@@ -196,11 +224,14 @@ class Deployer:
 
     # ------------------------------------------------------------ planning
     def tick(self) -> None:
-        """Re-plans a model whose plan names agents gone for longer than the grace period; prunes telemetry."""
+        """Re-plans models whose agents stay gone past the grace period, prunes telemetry, re-probes links when due."""
         now = self._clock()
         if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
             self._pruned_at = now
             self._registry.prune_telemetry(now, TELEMETRY_MAX_AGE_S, TELEMETRY_MAX_ROWS_PER_AGENT)
+        if now >= self._probed_at + self._link_probe_every_s:
+            self._probed_at = now
+            self._probe_all_links()
         for model in self._registry.models():
             plan = self._registry.active_plan(model.model_id)
             if plan is None or len(self._links) < len(plan.stages):
@@ -239,7 +270,8 @@ class Deployer:
         model = self._registry.model(model_id)
         agents = {link.agent_id: link.capabilities for link in self._links.values()}
         try:
-            planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages)
+            planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
+                                          self._registry.links())
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 import grpc
 
 from stratamesh.fleet.errors import MeshError, StageFailed
+from stratamesh.fleet.tracing import SpanStore, new_span_id, new_trace_id, traceparent
 from stratamesh.fleet.types import Hop, SamplingParams, SessionClose, SessionOpen, StepChunk, TokenEvent
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -31,9 +35,35 @@ def chunk_tokens(hidden_size: int, activation_bytes: int = 4) -> int:
     return max(1, min(MAX_CHUNK_TOKENS, CHUNK_BYTES // (hidden_size * activation_bytes)))
 
 
+# The origin remembers this many finished requests (route, trace id, outcome) for the admin API.
+MAX_RECENT_REQUESTS = 1000
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One generation as the admin API shows it; end_unix_ns is 0 while it runs."""
+
+    request_id: str
+    trace_id: str               # "" when the request was not traced
+    route: tuple[Hop, ...]
+    start_unix_ns: int
+    num_prompt_tokens: int
+    end_unix_ns: int = 0
+    num_tokens: int = 0
+    num_preemptions: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def state(self) -> str:
+        return "running" if not self.end_unix_ns else ("failed" if self.error else "finished")
+
+
 @dataclass(slots=True)
 class _Live:
     first_hop: str
+    trace_id: str = ""
+    parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
 
 
@@ -48,6 +78,9 @@ class Generation:
                  params: SamplingParams, request_id: str, hidden_size: int, block_size: int):
         self.cached_tokens = 0      # prompt tokens the stages' prefix caches served
         self.num_preemptions = 0
+        self.record = RequestRecord(request_id, origin.sample_trace_id(), tuple(route), time.time_ns(),
+                                    len(prompt_ids))
+        self._span_id = new_span_id()   # the request's root span: every stage's spans hang under it
         self._origin = origin
         self._route = list(route)
         self._prompt = list(prompt_ids)
@@ -68,47 +101,68 @@ class Generation:
 
     async def _run(self) -> AsyncIterator[int]:
         emitted: list[int] = []
-        while True:
-            try:
-                async with aclosing(self._attempt(self._prompt + emitted, first=not emitted)) as tokens:
-                    async for token in tokens:
-                        emitted.append(token)
-                        yield token
-                return
-            except _Preempted:
-                self.num_preemptions += 1
-                await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (self.num_preemptions - 1), 1.0))
+        try:
+            while True:
+                try:
+                    async with aclosing(self._attempt(self._prompt + emitted, first=not emitted)) as tokens:
+                        async for token in tokens:
+                            emitted.append(token)
+                            yield token
+                    return
+                except _Preempted:
+                    self.num_preemptions += 1
+                    await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (self.num_preemptions - 1), 1.0))
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
+                self.record.error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            self._finish(len(emitted))
+
+    def _finish(self, num_tokens: int) -> None:
+        record = self.record
+        record.end_unix_ns, record.num_tokens = time.time_ns(), num_tokens
+        record.num_preemptions, record.cached_tokens = self.num_preemptions, self.cached_tokens
+        if record.trace_id:
+            self._origin.spans.record("request", record.trace_id, "", record.start_unix_ns, record.end_unix_ns,
+                                      {"stratamesh.request": record.request_id,
+                                       "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
 
     async def _attempt(self, token_ids: list[int], first: bool) -> AsyncIterator[int]:
         """One pass over the route: open, prefill token_ids (from what is cached), then decode."""
         session_id = f"{self._request_id}.{self.num_preemptions}"
-        with self._origin.session(session_id, self._route[0].address) as (live, stream):
+        trace_id = self.record.trace_id
+        with self._origin.session(session_id, self._route[0].address, trace_id, self._span_id) as (live, stream):
             cacheable = len(token_ids) > self._block_size
+            opened_ns = time.time_ns()
             stream.send(convert.stage_message_to_pb(SessionOpen(
                 session_id, self._route[0].assignment_id, tuple(self._route[1:]), self._origin.address,
-                self._params, prompt_token_ids=tuple(token_ids),
-                max_cached_tokens=len(token_ids) - 1 if cacheable else 0)))
-            cached = (await self._origin.next_event(live, session_id, opened=True)).cached_tokens \
-                if cacheable else 0
+                self._params, traceparent(trace_id, self._span_id) if trace_id else "",
+                prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0)))
+            cached = 0
+            if cacheable:
+                cached = (await self._origin.next_event(live, session_id, opened=True)).cached_tokens
+                self._origin.span(live, "open", opened_ns, time.time_ns(), session_id, {})
             if first:
                 self.cached_tokens = cached
-            step = self._send_prefill(stream, session_id, token_ids, cached)
+            step = self._send_prefill(stream, session_id, token_ids, cached, trace_id)
             position = len(token_ids)
             while True:
                 token = (await self._origin.next_event(live, session_id)).token_id
                 # Send the next step before handing the token out: the pipeline works meanwhile.
                 stream.send(convert.stage_message_to_pb(
-                    StepChunk(session_id, step, position, token_ids=(token,), sample=True)))
+                    StepChunk(session_id, step, position, (token,), True, trace_id, time.time_ns())))
                 step, position = step + 1, position + 1
                 yield token
 
-    def _send_prefill(self, stream: OutboundStream, session_id: str, token_ids: list[int], start: int) -> int:
+    def _send_prefill(self, stream: OutboundStream, session_id: str, token_ids: list[int], start: int,
+                      trace_id: str) -> int:
         step = 0
         for begin in range(start, len(token_ids), self._chunk):
             piece = tuple(token_ids[begin:begin + self._chunk])
             last = begin + self._chunk >= len(token_ids)
             stream.send(convert.stage_message_to_pb(
-                StepChunk(session_id, step, begin, token_ids=piece, sample=last)))
+                StepChunk(session_id, step, begin, piece, last, trace_id, time.time_ns())))
             step += 1
         return step
 
@@ -116,15 +170,38 @@ class Generation:
 class Origin:
     """Drives generations over routes of stages; tokens come back through deliver()."""
 
-    def __init__(self, address: str, step_timeout_s: float = 60.0):
+    def __init__(self, address: str, step_timeout_s: float = 60.0, spans: SpanStore | None = None,
+                 trace_sample_rate: float = 1.0, on_hop: Callable[[float], None] | None = None):
         self.address = address
+        self._on_hop = on_hop       # gets each token's time from the last stage finishing it to its arrival
+        self.spans = spans or SpanStore("stratamesh-origin")
+        self._trace_sample_rate = trace_sample_rate
         self._step_timeout_s = step_timeout_s
         self._streams = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
                                    on_broken=self._stream_broken)
         self._sessions: dict[str, _Live] = {}
+        self.recent: OrderedDict[str, RequestRecord] = OrderedDict()
 
     async def close(self) -> None:
         await self._streams.close()
+
+    def sample_trace_id(self) -> str:
+        """A new trace id for a request that is to be traced, "" for one that is not."""
+        return new_trace_id() if random.random() < self._trace_sample_rate else ""
+
+    def remember(self, record: RequestRecord) -> None:
+        """Keeps a request's record for the admin API (the newest MAX_RECENT_REQUESTS)."""
+        self.recent[record.request_id] = record
+        self.recent.move_to_end(record.request_id)
+        while len(self.recent) > MAX_RECENT_REQUESTS:
+            self.recent.popitem(last=False)
+
+    def span(self, live: _Live, name: str, start_ns: int, end_ns: int, session_id: str,
+             attributes: dict[str, str]) -> None:
+        """Records one of a traced session's spans in the origin's store."""
+        if live.trace_id:
+            self.spans.record(name, live.trace_id, live.parent_span_id, start_ns, end_ns,
+                              {"stratamesh.session": session_id, **attributes})
 
     @property
     def num_sessions(self) -> int:
@@ -133,22 +210,30 @@ class Origin:
     def generate(self, route: Sequence[Hop], prompt_ids: Sequence[int], params: SamplingParams,
                  request_id: str, hidden_size: int, block_size: int = 16) -> Generation:
         """A generation over route; iterate it for token ids, aclose() it to stop."""
-        return Generation(self, route, prompt_ids, params, request_id, hidden_size, block_size)
+        generation = Generation(self, route, prompt_ids, params, request_id, hidden_size, block_size)
+        self.remember(generation.record)
+        return generation
 
-    def deliver(self, event: TokenEvent) -> None:
+    def deliver(self, event: TokenEvent, arrived_ns: int = 0) -> None:
         """Hands a token (or a stage's answer or error) to the generation waiting for it."""
         live = self._sessions.get(event.session_id)
         if live is None:
             log.debug("event for finished session %s dropped", event.session_id)
             return
+        if event.sent_unix_ns and arrived_ns and event.token_id >= 0:
+            if self._on_hop is not None:
+                self._on_hop(max(arrived_ns - event.sent_unix_ns, 0) / 1e9)
+            self.span(live, "send", event.sent_unix_ns, arrived_ns, event.session_id,
+                      {"stratamesh.to": "origin", "stratamesh.step": str(event.step)})
         live.events.put_nowait(event)
 
     @contextmanager
-    def session(self, session_id: str, first_hop: str) -> Iterator[tuple[_Live, OutboundStream]]:
+    def session(self, session_id: str, first_hop: str, trace_id: str = "",
+                parent_span_id: str = "") -> Iterator[tuple[_Live, OutboundStream]]:
         """Registers a session for a with-block; closes it on every stage at exit."""
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
-        live = self._sessions[session_id] = _Live(first_hop)
+        live = self._sessions[session_id] = _Live(first_hop, trace_id, parent_span_id)
         stream = self._streams.get(first_hop)
         try:
             yield live, stream
@@ -190,10 +275,11 @@ class OriginService(pb_grpc.OriginServicer):
                       context: grpc.aio.ServicerContext) -> pb.DeliverSummary:
         num_events = 0
         async for batch in request_iterator:
+            arrived_ns = time.time_ns()
             for message in batch.events:
                 num_events += 1
                 try:
-                    self._origin.deliver(convert.token_event_from_pb(message))
+                    self._origin.deliver(convert.token_event_from_pb(message), arrived_ns)
                 except MeshError as exc:
                     log.info("dropped a token event: %s", exc)
         return pb.DeliverSummary(num_events=num_events)

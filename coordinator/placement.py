@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.types import Capabilities, StageSpec
-from stratamesh.partitioner.fleet import Device, FleetSnapshot, Speed
+from stratamesh.partitioner.fleet import ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Plan, PlanRequest
 from stratamesh.partitioner.planner import plan_pipeline
 from stratamesh.partitioner.profile import profile_from_hf_config
@@ -18,8 +19,8 @@ KV_CONTEXT_TOKENS = 4096         # the KV reserve a stage must hold: this contex
 KV_SEQUENCES = 8                 # ... for this many sequences
 
 
-def fleet_of(agents: Mapping[str, Capabilities]) -> FleetSnapshot:
-    """One device per agent; agents on one host share the host's best measurement (their probes overlapped)."""
+def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = ()) -> FleetSnapshot:
+    """One device per agent (agents on one host share its best speed: their probes overlapped); measured links."""
     best: dict[tuple[str, str, str], Speed] = {}
     for caps in agents.values():
         for s in caps.speeds:
@@ -31,17 +32,25 @@ def fleet_of(agents: Mapping[str, Capabilities]) -> FleetSnapshot:
         speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname) or (UNMEASURED,)
         devices.append(Device(agent_id, caps.usable_mem_bytes, speeds, caps.tier or "edge", caps.site,
                               node=caps.hostname))
-    return FleetSnapshot(tuple(devices))
+    return FleetSnapshot(tuple(devices), measured_links(agents.keys(), links))
+
+
+def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tuple[Link, ...]:
+    """The planner's links from measured ones: between two of these agents, or one of them and ORIGIN."""
+    ends = {*agent_ids, ORIGIN}
+    return tuple(Link(r.agent_id, r.peer_id, r.bandwidth_bytes_per_s, r.rtt_s) for r in links
+                 if r.agent_id in ends and r.peer_id in ends and r.agent_id != r.peer_id
+                 and r.bandwidth_bytes_per_s > 0 and r.rtt_s > 0)
 
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                num_stages: int) -> tuple[Plan, list[tuple[str, StageSpec]]]:
-    """The planner's best num_stages-stage pipeline over the agents (PlacementError if none fits)."""
+                num_stages: int, links: Sequence[LinkRecord] = ()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+    """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none)."""
     profile = profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
     context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
     request = PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
                           concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
-    plan = plan_pipeline(profile, fleet_of(agents), request)
+    plan = plan_pipeline(profile, fleet_of(agents, links), request)
     return plan, stage_specs(plan, model_id, model_path, profile.num_layers)
 
 

@@ -7,6 +7,7 @@ from stratamesh.coordinator.api.openai import ModelCard
 from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.origin import Generation, Origin
 from stratamesh.coordinator.text import TextCodec
+from stratamesh.fleet.logs import trace_id_var
 from stratamesh.fleet.types import SamplingParams
 
 
@@ -33,7 +34,9 @@ class MeshGenerator:
                  request_id: str) -> Generation:
         model = self._deployer.model(model_id)
         route, block_size = self._deployer.route(model_id)
-        return self._origin.generate(route, prompt_ids, params, request_id, model.hidden_size, block_size)
+        generation = self._origin.generate(route, prompt_ids, params, request_id, model.hidden_size, block_size)
+        trace_id_var.set(generation.record.trace_id)   # the rest of this request's log records carry it
+        return generation
 
     def health(self) -> dict:
         models = {m.model_id: ("ready" if self._deployer.is_ready(m.model_id) else "starting")

@@ -23,7 +23,7 @@ from stratamesh.fleet.errors import MeshError
 log = logging.getLogger(__name__)
 
 _COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+)")
-_AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+)")
+_AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+) metrics=(\S+)")
 
 
 class LaunchError(MeshError):
@@ -45,9 +45,11 @@ class LocalMesh:
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
+    coordinator_args: list[str] = field(default_factory=list)   # appended to the coordinator's command line
     coordinator: subprocess.Popen | None = None
     agents: list[subprocess.Popen] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
+    agent_metrics: list[str] = field(default_factory=list)   # host:port of each agent's /metrics
     url: str = ""
     grpc_address: str = ""
 
@@ -57,7 +59,7 @@ class LocalMesh:
         self.start_coordinator(timeout_s)
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
         for process in spawned:  # they import torch in parallel; collect their addresses after
-            self.agent_addresses.append(self._await_line(process, _AGENT_LINE, timeout_s)[1])
+            self._agent_started(self._await_line(process, _AGENT_LINE, timeout_s))
         self.wait_ready(timeout_s)
         return self
 
@@ -67,14 +69,18 @@ class LocalMesh:
         args = ["coordinator", "--mesh", self.mesh, "--db", db, "--http-port", str(self.http_port)]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
-        self.coordinator = self._spawn("coordinator", args)
+        self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args])
         self.url, self.grpc_address = self._await_line(self.coordinator, _COORDINATOR_LINE, timeout_s)
 
     def start_agent(self, index: int, timeout_s: float = 60.0) -> subprocess.Popen:
         """Starts one more agent and waits until it listens."""
         process = self._spawn_agent(index)
-        self.agent_addresses.append(self._await_line(process, _AGENT_LINE, timeout_s)[1])
+        self._agent_started(self._await_line(process, _AGENT_LINE, timeout_s))
         return process
+
+    def _agent_started(self, line: tuple[str, ...]) -> None:
+        self.agent_addresses.append(line[1])
+        self.agent_metrics.append(line[2])
 
     def _spawn_agent(self, index: int) -> subprocess.Popen:
         threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
@@ -143,16 +149,16 @@ class LocalMesh:
         return process
 
     def _await_line(self, process: subprocess.Popen, pattern: re.Pattern[str],
-                    timeout_s: float) -> tuple[str, str]:
+                    timeout_s: float) -> tuple[str, ...]:
         """Waits for the process to print its addresses; keeps draining its stdout after."""
-        found: list[tuple[str, str]] = []
+        found: list[tuple[str, ...]] = []
 
         def read() -> None:
             assert process.stdout is not None
             for raw in process.stdout:
                 match = pattern.search(raw.decode(errors="replace"))
                 if match and not found:
-                    found.append((match.group(1), match.group(2)))
+                    found.append(match.groups())
 
         threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + timeout_s

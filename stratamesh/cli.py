@@ -17,6 +17,7 @@ from pathlib import Path
 from stratamesh.bench.options import add_serve_arguments
 from stratamesh.plan_command import add_plan_arguments, run_plan
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 log = logging.getLogger("stratamesh")
 
@@ -24,8 +25,7 @@ log = logging.getLogger("stratamesh")
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     if not hasattr(args, "func"):
         parser.print_help()
         raise SystemExit(2)
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratamesh", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("STRATAMESH_LOG", "info"))
+    parser.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("STRATAMESH_LOG_FORMAT", "text"),
+                        help="json: one object per line with agent_id and trace_id")
     commands = parser.add_subparsers(metavar="COMMAND")
 
     up = commands.add_parser("up", help="a coordinator and N agents on this machine, serving a model")
@@ -55,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", help="a Hugging Face folder to deploy")
     coordinator.add_argument("--served-model-name", default="")
     coordinator.add_argument("--stages", type=int, default=1, help="pipeline stages for --model")
+    coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
+                             help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
+    _add_trace_export_arguments(coordinator)
     coordinator.set_defaults(func=_coordinator)
 
     agent = commands.add_parser("agent", help="run an agent daemon")
@@ -74,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
+    agent.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port on --host (0: any free port; -1: none)")
+    _add_trace_export_arguments(agent)
     agent.set_defaults(func=_agent)
 
     model = commands.add_parser("model", help="model folders")
@@ -120,6 +128,13 @@ def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         raise SystemExit(1) from None
 
 
+def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces-json", default="", metavar="FILE",
+                        help="append every span to FILE as OpenTelemetry JSON, one per line")
+    parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                        help="export spans over OTLP/HTTP, e.g. http://collector:4318/v1/traces")
+
+
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
 
@@ -127,7 +142,10 @@ def _coordinator(args: argparse.Namespace) -> None:
     options = CoordinatorOptions(
         db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
         advertise_host=args.advertise_host, mesh=args.mesh,
-        interfaces=tuple(args.interfaces or ["127.0.0.1"]), models=models)
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), models=models,
+        trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
+        otlp_traces_endpoint=args.otlp_traces_endpoint)
+    set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
 
@@ -142,7 +160,10 @@ def _agent(args: argparse.Namespace) -> None:
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
         tier=args.tier, remeasure=args.remeasure,
         engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
-                            args.max_batch_seqs, not args.no_prefix_cache), **overrides)
+                            args.max_batch_seqs, not args.no_prefix_cache),
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, **overrides)
+    set_process_fields(component="agent", agent_id=options.agent_id)
     _run_daemon(lambda stop: run_agent(options, stop))
 
 

@@ -16,6 +16,8 @@ class WorkItem:
     sample: bool
     step: int = 0
     payload: object = None      # the upstream hidden states; only the runner looks inside
+    arrived_ns: int = 0         # when the chunk reached this stage (Unix ns; 0 when nobody said)
+    trace_id: str = ""          # the request's trace, if it is traced
 
     @property
     def end_pos(self) -> int:

@@ -77,7 +77,7 @@ class StageEngine:
                                cached_tokens=min(cached, message.max_cached_tokens))
             outbox.events.append((message.origin, event))
 
-    def add(self, chunk: StepChunk, rows: torch.Tensor | None) -> None:
+    def add(self, chunk: StepChunk, rows: torch.Tensor | None, arrived_ns: int = 0) -> None:
         """Queues a chunk; rows are its input hidden states on stages after the first."""
         if chunk.session_id not in self.sessions:
             raise InvalidInput(f"chunk.session_id {chunk.session_id!r} is not open here")
@@ -85,7 +85,7 @@ class StageEngine:
         if not self.is_first and rows is None:
             raise InvalidInput("chunk without hidden states on a stage after the first")
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
-                                    chunk.step, rows))
+                                    chunk.step, rows, arrived_ns, chunk.trace_id))
 
     def close(self, session_id: str, outbox: Outbox) -> SessionOpen | None:
         """Ends a session here and passes the close on."""
@@ -145,7 +145,7 @@ class StageEngine:
             address = self.sessions[chunk.session_id].route[0].address
             chunks, rows = groups.setdefault(address, ([], []))
             chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
-                                    chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample))
+                                    chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id))
             rows.append(output.hidden[row:row + length])
             row += length
         for address, (chunks, rows) in groups.items():

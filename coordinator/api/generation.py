@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import anyio
 
@@ -12,6 +14,8 @@ from stratamesh.coordinator.text import IncrementalDetokenizer
 from stratamesh.fleet.types import SamplingParams
 
 log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]  # seconds on a monotonic scale: time.monotonic, or a test's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +40,40 @@ class Delta:
     token_ids: tuple[int, ...] = ()  # the tokens consumed since the previous delta
 
 
+@dataclass(slots=True)
+class Timeline:
+    """Clock readings of one request: arrival, hand-off to the Generator, first and latest token, end."""
+
+    arrival_s: float
+    scheduled_s: float               # when the Generator was asked for the tokens
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None  # a stop condition was met, or the run was closed before one
+
+    @classmethod
+    def at(cls, now_s: float) -> Timeline:
+        """A request that arrived and was handed to the Generator at now_s."""
+        return cls(now_s, now_s)
+
+
+class TokenObserver(Protocol):
+    """Told of each token as a GenerationRun receives it (the API's metrics)."""
+
+    def on_token(self, run: GenerationRun, gap_s: float | None) -> None: ...  # gap_s: None for the first token
+
+
 class GenerationRun:
     """Consumes a job's unbounded token stream up to max_tokens, a stop token or a stop string; then closes it."""
 
-    def __init__(self, job: Job, tokens: AsyncIterator[int], detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, job: Job, tokens: AsyncIterator[int], detokenizer: IncrementalDetokenizer,
+                 timeline: Timeline | None = None, clock: Clock = time.monotonic,
+                 observer: TokenObserver | None = None) -> None:
         self.job = job
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # every token received, the stop token included
+        self.finish_reason: str | None = None  # "stop" or "length" once a stop condition is met
+        self._clock = clock
+        self.timeline = timeline if timeline is not None else Timeline.at(clock())
+        self._observer = observer
         self._tokens = tokens
         self._detok = detokenizer
         self._first: int | None = None
@@ -50,7 +82,7 @@ class GenerationRun:
     async def start(self) -> None:
         """Wait for the first token, so that a failure before any output can still be an HTTP error status."""
         try:
-            self._first = await anext(self._tokens, None)
+            self._first = await self._receive()
         except BaseException:
             await self.aclose()
             raise
@@ -61,13 +93,16 @@ class GenerationRun:
             token, sent = self._first, 0
             while token is not None:
                 delta = self._step(token)
+                if delta.finish_reason is not None:  # recorded before the yield: a consumer may stop at this delta
+                    self._finish(delta.finish_reason, at_s=self.timeline.last_token_s)
                 if delta.text or delta.finish_reason is not None:
                     yield replace(delta, token_ids=tuple(self.token_ids[sent:]))
                     sent = len(self.token_ids)
-                if delta.finish_reason is not None:
+                if self.finish_reason is not None:
                     return
-                token = await anext(self._tokens, None)
+                token = await self._receive()
             log.warning("request %s: the token stream ended before a stop condition", self.job.request_id)
+            self._finish("stop")
             yield Delta(self._detok.flush(), "stop")
         finally:
             await self.aclose()
@@ -85,6 +120,8 @@ class GenerationRun:
         if self._closed:
             return
         self._closed = True
+        if self.timeline.finished_s is None:
+            self.timeline.finished_s = self._clock()
         aclose = getattr(self._tokens, "aclose", None)
         if aclose is None:
             return
@@ -100,11 +137,35 @@ class GenerationRun:
         return getattr(self._tokens, "cached_tokens", 0)
 
     @property
+    def num_preemptions(self) -> int:
+        """Times the mesh preempted this generation and replayed it (0 when the Generator does not say)."""
+        return getattr(self._tokens, "num_preemptions", 0)
+
+    @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    def _step(self, token: int) -> Delta:
+    async def _receive(self) -> int | None:
+        """The next token (None when the stream ends), recorded with its arrival time and reported."""
+        token = await anext(self._tokens, None)
+        if token is None:
+            return None
+        now, timeline = self._clock(), self.timeline
+        gap_s = None if timeline.last_token_s is None else now - timeline.last_token_s
+        if timeline.first_token_s is None:
+            timeline.first_token_s = now
+        timeline.last_token_s = now
         self.token_ids.append(token)
+        if self._observer is not None:
+            self._observer.on_token(self, gap_s)
+        return token
+
+    def _finish(self, reason: str, at_s: float | None = None) -> None:
+        """Records the stop condition met at at_s (now if None)."""
+        self.finish_reason = reason
+        self.timeline.finished_s = at_s if at_s is not None else self._clock()
+
+    def _step(self, token: int) -> Delta:
         if token in self.job.stop_token_ids:
             return Delta(self._detok.flush(), "stop")
         text = self._detok.push(token)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions and /health."""
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
@@ -22,10 +23,11 @@ from stratamesh.coordinator.api.errors import (
     to_api_error,
     validation_error,
 )
-from stratamesh.coordinator.api.generation import GenerationRun, Job
+from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
 from stratamesh.coordinator.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
+from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
 from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
 from stratamesh.fleet.types import SamplingParams
@@ -59,14 +61,15 @@ class Generator(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
-def create_app(generator: Generator) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible API over generator."""
+def create_app(generator: Generator, metrics: ApiMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over generator, counting into metrics (a fresh one if None)."""
     app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
-    api = OpenAIApi(generator)
+    api = OpenAIApi(generator, metrics if metrics is not None else ApiMetrics())
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     install_error_handlers(app)
     return app
 
@@ -74,8 +77,9 @@ def create_app(generator: Generator) -> FastAPI:
 class OpenAIApi:
     """The endpoints; every error becomes an OpenAI error body and never reaches the server."""
 
-    def __init__(self, generator: Generator) -> None:
+    def __init__(self, generator: Generator, metrics: ApiMetrics) -> None:
         self._generator = generator
+        self._metrics = metrics
 
     async def models(self) -> Response:
         """GET /v1/models."""
@@ -95,20 +99,27 @@ class OpenAIApi:
             return JSONResponse({"status": "error"}, status_code=503)
         return JSONResponse(body, status_code=200 if body.get("status") == "ok" else 503)
 
+    async def metrics(self) -> Response:
+        """GET /metrics: Prometheus' text exposition (served on the event loop, where the counts change)."""
+        body, content_type = self._metrics.render()
+        return Response(body, media_type=content_type)
+
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
+        arrival_s = self._metrics.clock()
         try:
             req = await parse_body(request, CompletionRequest)
             card, codec = self._model(req.model)
             prompt_ids = _prompt_ids(codec, req.prompt)
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
                                    req.return_token_ids)
-            return await self._run(request, req, card, codec, prompt_ids, req.max_tokens, fmt)
+            return await self._run(request, req, card, codec, prompt_ids, req.max_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
+        arrival_s = self._metrics.clock()
         try:
             req = await parse_body(request, ChatCompletionRequest)
             card, codec = self._model(req.model)
@@ -116,7 +127,7 @@ class OpenAIApi:
             prompt_ids = codec.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
             fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
                              req.return_token_ids)
-            return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt)
+            return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
 
@@ -133,17 +144,48 @@ class OpenAIApi:
         raise ModelNotFound(f"The model `{model_id}` does not exist.")
 
     async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, codec: TextCodec,
-                   prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat) -> Response:
+                   prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float) -> Response:
         job = _make_job(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
-        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id)
-        run = GenerationRun(job, tokens, IncrementalDetokenizer(codec, job.stop, job.prompt_ids))
-        await run.start()
-        if req.stream:
-            return SSEResponse(_sse_events(run, fmt), on_close=run.aclose)
-        result = await _collect_unless_gone(request, run)
+        run = self._launch(job, codec, arrival_s)
+        try:
+            await run.start()
+            if req.stream:
+                return SSEResponse(_sse_events(run, fmt, partial(self._count_error, run)),
+                                   on_close=partial(self._close, run))
+            result = await _collect_unless_gone(request, run)
+        except Exception as e:
+            raise self._failed(run, e) from e
+        except BaseException:  # cancelled: the run is closed already, and counted as abandoned
+            self._metrics.request_finished(run)
+            raise
+        self._metrics.request_finished(run)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(fmt.whole(*result, _usage(run), run.token_ids))
+
+    def _launch(self, job: Job, codec: TextCodec, arrival_s: float) -> GenerationRun:
+        """Hands job to the Generator; the run is timed from arrival_s and counted as running."""
+        clock = self._metrics.clock
+        scheduled_s = clock()
+        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id)
+        run = GenerationRun(job, tokens, IncrementalDetokenizer(codec, job.stop, job.prompt_ids),
+                            Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
+        self._metrics.request_started(run)
+        return run
+
+    async def _close(self, run: GenerationRun) -> None:
+        """Closes a streamed run however its response ended; counted unless it failed."""
+        await run.aclose()
+        self._metrics.request_finished(run)
+
+    def _failed(self, run: GenerationRun, exc: Exception) -> ApiError:
+        """The error to answer a failed run with, counted."""
+        err = to_api_error(exc)
+        self._count_error(run, err)
+        return err
+
+    def _count_error(self, run: GenerationRun, err: ApiError) -> None:
+        self._metrics.request_failed(run, err.status, err.code or err.type)
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
@@ -220,8 +262,9 @@ def _usage(run: GenerationRun) -> dict[str, int]:
             "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
 
 
-async def _sse_events(run: GenerationRun, fmt: ResponseFormat) -> AsyncIterator[bytes]:
-    """The SSE body of a started run; a failure mid-stream becomes an error event, then [DONE]."""
+async def _sse_events(run: GenerationRun, fmt: ResponseFormat,
+                      on_error: Callable[[ApiError], None]) -> AsyncIterator[bytes]:
+    """The SSE body of a started run; a failure mid-stream goes to on_error and becomes an error event, then [DONE]."""
     try:
         for chunk in fmt.head():
             yield sse_event(chunk)
@@ -232,6 +275,7 @@ async def _sse_events(run: GenerationRun, fmt: ResponseFormat) -> AsyncIterator[
             yield sse_event(fmt.usage_chunk(_usage(run)))
     except Exception as e:
         err = to_api_error(e)
+        on_error(err)
         log.warning("request %s failed mid-stream with %d: %s", run.job.request_id, err.status, err.message)
         yield sse_event(err.body())
     yield DONE

@@ -10,6 +10,7 @@ from stratamesh.fleet.types import (
     SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob,
     TokenEvent,
 )
+from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
 StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
@@ -210,6 +211,18 @@ def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
         raise InvalidInput("token_event.cached_tokens and token_event.sent_unix_ns must be >= 0")
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
                       msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns)
+
+
+def spans_to_pb(spans: list[Span]) -> pb.TraceSpans:
+    return pb.TraceSpans(spans=[
+        pb.SpanData(name=s.name, trace_id=s.trace_id, span_id=s.span_id, parent_span_id=s.parent_span_id,
+                    start_unix_ns=s.start_unix_ns, end_unix_ns=s.end_unix_ns, attributes=dict(s.attributes))
+        for s in spans])
+
+
+def spans_from_pb(msg: pb.TraceSpans) -> list[Span]:
+    return [Span(s.name, s.trace_id, s.span_id, s.parent_span_id, s.start_unix_ns, s.end_unix_ns,
+                 dict(s.attributes)) for s in msg.spans]
 
 
 # ---------------------------------------------------------------- control plane

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.engine.stage_engine import EngineConfig
@@ -15,7 +18,8 @@ from stratamesh.fleet.types import Assignment, SamplingParams, SessionClose, Ses
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import bind, make_server
+from stratamesh.fleet.tracing import traceparent
+from stratamesh.fleet.wire.channels import bind, make_channel, make_server
 from stratamesh.fleet.wire.stream import OutboundStream
 from stratamesh.kernels.models.decoder import load_stage
 
@@ -50,8 +54,14 @@ def greedy_reference(spec: StageSpec, prompt: list[int], num_tokens: int) -> lis
 
 
 @pytest.fixture
-async def stage(tiny_model):
+async def stage(served):
     """One agent serving the whole model as a single stage, and an origin to receive its tokens."""
+    yield served[:5]
+
+
+@pytest.fixture
+async def served(tiny_model):
+    """What `stage` yields, and the StageService itself."""
     spec = StageSpec("m", str(tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)), 0, 2, 2,
                      kv_block_size=4)
     host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
@@ -63,7 +73,7 @@ async def stage(tiny_model):
     await server.start()
     service.start()
     stream = OutboundStream(address, lambda ch, it: pb_grpc.StageStub(ch).Push(it)).start()
-    yield spec, stream, origin, address, host
+    yield spec, stream, origin, address, host, service
     await stream.close()
     await service.close()
     await server.stop(grace=None)
@@ -146,3 +156,46 @@ async def test_a_wire_message_that_fails_validation_fails_its_session(stage) -> 
     await open_session(stream, origin, address, "s", [1, 2, 3])
     stream.send(pb.StageMessage(chunk=pb.StepChunk(session_id="s", start_pos=-4, token_ids=[1])))
     assert "start_pos" in (await origin.next("s")).error
+
+
+async def test_a_traced_session_gets_queue_compute_and_send_spans_per_step_and_trace_serves_them(served) -> None:
+    spec, stream, origin, address, host, service = served
+    trace_id, parent = "ab" * 16, "cd" * 8
+    prompt = [5, 17, 42]
+    send(stream, SessionOpen("traced", "a0", (), address, SamplingParams(), traceparent(trace_id, parent),
+                             tuple(prompt)))
+    await open_session(stream, origin, address, "plain", prompt)   # untraced: no spans
+    position, token = 0, None
+    for step in range(4):
+        ids = tuple(prompt) if step == 0 else (token,)
+        for session_id, traced in (("traced", trace_id), ("plain", "")):
+            send(stream, StepChunk(session_id, step, position, ids, True, traced, sent_unix_ns=time.time_ns()))
+        events = {}
+        while len(events) < 2:
+            event = await origin.next("traced") if "traced" not in events else await origin.next("plain")
+            if not event.opened:
+                events[event.session_id] = event
+        assert events["traced"].sent_unix_ns > 0   # the last stage stamps when it finished the step
+        token, position = events["traced"].token_id, position + len(ids)
+    channel = make_channel(address)
+    reply = await pb_grpc.StageStub(channel).Trace(pb.TraceRequest(trace_id=trace_id))
+    await channel.close()
+    spans = convert.spans_from_pb(reply)
+    assert service.observer.spans.trace("") == []
+    assert {(s.name, int(s.attributes["stratamesh.step"])) for s in spans} == {
+        (name, step) for name in ("queue", "compute", "send") for step in range(4)}
+    assert all(s.trace_id == trace_id and s.parent_span_id == parent and s.end_unix_ns >= s.start_unix_ns
+               and s.attributes["stratamesh.session"] == "traced" and s.attributes["stratamesh.layers"] == "0-2"
+               for s in spans)
+    by_step = {(s.name, s.attributes["stratamesh.step"]): s for s in spans}
+    for step in map(str, range(4)):   # send ends as the chunk arrives; queue runs from then to the compute
+        assert by_step["send", step].end_unix_ns == by_step["queue", step].start_unix_ns
+        assert by_step["queue", step].end_unix_ns == by_step["compute", step].start_unix_ns
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(service.observer.metrics.registry).decode())}
+    (count,) = [s.value for s in families["stratamesh:stage_compute_seconds"].samples if s.name.endswith("_count")]
+    assert count >= 4
+    tokens = [s for s in families["stratamesh:stage_tokens"].samples if s.name.endswith("_total")]
+    assert tokens[0].labels == {"model_name": "m", "stage": "0-2"} and tokens[0].value == 2 * (3 + 3)
+    sent = [s.value for s in families["stratamesh:hop_transfer_bytes"].samples if s.name.endswith("_total")]
+    assert sum(sent) > 0

@@ -1,0 +1,90 @@
+"""What the data plane reports about itself: metrics for every step, spans for the steps of traced sessions.
+
+Per stage and step a traced session gets three spans: "queue" (its chunk arrived, then waited for a
+step), "compute" (the step's forward pass) and "send" (from the previous hop finishing the step to the
+chunk arriving here; the receiver records it, since only it knows when the message arrived).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from stratamesh.agent.engine.scheduler import Batch
+from stratamesh.agent.engine.stage_engine import StageEngine
+from stratamesh.agent.metrics import AgentMetrics, stage_labels
+from stratamesh.fleet.tracing import SpanStore, parse_traceparent
+from stratamesh.fleet.types import StepChunk
+
+
+class StageObserver:
+    """Turns data-plane events into Prometheus observations and trace spans."""
+
+    def __init__(self, agent_id: str, metrics: AgentMetrics | None = None, spans: SpanStore | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns):
+        self.agent_id = agent_id
+        self.metrics = metrics or AgentMetrics()
+        self.spans = spans or SpanStore(f"stratamesh-agent-{agent_id}")
+        self.clock_ns = clock_ns
+        self._children: dict[str, tuple] = {}    # assignment id -> its bound metric children
+
+    def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
+        """A chunk reached this stage; sent_ns is when the previous hop finished it (0: unknown)."""
+        if not sent_ns:
+            return
+        self._bound(engine)[2].observe(max(arrived_ns - sent_ns, 0) / 1e9)
+        if chunk.trace_id:
+            self._span(engine, "send", chunk.session_id, chunk.step, sent_ns, arrived_ns,
+                       {"stratamesh.to": engine.assignment.assignment_id})
+
+    def stepped(self, engine: StageEngine, batch: Batch, start_ns: int, end_ns: int) -> None:
+        """A step ran on engine from start_ns to end_ns."""
+        compute, queue, _, batch_tokens, tokens, _ = self._bound(engine)
+        num_tokens = sum(c.num_tokens for c in batch.chunks)
+        compute.observe((end_ns - start_ns) / 1e9)
+        batch_tokens.observe(num_tokens)
+        tokens.inc(num_tokens)
+        for chunk in batch.chunks:
+            item = chunk.item
+            first_piece = chunk.begin == 0 and item.arrived_ns > 0
+            if first_piece:
+                queue.observe(max(start_ns - item.arrived_ns, 0) / 1e9)
+            if not item.trace_id:
+                continue
+            if first_piece:
+                self._span(engine, "queue", chunk.session_id, item.step, item.arrived_ns, start_ns, {})
+            self._span(engine, "compute", chunk.session_id, item.step, start_ns, end_ns,
+                       {"stratamesh.batch_tokens": str(num_tokens), "stratamesh.batch_seqs": str(len(batch.chunks))})
+
+    def preempted(self, engine: StageEngine, num_sessions: int) -> None:
+        if num_sessions:
+            self._bound(engine)[5].inc(num_sessions)
+
+    def sent(self, peer: str, num_bytes: int) -> None:
+        """A message of num_bytes went to peer (the next stage or an origin)."""
+        self.metrics.sent_bytes.labels(peer).inc(num_bytes)
+        self.metrics.sent_messages.labels(peer).inc()
+
+    def _span(self, engine: StageEngine, name: str, session_id: str, step: int, start_ns: int, end_ns: int,
+              extra: dict[str, str]) -> None:
+        session = engine.sessions.get(session_id)
+        if session is None or not session.traceparent:
+            return
+        trace_id, parent = parse_traceparent(session.traceparent)
+        stage = engine.assignment.stage
+        self.spans.record(name, trace_id, parent, start_ns, end_ns, {
+            "stratamesh.agent": self.agent_id, "stratamesh.assignment": engine.assignment.assignment_id,
+            "stratamesh.layers": f"{stage.start_layer}-{stage.end_layer}", "stratamesh.session": session_id,
+            "stratamesh.step": str(step), **extra})
+
+    def _bound(self, engine: StageEngine) -> tuple:
+        """The engine's metric children, bound to its labels once (a labels() lookup costs microseconds)."""
+        key = engine.assignment.assignment_id
+        children = self._children.get(key)
+        if children is None:
+            labels = stage_labels(engine.assignment.stage)
+            m = self.metrics
+            children = self._children[key] = tuple(
+                family.labels(*labels) for family in (m.compute_s, m.queue_s, m.hop_s, m.batch_tokens, m.tokens,
+                                                      m.preemptions))
+        return children

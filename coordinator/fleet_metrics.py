@@ -1,0 +1,68 @@
+"""The mesh's load as vLLM's gauges, from the agents' newest heartbeat telemetry, and the origin's inbound hop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.types import Telemetry
+
+HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# assignment id -> (model id, stage index) of every stage of an active plan
+StageIndex = Callable[[], Mapping[str, tuple[str, int]]]
+
+
+class FleetCollector(Collector):
+    """Per model: sessions waiting at its first stage, sessions running, and the fullest stage's KV use."""
+
+    def __init__(self, telemetry: Mapping[str, Telemetry], stages: StageIndex):
+        self._telemetry = telemetry
+        self._stages = stages
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stages = self._stages()
+        waiting: dict[str, float] = {}
+        kv_usage: dict[str, float] = {}
+        for telemetry in list(self._telemetry.values()):
+            for load in telemetry.stages:
+                if load.assignment_id not in stages:
+                    continue
+                model, index = stages[load.assignment_id]
+                waiting[model] = waiting.get(model, 0) + (load.num_waiting if index == 0 else 0)
+                kv_usage[model] = max(kv_usage.get(model, 0.0), load.kv_usage)
+        for model, _ in sorted(set(stages.values())):
+            waiting.setdefault(model, 0)
+            kv_usage.setdefault(model, 0.0)
+        yield _gauge("vllm:num_requests_waiting", "Sessions waiting at the first stage of the model's pipeline.",
+                     waiting)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage of the model's fullest stage. 1 means 100 percent.",
+                     kv_usage)
+
+
+def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(name, doc, labels=("model_name",))
+    for model, value in sorted(values.items()):
+        gauge.add_metric([model], value)
+    return gauge
+
+
+def hop_histogram(registry: CollectorRegistry) -> Histogram:
+    """The last hop's time, from the last stage finishing a step to its token reaching the origin."""
+    return Histogram("stratamesh:hop_transfer_seconds",
+                     "Time from the previous hop finishing a step to its message arriving (here: at the origin).",
+                     ("stage",), buckets=HOP_BUCKETS_S, registry=registry)
+
+
+def active_stages(registry: Registry) -> dict[str, tuple[str, int]]:
+    """assignment id -> (model id, stage index) of every stage of every model's active plan."""
+    stages = {}
+    for model in registry.models():
+        plan = registry.active_plan(model.model_id)
+        for stage in plan.stages if plan else ():
+            stages[stage.assignment_id] = (model.model_id, stage.stage_index)
+    return stages

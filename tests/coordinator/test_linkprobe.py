@@ -1,0 +1,70 @@
+"""The origin's link probe: which agents are due when, and its measurements stored as the origin's links."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.types import LinkMeasurement, Peer
+from stratamesh.partitioner.fleet import ORIGIN
+from tests.coordinator.test_deployer import Agent, connect_all
+
+
+class FakeMeasure:
+    """measure_peers with plain values: each peer 1 ms and 100 MB/s, except the ones listed as failing."""
+
+    def __init__(self, failing: Sequence[str] = ()) -> None:
+        self.asked: list[list[str]] = []
+        self.failing = set(failing)
+
+    async def __call__(self, peers: Sequence[Peer]) -> list[LinkMeasurement]:
+        self.asked.append([p.agent_id for p in peers])
+        return [LinkMeasurement(p.agent_id, error="UNAVAILABLE") if p.agent_id in self.failing
+                else LinkMeasurement(p.agent_id, 1e-3, 1e8) for p in peers]
+
+
+def test_due_peers_are_the_new_ones_and_those_probed_a_period_ago() -> None:
+    a, b, b_moved = Peer("a", "h:1"), Peer("b", "h:2"), Peer("b", "h:3")
+    probed_at = {a: 100.0, b: 50.0}
+    assert due_peers([a, b], probed_at, now=109.0, every_s=60) == []
+    assert due_peers([a, b], probed_at, now=110.0, every_s=60) == [b]
+    assert due_peers([a, b_moved], probed_at, now=100.0, every_s=60) == [b_moved]     # a new address: new
+    assert due_peers([a, b], probed_at, now=160.0, every_s=60) == [a, b]
+
+
+async def test_the_origin_measures_each_agent_on_connect_and_again_when_due() -> None:
+    registry, now = Registry(":memory:"), [100.0]
+    deployer = Deployer(registry, clock=lambda: now[0])
+    measure = FakeMeasure(failing=["a2"])
+    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    assert await prober.probe_due() == [] and measure.asked == []
+    connect_all(deployer, [a1, a2])
+    await prober.probe_due()
+    assert measure.asked == [["a1", "a2"]]
+    assert [(r.agent_id, r.peer_id, r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()] == \
+        [(ORIGIN, "a1", 1e-3, 1e8)]                # a2 failed: no figures
+    now[0] += 299
+    await prober.probe_due()
+    assert measure.asked == [["a1", "a2"]]
+    now[0] += 1
+    await prober.probe_due()
+    assert measure.asked[-1] == ["a1", "a2"]
+
+
+async def test_an_agent_that_reconnects_is_measured_again_at_once() -> None:
+    now = [100.0]
+    deployer = Deployer(Registry(":memory:"), clock=lambda: now[0])
+    measure = FakeMeasure()
+    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    connect_all(deployer, [a1, a2])
+    await prober.probe_due()
+    deployer.agent_disconnected(a2.link)
+    await prober.probe_due()
+    connect_all(deployer, [a2])
+    now[0] += 5
+    await prober.probe_due()
+    assert measure.asked == [["a1", "a2"], ["a2"]]

@@ -1,0 +1,109 @@
+"""Links in the placement driver: who is asked to probe whom and when, and how measured links steer the plan."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from stratamesh.coordinator.deployer import LINK_PROBE_EVERY_S, Deployer
+from stratamesh.coordinator.placement import fleet_of
+from stratamesh.coordinator.records import LinkRecord
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.types import LinkMeasurement
+from stratamesh.partitioner.fleet import ORIGIN, SITE_LINK, Link
+from tests.coordinator.test_deployer import Agent, connect_all
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    config = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def probes(agent: Agent) -> list[list[tuple[str, str]]]:
+    """The ProbeLinks messages the agent was sent, each as its (agent id, address) pairs."""
+    return [[(p.agent_id, p.address) for p in m.probe_links.peers]
+            for m in agent.sent if m.WhichOneof("kind") == "probe_links"]
+
+
+def peer(agent: Agent) -> tuple[str, str]:
+    return agent.link.agent_id, agent.link.stage_address
+
+
+def adjacent_pairs(registry: Registry, model_id: str) -> set[frozenset[str]]:
+    stages = registry.active_plan(model_id).stages
+    return {frozenset((a.agent_id, b.agent_id)) for a, b in itertools.pairwise(stages)}
+
+
+def test_a_connecting_agent_probes_every_other_and_each_of_them_probes_it() -> None:
+    deployer = Deployer(Registry(":memory:"), clock=lambda: 100.0)
+    a1, a2, a3 = Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)
+    connect_all(deployer, [a1])
+    assert probes(a1) == []                       # alone: nobody to measure
+    connect_all(deployer, [a2])
+    assert probes(a2) == [[peer(a1)]] and probes(a1) == [[peer(a2)]]
+    connect_all(deployer, [a3])
+    assert probes(a3) == [[peer(a1), peer(a2)]]
+    assert probes(a1) == [[peer(a2)], [peer(a3)]] and probes(a2) == [[peer(a1)], [peer(a3)]]
+    assert [p.agent_id for p in deployer.peers()] == ["a1", "a2", "a3"]
+
+
+def test_every_connected_agent_probes_all_the_others_again_once_the_period_is_up() -> None:
+    now = [100.0]
+    deployer = Deployer(Registry(":memory:"), clock=lambda: now[0])
+    agents = [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)]
+    connect_all(deployer, agents)
+    deployer.agent_disconnected(agents[2].link)
+    for agent in agents:
+        agent.sent.clear()
+    now[0] += LINK_PROBE_EVERY_S - 1
+    deployer.tick()
+    assert all(probes(a) == [] for a in agents)
+    now[0] += 1
+    deployer.tick()
+    assert probes(agents[0]) == [[peer(agents[1])]] and probes(agents[1]) == [[peer(agents[0])]]
+    assert probes(agents[2]) == []                # gone: neither probes nor is probed
+    now[0] += 1
+    deployer.tick()
+    assert len(probes(agents[0])) == 1            # not again until the next period
+
+
+def test_reported_links_reach_the_registry() -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 7.0)
+    deployer.links_reported("a1", [LinkMeasurement("a2", 0.002, 5e8), LinkMeasurement("a3", error="timed out")])
+    assert registry.links() == [LinkRecord("a1", "a2", 0.002, 5e8, "", 7.0)]
+
+
+def test_fleet_of_takes_measured_links_between_its_agents_and_the_origin_only() -> None:
+    agents = {a.link.agent_id: a.caps for a in (Agent("a1", 8), Agent("a2", 8))}
+    records = [LinkRecord("a1", "a2", 0.5, 1e6, "", 1.0), LinkRecord(ORIGIN, "a1", 0.01, 2e7, "", 1.0),
+               LinkRecord("a1", "gone", 0.001, 1e9, "", 1.0), LinkRecord("gone", "a2", 0.001, 1e9, "", 1.0)]
+    fleet = fleet_of(agents, records)
+    assert set(fleet.links) == {Link("a1", "a2", 1e6, 0.5), Link(ORIGIN, "a1", 2e7, 0.01)}
+    a1, a2 = fleet.device("a1"), fleet.device("a2")
+    assert fleet.link(a2, a1) == Link("a1", "a2", 1e6, 0.5)
+    assert fleet.link(None, a1).bandwidth == 2e7
+    assert fleet.link(None, a2) == SITE_LINK      # never measured: the default
+    assert fleet_of(agents).links == ()
+
+
+def test_a_terrible_measured_link_keeps_consecutive_stages_off_it(model_dir: Path) -> None:
+    def plan(measured: list[LinkMeasurement]) -> set[frozenset[str]]:
+        registry = Registry(":memory:")
+        deployer = Deployer(registry, clock=lambda: 100.0)
+        connect_all(deployer, [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)])
+        deployer.links_reported("a1", measured)
+        deployer.add_model("m", str(model_dir), num_stages=3)
+        return adjacent_pairs(registry, "m")
+
+    bad = frozenset(("a1", "a2"))
+    assert bad in plan([])                        # three equal boxes: a1 and a2 end up next to each other
+    fine = [LinkMeasurement("a3", 0.3e-3, 1.25e9)]
+    assert bad in plan(fine)
+    assert bad not in plan(fine + [LinkMeasurement("a2", 0.5, 1e6)])     # 1 MB/s and 500 ms: avoided
