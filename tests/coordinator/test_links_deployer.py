@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,7 @@ from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import LinkMeasurement
 from stratamesh.partitioner.fleet import ORIGIN, SITE_LINK, Link
-from tests.coordinator.test_deployer import Agent, connect_all
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    config = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128,
-              "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
+from tests.coordinator.test_deployer import Agent, connect_all, model_dir  # noqa: F401  (model_dir: a fixture)
 
 
 def probes(agent: Agent) -> list[list[tuple[str, str]]]:
