@@ -26,3 +26,24 @@ def test_stage_step_benchmark_prints_its_table() -> None:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| stratamesh stage engine" in result.stdout and "decode step ratio" in result.stdout
+
+
+def test_trace_report_benchmark_prints_its_tables() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_report.py"), "--tokens", "4",
+                             "--requests", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "spans cover" in result.stdout and "ratio traced / untraced" in result.stdout
+
+
+def test_link_probe_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link_probe.py"), "--pings", "20",
+                             "--bulk-mib", "4", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gRPC echo p50 us" in result.stdout and "raw TCP bulk MB/s" in result.stdout
+
+
+def test_probe_report_prints_the_box() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_report.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| backend | dtype | matmul TFLOP/s | copy GB/s |" in result.stdout and "torch-cpu" in result.stdout
