@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
+
+from prometheus_client.metrics import MetricWrapperBase
 
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import StageEngine
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.fleet.tracing import SpanStore, parse_traceparent
 from stratamesh.fleet.types import StepChunk
+
+
+class _StageMetrics(NamedTuple):
+    """One stage's metric children, bound to its labels once (a labels() lookup costs microseconds)."""
+
+    compute_s: MetricWrapperBase
+    queue_s: MetricWrapperBase
+    hop_s: MetricWrapperBase
+    batch_tokens: MetricWrapperBase
+    tokens: MetricWrapperBase
+    preemptions: MetricWrapperBase
 
 
 class StageObserver:
@@ -26,29 +40,29 @@ class StageObserver:
         self.metrics = metrics or AgentMetrics()
         self.spans = spans or SpanStore(f"stratamesh-agent-{agent_id}")
         self.clock_ns = clock_ns
-        self._children: dict[str, tuple] = {}    # assignment id -> its bound metric children
+        self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
         """A chunk reached this stage; sent_ns is when the previous hop finished it (0: unknown)."""
         if not sent_ns:
             return
-        self._bound(engine)[2].observe(max(arrived_ns - sent_ns, 0) / 1e9)
+        self._bound(engine).hop_s.observe(max(arrived_ns - sent_ns, 0) / 1e9)
         if chunk.trace_id:
             self._span(engine, "send", chunk.session_id, chunk.step, sent_ns, arrived_ns,
                        {"stratamesh.to": engine.assignment.assignment_id})
 
     def stepped(self, engine: StageEngine, batch: Batch, start_ns: int, end_ns: int) -> None:
         """A step ran on engine from start_ns to end_ns."""
-        compute, queue, _, batch_tokens, tokens, _ = self._bound(engine)
+        bound = self._bound(engine)
         num_tokens = sum(c.num_tokens for c in batch.chunks)
-        compute.observe((end_ns - start_ns) / 1e9)
-        batch_tokens.observe(num_tokens)
-        tokens.inc(num_tokens)
+        bound.compute_s.observe((end_ns - start_ns) / 1e9)
+        bound.batch_tokens.observe(num_tokens)
+        bound.tokens.inc(num_tokens)
         for chunk in batch.chunks:
             item = chunk.item
             first_piece = chunk.begin == 0 and item.arrived_ns > 0
             if first_piece:
-                queue.observe(max(start_ns - item.arrived_ns, 0) / 1e9)
+                bound.queue_s.observe(max(start_ns - item.arrived_ns, 0) / 1e9)
             if not item.trace_id:
                 continue
             if first_piece:
@@ -58,7 +72,7 @@ class StageObserver:
 
     def preempted(self, engine: StageEngine, num_sessions: int) -> None:
         if num_sessions:
-            self._bound(engine)[5].inc(num_sessions)
+            self._bound(engine).preemptions.inc(num_sessions)
 
     def sent(self, peer: str, num_bytes: int) -> None:
         """A message of num_bytes went to peer (the next stage or an origin)."""
@@ -77,14 +91,13 @@ class StageObserver:
             "stratamesh.layers": f"{stage.start_layer}-{stage.end_layer}", "stratamesh.session": session_id,
             "stratamesh.step": str(step), **extra})
 
-    def _bound(self, engine: StageEngine) -> tuple:
-        """The engine's metric children, bound to its labels once (a labels() lookup costs microseconds)."""
+    def _bound(self, engine: StageEngine) -> _StageMetrics:
         key = engine.assignment.assignment_id
         children = self._children.get(key)
         if children is None:
             labels = stage_labels(engine.assignment.stage)
             m = self.metrics
-            children = self._children[key] = tuple(
+            children = self._children[key] = _StageMetrics(*(
                 family.labels(*labels) for family in (m.compute_s, m.queue_s, m.hop_s, m.batch_tokens, m.tokens,
-                                                      m.preemptions))
+                                                      m.preemptions)))
         return children
