@@ -16,7 +16,7 @@ from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Tele
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import make_channel
+from stratamesh.fleet.wire.channels import describe_error, make_channel
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class ControlClient:
             except (grpc.aio.AioRpcError, MeshError, OSError, TimeoutError) as exc:
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
-                log.log(level, "control stream down (%s); retrying", _describe(exc))
+                log.log(level, "control stream down (%s); retrying", describe_error(exc))
             self.connected.clear()
             await asyncio.sleep(min(self._retry_s * 2 ** min(failures, 4), 5.0))
 
@@ -156,8 +156,3 @@ async def _drain(outbox: asyncio.Queue[object]) -> AsyncIterator[object]:
             return
         yield message
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc) or type(exc).__name__

@@ -39,7 +39,6 @@ class TelemetrySampler:
         self._read_gpus = read_gpus
         self._clock = clock
         self._last = (clock(), host.num_computed_tokens)
-        self.latest: Telemetry | None = None
 
     async def sample(self) -> Telemetry:
         """Reads NVML off the event loop (it can take milliseconds); the rest is counters."""
@@ -49,7 +48,5 @@ class TelemetrySampler:
         self._last = (now, tokens)
         engines = list(self._host.engines.items())
         queued = sum(len(s.queue) for _, e in engines for s in e.scheduler.sessions.values())
-        self.latest = Telemetry(now, self._inbox_depth() + queued, rate,
-                                tuple(stage_load(a, e.scheduler) for a, e in engines),
-                                tuple(parse_gpu(g) for g in gpus))
-        return self.latest
+        return Telemetry(now, self._inbox_depth() + queued, rate,
+                         tuple(stage_load(a, e.scheduler) for a, e in engines), tuple(parse_gpu(g) for g in gpus))

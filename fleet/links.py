@@ -14,7 +14,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import LinkMeasurement, Peer
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import make_channel
+from stratamesh.fleet.wire.channels import describe_error, make_channel
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +103,8 @@ async def measure_peers(peers: Sequence[Peer], *, timeout_s: float = PEER_TIMEOU
                              bulk_max_bytes=bulk_max_bytes, bulk_max_s=bulk_max_s), timeout_s)
             measurements.append(LinkMeasurement(peer.agent_id, rtt_s, bandwidth))
         except Exception as exc:  # one unreachable or misbehaving peer must not hide the others' links
-            error = _describe(exc)
+            error = describe_error(exc)
             log.debug("link probe to %s at %s failed: %s", peer.agent_id, peer.address, error)
             measurements.append(LinkMeasurement(peer.agent_id, error=error))
     return measurements
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}"

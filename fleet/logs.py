@@ -44,8 +44,8 @@ class ContextFilter(logging.Filter):
         if trace_id := trace_id_var.get():
             fields["trace_id"] = trace_id
         record.stratamesh = fields
-        record.context = "".join(f" {k}={v}" for k, v in fields.items()) and \
-            " [" + " ".join(f"{k}={v}" for k, v in fields.items()) + "]"
+        pairs = " ".join(f"{k}={v}" for k, v in fields.items())
+        record.context = f" [{pairs}]" if pairs else ""
         return True
 
 

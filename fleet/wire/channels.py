@@ -36,6 +36,15 @@ def bind(server: grpc.aio.Server, host: str, port: int = 0) -> int:
     return bound
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line for a failed call or dial: the gRPC status and details, "timed out", or the exception."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def make_channel(address: str) -> grpc.aio.Channel:
     """A grpc.aio channel to host:port with the mesh's message limits and keepalive."""
     return grpc.aio.insecure_channel(address, options=_OPTIONS)

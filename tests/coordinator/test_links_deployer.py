@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-import pytest
 
 from stratamesh.coordinator.deployer import LINK_PROBE_EVERY_S, Deployer
 from stratamesh.coordinator.placement import fleet_of

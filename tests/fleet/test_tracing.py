@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.fleet.tracing import (
-    SpanExport, SpanStore, json_lines_exporter, new_span_id, new_trace_id, otlp_exporter, parse_traceparent,
+    SpanExport, SpanStore, TracingUnavailable, new_span_id, new_trace_id, otlp_exporter, parse_traceparent,
     span_store, to_otel, traceparent,
 )
 from stratamesh.fleet.wire import convert
@@ -125,5 +126,7 @@ def test_otlp_export_reaches_a_real_receiver(collector: str) -> None:
                for a in resource_spans.resource.attributes)
 
 
-def test_otlp_needs_its_exporter_package_or_says_which() -> None:
-    assert otlp_exporter("http://127.0.0.1:1/v1/traces") is not None   # installed with the test extra
+def test_otlp_needs_its_exporter_package_or_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)  # not installed
+    with pytest.raises(TracingUnavailable, match=r"stratamesh\[otlp\]"):
+        otlp_exporter("http://127.0.0.1:1/v1/traces")
