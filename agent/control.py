@@ -64,7 +64,8 @@ class ControlClient:
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "control stream down (%s); retrying", describe_error(exc))
             self.connected.clear()
-            await asyncio.sleep(min(self._retry_s * 2 ** min(failures, 4), 5.0))
+            # At most 2 s between tries: a restarted coordinator gives its agents 10 s to come back.
+            await asyncio.sleep(min(self._retry_s * 2 ** min(failures, 4), 2.0))
 
     async def _session(self, address: str) -> None:
         outbox: asyncio.Queue[object] = asyncio.Queue()

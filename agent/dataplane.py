@@ -33,11 +33,12 @@ INLINE_MAX_TOKENS = 1
 
 
 class _Poison:
-    """Stands in the inbox for a message that failed validation: fails its session in order."""
+    """Stands in the inbox for a message that failed validation, or a lost hop: fails its session in order."""
 
-    def __init__(self, session_id: str, exc: MeshError):
+    def __init__(self, session_id: str, exc: MeshError, unreachable: str = ""):
         self.session_id = session_id
         self.exc = exc
+        self.unreachable = unreachable     # the next hop's address, when that is what was lost
 
 
 Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison
@@ -54,7 +55,8 @@ class StageService(pb_grpc.StageServicer):
         self._inbox: asyncio.Queue[Arrival] = asyncio.Queue()
         self._next_stages = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
                                        on_broken=self._next_broken)
-        self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it))
+        self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it),
+                                   on_broken=self._origin_broken)
         self._worker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -74,12 +76,25 @@ class StageService(pb_grpc.StageServicer):
     async def Push(self, request_iterator: AsyncIterator[pb.StageMessage],
                    context: grpc.aio.ServicerContext) -> pb.PushSummary:
         num_messages = 0
-        async for message in request_iterator:
-            num_messages += 1
-            try:
-                self._inbox.put_nowait((convert.stage_message_from_pb(message), time.time_ns()))
-            except InvalidInput as exc:
-                self._reject(message, exc)
+        opened: set[str] = set()    # sessions whose messages come over this stream
+        try:
+            async for message in request_iterator:
+                num_messages += 1
+                try:
+                    inbound = convert.stage_message_from_pb(message)
+                except InvalidInput as exc:
+                    self._reject(message, exc)
+                    continue
+                if isinstance(inbound, SessionOpen):
+                    opened.add(inbound.session_id)
+                elif isinstance(inbound, SessionClose):
+                    opened.discard(inbound.session_id)
+                self._inbox.put_nowait((inbound, time.time_ns()))
+        finally:
+            # The previous hop is gone (or done): nothing more can arrive for its sessions, so they end here
+            # and downstream instead of holding KV blocks until this agent stops.
+            for session_id in opened:
+                self._inbox.put_nowait((SessionClose(session_id), 0))
         return pb.PushSummary(num_messages=num_messages)
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> pb.StageInfo:
@@ -140,7 +155,7 @@ class StageService(pb_grpc.StageServicer):
                     if engine is not None:
                         engine.close(message.session_id, outbox)
                 case _Poison():
-                    raise message.exc
+                    self._fail(message.session_id, message.exc, outbox, message.unreachable)
         except MeshError as exc:
             self._fail(_session_of(message), exc, outbox)
         self._send(outbox)
@@ -232,8 +247,8 @@ class StageService(pb_grpc.StageServicer):
         self.observer.sent(address, message.ByteSize())
 
     # ------------------------------------------------------------ failures
-    def _fail(self, session_id: str, exc: BaseException, outbox: Outbox) -> None:
-        """Ends the session here and downstream, and tells its origin why."""
+    def _fail(self, session_id: str, exc: BaseException, outbox: Outbox, unreachable: str = "") -> None:
+        """Ends the session here and downstream, and tells its origin why (and which hop was lost, if one was)."""
         engine = self._host.engine_of(session_id) if session_id else None
         message = engine.close(session_id, outbox) if engine is not None else None
         if message is None:
@@ -242,14 +257,21 @@ class StageService(pb_grpc.StageServicer):
         with trace_context(parse_traceparent(message.traceparent)[0]):
             log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
         outbox.events.append((message.origin, TokenEvent(session_id, -1, error=str(exc),
-                                                         error_stage=self._agent_id)))
+                                                         error_stage=self._agent_id, unreachable=unreachable)))
 
     def _next_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Fails, in order, every session whose next hop was on the broken stream."""
         for engine in self._host.engines.values():
             for session_id, message in engine.sessions.items():
                 if message.route and message.route[0].address == stream.address:
-                    self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc))), 0))
+                    self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0))
+
+    def _origin_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
+        """Ends every session whose origin can no longer be reached: nobody would take its tokens."""
+        for engine in self._host.engines.values():
+            for session_id, message in engine.sessions.items():
+                if message.origin == stream.address:
+                    self._inbox.put_nowait((SessionClose(session_id), 0))
 
     def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
         kind = message.WhichOneof("kind")

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class ControlService(pb_grpc.ControlServicer):
     """Registers agents, relays their heartbeats and stage reports, and sends them assignments."""
 
-    def __init__(self, deployer: Deployer, mesh: str, heartbeat_interval_s: float = 1.0):
+    def __init__(self, deployer: Deployer, mesh: str, heartbeat_interval_s: float = 0.5):
         self._deployer = deployer
         self._mesh = mesh
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -40,17 +40,25 @@ class ControlService(pb_grpc.ControlServicer):
                                 f"register.mesh {registration.mesh!r} is not this mesh ({self._mesh!r})")
         outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
+        cut_off = asyncio.Event()   # set when the coordinator declares the agent dead: the stream ends
         link = AgentLink(registration.agent_id, registration.stage_address,
-                         registration.capabilities, outbox.put_nowait)
+                         registration.capabilities, outbox.put_nowait, cut_off.set)
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
         self._deployer.agent_connected(link, registration)
         self.metrics_addresses[registration.agent_id] = registration.metrics_address
+        reader = asyncio.create_task(self._read(registration.agent_id, request_iterator))
+        closer = asyncio.create_task(cut_off.wait())
         try:
-            async for message in request_iterator:
-                self._handle(registration.agent_id, message)
+            await asyncio.wait((reader, closer), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            reader.cancel()
+            closer.cancel()
             self._deployer.agent_disconnected(link)
             writer.cancel()
+
+    async def _read(self, agent_id: str, request_iterator: AsyncIterator[pb.AgentMessage]) -> None:
+        async for message in request_iterator:
+            self._handle(agent_id, message)
 
     def _handle(self, agent_id: str, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("kind")

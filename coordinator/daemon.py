@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.fleet_metrics import FleetCollector, active_stages, hop_histogram
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
+from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.origin import Origin, OriginService
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.service import MeshGenerator
@@ -54,17 +56,25 @@ class CoordinatorOptions:
     mesh: str = "default"
     interfaces: tuple[str, ...] = ("127.0.0.1",)
     models: tuple[ModelRequest, ...] = field(default_factory=tuple)
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 0.5
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
     trace_sample_rate: float = 1.0       # fraction of requests traced at every stage
     traces_json: str = ""                # append every span as OpenTelemetry JSON to this file
     otlp_traces_endpoint: str = ""       # export spans over OTLP/HTTP to this collector
 
 
+# How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
+LIVENESS_CHECK_S = 0.1
+
+
 async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
+    ticks_per_interval = round(interval_s / LIVENESS_CHECK_S)
+    for n in itertools.count(1):
+        await asyncio.sleep(LIVENESS_CHECK_S)
         try:
-            deployer.tick()
+            deployer.check_liveness()
+            if n % ticks_per_interval == 0:
+                deployer.tick()
         except Exception:  # placement trouble is logged; the coordinator keeps serving
             log.exception("placement tick failed")
 
@@ -105,7 +115,7 @@ async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMe
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = Registry(options.db)
-    deployer = Deployer(registry, clock=time.time)
+    deployer = Deployer(registry, clock=time.time, liveness=options.liveness)
     deployer.start()
     for model in options.models:  # a bad model folder fails here, before anything listens
         deployer.add_model(model.served_id, model.path, model.num_stages)
@@ -117,7 +127,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     last_hop = hop_histogram(metrics.registry).labels("origin")
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
-                    on_hop=last_hop.observe)
+                    on_hop=last_hop.observe, on_unreachable=deployer.report_unreachable)
+    deployer.on_agent_dead = origin.route_lost
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)

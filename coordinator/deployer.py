@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.placement import plan_stages
 from stratamesh.coordinator.registry import PlannedStage, Registry, StageRecord
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
@@ -35,6 +37,7 @@ class AgentLink:
     stage_address: str
     capabilities: Capabilities
     send: Callable[[object], None]
+    close: Callable[[], None] = lambda: None     # ends the control stream (an agent declared dead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,29 +68,36 @@ def read_model_config(path: str) -> dict:
 class Deployer:
     """Keeps every deployed model's active plan served: plans, pushes assignments, tracks readiness."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float], replan_after_s: float = 10.0,
-                 link_probe_every_s: float = LINK_PROBE_EVERY_S):
+    def __init__(self, registry: Registry, clock: Callable[[], float],
+                 liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S):
         self._registry = registry
         self._clock = clock
-        self._replan_after_s = replan_after_s
+        self.liveness = Liveness(liveness)
         self._link_probe_every_s = link_probe_every_s
         self._probed_at = clock()
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
+        self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
+        self._unplaceable: dict[str, frozenset[str]] = {}   # model id -> agents a re-plan failed with
         self._pending: dict[str, int] = {}     # model id -> stages wanted for its first plan
         self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
         self._pruned_at = float("-inf")
+        self._served: set[str] = set()         # models that were ready since this coordinator started
+        self._waiters: list[asyncio.Future[None]] = []
+        # Told the Stage address of each agent declared dead: the origin fails over the sessions routed there.
+        self.on_agent_dead: Callable[[str], None] = lambda address: None
 
     def start(self) -> None:
         """After a (re)start no agent is connected and no stage known loaded until its agent says so."""
         now = self._clock()
         for agent in self._registry.agents():
-            if agent.state != "disconnected":
+            if agent.state not in ("disconnected", "dead"):
                 self._registry.set_agent_state(agent.agent_id, "disconnected", now)
         for model in self._registry.models():
             plan = self._registry.active_plan(model.model_id)
             for stage in plan.stages if plan else ():
                 self._registry.set_stage_state(stage.assignment_id, "assigned")
+                self.liveness.expect(stage.agent_id, now)
 
     # ------------------------------------------------------------ models
     def add_model(self, model_id: str, path: str, num_stages: int) -> None:
@@ -114,14 +124,56 @@ class Deployer:
         plan = self._registry.active_plan(model_id)
         return plan is not None and all(self._serving(s) for s in plan.stages)
 
-    def route(self, model_id: str) -> tuple[list[Hop], int]:
-        """The hops of a ready replica of the model in pipeline order, and its KV block size."""
+    def accepts(self, model_id: str) -> bool:
+        """Ready, or recovering from a lost agent after having been ready: requests wait for a route."""
+        return model_id in self._served or self.is_ready(model_id)
+
+    def route(self, model_id: str, avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        """The hops of a ready replica of the model in pipeline order, and its KV block size.
+
+        avoid: Stage addresses just found unreachable; a route through one of them is not ready."""
         self.model(model_id)
         plan = self._registry.active_plan(model_id)
         if plan is None or not all(self._serving(s) for s in plan.stages):
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
         hops = [Hop(self._links[s.agent_id].stage_address, s.assignment_id) for s in plan.stages]
+        if any(hop.address in avoid for hop in hops):
+            raise ModelNotReady(f"the model '{model_id}' is recovering: its route lost a stage")
         return hops, plan.stages[0].spec.kv_block_size
+
+    async def wait_route(self, model_id: str, timeout_s: float,
+                         avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        """route(), waiting up to timeout_s while the model loads or recovers (ModelNotReady after).
+
+        The addresses in avoid are trusted again after an agent's lease: if nobody declared their agent
+        dead by then, the failure was the link's, and the route through them is the one there is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        trust_at = loop.time() + self.liveness.config.lease_s + 1.0
+        while True:
+            now = loop.time()
+            try:
+                return self.route(model_id, avoid if now < trust_at else ())
+            except ModelNotReady:
+                if now >= deadline:
+                    raise
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            wake = min(deadline, trust_at) if now < trust_at else deadline
+            try:
+                await asyncio.wait_for(waiter, max(wake - now, 0.0))
+            except asyncio.TimeoutError:
+                pass
+
+    def _notify(self) -> None:
+        """Wakes every wait_route(): a plan, a stage or an agent changed."""
+        for model in self._registry.models():
+            if model.model_id not in self._served and self.is_ready(model.model_id):
+                self._served.add(model.model_id)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _serving(self, stage: StageRecord) -> bool:
         return stage.assignment_id in self._loaded.get(stage.agent_id, ())
@@ -138,7 +190,9 @@ class Deployer:
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
         now = self._clock()
+        self.liveness.heard(link.agent_id, now)
         self._links[link.agent_id] = link
+        self._addresses[link.stage_address] = link.agent_id
         self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
                                     registration.capabilities, now)
         self._registry.set_agent_state(link.agent_id, "connected", now)
@@ -156,23 +210,61 @@ class Deployer:
 
     def agent_disconnected(self, link: AgentLink) -> None:
         if self._links.get(link.agent_id) is not link:
-            return  # a newer stream of the same agent took over
+            return  # a newer stream of the same agent took over, or the agent was declared dead
         now = self._clock()
-        del self._links[link.agent_id]
-        self._loaded.pop(link.agent_id, None)
-        self.telemetry.pop(link.agent_id, None)
+        self._forget(link.agent_id)
         for assignment_id in self._planned_for(link.agent_id):
             self._registry.set_stage_state(assignment_id, "assigned")
         self._registry.set_agent_state(link.agent_id, "disconnected", now)
         self._registry.log_event("agent_disconnected", "", now, agent_id=link.agent_id)
+        if self.liveness.suspect(link.agent_id, CONTROL, now):
+            self._agent_dead(link.agent_id)
+        self._notify()
 
     def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
         """Records that the agent is alive, and what it reported about its load."""
+        if agent_id not in self._links:
+            return  # a stream the coordinator is closing: its agent was declared dead
         now = self._clock()
+        self.liveness.heard(agent_id, now)
         self._registry.touch_agent(agent_id, now)
         if telemetry is not None:
             self._registry.record_telemetry(agent_id, telemetry, now)
             self.telemetry[agent_id] = telemetry
+
+    def report_unreachable(self, address: str) -> None:
+        """The data plane could not reach this Stage address: a sign that its agent died."""
+        agent_id = self._addresses.get(address)
+        if agent_id is not None and self.liveness.suspect(agent_id, DATA, self._clock()):
+            self._agent_dead(agent_id)
+
+    def check_liveness(self) -> None:
+        """Declares dead every agent whose lease ran out (call it often: it is how fast a hung box is found)."""
+        for agent_id in self.liveness.expired(self._clock()):
+            self._agent_dead(agent_id)
+
+    def _agent_dead(self, agent_id: str) -> None:
+        """Cuts a dead agent off, fails over the sessions routed through it and re-plans its models."""
+        now = self._clock()
+        link = self._links.get(agent_id)
+        if link is not None:
+            self._forget(agent_id)
+            link.close()
+        banned = self.liveness.banned_until(agent_id)
+        detail = f"flapping: banned from plans for {banned - now:.0f} s" if banned > now else ""
+        if self._registry.agent(agent_id) is not None:
+            self._registry.set_agent_state(agent_id, "dead", now)
+        self._registry.log_event("agent_dead", detail, now, agent_id=agent_id)
+        log.warning("agent %s declared dead%s", agent_id, f" ({detail})" if detail else "")
+        for address, owner in self._addresses.items():
+            if owner == agent_id:
+                self.on_agent_dead(address)
+        self._replan_lost()
+
+    def _forget(self, agent_id: str) -> None:
+        del self._links[agent_id]
+        self._loaded.pop(agent_id, None)
+        self.telemetry.pop(agent_id, None)
 
     def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
         """Stores an agent's link measurements for the planner and the operator."""
@@ -212,6 +304,7 @@ class Deployer:
         if status.state == "failed":
             self._registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
             log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
+        self._notify()
 
     def _planned_for(self, agent_id: str) -> dict[str, StageRecord]:
         stages = {}
@@ -224,7 +317,7 @@ class Deployer:
 
     # ------------------------------------------------------------ planning
     def tick(self) -> None:
-        """Re-plans models whose agents stay gone past the grace period, prunes telemetry, re-probes links when due."""
+        """Prunes telemetry, re-probes links when due, re-plans models that lost agents once others can hold them."""
         now = self._clock()
         if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
             self._pruned_at = now
@@ -232,16 +325,21 @@ class Deployer:
         if now >= self._probed_at + self._link_probe_every_s:
             self._probed_at = now
             self._probe_all_links()
+        self._replan_lost()
+
+    def _replan_lost(self) -> None:
+        """Re-plans every model whose active plan has a stage on a dead agent, over the agents there are."""
+        plannable = frozenset(self._plannable())
         for model in self._registry.models():
             plan = self._registry.active_plan(model.model_id)
-            if plan is None or len(self._links) < len(plan.stages):
+            if plan is None or self._unplaceable.get(model.model_id) == plannable:
                 continue
-            gone = [self._registry.agent(s.agent_id) for s in plan.stages if s.agent_id not in self._links]
-            if gone and all(a is None or a.state_since + self._replan_after_s <= now for a in gone):
-                log.warning("re-planning %s: agents %s are gone", model.model_id,
-                            ", ".join(a.agent_id for a in gone if a is not None))
-                self._plan(model.model_id, len(plan.stages))
-                self._release_unplanned()
+            dead = sorted({s.agent_id for s in plan.stages if self.liveness.is_dead(s.agent_id)})
+            if dead:
+                log.warning("re-planning %s: agents %s are dead", model.model_id, ", ".join(dead))
+                if not self._plan(model.model_id, len(plan.stages)):
+                    self._unplaceable[model.model_id] = plannable
+        self._release_unplanned()
         self.reconcile()
 
     def _release_unplanned(self) -> None:
@@ -254,8 +352,7 @@ class Deployer:
     def reconcile(self) -> None:
         """Plans models that wait for agents, and assigns planned stages whose agent lacks them."""
         for model_id, num_stages in list(self._pending.items()):
-            if len(self._links) >= num_stages:
-                self._plan(model_id, num_stages)
+            if len(self._plannable()) >= num_stages and self._plan(model_id, num_stages):
                 del self._pending[model_id]
         for model in self._registry.models():
             plan = self._registry.active_plan(model.model_id)
@@ -265,21 +362,33 @@ class Deployer:
                         and stage.state not in ("loading", "failed"):
                     self._registry.set_stage_state(stage.assignment_id, "loading")
                     link.send(convert.assign_to_pb(Assignment(stage.assignment_id, stage.spec)))
+        self._notify()
 
-    def _plan(self, model_id: str, num_stages: int) -> None:
+    def _plannable(self) -> dict[str, Capabilities]:
+        """Connected agents not banned for flapping, and what they can do."""
+        now = self._clock()
+        return {a: link.capabilities for a, link in self._links.items() if not self.liveness.is_banned(a, now)}
+
+    def _plan(self, model_id: str, num_stages: int) -> bool:
+        """Saves a new active plan for the model over the plannable agents; False if none fits."""
         model = self._registry.model(model_id)
-        agents = {link.agent_id: link.capabilities for link in self._links.values()}
+        agents = self._plannable()
+        if len(agents) < num_stages:
+            log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
+            return False
         try:
             planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
                                           self._registry.links())
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())
-            return
+            return False
         plan_id = uuid.uuid4().hex[:12]
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason
         self._registry.save_plan(plan_id, model_id, stages, reason, self._clock())
         self._registry.log_event("plan", reason, self._clock())
+        self._unplaceable.pop(model_id, None)
         log.info("planned %s: %s", model_id, reason)
+        return True

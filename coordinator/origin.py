@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 MAX_CHUNK_TOKENS = 512
 # A session preempted for want of KV blocks is replayed after this pause, doubling up to 1 s.
 REPLAY_BACKOFF_S = 0.05
+# A generation whose route loses a stage resumes on a new route; after this many losses it fails.
+MAX_FAILOVERS = 8
+
+# Where a generation gets its route (and KV block size) for each attempt, avoiding addresses just lost.
+RouteSource = Callable[[Collection[str]], Awaitable[tuple[Sequence[Hop], int]]]
 
 
 def chunk_tokens(hidden_size: int, activation_bytes: int = 4) -> int:
@@ -51,6 +56,7 @@ class RequestRecord:
     end_unix_ns: int = 0
     num_tokens: int = 0
     num_preemptions: int = 0
+    num_failovers: int = 0      # times a lost stage made it resume on a new route
     cached_tokens: int = 0
     error: str = ""
 
@@ -62,6 +68,7 @@ class RequestRecord:
 @dataclass(slots=True)
 class _Live:
     first_hop: str
+    addresses: frozenset[str]   # every stage of the session's route
     trace_id: str = ""
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
@@ -71,23 +78,32 @@ class _Preempted(Exception):
     """A stage ran out of KV blocks for this attempt; the generation replays it."""
 
 
-class Generation:
-    """One generation: async-iterate for its token ids; aclose() ends it on every stage."""
+class _RouteLost(Exception):
+    """A stage of this attempt's route could not be reached; the generation resumes on a new route."""
 
-    def __init__(self, origin: Origin, route: Sequence[Hop], prompt_ids: Sequence[int],
-                 params: SamplingParams, request_id: str, hidden_size: int, block_size: int):
+    def __init__(self, address: str, detail: str):
+        super().__init__(f"{address}: {detail}")
+        self.address = address
+
+
+class Generation:
+    """One generation: async-iterate for its token ids; aclose() ends it on every stage.
+
+    It keeps the prompt and every token it emitted. When a stage of its route is lost it prefills them on
+    a new route and goes on from there: sampling is keyed by position, so the continuation is the one an
+    uninterrupted run gives, and the caller sees no token twice and none missing."""
+
+    def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int],
+                 params: SamplingParams, request_id: str, hidden_size: int):
         self.cached_tokens = 0      # prompt tokens the stages' prefix caches served
-        self.num_preemptions = 0
-        self.record = RequestRecord(request_id, origin.sample_trace_id(), tuple(route), time.time_ns(),
-                                    len(prompt_ids))
+        self.record = RequestRecord(request_id, origin.sample_trace_id(), (), time.time_ns(), len(prompt_ids))
         self._span_id = new_span_id()   # the request's root span: every stage's spans hang under it
         self._origin = origin
-        self._route = list(route)
+        self._routes = routes
         self._prompt = list(prompt_ids)
         self._params = params
         self._request_id = request_id
         self._chunk = chunk_tokens(hidden_size)
-        self._block_size = block_size
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -99,44 +115,62 @@ class Generation:
     async def aclose(self) -> None:
         await self._tokens.aclose()
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.record.num_preemptions
+
     async def _run(self) -> AsyncIterator[int]:
         emitted: list[int] = []
+        lost: set[str] = set()
+        record = self.record
         try:
             while True:
+                route, block_size = await self._routes(frozenset(lost))
+                record.route = tuple(route)
                 try:
-                    async with aclosing(self._attempt(self._prompt + emitted, first=not emitted)) as tokens:
+                    attempt = self._attempt(route, block_size, self._prompt + emitted, first=not emitted)
+                    async with aclosing(attempt) as tokens:
                         async for token in tokens:
                             emitted.append(token)
                             yield token
                     return
                 except _Preempted:
-                    self.num_preemptions += 1
-                    await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (self.num_preemptions - 1), 1.0))
+                    record.num_preemptions += 1
+                    await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (record.num_preemptions - 1), 1.0))
+                except _RouteLost as exc:
+                    record.num_failovers += 1
+                    if record.num_failovers > MAX_FAILOVERS:
+                        raise StageFailed(f"lost {MAX_FAILOVERS + 1} routes in a row; the last: {exc}") from None
+                    log.warning("request %s lost a stage (%s) after %d tokens; resuming on a new route",
+                                self._request_id, exc, len(emitted))
+                    lost.add(exc.address)
+                    self._origin.on_unreachable(exc.address)
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
-                self.record.error = str(exc) or type(exc).__name__
+                record.error = str(exc) or type(exc).__name__
             raise
         finally:
             self._finish(len(emitted))
 
     def _finish(self, num_tokens: int) -> None:
         record = self.record
-        record.end_unix_ns, record.num_tokens = time.time_ns(), num_tokens
-        record.num_preemptions, record.cached_tokens = self.num_preemptions, self.cached_tokens
+        record.end_unix_ns, record.num_tokens, record.cached_tokens = time.time_ns(), num_tokens, self.cached_tokens
         if record.trace_id:
             self._origin.spans.record("request", record.trace_id, "", record.start_unix_ns, record.end_unix_ns,
                                       {"stratamesh.request": record.request_id,
                                        "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
 
-    async def _attempt(self, token_ids: list[int], first: bool) -> AsyncIterator[int]:
+    async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int],
+                       first: bool) -> AsyncIterator[int]:
         """One pass over the route: open, prefill token_ids (from what is cached), then decode."""
-        session_id = f"{self._request_id}.{self.num_preemptions}"
-        trace_id = self.record.trace_id
-        with self._origin.session(session_id, self._route[0].address, trace_id, self._span_id) as (live, stream):
-            cacheable = len(token_ids) > self._block_size
+        record = self.record
+        session_id = f"{self._request_id}.{record.num_preemptions + record.num_failovers}"
+        trace_id = record.trace_id
+        with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
+            cacheable = len(token_ids) > block_size
             opened_ns = time.time_ns()
             stream.send(convert.stage_message_to_pb(SessionOpen(
-                session_id, self._route[0].assignment_id, tuple(self._route[1:]), self._origin.address,
+                session_id, route[0].assignment_id, tuple(route[1:]), self._origin.address,
                 self._params, traceparent(trace_id, self._span_id) if trace_id else "",
                 prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0)))
             cached = 0
@@ -171,8 +205,10 @@ class Origin:
     """Drives generations over routes of stages; tokens come back through deliver()."""
 
     def __init__(self, address: str, step_timeout_s: float = 60.0, spans: SpanStore | None = None,
-                 trace_sample_rate: float = 1.0, on_hop: Callable[[float], None] | None = None):
+                 trace_sample_rate: float = 1.0, on_hop: Callable[[float], None] | None = None,
+                 on_unreachable: Callable[[str], None] = lambda address: None):
         self.address = address
+        self.on_unreachable = on_unreachable   # told each Stage address a generation lost (the coordinator's liveness)
         self._on_hop = on_hop       # gets each token's time from the last stage finishing it to its arrival
         self.spans = spans or SpanStore("stratamesh-origin")
         self._trace_sample_rate = trace_sample_rate
@@ -207,10 +243,10 @@ class Origin:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def generate(self, route: Sequence[Hop], prompt_ids: Sequence[int], params: SamplingParams,
-                 request_id: str, hidden_size: int, block_size: int = 16) -> Generation:
-        """A generation over route; iterate it for token ids, aclose() it to stop."""
-        generation = Generation(self, route, prompt_ids, params, request_id, hidden_size, block_size)
+    def generate(self, routes: RouteSource, prompt_ids: Sequence[int], params: SamplingParams,
+                 request_id: str, hidden_size: int) -> Generation:
+        """A generation over the routes the source gives; iterate it for token ids, aclose() it to stop."""
+        generation = Generation(self, routes, prompt_ids, params, request_id, hidden_size)
         self.remember(generation.record)
         return generation
 
@@ -228,12 +264,14 @@ class Origin:
         live.events.put_nowait(event)
 
     @contextmanager
-    def session(self, session_id: str, first_hop: str, trace_id: str = "",
+    def session(self, session_id: str, route: Sequence[Hop], trace_id: str = "",
                 parent_span_id: str = "") -> Iterator[tuple[_Live, OutboundStream]]:
         """Registers a session for a with-block; closes it on every stage at exit."""
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
-        live = self._sessions[session_id] = _Live(first_hop, trace_id, parent_span_id)
+        first_hop = route[0].address
+        live = self._sessions[session_id] = _Live(first_hop, frozenset(h.address for h in route), trace_id,
+                                                  parent_span_id)
         stream = self._streams.get(first_hop)
         try:
             yield live, stream
@@ -251,6 +289,8 @@ class Origin:
                 raise StageFailed(f"no answer for session {session_id} in {self._step_timeout_s:.0f} s") from None
             if event.preempted:
                 raise _Preempted(session_id)
+            if event.error and event.unreachable:
+                raise _RouteLost(event.unreachable, event.error)
             if event.error:
                 raise StageFailed(f"stage {event.error_stage or '?'} failed: {event.error}")
             if event.opened == opened:
@@ -259,10 +299,18 @@ class Origin:
                 raise StageFailed(f"session {session_id}: a token came before the open answer")
             # An open answer nobody waited for (the prompt was too short to be cached): skip it.
 
+    def route_lost(self, address: str) -> None:
+        """The agent at this Stage address was declared dead: every session routed through it fails over."""
+        for session_id, live in self._sessions.items():
+            if address in live.addresses:
+                live.events.put_nowait(TokenEvent(session_id, -1, error="its agent was declared dead",
+                                                  unreachable=address))
+
     def _stream_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         for session_id, live in self._sessions.items():
             if live.first_hop == stream.address:
-                live.events.put_nowait(TokenEvent(session_id, -1, error=str(exc), error_stage=stream.address))
+                live.events.put_nowait(TokenEvent(session_id, -1, error=str(exc), error_stage=stream.address,
+                                                  unreachable=stream.address))
 
 
 class OriginService(pb_grpc.OriginServicer):

@@ -50,6 +50,7 @@ class LocalMesh:
     agents: list[subprocess.Popen] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
     agent_metrics: list[str] = field(default_factory=list)   # host:port of each agent's /metrics
+    agent_ids: list[str] = field(default_factory=list)       # stable per index: a restarted agent keeps its id
     url: str = ""
     grpc_address: str = ""
 
@@ -58,8 +59,8 @@ class LocalMesh:
         atexit.register(self.stop)  # never leave daemons behind, even if the caller forgets
         self.start_coordinator(timeout_s)
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
-        for process in spawned:  # they import torch in parallel; collect their addresses after
-            self._agent_started(self._await_line(process, _AGENT_LINE, timeout_s))
+        for index, process in enumerate(spawned):  # they import torch in parallel; collect addresses after
+            self._agent_started(index, self._await_line(process, _AGENT_LINE, timeout_s))
         self.wait_ready(timeout_s)
         return self
 
@@ -73,22 +74,39 @@ class LocalMesh:
         self.url, self.grpc_address = self._await_line(self.coordinator, _COORDINATOR_LINE, timeout_s)
 
     def start_agent(self, index: int, timeout_s: float = 60.0) -> subprocess.Popen:
-        """Starts one more agent and waits until it listens."""
+        """Starts agent number index (a new one, or one that was killed, under its old id); waits until it listens."""
         process = self._spawn_agent(index)
-        self._agent_started(self._await_line(process, _AGENT_LINE, timeout_s))
+        self._agent_started(index, self._await_line(process, _AGENT_LINE, timeout_s))
         return process
 
-    def _agent_started(self, line: tuple[str, ...]) -> None:
-        self.agent_addresses.append(line[1])
-        self.agent_metrics.append(line[2])
+    def kill_agent(self, index: int) -> None:
+        """kill -9 of one agent: no goodbye to anyone, as when a box loses power."""
+        process = self.agents[index]
+        _signal(process, signal.SIGKILL)
+        process.wait()
+
+    def agent_index(self, address: str) -> int:
+        """Which agent serves its stages at this address."""
+        return self.agent_addresses.index(address)
+
+    def _agent_started(self, index: int, line: tuple[str, ...]) -> None:
+        for values, value in ((self.agent_addresses, line[1]), (self.agent_metrics, line[2])):
+            values.extend([""] * (index + 1 - len(values)))
+            values[index] = value
 
     def _spawn_agent(self, index: int) -> subprocess.Popen:
         threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
-        args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--threads", str(threads)]
+        while len(self.agent_ids) <= index:
+            self.agent_ids.append(f"{self.mesh}-a{len(self.agent_ids)}")
+        args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--agent-id", self.agent_ids[index],
+                "--threads", str(threads)]
         if not self.use_zeroconf:
             args += ["--coordinator", self.grpc_address]
         process = self._spawn(f"agent{index}", [*args, *self.agent_args])
-        self.agents.append(process)
+        if index < len(self.agents):
+            self.agents[index] = process
+        else:
+            self.agents.append(process)
         return process
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -125,6 +143,7 @@ class LocalMesh:
             _terminate(process)
         self.agents.clear()
         self.agent_addresses.clear()
+        self.agent_metrics.clear()
 
     def __enter__(self) -> LocalMesh:
         return self if self.coordinator is not None else self.start()

@@ -200,6 +200,7 @@ class TokenEvent:
     cached_tokens: int = 0      # ... and holds this many leading prompt tokens in its cache
     preempted: bool = False     # a stage ran out of KV blocks: the origin replays the session
     sent_unix_ns: int = 0       # when the last stage finished the step that produced it
+    unreachable: str = ""       # with error: the address of the hop a stage lost (the origin replays)
 
 
 STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")

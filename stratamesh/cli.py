@@ -59,11 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--stages", type=int, default=1, help="pipeline stages for --model")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
+    coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
+                             help="an agent not heard from for this long is declared dead and its stages re-planned")
     _add_trace_export_arguments(coordinator)
     coordinator.set_defaults(func=_coordinator)
 
     agent = commands.add_parser("agent", help="run an agent daemon")
     agent.add_argument("--name", default=None)
+    agent.add_argument("--agent-id", default=None,
+                       help="a stable id for this box (default: a new one per start); the coordinator knows a "
+                            "restarted agent by it, and bans one that keeps dying")
     agent.add_argument("--host", default="127.0.0.1")
     agent.add_argument("--port", type=int, default=0)
     agent.add_argument("--advertise-host")
@@ -109,6 +114,18 @@ def _parser() -> argparse.ArgumentParser:
     serve = bench_commands.add_parser("serve", help="serving throughput and latency, like `vllm bench serve`")
     add_serve_arguments(serve)
     serve.set_defaults(func=_bench_serve)
+    chaos = bench_commands.add_parser("chaos", help="kill -9 agents at random under load; check every output")
+    chaos.add_argument("--model", help="a Hugging Face folder; default: the built-in tiny Llama")
+    chaos.add_argument("--agents", type=int, default=4)
+    chaos.add_argument("--stages", type=int, default=3)
+    chaos.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    chaos.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
+    chaos.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
+    chaos.add_argument("--jobs", type=int, default=32, help="distinct prompts the clients cycle through")
+    chaos.add_argument("--prompt-len", type=int, default=32)
+    chaos.add_argument("--max-tokens", type=int, default=64)
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.set_defaults(func=_bench_chaos)
     return parser
 
 
@@ -137,6 +154,7 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
+    from stratamesh.coordinator.liveness import LivenessConfig
 
     models = (ModelRequest(args.model, args.served_model_name, args.stages),) if args.model else ()
     options = CoordinatorOptions(
@@ -144,7 +162,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         advertise_host=args.advertise_host, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), models=models,
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
-        otlp_traces_endpoint=args.otlp_traces_endpoint)
+        otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease))
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
@@ -153,7 +171,7 @@ def _agent(args: argparse.Namespace) -> None:
     from stratamesh.agent.daemon import AgentOptions, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig
 
-    overrides = {"name": args.name} if args.name else {}
+    overrides = {k: v for k, v in (("name", args.name), ("agent_id", args.agent_id)) if v}
     options = AgentOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
@@ -195,6 +213,15 @@ def _bench_serve(args: argparse.Namespace) -> None:
     except MeshError as exc:
         log.error("%s", exc)
         raise SystemExit(1) from None
+
+
+def _bench_chaos(args: argparse.Namespace) -> None:
+    from stratamesh.bench.chaos import chaos_main
+
+    report = chaos_main(args.model or _builtin_model(), args.agents, args.stages, args.duration, args.clients,
+                        args.kill_every, args.jobs, args.prompt_len, args.max_tokens, args.seed)
+    if report.num_failed or report.num_mismatched:
+        raise SystemExit(1)
 
 
 def _up(args: argparse.Namespace) -> None:

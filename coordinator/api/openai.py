@@ -91,13 +91,13 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self) -> Response:
-        """GET /health: 200 when the mesh says "ok", 503 otherwise."""
+        """GET /health: 200 while the mesh serves ("ok", or "degraded": recovering from a lost agent), else 503."""
         try:
             body = self._generator.health()
         except Exception:
             log.warning("health check failed", exc_info=True)
             return JSONResponse({"status": "error"}, status_code=503)
-        return JSONResponse(body, status_code=200 if body.get("status") == "ok" else 503)
+        return JSONResponse(body, status_code=200 if body.get("status") in ("ok", "degraded") else 503)
 
     async def metrics(self) -> Response:
         """GET /metrics: Prometheus' text exposition (served on the event loop, where the counts change)."""

@@ -202,7 +202,8 @@ def token_batch_to_pb(events: list[TokenEvent]) -> pb.TokenBatch:
     return pb.TokenBatch(events=[
         pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
                       error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
-                      preempted=e.preempted, sent_unix_ns=e.sent_unix_ns) for e in events])
+                      preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable)
+        for e in events])
 
 
 def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
@@ -210,7 +211,7 @@ def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
     if msg.cached_tokens < 0 or msg.sent_unix_ns < 0:
         raise InvalidInput("token_event.cached_tokens and token_event.sent_unix_ns must be >= 0")
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
-                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns)
+                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable)
 
 
 def spans_to_pb(spans: list[Span]) -> pb.TraceSpans:

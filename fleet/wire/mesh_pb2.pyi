@@ -427,7 +427,7 @@ class BulkSummary(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns")
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,7 @@ class TokenEvent(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     token_id: int
@@ -446,7 +447,8 @@ class TokenEvent(_message.Message):
     cached_tokens: int
     preempted: bool
     sent_unix_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
+    unreachable: str
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., unreachable: _Optional[str] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("events",)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady
 from stratamesh.fleet.types import Assignment, Capabilities, Registration, SpeedInfo, StageStatus
@@ -119,28 +121,115 @@ def test_a_model_folder_without_a_usable_config_is_refused(tmp_path: Path) -> No
         deployer.add_model("m", str(tmp_path), 1)
 
 
-def test_a_plan_whose_agents_stay_gone_is_replaced_after_the_grace_period(model_dir: Path) -> None:
+def ready_pair(model_dir: Path, now: list[float]) -> tuple[Registry, Deployer, list[Agent]]:
+    """A 2-stage model served by a1 and a2, with a3 connected as a spare; the clock reads now[0]."""
     registry = Registry(":memory:")
-    now = [100.0]
-    deployer = Deployer(registry, clock=lambda: now[0], replan_after_s=10)
-    old = [Agent("a1", 8), Agent("a2", 8)]
+    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=2.0))
+    agents = [Agent("a1", 8), Agent("a2", 8)]
     deployer.add_model("m", str(model_dir), num_stages=2)
-    connect_all(deployer, old)
-    report_ready(deployer, old)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    spare = Agent("a3", 8)
+    connect_all(deployer, [spare])
+    return registry, deployer, [*agents, spare]
+
+
+def heartbeats(deployer: Deployer, agents: list[Agent]) -> None:
+    for agent in agents:
+        deployer.heartbeat(agent.link.agent_id)
+
+
+def released(agent: Agent) -> list[str]:
+    return [m.release.assignment_id for m in agent.sent if m.WhichOneof("kind") == "release"]
+
+
+def test_a_disconnected_agent_is_declared_dead_when_its_lease_runs_out_and_its_stages_move(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
+    dead: list[str] = []
+    deployer.on_agent_dead = dead.append
     first_plan = registry.active_plan("m").plan_id
-    deployer.agent_disconnected(old[1].link)
-    newcomer = Agent("a3", 8)
-    connect_all(deployer, [newcomer])
-    now[0] += 5
-    deployer.tick()
-    assert registry.active_plan("m").plan_id == first_plan      # still inside the grace period
-    now[0] += 6
-    old[0].sent.clear()
-    deployer.tick()
+    deployer.agent_disconnected(a2.link)          # a dropped stream alone may be a blip: wait for the lease
+    now[0] += 1.9
+    heartbeats(deployer, [a1, a3])
+    deployer.check_liveness()
+    assert registry.active_plan("m").plan_id == first_plan and dead == []
+    a1.sent.clear()
+    now[0] += 0.2
+    deployer.check_liveness()
     plan = registry.active_plan("m")
-    assert plan.plan_id != first_plan
-    assert {s.agent_id for s in plan.stages} == {"a1", "a3"}
-    released = [m.release.assignment_id for m in old[0].sent if m.WhichOneof("kind") == "release"]
-    assert released and all(r.startswith(first_plan) for r in released)
-    report_ready(deployer, [old[0], newcomer])
+    assert plan.plan_id != first_plan and {s.agent_id for s in plan.stages} == {"a1", "a3"}
+    assert dead == [a2.link.stage_address] and registry.agent("a2").state == "dead"
+    assert released(a1) and all(r.startswith(first_plan) for r in released(a1))
+    report_ready(deployer, [a1, a3])
     assert deployer.is_ready("m")
+
+
+def test_a_lost_stream_and_an_unreachable_stage_together_are_death_at_once(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
+    first_plan = registry.active_plan("m").plan_id
+    deployer.report_unreachable(a1.link.stage_address)      # the data plane alone: maybe just a link
+    assert not deployer.liveness.is_dead("a1")
+    deployer.heartbeat("a1")                                 # ... and it is still heard: suspicion dropped
+    deployer.agent_disconnected(a1.link)
+    assert not deployer.liveness.is_dead("a1")
+    deployer.report_unreachable(a1.link.stage_address)      # both signs, no clock advance: dead now
+    assert deployer.liveness.is_dead("a1")
+    assert {s.agent_id for s in registry.active_plan("m").stages} == {"a2", "a3"}
+    assert registry.active_plan("m").plan_id != first_plan
+
+
+def test_a_hung_agent_with_an_open_stream_is_cut_off_after_its_lease(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
+    closed: list[str] = []
+    a2.link.close = lambda: closed.append("a2")
+    for _ in range(4):
+        now[0] += 0.6
+        heartbeats(deployer, [a1, a3])
+        deployer.check_liveness()
+    assert closed == ["a2"] and deployer.liveness.is_dead("a2") and not deployer.liveness.is_dead("a1")
+    deployer.heartbeat("a2")            # the stream it had is being closed: its heartbeats no longer count
+    assert deployer.liveness.is_dead("a2")
+    assert "a2" not in {s.agent_id for s in registry.active_plan("m").stages}
+
+
+def test_a_model_that_cannot_be_replaced_keeps_its_plan_until_an_agent_joins(model_dir: Path) -> None:
+    now = [100.0]
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: now[0])
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, [a1, a2])
+    first_plan = registry.active_plan("m").plan_id
+    deployer.agent_disconnected(a2.link)
+    now[0] += 3
+    heartbeats(deployer, [a1])
+    deployer.check_liveness()
+    deployer.tick()
+    assert registry.active_plan("m").plan_id == first_plan      # one agent cannot hold two stages
+    a4 = Agent("a4", 8)
+    connect_all(deployer, [a4])
+    deployer.tick()
+    assert {s.agent_id for s in registry.active_plan("m").stages} == {"a1", "a4"}
+
+
+async def test_wait_route_waits_through_a_recovery_and_avoids_a_lost_address(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
+    old_route, _ = deployer.route("m")
+    lost = a2.link.stage_address
+    waiting = asyncio.create_task(deployer.wait_route("m", timeout_s=5.0, avoid={lost}))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()            # the route still runs through the lost address
+    deployer.agent_disconnected(a2.link)
+    deployer.report_unreachable(lost)
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and deployer.accepts("m") and not deployer.is_ready("m")
+    report_ready(deployer, [a1, a3])
+    route, _ = await asyncio.wait_for(waiting, 1.0)
+    assert lost not in {hop.address for hop in route} and route != old_route
+    deployer.agent_disconnected(a3.link)
+    with pytest.raises(ModelNotReady):
+        await deployer.wait_route("m", timeout_s=0.1)

@@ -1,0 +1,263 @@
+"""Failover under load: streams completions at a local mesh while agents die by SIGKILL, and checks every output.
+
+A stream's reference is the same request run on an undisturbed mesh: greedy and seeded sampling both give
+the same tokens again, so a failover that repeats, drops or changes a token shows as a mismatch."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.fleet.launcher import LocalMesh
+
+
+@dataclass(frozen=True, slots=True)
+class StreamJob:
+    """One completion: a token-id prompt, how many tokens, greedy (temperature 0) or seeded sampling."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+    def body(self, model: str) -> dict[str, Any]:
+        body = {"model": model, "prompt": list(self.prompt_ids), "max_tokens": self.max_tokens,
+                "ignore_eos": True, "temperature": self.temperature, "stream": True, "return_token_ids": True}
+        return body | ({"seed": self.seed} if self.seed is not None else {})
+
+
+@dataclass(slots=True)
+class StreamOutcome:
+    """What a client saw: each token id with when it arrived (time.monotonic), or why the stream failed."""
+
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    error: str = ""
+    request_id: str = ""        # the response id: the request's id in the admin API
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+
+def make_jobs(num_jobs: int, vocab_ids: Sequence[int], prompt_len: int, max_tokens: int,
+              seed: int = 0) -> list[StreamJob]:
+    """Random prompts; every other job samples (temperature 0.8, its own seed), the rest are greedy."""
+    rng = random.Random(seed)
+    return [StreamJob(tuple(rng.choice(vocab_ids) for _ in range(prompt_len)), max_tokens,
+                      0.8 if i % 2 else 0.0, seed * 1000 + i if i % 2 else None) for i in range(num_jobs)]
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob,
+                 outcome: StreamOutcome | None = None) -> StreamOutcome:
+    """Streams one completion into outcome (a new one if None): failures are recorded, never raised."""
+    outcome = outcome if outcome is not None else StreamOutcome()
+    outcome.start_s = time.monotonic()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=job.body(model)) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                outcome.error = f"HTTP {response.status_code}: {text[:300]}"
+                return outcome
+            async for line in response.aiter_lines():
+                payload = line[5:].strip() if line.startswith("data:") else ""
+                if not payload or payload == "[DONE]":
+                    continue
+                data = json.loads(payload)
+                if "error" in data:
+                    outcome.error = str(data["error"])[:300]
+                outcome.request_id = outcome.request_id or data.get("id", "")
+                for choice in data.get("choices") or ():
+                    ids, now = choice.get("token_ids") or (), time.monotonic()
+                    outcome.tokens += ids
+                    outcome.times += [now] * len(ids)
+    except (httpx.HTTPError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.end_s = time.monotonic()
+    if not outcome.error and len(outcome.tokens) != job.max_tokens:
+        outcome.error = f"{len(outcome.tokens)} tokens, asked for {job.max_tokens}"
+    return outcome
+
+
+async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],
+                      during: Callable[[list[StreamOutcome]], Awaitable[None]] | None = None,
+                      timeout_s: float = 300.0) -> list[StreamOutcome]:
+    """Streams every job at once; during(outcomes), if given, runs alongside and sees them fill in."""
+    outcomes = [StreamOutcome() for _ in jobs]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        streams = asyncio.gather(*(stream(client, url, model, j, o) for j, o in zip(jobs, outcomes)))
+        if during is not None:
+            await asyncio.gather(streams, during(outcomes))
+        else:
+            await streams
+    return outcomes
+
+
+def stalls_after(kill_s: float, outcomes: Sequence[StreamOutcome]) -> list[float]:
+    """For each stream with tokens before and after kill_s: seconds from the kill to its next token."""
+    out = []
+    for o in outcomes:
+        if o.times and o.times[0] < kill_s < o.times[-1]:
+            out.append(next(t for t in o.times if t > kill_s) - kill_s)
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[min(max(int(round(q)), 1), 99) - 1]
+
+
+async def wait_for_tokens(outcomes: Sequence[StreamOutcome], num_tokens: int, timeout_s: float = 60.0) -> None:
+    """Returns once every stream has at least num_tokens tokens (or has ended)."""
+    deadline = time.monotonic() + timeout_s
+    while any(len(o.tokens) < num_tokens and not o.end_s for o in outcomes):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"streams did not reach {num_tokens} tokens in {timeout_s:.0f} s")
+        await asyncio.sleep(0.005)
+
+
+# ------------------------------------------------------------------ one kill
+@dataclass(slots=True)
+class FailoverRun:
+    """Streams with one stage's agent killed mid-way, the same streams undisturbed, and where the kill fell."""
+
+    reference: list[StreamOutcome]
+    outcomes: list[StreamOutcome]
+    killed_address: str = ""
+    kill_s: float = 0.0                                            # time.monotonic of the kill
+    routes_after: list[list[str]] = field(default_factory=list)   # running requests' routes after the failover
+
+    @property
+    def stalls(self) -> list[float]:
+        return stalls_after(self.kill_s, self.outcomes)
+
+
+async def running_routes(client: httpx.AsyncClient, url: str) -> list[list[str]]:
+    """The Stage addresses of every running request's current route, in pipeline order."""
+    records = (await client.get(f"{url}/admin/api/requests")).json()["requests"]
+    return [[hop["address"] for hop in r["route"]] for r in records if r["state"] == "running"]
+
+
+async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
+                                after_tokens: int = 16) -> FailoverRun:
+    """Runs the jobs undisturbed, then again with a kill -9 of the agent serving `stage` once every stream
+    has after_tokens tokens."""
+    run = FailoverRun(await run_streams(mesh.url, model, jobs), [])
+
+    async def kill(outcomes: list[StreamOutcome]) -> None:
+        await wait_for_tokens(outcomes, after_tokens)
+        async with httpx.AsyncClient(timeout=10) as client:
+            routes = await running_routes(client, mesh.url)
+            run.killed_address, run.kill_s = routes[0][stage], time.monotonic()
+            mesh.kill_agent(mesh.agent_index(run.killed_address))
+            await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
+            run.routes_after = await running_routes(client, mesh.url)
+
+    run.outcomes = await run_streams(mesh.url, model, jobs, during=kill)
+    return run
+
+
+# ------------------------------------------------------------------ the chaos run
+@dataclass(slots=True)
+class ChaosReport:
+    """What a chaos run did and saw."""
+
+    duration_s: float
+    num_clients: int
+    kills: list[tuple[float, int]] = field(default_factory=list)     # (time.monotonic, agent index)
+    results: list[tuple[int, StreamOutcome]] = field(default_factory=list)   # (job index, outcome)
+    num_mismatched: int = 0
+    stalls: list[float] = field(default_factory=list)   # kill to next token, of each stream that failed over
+    num_failovers: int = 0
+
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for _, o in self.results if o.error)
+
+    @property
+    def num_completed(self) -> int:
+        return len(self.results) - self.num_failed
+
+
+async def run_chaos(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], duration_s: float,
+                    num_clients: int, kill_every_s: float, seed: int = 0) -> ChaosReport:
+    """num_clients stream jobs back to back for duration_s while a random agent is killed (SIGKILL) every
+    kill_every_s and started again; each output is checked against an undisturbed run of the same job."""
+    references = [o.tokens for o in await run_streams(mesh.url, model, jobs)]
+    rng, report = random.Random(seed), ChaosReport(duration_s, num_clients)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def client_loop(first: int) -> None:
+            n = first
+            while time.monotonic() < start + duration_s:
+                job = n % len(jobs)
+                report.results.append((job, await stream(client, mesh.url, model, jobs[job])))
+                n += num_clients
+
+        async def killer() -> None:
+            for at in itertools.count(1):
+                if at * kill_every_s >= duration_s:
+                    return
+                await asyncio.sleep(max(0.0, start + at * kill_every_s - time.monotonic()))
+                index = rng.randrange(len(mesh.agents))
+                report.kills.append((time.monotonic(), index))
+                mesh.kill_agent(index)
+                await asyncio.to_thread(mesh.start_agent, index)
+
+        await asyncio.gather(killer(), *(client_loop(i) for i in range(num_clients)))
+        records = (await client.get(f"{mesh.url}/admin/api/requests", params={"limit": 1000})).json()["requests"]
+    failovers = {r["request_id"]: r["num_failovers"] for r in records}
+    report.num_mismatched = sum(1 for job, o in report.results if not o.error and o.tokens != references[job])
+    report.num_failovers = sum(failovers.get(o.request_id, 0) for _, o in report.results)
+    moved = [o for _, o in report.results if failovers.get(o.request_id, 0)]
+    report.stalls = [s for kill_s, _ in report.kills for s in stalls_after(kill_s, moved)]
+    return report
+
+
+def format_chaos(report: ChaosReport) -> str:
+    """The run as a table: requests, outcomes, kills, failovers and stalls."""
+    errors = sorted({o.error for _, o in report.results if o.error})
+    rows = [("duration", f"{report.duration_s:.0f} s"), ("concurrent clients", str(report.num_clients)),
+            ("agents killed (SIGKILL) and restarted", f"{len(report.kills)} (indexes "
+                                                      f"{', '.join(str(i) for _, i in report.kills) or '-'})"),
+            ("requests completed", str(report.num_completed)), ("requests failed", str(report.num_failed)),
+            ("outputs differing from the undisturbed run", str(report.num_mismatched)),
+            ("failovers (a generation resumed on a new route)", str(report.num_failovers)),
+            ("stall, kill to next token, p50", _ms(percentile(report.stalls, 50))),
+            ("stall, kill to next token, p99", _ms(percentile(report.stalls, 99))),
+            ("stall, kill to next token, max", _ms(max(report.stalls, default=float("nan"))))]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines + [f"error: {e}" for e in errors[:5]])
+
+
+def _ms(seconds: float) -> str:
+    return "-" if seconds != seconds else f"{seconds * 1e3:.0f} ms"
+
+
+def chaos_main(model_dir: str, num_agents: int, num_stages: int, duration_s: float, num_clients: int,
+               kill_every_s: float, num_jobs: int, prompt_len: int, max_tokens: int, seed: int) -> ChaosReport:
+    """`stratamesh bench chaos`: starts a local mesh, runs the chaos and prints the table."""
+    jobs = make_jobs(num_jobs, regular_token_ids(model_dir), prompt_len, max_tokens, seed)
+    with LocalMesh(model_dir, num_agents=num_agents, num_stages=num_stages) as mesh:
+        print(f"mesh of {num_agents} agents ({num_stages} stages) up; logs in {mesh.log_dir}", flush=True)
+        report = asyncio.run(run_chaos(mesh, Path(model_dir).resolve().name, jobs, duration_s, num_clients,
+                                       kill_every_s, seed))
+    print(format_chaos(report), flush=True)
+    return report

@@ -1,0 +1,73 @@
+"""Leases, suspicions and flap bans, with time as a plain number."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
+
+CONFIG = LivenessConfig(lease_s=2.0, flap_window_s=60.0, flaps_to_ban=3, ban_s=10.0, ban_max_s=25.0,
+                        restart_grace_s=10.0)
+
+
+def test_an_agent_is_dead_once_its_lease_runs_out_and_only_then() -> None:
+    live = Liveness(CONFIG)
+    live.heard("a", 0.0)
+    live.heard("b", 1.0)
+    assert live.expired(2.0) == []
+    assert live.expired(2.01) == ["a"] and live.is_dead("a") and not live.is_dead("b")
+    assert live.expired(2.5) == []               # declared once
+    assert live.expired(3.5) == ["b"]
+
+
+def test_one_sign_waits_for_the_lease_and_two_are_death_at_once() -> None:
+    live = Liveness(CONFIG)
+    live.heard("a", 0.0)
+    assert not live.suspect("a", CONTROL, 0.1)
+    assert not live.suspect("a", CONTROL, 0.2)       # the same sign twice is still one sign
+    assert live.suspect("a", DATA, 0.3) and live.is_dead("a")
+    assert not live.suspect("a", DATA, 0.4)          # already dead: not declared again
+
+
+def test_a_heartbeat_clears_suspicion_and_revives_a_dead_agent() -> None:
+    live = Liveness(CONFIG)
+    live.heard("a", 0.0)
+    live.suspect("a", DATA, 0.5)
+    live.heard("a", 1.0)
+    assert not live.suspect("a", CONTROL, 1.1)
+    live.expired(10.0)
+    assert live.is_dead("a")
+    live.heard("a", 11.0)
+    assert not live.is_dead("a")
+    assert not live.suspect("unknown", CONTROL, 0.0)   # never heard of: nothing to declare
+
+
+def test_an_agent_that_keeps_dying_is_banned_with_a_doubling_capped_ban() -> None:
+    live = Liveness(CONFIG)
+    bans, until, t = [], float("-inf"), 0.0
+    for _ in range(9):
+        live.heard("a", t)
+        t += 5.0
+        assert live.expired(t) == ["a"]
+        bans.append(live.banned_until("a") - t if live.banned_until("a") != until else 0.0)
+        until = live.banned_until("a")
+    assert bans == [0, 0, 10, 0, 0, 20, 0, 0, 25]
+
+
+def test_deaths_far_apart_are_not_flapping() -> None:
+    live = Liveness(CONFIG)
+    for t in (0.0, 100.0, 200.0, 300.0):
+        live.heard("a", t)
+        live.expired(t + 3.0)
+    assert not live.is_banned("a", 303.0) and live.banned_until("a") == float("-inf")
+
+
+@pytest.mark.parametrize(("reconnect_at", "dead"), [(9.0, False), (None, True)])
+def test_after_a_restart_known_agents_get_a_grace_period_to_reconnect(reconnect_at: float | None,
+                                                                      dead: bool) -> None:
+    live = Liveness(CONFIG)
+    live.expect("a", 0.0)
+    assert live.expired(9.5) == []
+    if reconnect_at is not None:
+        live.heard("a", reconnect_at)
+    assert (live.expired(10.5) == ["a"]) is dead
