@@ -129,6 +129,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
                     on_hop=last_hop.observe, on_unreachable=deployer.report_unreachable)
     deployer.on_agent_dead = origin.route_lost
+    deployer.assignments_in_use = origin.assignments_in_use
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.placement import plan_stages
-from stratamesh.coordinator.registry import PlannedStage, Registry, StageRecord
+from stratamesh.coordinator.registry import PlannedStage, PlanRecord, Registry, StageRecord
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
 from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
                                     StageStatus, Telemetry)
@@ -27,6 +27,8 @@ TELEMETRY_MAX_ROWS_PER_AGENT = 3600
 TELEMETRY_PRUNE_EVERY_S = 60.0
 # Every connected agent measures its links to all the others this often (and when one of them connects).
 LINK_PROBE_EVERY_S = 300.0
+# A plan replaced by a better one keeps its stages while generations still run on them, up to this long.
+RETIRE_AFTER_S = 600.0
 
 
 @dataclass(slots=True)
@@ -79,6 +81,10 @@ class Deployer:
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
         self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
         self._unplaceable: dict[str, frozenset[str]] = {}   # model id -> agents a re-plan failed with
+        self._considered: dict[str, frozenset[str]] = {}    # model id -> agents its plan was last weighed against
+        self._retiring: dict[str, float] = {}  # assignment id of a replaced plan -> when it goes regardless
+        # The assignment ids live generations run on: a replaced plan's stages stay until none does.
+        self.assignments_in_use: Callable[[], Collection[str]] = frozenset
         self._pending: dict[str, int] = {}     # model id -> stages wanted for its first plan
         self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
         self._pruned_at = float("-inf")
@@ -207,6 +213,7 @@ class Deployer:
                 link.send(convert.release_to_pb(held.assignment_id))
         self._probe_links_of(link)
         self.reconcile()
+        self._improve_plans()
 
     def agent_disconnected(self, link: AgentLink) -> None:
         if self._links.get(link.agent_id) is not link:
@@ -304,15 +311,18 @@ class Deployer:
         if status.state == "failed":
             self._registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
             log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
+        self._promote_standbys()
         self._notify()
 
     def _planned_for(self, agent_id: str) -> dict[str, StageRecord]:
-        stages = {}
+        return {s.assignment_id: s for s in self._planned_stages() if s.agent_id == agent_id}
+
+    def _planned_stages(self) -> list[StageRecord]:
+        """Every stage of every model's active plan and of the standby plan it moves to next."""
+        stages = []
         for model in self._registry.models():
-            plan = self._registry.active_plan(model.model_id)
-            for stage in plan.stages if plan else ():
-                if stage.agent_id == agent_id:
-                    stages[stage.assignment_id] = stage
+            for plan in (self._registry.active_plan(model.model_id), self._registry.standby_plan(model.model_id)):
+                stages += plan.stages if plan else ()
         return stages
 
     # ------------------------------------------------------------ planning
@@ -326,6 +336,8 @@ class Deployer:
             self._probed_at = now
             self._probe_all_links()
         self._replan_lost()
+        self._improve_plans()
+        self._release_unplanned()
 
     def _replan_lost(self) -> None:
         """Re-plans every model whose active plan has a stage on a dead agent, over the agents there are."""
@@ -334,6 +346,9 @@ class Deployer:
             plan = self._registry.active_plan(model.model_id)
             if plan is None or self._unplaceable.get(model.model_id) == plannable:
                 continue
+            standby = self._registry.standby_plan(model.model_id)
+            if standby and any(self.liveness.is_dead(s.agent_id) for s in standby.stages):
+                self._registry.abandon_standby(model.model_id)
             dead = sorted({s.agent_id for s in plan.stages if self.liveness.is_dead(s.agent_id)})
             if dead:
                 log.warning("re-planning %s: agents %s are dead", model.model_id, ", ".join(dead))
@@ -342,10 +357,44 @@ class Deployer:
         self._release_unplanned()
         self.reconcile()
 
+    def _improve_plans(self) -> None:
+        """Weighs each ready model's plan against the agents there are now (one joined, or a ban ended): a
+        clearly better plan becomes a standby, loaded beside the serving one and switched to once ready."""
+        plannable = frozenset(self._plannable())
+        for model in self._registry.models():
+            plan = self._registry.active_plan(model.model_id)
+            if plan is None or self._considered.get(model.model_id) == plannable or not self.is_ready(model.model_id) \
+                    or self._registry.standby_plan(model.model_id) is not None:
+                continue
+            self._considered[model.model_id] = plannable
+            if self._plan(model.model_id, len(plan.stages), improve=plan):
+                self.reconcile()
+
+    def _promote_standbys(self) -> None:
+        """Switches each model whose standby plan is loaded to it; the replaced stages retire."""
+        now = self._clock()
+        for model in self._registry.models():
+            standby = self._registry.standby_plan(model.model_id)
+            if standby is None or not all(self._serving(s) for s in standby.stages):
+                continue
+            replaced = self._registry.active_plan(model.model_id)
+            self._registry.activate_plan(model.model_id, standby.plan_id)
+            self._registry.log_event("plan_activated", standby.reason, now)
+            log.info("%s switched to plan %s; the stages it replaces retire once idle", model.model_id,
+                     standby.plan_id)
+            for stage in replaced.stages if replaced else ():
+                self._retiring[stage.assignment_id] = now + RETIRE_AFTER_S
+        self._release_unplanned()
+
     def _release_unplanned(self) -> None:
+        """Releases loaded stages that no plan wants, once no generation runs on them (or they retired long ago)."""
+        now, in_use = self._clock(), set(self.assignments_in_use())
+        for assignment_id, until in list(self._retiring.items()):
+            if assignment_id not in in_use or now >= until:
+                del self._retiring[assignment_id]
         for link in self._links.values():
             loaded = self._loaded.setdefault(link.agent_id, set())
-            for assignment_id in sorted(loaded - set(self._planned_for(link.agent_id))):
+            for assignment_id in sorted(loaded - set(self._planned_for(link.agent_id)) - set(self._retiring)):
                 loaded.discard(assignment_id)
                 link.send(convert.release_to_pb(assignment_id))
 
@@ -354,14 +403,11 @@ class Deployer:
         for model_id, num_stages in list(self._pending.items()):
             if len(self._plannable()) >= num_stages and self._plan(model_id, num_stages):
                 del self._pending[model_id]
-        for model in self._registry.models():
-            plan = self._registry.active_plan(model.model_id)
-            for stage in plan.stages if plan else ():
-                link = self._links.get(stage.agent_id)
-                if link is not None and not self._serving(stage) \
-                        and stage.state not in ("loading", "failed"):
-                    self._registry.set_stage_state(stage.assignment_id, "loading")
-                    link.send(convert.assign_to_pb(Assignment(stage.assignment_id, stage.spec)))
+        for stage in self._planned_stages():
+            link = self._links.get(stage.agent_id)
+            if link is not None and not self._serving(stage) and stage.state not in ("loading", "failed"):
+                self._registry.set_stage_state(stage.assignment_id, "loading")
+                link.send(convert.assign_to_pb(Assignment(stage.assignment_id, stage.spec)))
         self._notify()
 
     def _plannable(self) -> dict[str, Capabilities]:
@@ -369,26 +415,31 @@ class Deployer:
         now = self._clock()
         return {a: link.capabilities for a, link in self._links.items() if not self.liveness.is_banned(a, now)}
 
-    def _plan(self, model_id: str, num_stages: int) -> bool:
-        """Saves a new active plan for the model over the plannable agents; False if none fits."""
+    def _plan(self, model_id: str, num_stages: int, improve: PlanRecord | None = None) -> bool:
+        """Saves a new active plan for the model over the plannable agents; False if none fits.
+
+        improve: the plan serving now; the new plan is a standby, saved only if it moves layers."""
         model = self._registry.model(model_id)
         agents = self._plannable()
         if len(agents) < num_stages:
             log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
             return False
         try:
+            previous = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in improve.stages] if improve else []
             planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
-                                          self._registry.links())
+                                          self._registry.links(), previous)
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())
+            return False
+        if improve is not None and planned.search == "kept":
             return False
         plan_id = uuid.uuid4().hex[:12]
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason
-        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock())
-        self._registry.log_event("plan", reason, self._clock())
+        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=improve is not None)
+        self._registry.log_event("standby_plan" if improve else "plan", reason, self._clock())
         self._unplaceable.pop(model_id, None)
-        log.info("planned %s: %s", model_id, reason)
+        log.info("%s %s: %s", "standby plan for" if improve else "planned", model_id, reason)
         return True

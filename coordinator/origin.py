@@ -68,7 +68,8 @@ class RequestRecord:
 @dataclass(slots=True)
 class _Live:
     first_hop: str
-    addresses: frozenset[str]   # every stage of the session's route
+    addresses: frozenset[str]   # every stage of the session's route ...
+    assignments: frozenset[str]     # ... and their assignment ids
     trace_id: str = ""
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
@@ -270,8 +271,8 @@ class Origin:
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
         first_hop = route[0].address
-        live = self._sessions[session_id] = _Live(first_hop, frozenset(h.address for h in route), trace_id,
-                                                  parent_span_id)
+        live = self._sessions[session_id] = _Live(first_hop, frozenset(h.address for h in route),
+                                                  frozenset(h.assignment_id for h in route), trace_id, parent_span_id)
         stream = self._streams.get(first_hop)
         try:
             yield live, stream
@@ -298,6 +299,10 @@ class Origin:
             if opened:
                 raise StageFailed(f"session {session_id}: a token came before the open answer")
             # An open answer nobody waited for (the prompt was too short to be cached): skip it.
+
+    def assignments_in_use(self) -> set[str]:
+        """The assignment ids of every stage a live session runs on."""
+        return {a for live in self._sessions.values() for a in live.assignments}
 
     def route_lost(self, address: str) -> None:
         """The agent at this Stage address was declared dead: every session routed through it fails over."""

@@ -6,11 +6,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
+from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import Capabilities, StageSpec
 from stratamesh.partitioner.fleet import ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Plan, PlanRequest
-from stratamesh.partitioner.planner import plan_pipeline
-from stratamesh.partitioner.profile import profile_from_hf_config
+from stratamesh.partitioner.planner import evaluate, plan_pipeline
+from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config
+
+# A placement as the registry keeps it: (agent id, start layer, end layer) per stage, in pipeline order.
+Placement = Sequence[tuple[str, int, int]]
 
 STAGE_DTYPE = "float32"          # what the CPU stages run today, whatever the checkpoint stores
 # An agent too old to measure its speed is planned as a modest CPU box.
@@ -44,14 +48,29 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                num_stages: int, links: Sequence[LinkRecord] = ()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
-    """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none)."""
+                num_stages: int, links: Sequence[LinkRecord] = (),
+                previous: Placement = ()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+    """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none).
+
+    previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better."""
     profile = profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
     context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
     request = PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
                           concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
-    plan = plan_pipeline(profile, fleet_of(agents, links), request)
+    fleet = fleet_of(agents, links)
+    plan = plan_pipeline(profile, fleet, request, previous=_as_plan(profile, fleet, request, previous))
     return plan, stage_specs(plan, model_id, model_path, profile.num_layers)
+
+
+def _as_plan(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, placement: Placement) -> Plan | None:
+    """A placement as the planner's Plan, priced on this fleet; None if there is none or it no longer fits."""
+    if not placement:
+        return None
+    try:
+        pipeline = evaluate(profile, fleet, request, [((agent,), start, end) for agent, start, end in placement])
+    except (PlacementError, InvalidInput):
+        return None
+    return Plan(profile.name, request.objective, (pipeline,), pipeline.tokens_per_s, "")
 
 
 def stage_specs(plan: Plan, model_id: str, model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:

@@ -232,23 +232,45 @@ class Registry:
         return _model(rows[0]) if rows else None
 
     def save_plan(self, plan_id: str, model_id: str, stages: Sequence[PlannedStage], reason: str,
-                  now: float) -> None:
-        """Store a new active plan for model_id; its previous active plan becomes "superseded"."""
+                  now: float, standby: bool = False) -> None:
+        """Store a new plan for model_id: active (the previous active plan becomes "superseded"), or a standby
+        that activate_plan() promotes once its stages are loaded (a previous standby is "abandoned")."""
         _check_stages(model_id, stages)
         try:
             with self._tx() as db:
-                db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? "
-                           "AND state = 'active'", [model_id])
+                replaced = "standby" if standby else "active"
+                db.execute("UPDATE plans SET state = ? WHERE model_id = ? AND state = ?",
+                           ["abandoned" if standby else "superseded", model_id, replaced])
                 db["plans"].insert({"plan_id": plan_id, "model_id": model_id, "created": now,
-                                    "state": "active", "reason": reason})
+                                    "state": replaced, "reason": reason})
                 db["stages"].insert_all(_stage_row(plan_id, s) for s in stages)
         except sqlite3.IntegrityError as exc:
             raise InvalidInput(f"plan {plan_id!r} repeats an existing id: {exc}") from None
 
+    def activate_plan(self, model_id: str, plan_id: str) -> None:
+        """Makes the model's standby plan plan_id active; the active one becomes "superseded"."""
+        with self._tx() as db:
+            if not list(db["plans"].rows_where("plan_id = ? AND model_id = ? AND state = 'standby'",
+                                               [plan_id, model_id])):
+                raise InvalidInput(f"plan {plan_id!r} is not a standby plan of model {model_id!r}")
+            db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? AND state = 'active'", [model_id])
+            db.execute("UPDATE plans SET state = 'active' WHERE plan_id = ?", [plan_id])
+
+    def abandon_standby(self, model_id: str) -> None:
+        """Drops the model's standby plan, if it has one."""
+        with self._tx() as db:
+            db.execute("UPDATE plans SET state = 'abandoned' WHERE model_id = ? AND state = 'standby'", [model_id])
+
     def active_plan(self, model_id: str) -> PlanRecord | None:
         """The model's active plan with its stages in pipeline order, or None."""
-        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = 'active'",
-                           [model_id])
+        return self._plan_in_state(model_id, "active")
+
+    def standby_plan(self, model_id: str) -> PlanRecord | None:
+        """The plan the model moves to once its stages are loaded, or None."""
+        return self._plan_in_state(model_id, "standby")
+
+    def _plan_in_state(self, model_id: str, state: str) -> PlanRecord | None:
+        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = ?", [model_id, state])
         if not plans:
             return None
         stages = self._rows("SELECT * FROM stages WHERE plan_id = ? ORDER BY stage_index",

@@ -129,6 +129,13 @@ class LocalMesh:
         except (OSError, ValueError):
             return {}
 
+    def kill_coordinator(self) -> None:
+        """kill -9 of the coordinator, as in a crash: the agents and their loaded stages stay up."""
+        if self.coordinator is not None:
+            _signal(self.coordinator, signal.SIGKILL)
+            self.coordinator.wait()
+            self.coordinator = None
+
     def stop_coordinator(self) -> None:
         if self.coordinator is not None:
             _terminate(self.coordinator)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import random
 import statistics
 import time
@@ -255,6 +256,7 @@ def chaos_main(model_dir: str, num_agents: int, num_stages: int, duration_s: flo
                kill_every_s: float, num_jobs: int, prompt_len: int, max_tokens: int, seed: int) -> ChaosReport:
     """`stratamesh bench chaos`: starts a local mesh, runs the chaos and prints the table."""
     jobs = make_jobs(num_jobs, regular_token_ids(model_dir), prompt_len, max_tokens, seed)
+    logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request would bury the table
     with LocalMesh(model_dir, num_agents=num_agents, num_stages=num_stages) as mesh:
         print(f"mesh of {num_agents} agents ({num_stages} stages) up; logs in {mesh.log_dir}", flush=True)
         report = asyncio.run(run_chaos(mesh, Path(model_dir).resolve().name, jobs, duration_s, num_clients,

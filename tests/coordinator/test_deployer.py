@@ -233,3 +233,46 @@ async def test_wait_route_waits_through_a_recovery_and_avoids_a_lost_address(mod
     deployer.agent_disconnected(a3.link)
     with pytest.raises(ModelNotReady):
         await deployer.wait_route("m", timeout_s=0.1)
+
+
+def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutting_generations(
+        model_dir: Path) -> None:
+    registry, in_use = Registry(":memory:"), set()
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    deployer.assignments_in_use = lambda: in_use
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, [a1, a2])
+    report_ready(deployer, [a1, a2])
+    old_route, _ = deployer.route("m")
+    in_use.update(hop.assignment_id for hop in old_route)        # a generation runs on the old route
+    fast = Agent("a3", 64)                                        # eight times the speed of the others
+    connect_all(deployer, [fast])
+    standby = registry.standby_plan("m")
+    assert standby is not None and "a3" in {s.agent_id for s in standby.stages}
+    assert deployer.route("m")[0] == old_route                    # the old plan serves while the new one loads
+    report_ready(deployer, [a1, a2, fast])
+    assert registry.active_plan("m").plan_id == standby.plan_id and registry.standby_plan("m") is None
+    new_route, _ = deployer.route("m")
+    assert new_route != old_route
+    assert released(a1) + released(a2) == []                     # still in use: not cut
+    in_use.clear()
+    deployer.tick()
+    assert sorted(released(a1) + released(a2)) == sorted(hop.assignment_id for hop in old_route
+                                                         if hop.assignment_id not in
+                                                         {h.assignment_id for h in new_route})
+
+
+def test_an_agent_joining_that_would_not_clearly_help_leaves_the_plan_alone(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent("a1", 8), Agent("a2", 8)]
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    plan = registry.active_plan("m").plan_id
+    twin = Agent("a3", 8)
+    connect_all(deployer, [twin])
+    deployer.tick()
+    assert registry.standby_plan("m") is None and registry.active_plan("m").plan_id == plan
+    assert twin.assignments() == []

@@ -135,6 +135,22 @@ def test_new_plan_supersedes_previous(reg: Registry) -> None:
                       {"plan_id": "p2", "state": "active"}]
 
 
+def test_a_standby_plan_waits_beside_the_active_one_until_activated(reg: Registry) -> None:
+    reg.save_plan("p1", "m", _stages("m", [("a1", 0, 8)], 8, "p1"), "one", now=T0)
+    reg.save_plan("s1", "m", _stages("m", [("a2", 0, 8)], 8, "s1"), "first idea", now=T0 + 1, standby=True)
+    reg.save_plan("s2", "m", _stages("m", [("a3", 0, 8)], 8, "s2"), "better idea", now=T0 + 2, standby=True)
+    assert reg.active_plan("m").plan_id == "p1" and reg.standby_plan("m").plan_id == "s2"
+    with pytest.raises(InvalidInput, match="not a standby plan"):
+        reg.activate_plan("m", "s1")
+    reg.activate_plan("m", "s2")
+    assert reg.active_plan("m").plan_id == "s2" and reg.standby_plan("m") is None
+    states = {r["plan_id"]: r["state"] for r in reg._rows("SELECT plan_id, state FROM plans")}
+    assert states == {"p1": "superseded", "s1": "abandoned", "s2": "active"}
+    reg.save_plan("s3", "m", _stages("m", [("a1", 0, 8)], 8, "s3"), "again", now=T0 + 3, standby=True)
+    reg.abandon_standby("m")
+    assert reg.standby_plan("m") is None and reg.active_plan("m").plan_id == "s2"
+
+
 def test_bad_plan_is_rejected_and_changes_nothing(reg: Registry) -> None:
     reg.save_plan("p1", "m", _stages("m", [("a1", 0, 8)], 8, "s"), "ok", now=T0)
     dup = _stages("m", [("a1", 0, 4), ("a2", 4, 8)], 8, "s")  # "s-0" is taken by p1

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
-from stratamesh.bench.chaos import kill_stage_mid_stream, make_jobs, percentile
+from stratamesh.bench.chaos import (StreamOutcome, kill_stage_mid_stream, make_jobs, percentile, run_streams,
+                                    wait_for_tokens)
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +38,66 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
     assert len(run.stalls) == 8
     print(f"\nkill -9 of the middle stage: stall (kill to next token) p50 {percentile(run.stalls, 50) * 1e3:.0f} ms, "
           f"max {max(run.stalls) * 1e3:.0f} ms over {len(run.stalls)} streams")
+
+
+async def num_sessions(addresses: list[str]) -> list[int]:
+    """Open sessions on each agent, by its Stage.Info."""
+    out = []
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as channel:
+            out.append((await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=10)).num_sessions)
+    return out
+
+
+def test_a_coordinator_crash_cuts_its_streams_frees_the_stages_and_a_restart_serves_again(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The origin lives in the coordinator: its generations end with it; stages must not keep their KV."""
+    model_dir = tiny_models["llama"]
+    jobs = make_jobs(2, regular_token_ids(model_dir), prompt_len=20, max_tokens=400, seed=5)
+    with LocalMesh(str(model_dir), num_agents=3, log_dir=str(tmp_path / "logs"),
+                   db=str(tmp_path / "registry.db")) as mesh:
+
+        async def crash(outcomes: list[StreamOutcome]) -> None:
+            await wait_for_tokens(outcomes, 8)
+            assert sum(await num_sessions(mesh.agent_addresses)) == 2 * 3
+            mesh.kill_coordinator()
+
+        cut = asyncio.run(run_streams(mesh.url, MODEL, jobs, during=crash))
+        assert all(o.error and 8 <= len(o.tokens) < 400 for o in cut)
+        deadline = time.monotonic() + 10
+        while sum(left := asyncio.run(num_sessions(mesh.agent_addresses))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == [0, 0, 0]
+        mesh.start_coordinator(deploy=False)        # the model and its plan come from the registry
+        mesh.wait_ready(60)
+        again = asyncio.run(run_streams(mesh.url, MODEL, [replace(j, max_tokens=8) for j in jobs]))
+    assert [o.tokens for o in again] == [o.tokens[:8] for o in cut]
+
+
+def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = tiny_models["llama"]
+    vocab = regular_token_ids(model_dir)
+    long_jobs = make_jobs(8, vocab, prompt_len=20, max_tokens=240, seed=7)
+    with LocalMesh(str(model_dir), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
+                   db=str(tmp_path / "registry.db")) as mesh:
+        reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs))
+        joined: dict[str, int] = {}
+
+        async def join(outcomes: list[StreamOutcome]) -> None:
+            await wait_for_tokens(outcomes, 8)
+            await asyncio.to_thread(mesh.start_agent, 3)
+            async with httpx.AsyncClient(timeout=10) as client:
+                while len([a for a in (await client.get(f"{mesh.url}/admin/api/agents")).json()["agents"]
+                           if a["state"] == "connected"]) < 4:
+                    await asyncio.sleep(0.05)
+            joined["tokens"] = min(len(o.tokens) for o in outcomes)
+
+        during_join = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, during=join))
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8}).json()["requests"]
+        assert joined["tokens"] < 240                                     # it joined while they streamed
+        assert [o.tokens for o in during_join] == [o.tokens for o in reference]
+        assert [r["num_failovers"] for r in records] == [0] * 8          # nobody was moved
+        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, make_jobs(8, vocab, 20, 64, seed=8), stage=1))
+        assert [o.tokens for o in run.outcomes] == [o.tokens for o in run.reference]
+        assert all(mesh.agent_addresses[3] in route for route in run.routes_after)   # the newcomer took over
