@@ -13,6 +13,8 @@ from stratamesh.fleet.types import Assignment
 
 log = logging.getLogger(__name__)
 
+RELEASED_KEEP_S = 10.0
+
 
 class StageHost:
     """Loaded stages by assignment id, and which stage each open session lives on."""
@@ -23,6 +25,9 @@ class StageHost:
         self.engines: dict[str, StageEngine] = {}
         self.num_computed_tokens = 0        # tokens all stages have run through their layers, ever
         self._loading: dict[str, asyncio.Future[StageEngine]] = {}
+        # The runner of the stage released last, kept briefly: a re-plan after a death releases every stage
+        # and assigns the survivors theirs again under new ids; reusing it skips reading weights again.
+        self._released: StageRunner | None = None
 
     async def load(self, assignment: Assignment) -> int:
         """Loads a stage (once per assignment id, however often asked); returns its parameter bytes."""
@@ -39,15 +44,26 @@ class StageHost:
         return engine.runner.model.param_bytes
 
     async def _load(self, assignment: Assignment) -> StageEngine:
-        loop = asyncio.get_running_loop()
-        runner = await loop.run_in_executor(self.executor, StageRunner.load, assignment.stage,
-                                            self.config.kv_cache_bytes)
+        runner, self._released = self._released, None     # dropped either way: its memory may be needed
+        if runner is None or runner.model.spec != assignment.stage:
+            runner = None
+            loop = asyncio.get_running_loop()
+            runner = await loop.run_in_executor(self.executor, StageRunner.load, assignment.stage,
+                                                self.config.kv_cache_bytes)
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
         return engine
 
     def release(self, assignment_id: str) -> None:
-        """Drops a stage and every session on it."""
-        self.engines.pop(assignment_id, None)
+        """Drops a stage and every session on it (its runner is kept for RELEASED_KEEP_S, in case the same
+        stage comes back under a new assignment id)."""
+        engine = self.engines.pop(assignment_id, None)
+        if engine is not None:
+            runner = self._released = engine.runner
+            asyncio.get_running_loop().call_later(RELEASED_KEEP_S, self._forget_released, runner)
+
+    def _forget_released(self, runner: StageRunner) -> None:
+        if self._released is runner:
+            self._released = None
 
     def engine(self, assignment_id: str) -> StageEngine:
         engine = self.engines.get(assignment_id)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S, PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.placement import plan_stages
 from stratamesh.coordinator.registry import PlannedStage, PlanRecord, Registry, StageRecord
@@ -25,8 +26,6 @@ log = logging.getLogger(__name__)
 TELEMETRY_MAX_AGE_S = 3600.0
 TELEMETRY_MAX_ROWS_PER_AGENT = 3600
 TELEMETRY_PRUNE_EVERY_S = 60.0
-# Every connected agent measures its links to all the others this often (and when one of them connects).
-LINK_PROBE_EVERY_S = 300.0
 # A plan replaced by a better one keeps its stages while generations still run on them, up to this long.
 RETIRE_AFTER_S = 600.0
 
@@ -75,8 +74,7 @@ class Deployer:
         self._registry = registry
         self._clock = clock
         self.liveness = Liveness(liveness)
-        self._link_probe_every_s = link_probe_every_s
-        self._probed_at = clock()
+        self._probes = PeerProbes(clock, link_probe_every_s)
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
         self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
@@ -191,7 +189,7 @@ class Deployer:
 
     def peers(self) -> list[Peer]:
         """Every connected agent and the address of its Stage and Link services, by agent id."""
-        return [Peer(link.agent_id, link.stage_address) for _, link in sorted(self._links.items())]
+        return peers_of(self._links)
 
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
@@ -211,7 +209,7 @@ class Deployer:
                 self._registry.set_stage_state(held.assignment_id, "ready")
             else:
                 link.send(convert.release_to_pb(held.assignment_id))
-        self._probe_links_of(link)
+        self._probes.joined(link, self._links)
         self.reconcile()
         self._improve_plans()
 
@@ -280,24 +278,6 @@ class Deployer:
             if m.error:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
 
-    def _probe_links_of(self, newcomer: AgentLink) -> None:
-        """Asks the newcomer to measure its links to every other agent, and each of them its link to it."""
-        others = [p for p in self.peers() if p.agent_id != newcomer.agent_id]
-        if not others:
-            return
-        newcomer.send(convert.probe_links_to_pb(others))
-        itself = [Peer(newcomer.agent_id, newcomer.stage_address)]
-        for other in others:
-            self._links[other.agent_id].send(convert.probe_links_to_pb(itself))
-
-    def _probe_all_links(self) -> None:
-        """Asks every connected agent to measure its links to all the others again."""
-        peers = self.peers()
-        for link in self._links.values():
-            others = [p for p in peers if p.agent_id != link.agent_id]
-            if others:
-                link.send(convert.probe_links_to_pb(others))
-
     def stage_status(self, agent_id: str, status: StageStatus) -> None:
         """Records an agent's report on one of its assignments."""
         if status.assignment_id not in self._planned_for(agent_id):
@@ -332,9 +312,7 @@ class Deployer:
         if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
             self._pruned_at = now
             self._registry.prune_telemetry(now, TELEMETRY_MAX_AGE_S, TELEMETRY_MAX_ROWS_PER_AGENT)
-        if now >= self._probed_at + self._link_probe_every_s:
-            self._probed_at = now
-            self._probe_all_links()
+        self._probes.tick(self._links)
         self._replan_lost()
         self._improve_plans()
         self._release_unplanned()
@@ -352,7 +330,7 @@ class Deployer:
             dead = sorted({s.agent_id for s in plan.stages if self.liveness.is_dead(s.agent_id)})
             if dead:
                 log.warning("re-planning %s: agents %s are dead", model.model_id, ", ".join(dead))
-                if not self._plan(model.model_id, len(plan.stages)):
+                if not self._plan(model.model_id, len(plan.stages), previous=plan):
                     self._unplaceable[model.model_id] = plannable
         self._release_unplanned()
         self.reconcile()
@@ -367,7 +345,7 @@ class Deployer:
                     or self._registry.standby_plan(model.model_id) is not None:
                 continue
             self._considered[model.model_id] = plannable
-            if self._plan(model.model_id, len(plan.stages), improve=plan):
+            if self._plan(model.model_id, len(plan.stages), previous=plan, standby=True):
                 self.reconcile()
 
     def _promote_standbys(self) -> None:
@@ -415,31 +393,33 @@ class Deployer:
         now = self._clock()
         return {a: link.capabilities for a, link in self._links.items() if not self.liveness.is_banned(a, now)}
 
-    def _plan(self, model_id: str, num_stages: int, improve: PlanRecord | None = None) -> bool:
-        """Saves a new active plan for the model over the plannable agents; False if none fits.
+    def _plan(self, model_id: str, num_stages: int, previous: PlanRecord | None = None,
+              standby: bool = False) -> bool:
+        """Saves a new plan for the model over the plannable agents; False if none fits.
 
-        improve: the plan serving now; the new plan is a standby, saved only if it moves layers."""
+        previous: the plan serving now, kept where it still fits unless moving is clearly better (its lost
+        stages go to spares). standby: the new plan loads beside it, and is saved only if it moves layers."""
         model = self._registry.model(model_id)
         agents = self._plannable()
         if len(agents) < num_stages:
             log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
             return False
         try:
-            previous = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in improve.stages] if improve else []
+            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in previous.stages] if previous else []
             planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
-                                          self._registry.links(), previous)
+                                          self._registry.links(), placement)
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())
             return False
-        if improve is not None and planned.search == "kept":
+        if standby and planned.search == "kept":
             return False
         plan_id = uuid.uuid4().hex[:12]
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason
-        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=improve is not None)
-        self._registry.log_event("standby_plan" if improve else "plan", reason, self._clock())
+        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby)
+        self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
         self._unplaceable.pop(model_id, None)
-        log.info("%s %s: %s", "standby plan for" if improve else "planned", model_id, reason)
+        log.info("%s %s: %s", "standby plan for" if standby else "planned", model_id, reason)
         return True

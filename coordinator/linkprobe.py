@@ -1,17 +1,60 @@
-"""The origin's links: the coordinator, where the origin runs, measures its own link to every connected agent."""
+"""Who measures which link when: agents each other's (on a join, and every period), the origin its own to each."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from stratamesh.coordinator.deployer import LINK_PROBE_EVERY_S, Deployer
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import LinkMeasurement, Peer
+from stratamesh.fleet.wire import convert
 from stratamesh.partitioner.fleet import ORIGIN
 
+if TYPE_CHECKING:   # the deployer uses PeerProbes: import its types for hints only
+    from stratamesh.coordinator.deployer import AgentLink, Deployer
+
 log = logging.getLogger(__name__)
+
+# Every connected agent measures its links to all the others this often (and when one of them connects).
+LINK_PROBE_EVERY_S = 300.0
+
+
+def peers_of(links: Mapping[str, AgentLink]) -> list[Peer]:
+    """Every connected agent and the address of its Stage and Link services, by agent id."""
+    return [Peer(link.agent_id, link.stage_address) for _, link in sorted(links.items())]
+
+
+class PeerProbes:
+    """Asks connected agents (over their control streams) to measure their links to one another."""
+
+    def __init__(self, clock: Callable[[], float], every_s: float = LINK_PROBE_EVERY_S):
+        self._clock = clock
+        self._every_s = every_s
+        self._probed_at = clock()
+
+    def joined(self, newcomer: AgentLink, links: Mapping[str, AgentLink]) -> None:
+        """Asks the newcomer to measure its links to every other agent, and each of them its link to it."""
+        others = [p for p in peers_of(links) if p.agent_id != newcomer.agent_id]
+        if not others:
+            return
+        newcomer.send(convert.probe_links_to_pb(others))
+        itself = [Peer(newcomer.agent_id, newcomer.stage_address)]
+        for other in others:
+            links[other.agent_id].send(convert.probe_links_to_pb(itself))
+
+    def tick(self, links: Mapping[str, AgentLink]) -> None:
+        """Once a period is up, asks every connected agent to measure its links to all the others again."""
+        now = self._clock()
+        if now < self._probed_at + self._every_s:
+            return
+        self._probed_at = now
+        peers = peers_of(links)
+        for link in links.values():
+            others = [p for p in peers if p.agent_id != link.agent_id]
+            if others:
+                link.send(convert.probe_links_to_pb(others))
 
 POLL_S = 1.0    # how soon a newly connected agent gets its link to the origin measured
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -63,14 +64,34 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
 
 
 def _as_plan(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, placement: Placement) -> Plan | None:
-    """A placement as the planner's Plan, priced on this fleet; None if there is none or it no longer fits."""
-    if not placement:
+    """A placement as the planner's Plan, priced on this fleet; None if there is none or nothing fits.
+
+    A stage whose agent left goes, layer range and all, to the spare that prices best: after a death the
+    planner then keeps every surviving stage where it is (loaded, nothing to move) unless moving is clearly
+    better."""
+    pipelines = []
+    for candidate in _repairs(placement, [d.id for d in fleet.devices]):
+        try:
+            pipelines.append(evaluate(profile, fleet, request, [((a,), start, end) for a, start, end in candidate]))
+        except (PlacementError, InvalidInput):
+            continue
+    if not pipelines:
         return None
-    try:
-        pipeline = evaluate(profile, fleet, request, [((agent,), start, end) for agent, start, end in placement])
-    except (PlacementError, InvalidInput):
-        return None
-    return Plan(profile.name, request.objective, (pipeline,), pipeline.tokens_per_s, "")
+    best = min(pipelines, key=lambda p: p.bottleneck_s if request.objective == "throughput" else p.step_s)
+    return Plan(profile.name, request.objective, (best,), best.tokens_per_s, "")
+
+
+def _repairs(placement: Placement, agents: Sequence[str], limit: int = 64) -> list[list[tuple[str, int, int]]]:
+    """The placement with each stage of a missing agent given to a spare (every way, up to limit)."""
+    spares = sorted(set(agents) - {a for a, _, _ in placement})
+    missing = [i for i, (a, _, _) in enumerate(placement) if a not in agents]
+    out = []
+    for chosen in itertools.islice(itertools.permutations(spares, len(missing)), limit):
+        repaired = list(placement)
+        for i, agent in zip(missing, chosen, strict=True):
+            repaired[i] = (agent, repaired[i][1], repaired[i][2])
+        out.append(repaired)
+    return out if placement else []
 
 
 def stage_specs(plan: Plan, model_id: str, model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:

@@ -276,3 +276,21 @@ def test_an_agent_joining_that_would_not_clearly_help_leaves_the_plan_alone(mode
     deployer.tick()
     assert registry.standby_plan("m") is None and registry.active_plan("m").plan_id == plan
     assert twin.assignments() == []
+
+
+def test_after_a_death_the_survivors_keep_their_layers_and_a_spare_takes_the_lost_ones(model_dir: Path) -> None:
+    now = [100.0]
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: now[0])
+    agents = [Agent(f"a{i}", 8) for i in range(1, 5)]
+    deployer.add_model("m", str(model_dir), num_stages=3)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    before = {s.agent_id: (s.spec.start_layer, s.spec.end_layer) for s in registry.active_plan("m").stages}
+    (spare,) = [a for a in agents if a.link.agent_id not in before]
+    victim = next(a for a in agents if a.link.agent_id in before and before[a.link.agent_id][0] > 0)
+    deployer.agent_disconnected(victim.link)
+    deployer.report_unreachable(victim.link.stage_address)
+    after = {s.agent_id: (s.spec.start_layer, s.spec.end_layer) for s in registry.active_plan("m").stages}
+    assert after == {**{a: r for a, r in before.items() if a != victim.link.agent_id},
+                     spare.link.agent_id: before[victim.link.agent_id]}

@@ -6,7 +6,8 @@ import itertools
 from pathlib import Path
 
 
-from stratamesh.coordinator.deployer import LINK_PROBE_EVERY_S, Deployer
+from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
