@@ -46,7 +46,6 @@ class StageHost:
     async def _load(self, assignment: Assignment) -> StageEngine:
         runner, self._released = self._released, None     # dropped either way: its memory may be needed
         if runner is None or runner.model.spec != assignment.stage:
-            runner = None
             loop = asyncio.get_running_loop()
             runner = await loop.run_in_executor(self.executor, StageRunner.load, assignment.stage,
                                                 self.config.kv_cache_bytes)

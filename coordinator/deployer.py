@@ -404,8 +404,8 @@ class Deployer:
         if len(agents) < num_stages:
             log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
             return False
+        placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in previous.stages] if previous else []
         try:
-            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in previous.stages] if previous else []
             planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
                                           self._registry.links(), placement)
         except PlacementError as exc:
