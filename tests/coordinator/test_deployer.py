@@ -264,15 +264,9 @@ def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutt
 
 
 def test_an_agent_joining_that_would_not_clearly_help_leaves_the_plan_alone(model_dir: Path) -> None:
-    registry = Registry(":memory:")
-    deployer = Deployer(registry, clock=lambda: 100.0)
-    agents = [Agent("a1", 8), Agent("a2", 8)]
-    deployer.add_model("m", str(model_dir), num_stages=2)
-    connect_all(deployer, agents)
-    report_ready(deployer, agents)
+    now = [100.0]
+    registry, deployer, (a1, a2, twin) = ready_pair(model_dir, now)      # twin: a3, as fast as the others
     plan = registry.active_plan("m").plan_id
-    twin = Agent("a3", 8)
-    connect_all(deployer, [twin])
     deployer.tick()
     assert registry.standby_plan("m") is None and registry.active_plan("m").plan_id == plan
     assert twin.assignments() == []
