@@ -261,17 +261,19 @@ class StageService(pb_grpc.StageServicer):
 
     def _next_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Fails, in order, every session whose next hop was on the broken stream."""
-        for engine in self._host.engines.values():
-            for session_id, message in engine.sessions.items():
-                if message.route and message.route[0].address == stream.address:
-                    self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0))
+        for session_id, message in self._open_sessions():
+            if message.route and message.route[0].address == stream.address:
+                self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0))
 
     def _origin_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Ends every session whose origin can no longer be reached: nobody would take its tokens."""
-        for engine in self._host.engines.values():
-            for session_id, message in engine.sessions.items():
-                if message.origin == stream.address:
-                    self._inbox.put_nowait((SessionClose(session_id), 0))
+        for session_id, message in self._open_sessions():
+            if message.origin == stream.address:
+                self._inbox.put_nowait((SessionClose(session_id), 0))
+
+    def _open_sessions(self) -> list[tuple[str, SessionOpen]]:
+        """(session id, its open message) of every session open on any stage here."""
+        return [item for engine in self._host.engines.values() for item in engine.sessions.items()]
 
     def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
         kind = message.WhichOneof("kind")

@@ -21,8 +21,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from stratamesh.bench.chaos import kill_stage_mid_stream, make_jobs, percentile
+from stratamesh.bench.chaos import kill_stage_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.tiny_model import write_tiny_model
 

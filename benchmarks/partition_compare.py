@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from stratamesh.fleet import sim
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner.fleet import Device, FleetSnapshot, fleet_from_dict
-from stratamesh.partitioner.plan import Pipeline, PlanRequest
+from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config
 from stratamesh.partitioner.proportional import split_layers
@@ -184,14 +184,11 @@ class Results:
     odd: dict[str, list[int]]           # what -> seeds
 
 
-def objective_s(pipeline: Pipeline, request: PlanRequest) -> float:
-    return pipeline.bottleneck_s if request.objective == "throughput" else pipeline.step_s
-
-
 def score(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, strategy: str) -> float | None:
     """A baseline's placement scored by evaluate; None if it cannot place or a stage does not fit."""
     try:
-        return objective_s(evaluate(profile, fleet, request, STRATEGIES[strategy](profile, fleet, request)), request)
+        placement = STRATEGIES[strategy](profile, fleet, request)
+        return evaluate(profile, fleet, request, placement).objective_s(request.objective)
     except PlacementError:
         return None
 
@@ -204,8 +201,8 @@ def score_ours(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest
     except PlacementError:
         return None, True
     placement = [(s.devices, s.start_layer, s.end_layer) for s in pipeline.stages]
-    value = objective_s(evaluate(profile, fleet, request, placement), request)
-    return value, math.isclose(value, objective_s(pipeline, request), rel_tol=1e-9)
+    value = evaluate(profile, fleet, request, placement).objective_s(request.objective)
+    return value, math.isclose(value, pipeline.objective_s(request.objective), rel_tol=1e-9)
 
 
 def compare(profile: ModelProfile, request: PlanRequest, seeds: Sequence[int]) -> Results:

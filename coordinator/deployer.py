@@ -196,6 +196,8 @@ class Deployer:
         now = self._clock()
         self.liveness.heard(link.agent_id, now)
         self._links[link.agent_id] = link
+        # A restarted agent listens on a new port: its old address points nowhere now.
+        self._addresses = {addr: a for addr, a in self._addresses.items() if a != link.agent_id}
         self._addresses[link.stage_address] = link.agent_id
         self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
                                     registration.capabilities, now)
@@ -370,9 +372,10 @@ class Deployer:
         for assignment_id, until in list(self._retiring.items()):
             if assignment_id not in in_use or now >= until:
                 del self._retiring[assignment_id]
+        wanted = {s.assignment_id for s in self._planned_stages()} | set(self._retiring)
         for link in self._links.values():
             loaded = self._loaded.setdefault(link.agent_id, set())
-            for assignment_id in sorted(loaded - set(self._planned_for(link.agent_id)) - set(self._retiring)):
+            for assignment_id in sorted(loaded - wanted):
                 loaded.discard(assignment_id)
                 link.send(convert.release_to_pb(assignment_id))
 

@@ -67,12 +67,13 @@ class RequestRecord:
 
 @dataclass(slots=True)
 class _Live:
-    first_hop: str
-    addresses: frozenset[str]   # every stage of the session's route ...
-    assignments: frozenset[str]     # ... and their assignment ids
+    route: tuple[Hop, ...]
     trace_id: str = ""
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+
+    def runs_through(self, address: str) -> bool:
+        return any(hop.address == address for hop in self.route)
 
 
 class _Preempted(Exception):
@@ -270,10 +271,8 @@ class Origin:
         """Registers a session for a with-block; closes it on every stage at exit."""
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
-        first_hop = route[0].address
-        live = self._sessions[session_id] = _Live(first_hop, frozenset(h.address for h in route),
-                                                  frozenset(h.assignment_id for h in route), trace_id, parent_span_id)
-        stream = self._streams.get(first_hop)
+        live = self._sessions[session_id] = _Live(tuple(route), trace_id, parent_span_id)
+        stream = self._streams.get(route[0].address)
         try:
             yield live, stream
         finally:
@@ -302,18 +301,18 @@ class Origin:
 
     def assignments_in_use(self) -> set[str]:
         """The assignment ids of every stage a live session runs on."""
-        return {a for live in self._sessions.values() for a in live.assignments}
+        return {hop.assignment_id for live in self._sessions.values() for hop in live.route}
 
     def route_lost(self, address: str) -> None:
         """The agent at this Stage address was declared dead: every session routed through it fails over."""
         for session_id, live in self._sessions.items():
-            if address in live.addresses:
+            if live.runs_through(address):
                 live.events.put_nowait(TokenEvent(session_id, -1, error="its agent was declared dead",
                                                   unreachable=address))
 
     def _stream_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         for session_id, live in self._sessions.items():
-            if live.first_hop == stream.address:
+            if live.route[0].address == stream.address:
                 live.events.put_nowait(TokenEvent(session_id, -1, error=str(exc), error_stage=stream.address,
                                                   unreachable=stream.address))
 

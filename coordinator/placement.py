@@ -77,12 +77,14 @@ def _as_plan(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, 
             continue
     if not pipelines:
         return None
-    best = min(pipelines, key=lambda p: p.bottleneck_s if request.objective == "throughput" else p.step_s)
+    best = min(pipelines, key=lambda p: p.objective_s(request.objective))
     return Plan(profile.name, request.objective, (best,), best.tokens_per_s, "")
 
 
 def _repairs(placement: Placement, agents: Sequence[str], limit: int = 64) -> list[list[tuple[str, int, int]]]:
     """The placement with each stage of a missing agent given to a spare (every way, up to limit)."""
+    if not placement:
+        return []
     spares = sorted(set(agents) - {a for a, _, _ in placement})
     missing = [i for i, (a, _, _) in enumerate(placement) if a not in agents]
     out = []
@@ -91,7 +93,7 @@ def _repairs(placement: Placement, agents: Sequence[str], limit: int = 64) -> li
         for i, agent in zip(missing, chosen, strict=True):
             repaired[i] = (agent, repaired[i][1], repaired[i][2])
         out.append(repaired)
-    return out if placement else []
+    return out
 
 
 def stage_specs(plan: Plan, model_id: str, model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:

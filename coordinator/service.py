@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from functools import partial
 
 from stratamesh.coordinator.api.openai import ModelCard

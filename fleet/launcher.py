@@ -81,9 +81,7 @@ class LocalMesh:
 
     def kill_agent(self, index: int) -> None:
         """kill -9 of one agent: no goodbye to anyone, as when a box loses power."""
-        process = self.agents[index]
-        _signal(process, signal.SIGKILL)
-        process.wait()
+        _kill(self.agents[index])
 
     def agent_index(self, address: str) -> int:
         """Which agent serves its stages at this address."""
@@ -132,8 +130,7 @@ class LocalMesh:
     def kill_coordinator(self) -> None:
         """kill -9 of the coordinator, as in a crash: the agents and their loaded stages stay up."""
         if self.coordinator is not None:
-            _signal(self.coordinator, signal.SIGKILL)
-            self.coordinator.wait()
+            _kill(self.coordinator)
             self.coordinator = None
 
     def stop_coordinator(self) -> None:
@@ -209,6 +206,11 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
             process.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def _kill(process: subprocess.Popen) -> None:
+    _signal(process, signal.SIGKILL)
+    process.wait()
 
 
 def _terminate(process: subprocess.Popen, grace_s: float = 10.0) -> None:

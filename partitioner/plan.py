@@ -95,6 +95,10 @@ class Pipeline:
     def devices(self) -> tuple[str, ...]:
         return tuple(d for s in self.stages for d in s.devices)
 
+    def objective_s(self, objective: str) -> float:
+        """What an objective minimises: the bottleneck (throughput) or the step time (latency)."""
+        return self.bottleneck_s if objective == "throughput" else self.step_s
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -111,8 +115,7 @@ class Plan:
     @property
     def objective_s(self) -> float:
         """The value minimised: bottleneck (throughput) or step time (latency) of the first replica."""
-        first = self.pipelines[0]
-        return first.bottleneck_s if self.objective == "throughput" else first.step_s
+        return self.pipelines[0].objective_s(self.objective)
 
     def to_dict(self) -> dict[str, Any]:
         return {

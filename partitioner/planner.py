@@ -127,7 +127,7 @@ def _best_pipeline(profile: ModelProfile, fleet: FleetSnapshot, tables: StageTab
     for units, costs, split, how in found:
         chosen, ranges = _break_tie(units, costs, split, tables, links, request, exact)
         pipeline = _pipeline(chosen, ranges, tables, links)
-        key = (_objective(pipeline, request), pipeline.step_s, len(pipeline.stages))
+        key = (pipeline.objective_s(request.objective), pipeline.step_s, len(pipeline.stages))
         if best is None or key < best[0]:
             best = (key, pipeline, how)
     return None if best is None else (best[1], best[2])
@@ -324,10 +324,6 @@ def _micro_batches(stages: list[PlannedStage], step_s: float, bottleneck_s: floa
     useful = max(1, math.ceil(step_s / bottleneck_s - 1e-9))
     room = min((s.headroom_bytes // s.kv_budget_bytes for s in stages if s.kv_budget_bytes > 0), default=useful)
     return int(min(useful, 1 + max(0, room)))
-
-
-def _objective(pipeline: Pipeline, request: PlanRequest) -> float:
-    return pipeline.bottleneck_s if request.objective == "throughput" else pipeline.step_s
 
 
 def _plan(profile: ModelProfile, request: PlanRequest, pipelines: tuple[Pipeline, ...], how: str) -> Plan:

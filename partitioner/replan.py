@@ -18,7 +18,7 @@ def stay_close(best: Plan, previous: Plan, profile: ModelProfile, fleet: FleetSn
     """best, unless the previous placement still fits and is predicted within KEEP_WITHIN of it."""
     kept = _still_valid(previous, profile, fleet, request)
     if kept is not None:
-        value = kept[0].bottleneck_s if request.objective == "throughput" else kept[0].step_s
+        value = kept[0].objective_s(request.objective)
         if value <= best.objective_s * (1 + KEEP_WITHIN):
             plan = replace(best, pipelines=kept, tokens_per_s=sum(p.tokens_per_s for p in kept), layers_moved=0,
                            search="kept")

@@ -10,7 +10,6 @@ import itertools
 import json
 import logging
 import random
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
 
@@ -46,8 +46,7 @@ class StreamOutcome:
     times: list[float] = field(default_factory=list)
     error: str = ""
     request_id: str = ""        # the response id: the request's id in the admin API
-    start_s: float = 0.0
-    end_s: float = 0.0
+    end_s: float = 0.0          # when the stream ended (0 while it runs)
 
 
 def make_jobs(num_jobs: int, vocab_ids: Sequence[int], prompt_len: int, max_tokens: int,
@@ -62,7 +61,6 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
                  outcome: StreamOutcome | None = None) -> StreamOutcome:
     """Streams one completion into outcome (a new one if None): failures are recorded, never raised."""
     outcome = outcome if outcome is not None else StreamOutcome()
-    outcome.start_s = time.monotonic()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=job.body(model)) as response:
             if response.status_code != 200:
@@ -94,14 +92,19 @@ async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],
                       timeout_s: float = 300.0) -> list[StreamOutcome]:
     """Streams every job at once; during(outcomes), if given, runs alongside and sees them fill in."""
     outcomes = [StreamOutcome() for _ in jobs]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with _client(timeout_s) as client:
         streams = asyncio.gather(*(stream(client, url, model, j, o) for j, o in zip(jobs, outcomes)))
         if during is not None:
             await asyncio.gather(streams, during(outcomes))
         else:
             await streams
     return outcomes
+
+
+def _client(timeout_s: float) -> httpx.AsyncClient:
+    """One client for many concurrent streams: no cap on its connections."""
+    return httpx.AsyncClient(timeout=timeout_s,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
 def stalls_after(kill_s: float, outcomes: Sequence[StreamOutcome]) -> list[float]:
@@ -111,15 +114,6 @@ def stalls_after(kill_s: float, outcomes: Sequence[StreamOutcome]) -> list[float
         if o.times and o.times[0] < kill_s < o.times[-1]:
             out.append(next(t for t in o.times if t > kill_s) - kill_s)
     return out
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(max(int(round(q)), 1), 99) - 1]
 
 
 async def wait_for_tokens(outcomes: Sequence[StreamOutcome], num_tokens: int, timeout_s: float = 60.0) -> None:
@@ -200,9 +194,8 @@ async def run_chaos(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], dura
     kill_every_s and started again; each output is checked against an undisturbed run of the same job."""
     references = [o.tokens for o in await run_streams(mesh.url, model, jobs)]
     rng, report = random.Random(seed), ChaosReport(duration_s, num_clients)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     start = time.monotonic()
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with _client(300.0) as client:
 
         async def client_loop(first: int) -> None:
             n = first
@@ -240,16 +233,16 @@ def format_chaos(report: ChaosReport) -> str:
             ("requests completed", str(report.num_completed)), ("requests failed", str(report.num_failed)),
             ("outputs differing from the undisturbed run", str(report.num_mismatched)),
             ("failovers (a generation resumed on a new route)", str(report.num_failovers)),
-            ("stall, kill to next token, p50", _ms(percentile(report.stalls, 50))),
-            ("stall, kill to next token, p99", _ms(percentile(report.stalls, 99))),
-            ("stall, kill to next token, max", _ms(max(report.stalls, default=float("nan"))))]
+            ("stall, kill to next token, p50", _ms(report.stalls, percentile(report.stalls, 50))),
+            ("stall, kill to next token, p99", _ms(report.stalls, percentile(report.stalls, 99))),
+            ("stall, kill to next token, max", _ms(report.stalls, max(report.stalls, default=0.0)))]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines + [f"error: {e}" for e in errors[:5]])
 
 
-def _ms(seconds: float) -> str:
-    return "-" if seconds != seconds else f"{seconds * 1e3:.0f} ms"
+def _ms(stalls: Sequence[float], seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if stalls else "-"
 
 
 def chaos_main(model_dir: str, num_agents: int, num_stages: int, duration_s: float, num_clients: int,

@@ -51,7 +51,7 @@ def test_a_slightly_better_device_keeps_the_old_placement(objective: str) -> Non
     best = plan_pipeline(PROFILE, fleet, request)
     assert _placement(best) == [(("b",), 0, NUM_LAYERS)]                       # moving would help a little
     old_now = evaluate(PROFILE, fleet, request, _placement(old))
-    old_value = old_now.bottleneck_s if objective == "throughput" else old_now.step_s
+    old_value = old_now.objective_s(objective)
     assert best.objective_s < old_value <= best.objective_s * (1 + KEEP_WITHIN)
 
     plan = plan_pipeline(PROFILE, fleet, request, previous=old)
