@@ -40,8 +40,10 @@ class ControlClient:
 
     def __init__(self, identity: Identity, host: StageHost,
                  find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5,
-                 telemetry: Callable[[], Awaitable[Telemetry]] | None = None):
+                 telemetry: Callable[[], Awaitable[Telemetry]] | None = None,
+                 on_shutdown: Callable[[str], None] = lambda reason: None):
         self._identity = identity
+        self._on_shutdown = on_shutdown     # the coordinator drained this agent: it should exit
         self._host = host
         self._telemetry = telemetry
         self._find = find_coordinator
@@ -94,6 +96,9 @@ class ControlClient:
                     task = asyncio.create_task(self._probe_links(outbox, message.probe_links))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                elif kind == "shutdown":
+                    log.info("the coordinator asks this agent to exit: %s", message.shutdown.reason)
+                    self._on_shutdown(message.shutdown.reason)
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()

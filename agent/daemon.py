@@ -92,7 +92,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
         return telemetry
 
-    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sample).run())
+    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sample,
+                                                on_shutdown=lambda reason: stop.set()).run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",
           flush=True)

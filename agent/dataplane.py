@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
+from stratamesh.agent import kv_transfer
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import Outbox, StageEngine
 from stratamesh.agent.observer import StageObserver
@@ -41,7 +43,21 @@ class _Poison:
         self.unreachable = unreachable     # the next hop's address, when that is what was lost
 
 
-Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison
+class _Call:
+    """Stands in the inbox for work on the engines that must run between steps (a KV export or import)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def run(self) -> None:
+        try:
+            self.done.set_result(self.fn())
+        except Exception as exc:  # the RPC that asked answers with it
+            self.done.set_exception(exc)
+
+
+Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison | _Call
 Arrival = tuple[Inbound, int]   # a message and when it arrived (Unix ns)
 
 
@@ -105,6 +121,53 @@ class StageService(pb_grpc.StageServicer):
     async def Trace(self, request: pb.TraceRequest, context: grpc.aio.ServicerContext) -> pb.TraceSpans:
         return convert.spans_to_pb(self.observer.spans.trace(request.trace_id))
 
+    async def ExportKv(self, request: pb.KvExportRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvChunk]:
+        try:
+            export = convert.kv_export_request_from_pb(request)
+            engine = self._host.engine(export.assignment_id)
+            layout = engine.kv_layout()
+            kv_transfer.check_export(layout, export)
+            header, data = kv_transfer.seal(layout, await self._between_steps(
+                lambda: engine.export_session(export.session_id)))
+        except MeshError as exc:
+            await context.abort(kv_transfer.status_of(exc), str(exc))
+        yield convert.kv_chunk_to_pb(header)
+        for piece in kv_transfer.pieces(data):
+            yield convert.kv_chunk_to_pb(piece)
+        # Every piece is out: the session lives on at the importer, and leaves quietly here.
+        await self._between_steps(lambda: engine.drop(export.session_id))
+        self.observer.kv_moved("export", len(data))
+        log.info("session %s exported (%d tokens, %d bytes)", export.session_id, header.num_computed, len(data))
+
+    async def ImportKv(self, request: pb.KvImportRequest,
+                       context: grpc.aio.ServicerContext) -> pb.KvImportSummary:
+        try:
+            pull = convert.kv_import_request_from_pb(request)
+            engine = self._host.engine(pull.assignment_id)
+            session, summary = await kv_transfer.pull(pull, engine.kv_layout())
+            await self._between_steps(lambda: engine.import_session(session))
+        except MeshError as exc:
+            await context.abort(kv_transfer.status_of(exc), str(exc))
+        asyncio.get_running_loop().call_later(kv_transfer.PARK_S, self._unpark, engine, pull.session_id)
+        self.observer.kv_moved("import", summary.num_bytes)
+        log.info("session %s imported from %s (%d tokens, %d bytes)", pull.session_id, pull.source.address,
+                 summary.num_tokens, summary.num_bytes)
+        return convert.kv_import_summary_to_pb(summary)
+
+    async def _between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Runs fn on the worker between steps, where the engines may change, and returns what it did."""
+        call = _Call(fn)
+        self._inbox.put_nowait((call, 0))
+        return await call.done
+
+    def _unpark(self, engine: StageEngine, session_id: str) -> None:
+        def free() -> None:
+            if engine.unpark(session_id):
+                log.info("imported session %s was never resumed: freed", session_id)
+
+        self._inbox.put_nowait((_Call(free), 0))
+
     # ------------------------------------------------------------ worker
     async def _work(self) -> None:
         while True:
@@ -136,6 +199,9 @@ class StageService(pb_grpc.StageServicer):
             self._drain()
 
     def _apply(self, message: Inbound, arrived_ns: int) -> None:
+        if isinstance(message, _Call):
+            message.run()
+            return
         outbox = Outbox()
         try:
             match message:

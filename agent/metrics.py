@@ -44,6 +44,14 @@ class AgentMetrics:
                                       buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.tokens = Counter("stratamesh:stage_tokens", "Tokens run through a stage's layers.", STAGE_LABELS,
                               registry=r)
+        self.prefill_tokens = Counter("stratamesh:stage_prefill_tokens",
+                                      "Tokens of prompts (and of replayed histories) run through a stage's layers.",
+                                      STAGE_LABELS, registry=r)
+        self.kv_sessions = Counter("stratamesh:kv_migrated_sessions",
+                                   "Sessions whose KV moved to (export) or from (import) another stage.",
+                                   ("direction",), registry=r)
+        self.kv_bytes = Counter("stratamesh:kv_migrated_bytes", "Bytes of KV moved to or from another stage.",
+                                ("direction",), registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sessions preempted for want of KV blocks.",
                                    STAGE_LABELS, registry=r)
         self.sent_bytes = Counter("stratamesh:hop_transfer_bytes", "Bytes this agent sent to the next hop.",

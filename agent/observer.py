@@ -28,6 +28,7 @@ class _StageMetrics(NamedTuple):
     hop_s: MetricWrapperBase
     batch_tokens: MetricWrapperBase
     tokens: MetricWrapperBase
+    prefill_tokens: MetricWrapperBase
     preemptions: MetricWrapperBase
 
 
@@ -58,6 +59,7 @@ class StageObserver:
         bound.compute_s.observe((end_ns - start_ns) / 1e9)
         bound.batch_tokens.observe(num_tokens)
         bound.tokens.inc(num_tokens)
+        bound.prefill_tokens.inc(sum(c.num_tokens for c in batch.chunks if not c.is_decode))
         for chunk in batch.chunks:
             item = chunk.item
             first_piece = chunk.begin == 0 and item.arrived_ns > 0
@@ -73,6 +75,11 @@ class StageObserver:
     def preempted(self, engine: StageEngine, num_sessions: int) -> None:
         if num_sessions:
             self._bound(engine).preemptions.inc(num_sessions)
+
+    def kv_moved(self, direction: str, num_bytes: int) -> None:
+        """A session's KV left this agent ("export") or arrived ("import")."""
+        self.metrics.kv_sessions.labels(direction).inc()
+        self.metrics.kv_bytes.labels(direction).inc(num_bytes)
 
     def sent(self, peer: str, num_bytes: int) -> None:
         """A message of num_bytes went to peer (the next stage or an origin)."""
@@ -99,5 +106,5 @@ class StageObserver:
             m = self.metrics
             children = self._children[key] = _StageMetrics(*(
                 family.labels(*labels) for family in (m.compute_s, m.queue_s, m.hop_s, m.batch_tokens, m.tokens,
-                                                      m.preemptions)))
+                                                      m.prefill_tokens, m.preemptions)))
         return children

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+from stratamesh.coordinator.drain import Drainer
 from stratamesh.coordinator.origin import Origin, RequestRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.traces import request_trace
@@ -19,10 +20,12 @@ class UnknownRequest(MeshError, LookupError):
 class MeshAdmin:
     """Read-only views of the mesh as JSON-ready values."""
 
-    def __init__(self, registry: Registry, origin: Origin, metrics_addresses: Mapping[str, str]):
+    def __init__(self, registry: Registry, origin: Origin, metrics_addresses: Mapping[str, str],
+                 drainer: Drainer | None = None):
         self._registry = registry
         self._origin = origin
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
+        self._drainer = drainer
 
     def agents(self) -> list[dict[str, Any]]:
         """Every agent the registry knows, with its state, capabilities and newest telemetry."""
@@ -37,6 +40,18 @@ class MeshAdmin:
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]:
         """An agent's telemetry history, oldest first."""
         return [asdict(t) | {"received": ts} for ts, t in self._registry.telemetry(agent_id, since, limit)]
+
+    def drain(self, agent_id: str) -> dict[str, Any]:
+        """Starts draining an agent (LookupError: not connected; DrainRefused: cannot now)."""
+        return self._drains().start(agent_id).as_json()
+
+    def drain_status(self, agent_id: str) -> dict[str, Any]:
+        return self._drains().status(agent_id).as_json()
+
+    def _drains(self) -> Drainer:
+        if self._drainer is None:
+            raise RuntimeError("this admin view was made without a drainer")
+        return self._drainer
 
     def links(self) -> list[dict[str, Any]]:
         return [asdict(link) for link in self._registry.links()]

@@ -18,7 +18,8 @@ from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.control import ControlService
 from stratamesh.coordinator.deployer import Deployer
-from stratamesh.coordinator.fleet_metrics import FleetCollector, active_stages, hop_histogram
+from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.fleet_metrics import FleetCollector, OriginCollector, active_stages, hop_histogram
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
@@ -130,12 +131,14 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                     on_hop=last_hop.observe, on_unreachable=deployer.report_unreachable)
     deployer.on_agent_dead = origin.route_lost
     deployer.assignments_in_use = origin.assignments_in_use
+    metrics.register(OriginCollector(origin.stats))
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
     await server.start()
 
-    admin = MeshAdmin(registry, origin, control.metrics_addresses)
+    drainer = Drainer(deployer, origin)
+    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer)
     http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, options)
 
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
@@ -155,6 +158,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     finally:
         ticker.cancel()
         origin_links.cancel()
+        await drainer.close()
         watcher.cancel()
         await browser.close()
         await advertiser.close()

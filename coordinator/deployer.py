@@ -7,14 +7,14 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S, PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.placement import plan_stages
+from stratamesh.coordinator.placement import plan_stages, repair_stages
 from stratamesh.coordinator.registry import PlannedStage, PlanRecord, Registry, StageRecord
-from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
+from stratamesh.fleet.errors import CheckpointError, MeshError, ModelNotFound, ModelNotReady, PlacementError
 from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
                                     StageStatus, Telemetry)
 from stratamesh.fleet.wire import convert
@@ -28,6 +28,10 @@ TELEMETRY_MAX_ROWS_PER_AGENT = 3600
 TELEMETRY_PRUNE_EVERY_S = 60.0
 # A plan replaced by a better one keeps its stages while generations still run on them, up to this long.
 RETIRE_AFTER_S = 600.0
+
+
+class AgentNotConnected(MeshError, LookupError):
+    """No agent of that id is connected to this coordinator."""
 
 
 @dataclass(slots=True)
@@ -90,6 +94,11 @@ class Deployer:
         self._waiters: list[asyncio.Future[None]] = []
         # Told the Stage address of each agent declared dead: the origin fails over the sessions routed there.
         self.on_agent_dead: Callable[[str], None] = lambda address: None
+        # A drain moves an agent's stages to spares, one replacement per stage, then lets the agent go.
+        self._draining: set[str] = set()       # agents planned on no more
+        self._drained: set[str] = set()        # agents told to exit
+        self._replacements: dict[str, tuple[StageRecord, StageRecord]] = {}  # new assignment id -> (old, new)
+        self.drain_failures: dict[str, str] = {}   # agent id -> why a replacement of its stages failed
 
     def start(self) -> None:
         """After a (re)start no agent is connected and no stage known loaded until its agent says so."""
@@ -220,6 +229,14 @@ class Deployer:
             return  # a newer stream of the same agent took over, or the agent was declared dead
         now = self._clock()
         self._forget(link.agent_id)
+        if link.agent_id in self._drained:     # it left as told: not a failure
+            self._drained.discard(link.agent_id)
+            self._draining.discard(link.agent_id)
+            self.liveness.forget(link.agent_id)
+            self._registry.set_agent_state(link.agent_id, "drained", now)
+            self._registry.log_event("agent_drained", "", now, agent_id=link.agent_id)
+            self._notify()
+            return
         for assignment_id in self._planned_for(link.agent_id):
             self._registry.set_stage_state(assignment_id, "assigned")
         self._registry.set_agent_state(link.agent_id, "disconnected", now)
@@ -289,19 +306,28 @@ class Deployer:
             loaded.add(status.assignment_id)
         else:
             loaded.discard(status.assignment_id)
-        self._registry.set_stage_state(status.assignment_id, status.state)
+        self._set_stage_state(status.assignment_id, status.state)
         if status.state == "failed":
             self._registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
             log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
+            self._replacement_failed(status.assignment_id, status.error)
+        self._finish_replacements()
         self._promote_standbys()
         self._notify()
+
+    def _set_stage_state(self, assignment_id: str, state: str) -> None:
+        if assignment_id in self._replacements:
+            old, new = self._replacements[assignment_id]
+            self._replacements[assignment_id] = (old, replace(new, state=state))
+        else:
+            self._registry.set_stage_state(assignment_id, state)
 
     def _planned_for(self, agent_id: str) -> dict[str, StageRecord]:
         return {s.assignment_id: s for s in self._planned_stages() if s.agent_id == agent_id}
 
     def _planned_stages(self) -> list[StageRecord]:
-        """Every stage of every model's active plan and of the standby plan it moves to next."""
-        stages = []
+        """Every stage of every model's active plan, of the standby plan it moves to next, and of a drain."""
+        stages = [new for _, new in self._replacements.values()]
         for model in self._registry.models():
             for plan in (self._registry.active_plan(model.model_id), self._registry.standby_plan(model.model_id)):
                 stages += plan.stages if plan else ()
@@ -387,14 +413,15 @@ class Deployer:
         for stage in self._planned_stages():
             link = self._links.get(stage.agent_id)
             if link is not None and not self._serving(stage) and stage.state not in ("loading", "failed"):
-                self._registry.set_stage_state(stage.assignment_id, "loading")
+                self._set_stage_state(stage.assignment_id, "loading")
                 link.send(convert.assign_to_pb(Assignment(stage.assignment_id, stage.spec)))
         self._notify()
 
     def _plannable(self) -> dict[str, Capabilities]:
         """Connected agents not banned for flapping, and what they can do."""
         now = self._clock()
-        return {a: link.capabilities for a, link in self._links.items() if not self.liveness.is_banned(a, now)}
+        return {a: link.capabilities for a, link in self._links.items()
+                if not self.liveness.is_banned(a, now) and a not in self._draining}
 
     def _plan(self, model_id: str, num_stages: int, previous: PlanRecord | None = None,
               standby: bool = False) -> bool:
@@ -426,3 +453,88 @@ class Deployer:
         self._unplaceable.pop(model_id, None)
         log.info("%s %s: %s", "standby plan for" if standby else "planned", model_id, reason)
         return True
+
+    # ------------------------------------------------------------ drains
+    def drain(self, agent_id: str) -> list[tuple[StageRecord, StageRecord]]:
+        """Starts moving every stage of the agent to a spare, layer range unchanged, and plans on it no more.
+
+        Returns (stage, replacement) pairs; the replacement takes the stage's place in its plan once loaded.
+        AgentNotConnected or PlacementError (no spare fits) leave everything as it was."""
+        if agent_id not in self._links:
+            raise AgentNotConnected(f"agent {agent_id!r} is not connected")
+        if agent_id in self._draining:
+            return self.replacing(agent_id)
+        agents = {a: caps for a, caps in self._plannable().items() if a != agent_id}
+        pairs = []
+        for model in self._registry.models():
+            plan = self._registry.active_plan(model.model_id)
+            if plan is None or all(s.agent_id != agent_id for s in plan.stages):
+                continue
+            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in plan.stages]
+            chosen = repair_stages(model.model_id, model.config, agents, placement, self._registry.links())
+            pairs += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
+                                      spare, s.spec, "assigned"))
+                      for s, spare in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
+        self._draining.add(agent_id)
+        self.drain_failures.pop(agent_id, None)
+        for old, new in pairs:
+            self._replacements[new.assignment_id] = (old, new)
+            standby = self._registry.standby_plan(old.spec.model_id)
+            if standby is not None and any(s.agent_id == agent_id for s in standby.stages):
+                self._registry.abandon_standby(old.spec.model_id)
+        moves = ", ".join(f"{o.spec.model_id} [{o.spec.start_layer}, {o.spec.end_layer}) to {n.agent_id}"
+                          for o, n in pairs)
+        self._registry.log_event("drain", moves or "no stages", self._clock(), agent_id=agent_id)
+        log.info("draining agent %s: %s", agent_id, moves or "it serves no stage")
+        self.reconcile()
+        return pairs
+
+    def replacing(self, agent_id: str) -> list[tuple[StageRecord, StageRecord]]:
+        """The agent's stages whose replacements are still loading."""
+        return [pair for pair in self._replacements.values() if pair[0].agent_id == agent_id]
+
+    def stage_address(self, agent_id: str) -> str:
+        """Where a connected agent's Stage service listens (AgentNotConnected otherwise)."""
+        link = self._links.get(agent_id)
+        if link is None:
+            raise AgentNotConnected(f"agent {agent_id!r} is not connected")
+        return link.stage_address
+
+    def _finish_replacements(self) -> None:
+        """Puts each loaded replacement in its stage's place; the stage it replaces retires once idle."""
+        now = self._clock()
+        for new_id, (old, new) in list(self._replacements.items()):
+            if not self._serving(new):
+                continue
+            del self._replacements[new_id]
+            self._registry.replace_stage(old.assignment_id, PlannedStage(new_id, new.stage_index, new.agent_id,
+                                                                         new.spec))
+            self._retiring[old.assignment_id] = now + RETIRE_AFTER_S
+            self._registry.log_event("stage_moved", f"{old.spec.model_id} [{old.spec.start_layer}, "
+                                     f"{old.spec.end_layer}) from {old.agent_id} to {new.agent_id}", now)
+
+    def _replacement_failed(self, assignment_id: str, error: str) -> None:
+        pair = self._replacements.pop(assignment_id, None)
+        if pair is not None:
+            self.drain_failures[pair[0].agent_id] = f"{pair[1].agent_id} failed to load its stage: {error}"
+
+    def cancel_drain(self, agent_id: str) -> None:
+        """Gives up a drain: the replacements not loaded yet are dropped, and the agent is planned on again."""
+        for new_id, (old, _) in list(self._replacements.items()):
+            if old.agent_id == agent_id:
+                del self._replacements[new_id]
+        self._draining.discard(agent_id)
+        self._release_unplanned()
+
+    def finish_drain(self, agent_id: str) -> None:
+        """Releases what the drained agent still holds and tells it to exit."""
+        link = self._links.get(agent_id)
+        if link is None:
+            return
+        self._drained.add(agent_id)
+        for assignment_id in sorted(self._loaded.pop(agent_id, set())):
+            self._retiring.pop(assignment_id, None)
+            link.send(convert.release_to_pb(assignment_id))
+        link.send(convert.shutdown_to_pb("drained: its stages moved to other agents"))
+        self._registry.set_agent_state(agent_id, "drained", self._clock())
+        log.info("agent %s drained; told to exit", agent_id)

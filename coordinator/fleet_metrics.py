@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stratamesh.coordinator.origin import OriginStats
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Telemetry
 
@@ -42,6 +43,25 @@ class FleetCollector(Collector):
                      waiting)
         yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage of the model's fullest stage. 1 means 100 percent.",
                      kv_usage)
+
+
+class OriginCollector(Collector):
+    """What the origin's generations went through: moves off drained agents, failovers, tokens computed again."""
+
+    def __init__(self, stats: OriginStats):
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats
+        for name, doc, value in (
+                ("stratamesh:session_moves", "Sessions moved with their KV off a draining agent.", s.num_moves),
+                ("stratamesh:session_failovers", "Sessions resumed on a new route after losing a stage.",
+                 s.num_failovers),
+                ("stratamesh:replayed_tokens", "Tokens computed again because a session changed route or was "
+                 "preempted (a clean move adds none).", s.num_replayed_tokens),
+                ("stratamesh:kv_moved_bytes", "Bytes of KV that moving sessions pulled to their new stages.",
+                 s.kv_moved_bytes)):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

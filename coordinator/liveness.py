@@ -49,6 +49,10 @@ class Liveness:
         """An agent known from before a coordinator restart: it has restart_grace_s to reconnect."""
         self._agents.setdefault(agent_id, _Agent(now + self.config.restart_grace_s))
 
+    def forget(self, agent_id: str) -> None:
+        """An agent that left on purpose (drained): no lease, no death, no ban."""
+        self._agents.pop(agent_id, None)
+
     def suspect(self, agent_id: str, reason: str, now: float) -> bool:
         """Records a sign of failure (CONTROL or DATA); True if the agent is declared dead by it.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from stratamesh.coordinator.kv_moves import move_kv
 from stratamesh.fleet.errors import MeshError, StageFailed
 from stratamesh.fleet.tracing import SpanStore, new_span_id, new_trace_id, traceparent
 from stratamesh.fleet.types import Hop, SamplingParams, SessionClose, SessionOpen, StepChunk, TokenEvent
@@ -57,6 +58,8 @@ class RequestRecord:
     num_tokens: int = 0
     num_preemptions: int = 0
     num_failovers: int = 0      # times a lost stage made it resume on a new route
+    num_moves: int = 0          # times it moved, KV and all, off a draining agent
+    num_replayed_tokens: int = 0    # tokens computed again after a failover, preemption or move (0 for a clean move)
     cached_tokens: int = 0
     error: str = ""
 
@@ -66,11 +69,23 @@ class RequestRecord:
 
 
 @dataclass(slots=True)
+class OriginStats:
+    """What the origin's generations went through, since it started (exported as counters)."""
+
+    num_moves: int = 0
+    num_failovers: int = 0
+    num_replayed_tokens: int = 0
+    kv_moved_bytes: int = 0
+
+
+@dataclass(slots=True)
 class _Live:
     route: tuple[Hop, ...]
     trace_id: str = ""
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    leaving: str = ""           # a Stage address being drained: move off it at the next token
+    moved: bool = False         # it moved: the stages keep the session for its next route to adopt
 
     def runs_through(self, address: str) -> bool:
         return any(hop.address == address for hop in self.route)
@@ -78,6 +93,14 @@ class _Live:
 
 class _Preempted(Exception):
     """A stage ran out of KV blocks for this attempt; the generation replays it."""
+
+
+class _Moving(Exception):
+    """The session stopped, quiet, to move off a draining stage; the generation resumes it on the new route."""
+
+    def __init__(self, session_id: str):
+        super().__init__(session_id)
+        self.session_id = session_id
 
 
 class _RouteLost(Exception):
@@ -124,23 +147,34 @@ class Generation:
     async def _run(self) -> AsyncIterator[int]:
         emitted: list[int] = []
         lost: set[str] = set()
-        record = self.record
+        record, stats = self.record, self._origin.stats
+        resume_from = left = ""     # the session a move left quiet on the stages (for the next attempt; for good)
         try:
             while True:
                 route, block_size = await self._routes(frozenset(lost))
+                if resume_from:
+                    moved = await move_kv(resume_from, record.route, route)
+                    stats.kv_moved_bytes += moved.num_bytes
                 record.route = tuple(route)
                 try:
-                    attempt = self._attempt(route, block_size, self._prompt + emitted, first=not emitted)
+                    attempt = self._attempt(route, block_size, self._prompt + emitted, not emitted, resume_from)
+                    resume_from = ""
                     async with aclosing(attempt) as tokens:
                         async for token in tokens:
                             emitted.append(token)
                             yield token
                     return
+                except _Moving as exc:
+                    record.num_moves += 1
+                    stats.num_moves += 1
+                    resume_from = left = exc.session_id
+                    self._origin.moving[left] = record.route
                 except _Preempted:
                     record.num_preemptions += 1
                     await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (record.num_preemptions - 1), 1.0))
                 except _RouteLost as exc:
                     record.num_failovers += 1
+                    stats.num_failovers += 1
                     if record.num_failovers > MAX_FAILOVERS:
                         raise StageFailed(f"lost {MAX_FAILOVERS + 1} routes in a row; the last: {exc}") from None
                     log.warning("request %s lost a stage (%s) after %d tokens; resuming on a new route",
@@ -152,6 +186,7 @@ class Generation:
                 record.error = str(exc) or type(exc).__name__
             raise
         finally:
+            self._origin.moving.pop(left, None)
             self._finish(len(emitted))
 
     def _finish(self, num_tokens: int) -> None:
@@ -162,29 +197,39 @@ class Generation:
                                       {"stratamesh.request": record.request_id,
                                        "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
 
-    async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int],
-                       first: bool) -> AsyncIterator[int]:
-        """One pass over the route: open, prefill token_ids (from what is cached), then decode."""
+    async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], first: bool,
+                       resume_from: str = "") -> AsyncIterator[int]:
+        """One pass over the route: open (resuming a moved session's KV), prefill token_ids from what the
+        stages hold, then decode."""
         record = self.record
-        session_id = f"{self._request_id}.{record.num_preemptions + record.num_failovers}"
+        session_id = f"{self._request_id}.{record.num_preemptions + record.num_failovers + record.num_moves}"
         trace_id = record.trace_id
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
-            cacheable = len(token_ids) > block_size
+            cacheable = bool(resume_from) or len(token_ids) > block_size
             opened_ns = time.time_ns()
             stream.send(convert.stage_message_to_pb(SessionOpen(
                 session_id, route[0].assignment_id, tuple(route[1:]), self._origin.address,
                 self._params, traceparent(trace_id, self._span_id) if trace_id else "",
-                prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0)))
+                prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0,
+                resume_from=resume_from)))
             cached = 0
             if cacheable:
                 cached = (await self._origin.next_event(live, session_id, opened=True)).cached_tokens
                 self._origin.span(live, "open", opened_ns, time.time_ns(), session_id, {})
+            self._origin.moving.pop(resume_from, None)   # resumed: the stages it left hold nothing of it now
             if first:
                 self.cached_tokens = cached
+            else:   # the tokens before the newest had all been computed on the route before
+                record.num_replayed_tokens += len(token_ids) - 1 - cached
+                self._origin.stats.num_replayed_tokens += len(token_ids) - 1 - cached
             step = self._send_prefill(stream, session_id, token_ids, cached, trace_id)
             position = len(token_ids)
             while True:
                 token = (await self._origin.next_event(live, session_id)).token_id
+                if live.leaving:
+                    yield token
+                    live.moved = True
+                    raise _Moving(session_id)
                 # Send the next step before handing the token out: the pipeline works meanwhile.
                 stream.send(convert.stage_message_to_pb(
                     StepChunk(session_id, step, position, (token,), True, trace_id, time.time_ns())))
@@ -218,7 +263,10 @@ class Origin:
         self._streams = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
                                    on_broken=self._stream_broken)
         self._sessions: dict[str, _Live] = {}
+        # Sessions between two routes (a move): their old route's stages hold them until the new one resumes them.
+        self.moving: dict[str, tuple[Hop, ...]] = {}
         self.recent: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.stats = OriginStats()
 
     async def close(self) -> None:
         await self._streams.close()
@@ -277,7 +325,7 @@ class Origin:
             yield live, stream
         finally:
             del self._sessions[session_id]
-            if stream.alive:
+            if stream.alive and not live.moved:
                 stream.send(convert.stage_message_to_pb(SessionClose(session_id)))
 
     async def next_event(self, live: _Live, session_id: str, opened: bool = False) -> TokenEvent:
@@ -300,8 +348,25 @@ class Origin:
             # An open answer nobody waited for (the prompt was too short to be cached): skip it.
 
     def assignments_in_use(self) -> set[str]:
-        """The assignment ids of every stage a live session runs on."""
-        return {hop.assignment_id for live in self._sessions.values() for hop in live.route}
+        """The assignment ids of every stage a live (or moving) session runs on."""
+        return {hop.assignment_id for route in self._routes() for hop in route}
+
+    def _routes(self) -> list[tuple[Hop, ...]]:
+        return [live.route for live in self._sessions.values()] + list(self.moving.values())
+
+    def move_off(self, address: str) -> int:
+        """Asks every live session routed through this Stage address to move, KV and all, to the route it gets
+        next (at its next token: it is quiet then); returns how many were asked now."""
+        asked = 0
+        for live in self._sessions.values():
+            if live.runs_through(address) and not live.leaving:
+                live.leaving = address
+                asked += 1
+        return asked
+
+    def sessions_through(self, address: str) -> int:
+        """Live and moving sessions routed through this Stage address."""
+        return sum(1 for route in self._routes() if any(hop.address == address for hop in route))
 
     def route_lost(self, address: str) -> None:
         """The agent at this Stage address was declared dead: every session routed through it fails over."""

@@ -54,13 +54,31 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none).
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better."""
-    profile = profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
-    context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
-    request = PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
-                          concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
+    profile, request = _profile(model_id, config), _request(config, num_stages)
     fleet = fleet_of(agents, links)
     plan = plan_pipeline(profile, fleet, request, previous=_as_plan(profile, fleet, request, previous))
     return plan, stage_specs(plan, model_id, model_path, profile.num_layers)
+
+
+def repair_stages(model_id: str, config: dict[str, Any], agents: Mapping[str, Capabilities], placement: Placement,
+                  links: Sequence[LinkRecord] = ()) -> list[str]:
+    """The agent of each stage after the stages of agents not among these go to the spares that price best,
+    layer ranges unchanged (what lets a drained stage's sessions move with their KV); PlacementError if none fit."""
+    plan = _as_plan(_profile(model_id, config), fleet_of(agents, links), _request(config, len(placement)), placement)
+    if plan is None:
+        missing = [f"[{start}, {end})" for agent, start, end in placement if agent not in agents]
+        raise PlacementError(f"no spare agent can take the stages {', '.join(missing)} of {model_id}")
+    return [stage.devices[0] for stage in plan.pipelines[0].stages]
+
+
+def _profile(model_id: str, config: dict[str, Any]) -> ModelProfile:
+    return profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
+
+
+def _request(config: dict[str, Any], num_stages: int) -> PlanRequest:
+    context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
+    return PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
+                       concurrency=KV_SEQUENCES, tensor_parallel=False)   # TP stages: not served yet
 
 
 def _as_plan(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, placement: Placement) -> Plan | None:

@@ -277,6 +277,15 @@ class Registry:
                             [plans[0]["plan_id"]])
         return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages))
 
+    def replace_stage(self, assignment_id: str, stage: PlannedStage) -> None:
+        """Puts stage in place of the stage assignment_id in its plan (same index; a drain moved it), as ready."""
+        with self._tx() as db:
+            rows = list(db["stages"].rows_where("assignment_id = ?", [assignment_id]))
+            if not rows or rows[0]["stage_index"] != stage.stage_index:
+                raise InvalidInput(f"no stage {assignment_id!r} at index {stage.stage_index} to replace")
+            db["stages"].delete(assignment_id)
+            db["stages"].insert({**_stage_row(rows[0]["plan_id"], stage), "state": "ready"})
+
     def set_stage_state(self, assignment_id: str, state: str) -> None:
         """Set one stage's state (e.g. "ready", "failed")."""
         self._update("stages", assignment_id, {"state": state})

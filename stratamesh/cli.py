@@ -1,4 +1,4 @@
-"""The `stratamesh` command: up, coordinator, agent, model tiny, plan, bench serve."""
+"""The `stratamesh` command: up, coordinator, agent, drain, model tiny, plan, bench serve and chaos."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from stratamesh.bench.options import add_serve_arguments
+from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, run_plan
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.logs import configure_logging, set_process_fields
@@ -88,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port on --host (0: any free port; -1: none)")
     _add_trace_export_arguments(agent)
     agent.set_defaults(func=_agent)
+
+    drain = commands.add_parser("drain", help="move an agent's stages and live sessions (with their KV) "
+                                "to other agents, then let it exit")
+    add_drain_arguments(drain)
+    drain.set_defaults(func=lambda args: sys.exit(run_drain(args)))
 
     model = commands.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(metavar="ACTION")
@@ -241,7 +247,8 @@ def _up(args: argparse.Namespace) -> None:
               f"  curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model_id}\", \"prompt\": \"The mesh\", \"max_tokens\": 16}}'\n\n"
               "Ctrl-C stops every process.", flush=True)
-        while all(p.poll() is None for p in [mesh.coordinator, *mesh.agents]):
+        # an agent that exits cleanly was drained; anything else ends the mesh
+        while mesh.coordinator.poll() is None and all(p.poll() in (None, 0) for p in mesh.agents):
             time.sleep(0.5)
         print("a mesh process exited; stopping the rest", file=sys.stderr)
     except KeyboardInterrupt:

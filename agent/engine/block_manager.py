@@ -142,6 +142,12 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
             # else: another block already caches this content; ours stays private and is freed plain.
 
+    def rename(self, seq_id: str, new_id: str) -> None:
+        """The session's blocks and cached hashes go on under new_id."""
+        assert new_id not in self.tables, f"sequence {new_id} is already open"
+        self.tables[new_id] = self.tables.pop(seq_id)
+        self.hashes[new_id] = self.hashes.pop(seq_id)
+
     def free(self, seq_id: str) -> None:
         """Releases all blocks of the session, last block first, so a prefix outlives its tail in the LRU."""
         for block_id in reversed(self.tables.pop(seq_id)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stratamesh.agent.engine.block_manager import BlockManager
@@ -21,6 +21,7 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     sample: bool                # True only for the piece that ends an item that asked to sample
+    is_decode: bool = False     # past the prompt (prefill otherwise: a replayed session's history is prefill)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +65,52 @@ class Scheduler:
         self.sessions[session_id] = Session(session_id, prompt, len(prompt), self._num_opened, num_cached)
         self._num_opened += 1
         return num_cached
+
+    def resume(self, session_id: str, new_id: str, prompt_token_ids: Sequence[int],
+               max_cached_tokens: int) -> int | None:
+        """A quiet session goes on under new_id (its route changed), keeping its KV; returns its cached tokens.
+
+        None when it cannot (unknown, work queued, or its tokens differ from the new prompt); it is then closed
+        and the caller opens new_id afresh."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        prompt, n = list(prompt_token_ids), session.num_computed
+        if new_id in self.sessions or session.queue or len(prompt) <= n or prompt[:n] != session.token_ids[:n]:
+            self.close(session_id)
+            return None
+        del self.sessions[session_id]
+        self.block_manager.rename(session_id, new_id)
+        session.session_id, session.token_ids, session.next_pos, session.offset = new_id, prompt, None, 0
+        self.sessions[new_id] = session
+        return min(n, max_cached_tokens, len(prompt) - 1)
+
+    def import_session(self, session_id: str, token_ids: Sequence[int], prompt_len: int, num_computed: int,
+                       write: Callable[[list[int]], None]) -> None:
+        """Opens a quiet session whose first num_computed positions come as KV from another stage: reserves
+        their blocks, has write(block_table) fill them, then caches the full ones (NoFreeBlocks if they do not fit)."""
+        if session_id in self.sessions or session_id in self.preempted:
+            raise InvalidInput(f"session_id {session_id!r} is already open")
+        if not 0 < prompt_len <= len(token_ids) or not 0 <= num_computed <= len(token_ids):
+            raise InvalidInput(f"session {session_id!r}: prompt_len {prompt_len} and num_computed {num_computed} "
+                               f"must lie within its {len(token_ids)} tokens")
+        bm = self.block_manager
+        bm.open(session_id, (), 0)
+        try:
+            write(bm.reserve(session_id, num_computed))
+        except BaseException:
+            bm.free(session_id)
+            raise
+        bm.commit(session_id, token_ids, num_computed)
+        self.sessions[session_id] = Session(session_id, list(token_ids), prompt_len, self._num_opened, num_computed)
+        self._num_opened += 1
+
+    def quiet(self, session_id: str) -> Session:
+        """The session, which must have no work queued (its state can then be exported)."""
+        session = self._live(session_id)
+        if session.queue:
+            raise InvalidInput(f"session {session_id!r} has work queued: it can move only between steps")
+        return session
 
     def add(self, item: WorkItem) -> None:
         """Queues a chunk after checking it continues its session exactly where the last one ended."""
@@ -224,7 +271,7 @@ class Scheduler:
         end = begin + n
         return ScheduledChunk(session.session_id, item, begin, end, item.start_pos + begin,
                               self.block_manager.block_table(session.session_id),
-                              item.sample and end == len(item.token_ids))
+                              item.sample and end == len(item.token_ids), session.is_decode(item))
 
     def postprocess(self, batch: Batch) -> None:
         """Marks the batch's chunks computed, caches full blocks, and drops consumed items."""

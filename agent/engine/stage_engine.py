@@ -11,7 +11,7 @@ from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.scheduler import Batch, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment, SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
+from stratamesh.fleet.types import Assignment, KvLayout, SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
 from stratamesh.kernels import codec
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,17 @@ class Outbox:
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class SessionKv:
+    """A quiet session as it moves between stages of one layer range: its state and the KV of its computed positions."""
+
+    session_id: str
+    token_ids: tuple[int, ...]
+    prompt_len: int
+    num_computed: int
+    kv: torch.Tensor            # [2, layers, num_computed, kv heads, head dim]: K then V
+
+
 class StageEngine:
     """Serves one assignment: sessions, their queued chunks, batching, and where the results go."""
 
@@ -48,6 +59,7 @@ class StageEngine:
                                      config.enable_prefix_cache)
         self.scheduler = Scheduler(block_manager, config.max_batch_tokens, config.max_batch_seqs)
         self.sessions: dict[str, SessionOpen] = {}
+        self.parked: set[str] = set()   # imported sessions waiting for the SessionOpen that resumes them
 
     @property
     def is_first(self) -> bool:
@@ -65,8 +77,10 @@ class StageEngine:
         if self.is_last != (not message.route):
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
-        cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
-                                     message.max_cached_tokens)
+        cached = self._resume(message) if message.resume_from else None
+        if cached is None:
+            cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
+                                         message.max_cached_tokens)
         self.sessions[message.session_id] = message
         if self.is_first:
             self.scheduler.pipeline_depth = len(message.route) + 1
@@ -96,6 +110,54 @@ class StageEngine:
         if message.route:
             outbox.stage_messages.append((message.route[0].address, SessionClose(session_id)))
         return message
+
+    def _resume(self, message: SessionOpen) -> int | None:
+        """Adopts the session the open resumes, if it is here (live or imported); its cached tokens, else None."""
+        old = message.resume_from
+        if old in self.sessions and old != message.session_id:
+            del self.sessions[old]
+        elif old in self.parked:
+            self.parked.discard(old)
+        else:
+            return None
+        return self.scheduler.resume(old, message.session_id, message.prompt_token_ids, message.max_cached_tokens)
+
+    # ------------------------------------------------------------ KV migration
+    def kv_layout(self) -> KvLayout:
+        spec, cache = self.assignment.stage, self.runner.cache
+        return KvLayout(spec.model_id, spec.start_layer, spec.end_layer, str(cache.dtype).removeprefix("torch."),
+                        cache.block_size, cache.num_kv_heads, cache.head_dim)
+
+    def export_session(self, session_id: str) -> SessionKv:
+        """A quiet session's state and KV (InvalidInput if it is not open here or has work queued)."""
+        if session_id not in self.sessions:
+            raise InvalidInput(f"session_id {session_id!r} is not open on {self.assignment.assignment_id}")
+        session = self.scheduler.quiet(session_id)
+        table = self.scheduler.block_manager.block_table(session_id)
+        return SessionKv(session_id, tuple(session.token_ids), session.prompt_len, session.num_computed,
+                         self.runner.read_kv(table, session.num_computed))
+
+    def drop(self, session_id: str) -> None:
+        """Forgets a session that moved away; unlike close(), nothing is sent on."""
+        if self.sessions.pop(session_id, None) is not None:
+            self.scheduler.close(session_id)
+
+    def import_session(self, kv: SessionKv) -> None:
+        """Holds an exported session, KV written to blocks of its own, until an open resumes it."""
+        if kv.session_id in self.sessions or kv.session_id in self.parked:
+            raise InvalidInput(f"session_id {kv.session_id!r} is already here")
+        self._check_ids(kv.token_ids, "kv header.token_ids")
+        self.scheduler.import_session(kv.session_id, kv.token_ids, kv.prompt_len, kv.num_computed,
+                                      lambda table: self.runner.write_kv(table, kv.kv))
+        self.parked.add(kv.session_id)
+
+    def unpark(self, session_id: str) -> bool:
+        """Frees an imported session nobody resumed; False if it was resumed (or never here)."""
+        if session_id not in self.parked:
+            return False
+        self.parked.discard(session_id)
+        self.scheduler.close(session_id)
+        return True
 
     def _check_ids(self, token_ids: tuple[int, ...], field_name: str) -> None:
         vocab = self.runner.model.config.vocab_size

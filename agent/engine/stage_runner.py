@@ -46,6 +46,27 @@ class StageRunner:
                  spec.kv_block_size, num_blocks * bytes_per_block / 1e6)
         return cls(model, num_blocks)
 
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """K and V of a session's positions [0, num_tokens): [2, layers, num_tokens, kv heads, head dim], on the CPU."""
+        cache = self.cache
+        ids = torch.tensor(block_table[:-(-num_tokens // cache.block_size)], dtype=torch.long, device=cache.device)
+        # each layer's blocks [blocks, block_size, H, D] -> token slots [blocks * block_size, H, D] -> the first n
+        k = torch.stack([layer[ids].flatten(0, 1)[:num_tokens] for layer in cache.k])
+        v = torch.stack([layer[ids].flatten(0, 1)[:num_tokens] for layer in cache.v])
+        return torch.stack([k, v]).cpu()
+
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """Writes what read_kv() returned (from a stage of the same layout) into the blocks of block_table."""
+        cache, num_tokens = self.cache, kv.shape[2]
+        num_blocks = -(-num_tokens // cache.block_size)
+        ids = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=cache.device)
+        padded = torch.zeros((2, kv.shape[1], num_blocks * cache.block_size, *kv.shape[3:]), dtype=cache.dtype)
+        padded[:, :, :num_tokens] = kv
+        padded = padded.to(cache.device).unflatten(2, (num_blocks, cache.block_size))  # [2, L, blocks, bs, H, D]
+        for layer in range(cache.num_layers):
+            cache.k[layer][ids] = padded[0, layer]
+            cache.v[layer][ids] = padded[1, layer]
+
     def run(self, batch: Batch, payloads: list[torch.Tensor | None],
             sampling: Mapping[str, SamplingParams]) -> StepOutput:
         """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows."""

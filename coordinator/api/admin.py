@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 
 from stratamesh.coordinator.api.errors import ApiError, error_response
+from stratamesh.fleet.errors import MeshError
 
 
 class Admin(Protocol):
@@ -25,6 +26,10 @@ class Admin(Protocol):
 
     async def request_trace(self, request_id: str) -> dict[str, Any]: ...
 
+    def drain(self, agent_id: str) -> dict[str, Any]: ...  # LookupError: unknown; another MeshError: refused
+
+    def drain_status(self, agent_id: str) -> dict[str, Any]: ...
+
 
 def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
@@ -37,6 +42,23 @@ def admin_router(admin: Admin) -> APIRouter:
     @router.get("/agents/{agent_id}/telemetry")
     async def telemetry(agent_id: str, since: float = 0.0, limit: int = Query(300, ge=1, le=10_000)) -> Response:
         return JSONResponse({"agent_id": agent_id, "telemetry": admin.telemetry(agent_id, since, limit)})
+
+    @router.post("/agents/{agent_id}/drain", status_code=202)
+    async def drain(agent_id: str) -> Response:
+        """Moves the agent's stages to spares and its live sessions with their KV, then lets it exit."""
+        try:
+            return JSONResponse({"drain": admin.drain(agent_id)}, status_code=202)
+        except LookupError as exc:
+            return error_response(ApiError(404, str(exc), code="agent_not_found"))
+        except MeshError as exc:
+            return error_response(ApiError(409, str(exc), code="drain_refused"))
+
+    @router.get("/agents/{agent_id}/drain")
+    async def drain_status(agent_id: str) -> Response:
+        try:
+            return JSONResponse({"drain": admin.drain_status(agent_id)})
+        except LookupError as exc:
+            return error_response(ApiError(404, str(exc), code="drain_not_found"))
 
     @router.get("/links")
     async def links() -> Response:

@@ -6,9 +6,9 @@ from stratamesh.fleet.errors import InvalidInput
 import re
 
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
-    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob,
-    TokenEvent,
+    Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout,
+    KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo, StageLoad,
+    StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -115,7 +115,7 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 route_assignments=[h.assignment_id for h in message.route],
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
                 traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
-                max_cached_tokens=message.max_cached_tokens))
+                max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepBatch():
@@ -157,10 +157,12 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.max_cached_tokens must lie in [0, len(prompt_token_ids)]")
     if msg.traceparent and not _TRACEPARENT.fullmatch(msg.traceparent):
         raise InvalidInput("open.traceparent is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    if msg.resume_from:
+        _require_session_id(msg.resume_from, "open.resume_from")
     route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
-                       msg.max_cached_tokens)
+                       msg.max_cached_tokens, msg.resume_from)
 
 
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
@@ -349,3 +351,84 @@ def stage_info_to_pb(agent_id: str, assignments: list[Assignment], tensor_names:
                      param_bytes: int, num_sessions: int) -> pb.StageInfo:
     return pb.StageInfo(agent_id=agent_id, assignments=[assignment_to_pb(a) for a in assignments],
                         tensor_names=tensor_names, param_bytes=param_bytes, num_sessions=num_sessions)
+
+
+# ---------------------------------------------------------------- KV migration
+def kv_layout_to_pb(layout: KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(model_id=layout.model_id, start_layer=layout.start_layer, end_layer=layout.end_layer,
+                       dtype=layout.dtype, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim)
+
+
+def kv_layout_from_pb(msg: pb.KvLayout, where: str) -> KvLayout:
+    if not 0 <= msg.start_layer < msg.end_layer:
+        raise InvalidInput(f"{where}.layout: layers [{msg.start_layer}, {msg.end_layer}) are not a layer range")
+    if msg.block_size <= 0 or msg.num_kv_heads <= 0 or msg.head_dim <= 0:
+        raise InvalidInput(f"{where}.layout: block_size, num_kv_heads and head_dim must be > 0")
+    return KvLayout(msg.model_id, msg.start_layer, msg.end_layer, msg.dtype, msg.block_size, msg.num_kv_heads,
+                    msg.head_dim)
+
+
+def kv_export_request_to_pb(request: KvExportRequest) -> pb.KvExportRequest:
+    return pb.KvExportRequest(session_id=request.session_id, assignment_id=request.assignment_id,
+                              layout=kv_layout_to_pb(request.layout))
+
+
+def kv_export_request_from_pb(msg: pb.KvExportRequest) -> KvExportRequest:
+    _require_session_id(msg.session_id, "export")
+    return KvExportRequest(msg.session_id, msg.assignment_id, kv_layout_from_pb(msg.layout, "export"))
+
+
+def kv_import_request_to_pb(request: KvImportRequest) -> pb.KvImportRequest:
+    return pb.KvImportRequest(session_id=request.session_id, assignment_id=request.assignment_id,
+                              source_address=request.source.address,
+                              source_assignment_id=request.source.assignment_id)
+
+
+def kv_import_request_from_pb(msg: pb.KvImportRequest) -> KvImportRequest:
+    _require_session_id(msg.session_id, "import")
+    _require_address(msg.source_address, "import.source_address")
+    return KvImportRequest(msg.session_id, msg.assignment_id, Hop(msg.source_address, msg.source_assignment_id))
+
+
+def kv_import_summary_to_pb(summary: KvImportSummary) -> pb.KvImportSummary:
+    return pb.KvImportSummary(num_tokens=summary.num_tokens, num_bytes=summary.num_bytes,
+                              num_pieces=summary.num_pieces)
+
+
+def kv_import_summary_from_pb(msg: pb.KvImportSummary) -> KvImportSummary:
+    return KvImportSummary(msg.num_tokens, msg.num_bytes, msg.num_pieces)
+
+
+def kv_chunk_to_pb(chunk: KvHeader | KvPiece) -> pb.KvChunk:
+    if isinstance(chunk, KvPiece):
+        return pb.KvChunk(piece=pb.KvPiece(offset=chunk.offset, data=chunk.data, crc32=chunk.crc32))
+    return pb.KvChunk(header=pb.KvHeader(
+        layout=kv_layout_to_pb(chunk.layout), session_id=chunk.session_id, token_ids=list(chunk.token_ids),
+        prompt_len=chunk.prompt_len, num_computed=chunk.num_computed, kv=tensor_to_pb(chunk.kv),
+        num_bytes=chunk.num_bytes, digest=chunk.digest))
+
+
+def kv_chunk_from_pb(msg: pb.KvChunk) -> KvHeader | KvPiece:
+    """Parses one message of an export; raises InvalidInput naming the bad field."""
+    kind = msg.WhichOneof("kind")
+    if kind == "piece":
+        if msg.piece.offset < 0:
+            raise InvalidInput("kv piece.offset must be >= 0")
+        return KvPiece(msg.piece.offset, msg.piece.data, msg.piece.crc32)
+    if kind != "header":
+        raise InvalidInput("kv chunk has no kind set")
+    h = msg.header
+    _require_session_id(h.session_id, "kv header")
+    if any(t < 0 for t in h.token_ids):
+        raise InvalidInput("kv header.token_ids must be >= 0")
+    if not 0 < h.prompt_len <= len(h.token_ids) or not 0 <= h.num_computed <= len(h.token_ids):
+        raise InvalidInput("kv header: prompt_len must lie in [1, len(token_ids)], num_computed in [0, len(token_ids)]")
+    if h.num_bytes < 0 or len(h.digest) != 16:
+        raise InvalidInput("kv header: num_bytes must be >= 0 and digest 16 bytes")
+    return KvHeader(kv_layout_from_pb(h.layout, "kv header"), h.session_id, tuple(h.token_ids), h.prompt_len,
+                    h.num_computed, tensor_from_pb(h.kv), h.num_bytes, h.digest)
+
+
+def shutdown_to_pb(reason: str) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(shutdown=pb.Shutdown(reason=reason))

@@ -265,20 +265,28 @@ class ProbeLinks(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
     def __init__(self, peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
 
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "release", "probe_links")
+    __slots__ = ("welcome", "assign", "release", "probe_links", "shutdown")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PROBE_LINKS_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assignment
     release: Release
     probe_links: ProbeLinks
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ...) -> None: ...
+    shutdown: Shutdown
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +296,7 @@ class SessionOpen(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -297,7 +306,8 @@ class SessionOpen(_message.Message):
     traceparent: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
+    resume_from: str
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")
@@ -405,6 +415,94 @@ class TraceSpans(_message.Message):
     SPANS_FIELD_NUMBER: _ClassVar[int]
     spans: _containers.RepeatedCompositeFieldContainer[SpanData]
     def __init__(self, spans: _Optional[_Iterable[_Union[SpanData, _Mapping]]] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("model_id", "start_layer", "end_layer", "dtype", "block_size", "num_kv_heads", "head_dim")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    start_layer: int
+    end_layer: int
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, model_id: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class KvExportRequest(_message.Message):
+    __slots__ = ("session_id", "assignment_id", "layout")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    assignment_id: str
+    layout: KvLayout
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+
+class KvHeader(_message.Message):
+    __slots__ = ("layout", "session_id", "token_ids", "prompt_len", "num_computed", "kv", "num_bytes", "digest")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_len: int
+    num_computed: int
+    kv: Tensor
+    num_bytes: int
+    digest: bytes
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., kv: _Optional[_Union[Tensor, _Mapping]] = ..., num_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class KvPiece(_message.Message):
+    __slots__ = ("offset", "data", "crc32")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("header", "piece")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    header: KvHeader
+    piece: KvPiece
+    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., piece: _Optional[_Union[KvPiece, _Mapping]] = ...) -> None: ...
+
+class KvImportRequest(_message.Message):
+    __slots__ = ("session_id", "assignment_id", "source_address", "source_assignment_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    assignment_id: str
+    source_address: str
+    source_assignment_id: str
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., source_address: _Optional[str] = ..., source_assignment_id: _Optional[str] = ...) -> None: ...
+
+class KvImportSummary(_message.Message):
+    __slots__ = ("num_tokens", "num_bytes", "num_pieces")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PIECES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_bytes: int
+    num_pieces: int
+    def __init__(self, num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_pieces: _Optional[int] = ...) -> None: ...
 
 class EchoMessage(_message.Message):
     __slots__ = ("seq", "payload")

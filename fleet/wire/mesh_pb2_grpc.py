@@ -122,6 +122,16 @@ class StageStub:
                 request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_stream(
+                '/stratamesh.v1.Stage/ExportKv',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvExportRequest.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvChunk.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.unary_unary(
+                '/stratamesh.v1.Stage/ImportKv',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportRequest.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportSummary.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -147,6 +157,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """A quiet session's state and KV, checksummed pieces after a header; the session leaves this stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request, context):
+        """Pulls a session from another stage with ExportKv and holds it until a SessionOpen resumes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +188,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Trace,
                     request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvExportRequest.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvChunk.SerializeToString,
+            ),
+            'ImportKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportRequest.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportSummary.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -247,6 +281,60 @@ class Stage:
             '/stratamesh.v1.Stage/Trace',
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceRequest.SerializeToString,
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.TraceSpans.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stratamesh.v1.Stage/ExportKv',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvExportRequest.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratamesh.v1.Stage/ImportKv',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportRequest.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.KvImportSummary.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,13 +133,21 @@ class FailoverRun:
 
     reference: list[StreamOutcome]
     outcomes: list[StreamOutcome]
-    killed_address: str = ""
-    kill_s: float = 0.0                                            # time.monotonic of the kill
+    killed_address: str = ""                                       # the stage's agent killed (or drained)
+    kill_s: float = 0.0                                            # time.monotonic of the kill (or drain order)
     routes_after: list[list[str]] = field(default_factory=list)   # running requests' routes after the failover
+    drain_output: str = ""                                         # what `stratamesh drain` printed, and ...
+    drain_exit: int | None = None                                  # ... its exit code
 
     @property
     def stalls(self) -> list[float]:
         return stalls_after(self.kill_s, self.outcomes)
+
+    @property
+    def largest_gaps(self) -> list[float]:
+        """Per stream still running at kill_s: its longest wait for a token from then on."""
+        return [max(b - a for a, b in zip([self.kill_s] + o.times, o.times) if b > self.kill_s)
+                for o in self.outcomes if o.times and o.times[-1] > self.kill_s]
 
 
 async def running_routes(client: httpx.AsyncClient, url: str) -> list[list[str]]:
@@ -163,6 +172,29 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
             run.routes_after = await running_routes(client, mesh.url)
 
     run.outcomes = await run_streams(mesh.url, model, jobs, during=kill)
+    return run
+
+
+async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
+                                 after_tokens: int = 16) -> FailoverRun:
+    """Runs the jobs undisturbed, then again with the agent serving `stage` drained by `stratamesh drain` once
+    every stream has after_tokens tokens."""
+    run = FailoverRun(await run_streams(mesh.url, model, jobs), [])
+
+    async def drain(outcomes: list[StreamOutcome]) -> None:
+        await wait_for_tokens(outcomes, after_tokens)
+        async with httpx.AsyncClient(timeout=10) as client:
+            run.killed_address = (await running_routes(client, mesh.url))[0][stage]
+            agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
+            run.kill_s = time.monotonic()
+            command = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            run.drain_output = (await command.communicate())[0].decode(errors="replace")
+            run.drain_exit = command.returncode
+            run.routes_after = await running_routes(client, mesh.url)
+
+    run.outcomes = await run_streams(mesh.url, model, jobs, during=drain)
     return run
 
 

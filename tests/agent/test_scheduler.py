@@ -335,3 +335,86 @@ def test_a_pipeline_of_depth_k_decodes_a_kth_of_its_sessions_per_step() -> None:
     for i in range(7):
         sched.add(WorkItem(f"s{i}", 4, (9,), True, 2))
     assert len(sched.schedule().chunks) == 7
+
+
+def test_resume_renames_a_quiet_session_keeping_its_blocks_and_decodes_go_on() -> None:
+    s = make()
+    prompt = list(range(10))
+    prefilled(s, "old", prompt)
+    s.add(item("old", 10, [7]))                 # one decode: 11 positions computed
+    step(s)
+    blocks = s.block_manager.block_table("old")
+    history = prompt + [7, 8]                   # 8: the token sampled last, not yet computed
+    assert s.resume("old", "new", history, max_cached_tokens=11) == 11
+    assert "old" not in s.sessions and "old" not in s.block_manager.tables
+    assert s.block_manager.block_table("new") == blocks
+    s.add(item("new", 11, [8]))
+    assert spans(step(s)) == [("new", 11, 1, True)]
+    assert step(s) is None and s.sessions["new"].num_computed == 12
+    assert step(s) is None
+
+
+@pytest.mark.parametrize("history, queued, why", [
+    (list(range(10)) + [7], False, "nothing new to run"),
+    ([99] + list(range(1, 10)) + [7, 8], False, "tokens differ"),
+    (list(range(10)) + [7, 8], True, "work queued"),
+])
+def test_a_session_that_cannot_resume_is_closed_and_none_returned(history, queued, why) -> None:
+    s = make()
+    prefilled(s, "old", list(range(10)))
+    s.add(item("old", 10, [7]))
+    step(s)
+    if queued:
+        s.add(item("old", 11, [8]))
+    free = s.block_manager.num_free_blocks
+    assert s.resume("old", "new", history, 11) is None, why
+    assert "old" not in s.sessions and "new" not in s.sessions
+    assert s.block_manager.num_free_blocks > free
+    assert s.resume("absent", "new", history, 11) is None
+
+
+def test_resume_caps_the_cached_tokens_so_a_shorter_peer_truncates_on_the_first_item() -> None:
+    s = make()
+    prefilled(s, "old", list(range(10)))
+    assert s.resume("old", "new", list(range(12)), max_cached_tokens=4) == 4
+    s.add(item("new", 4, range(4, 12)))         # the stage before had only 4 positions
+    assert spans(step(s)) == [("new", 4, 8, True)]
+
+
+def test_an_imported_session_holds_its_blocks_caches_full_ones_and_decodes_next() -> None:
+    s = make()
+    written: list[list[int]] = []
+    tokens = list(range(10))
+    s.import_session("moved", tokens, prompt_len=6, num_computed=9, write=written.append)
+    assert written == [s.block_manager.block_table("moved")] and len(written[0]) == 3
+    assert s.block_manager.match_prefix(tokens) == 8     # its two full blocks are in the prefix cache
+    session = s.quiet("moved")
+    assert session.num_computed == 9 and session.prompt_len == 6
+    s.add(item("moved", 9, [9]))
+    batch = step(s)
+    assert spans(batch) == [("moved", 9, 1, True)] and batch.chunks[0].is_decode
+
+
+def test_an_import_that_fails_to_write_or_fit_leaves_no_blocks_held() -> None:
+    s = make(num_blocks=2)
+
+    def broken(table: list[int]) -> None:
+        raise RuntimeError("device gone")
+
+    with pytest.raises(RuntimeError):
+        s.import_session("a", list(range(6)), 3, 6, broken)
+    assert s.block_manager.num_free_blocks == 2 and "a" not in s.sessions
+    with pytest.raises(Exception, match="needs 3 blocks"):
+        s.import_session("b", list(range(12)), 3, 12, lambda table: None)
+    assert s.block_manager.num_free_blocks == 2 and "b" not in s.block_manager.tables
+    with pytest.raises(InvalidInput, match="prompt_len"):
+        s.import_session("c", [1, 2], 3, 1, lambda table: None)
+
+
+def test_quiet_refuses_a_session_with_work_queued() -> None:
+    s = make()
+    s.open("a", [1, 2, 3], 0)
+    assert s.quiet("a").num_computed == 0
+    s.add(item("a", 0, [1, 2, 3]))
+    with pytest.raises(InvalidInput, match="work queued"):
+        s.quiet("a")

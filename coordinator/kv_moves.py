@@ -1,0 +1,58 @@
+"""Moving a live session's KV to the stages that replace some of its route's: each new stage pulls from the old."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stratamesh.fleet.types import Hop, KvImportRequest
+from stratamesh.fleet.wire import convert
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import describe_error, make_channel
+
+log = logging.getLogger(__name__)
+
+# A stage that has not pulled a session's KV in this long is given up on: the session replays there instead.
+IMPORT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvMove:
+    """What moving one session's KV did: bytes pulled, and why a stage could not pull (it then recomputes)."""
+
+    num_stages: int
+    num_bytes: int
+    errors: tuple[str, ...]
+
+
+def replaced_hops(old: Sequence[Hop], new: Sequence[Hop]) -> list[tuple[Hop, Hop]]:
+    """(old hop, new hop) at each position where the new route has another stage; none if the stage count changed
+    (then the layer ranges differ and no KV can move)."""
+    if len(old) != len(new):
+        return []
+    return [(o, n) for o, n in zip(old, new, strict=True) if o.assignment_id != n.assignment_id]
+
+
+async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop]) -> KvMove:
+    """Has each stage new to the route pull the quiet session's KV from the stage it replaces, all at once."""
+    pairs = replaced_hops(old, new)
+    results = await asyncio.gather(*(_pull(session_id, source, target) for source, target in pairs),
+                                   return_exceptions=True)
+    num_bytes = sum(r for r in results if isinstance(r, int))
+    errors = tuple(f"{target.address}: {describe_error(r)}" for (_, target), r in zip(pairs, results, strict=True)
+                   if isinstance(r, BaseException))
+    for error in errors:
+        log.warning("session %s: KV not moved (%s); that stage computes it again", session_id, error)
+    return KvMove(len(pairs), num_bytes, errors)
+
+
+async def _pull(session_id: str, source: Hop, target: Hop) -> int:
+    channel = make_channel(target.address)
+    try:
+        request = convert.kv_import_request_to_pb(KvImportRequest(session_id, target.assignment_id, source))
+        summary = await pb_grpc.StageStub(channel).ImportKv(request, timeout=IMPORT_TIMEOUT_S)
+        return convert.kv_import_summary_from_pb(summary).num_bytes
+    finally:
+        await channel.close(grace=None)

@@ -1,0 +1,64 @@
+"""`stratamesh drain AGENT`: asks the coordinator to drain an agent, then follows the drain to its end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+POLL_S = 0.2
+
+
+def add_drain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("agent_id", metavar="AGENT", help="the agent's id (see /admin/api/agents)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's HTTP API")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to follow the drain")
+    parser.add_argument("--no-wait", action="store_true", help="start the drain and return")
+
+
+def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
+    """Starts the drain and reports each change of state; the exit code is 0 once the agent is drained."""
+    path = f"{args.url.rstrip('/')}/admin/api/agents/{args.agent_id}/drain"
+    try:
+        drain = _call(path, "POST")["drain"]
+        say(_describe(drain))
+        deadline = time.monotonic() + args.timeout
+        while not args.no_wait and drain["state"] not in ("drained", "failed"):
+            if time.monotonic() > deadline:
+                say(f"still {drain['state']} after {args.timeout:.0f} s; the coordinator carries on")
+                return 1
+            time.sleep(POLL_S)
+            state, drain = drain["state"], _call(path, "GET")["drain"]
+            if drain["state"] != state:
+                say(_describe(drain))
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        say(f"drain of {args.agent_id} failed: {exc}")
+        return 1
+    return 0 if args.no_wait or drain["state"] == "drained" else 1
+
+
+def _call(url: str, method: str) -> dict[str, Any]:
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:   # the API's error shape: {"error": {"message": ...}}
+        body = json.loads(exc.read() or b"{}")
+        raise ValueError(body.get("error", {}).get("message") or f"HTTP {exc.code}") from None
+
+
+def _describe(drain: dict[str, Any]) -> str:
+    agent, state = drain["agent_id"], drain["state"]
+    if state == "moving_stages":
+        moves = "; ".join(f"{s['model']} layers {s['layers'][0]}-{s['layers'][1]} -> {s['to']}" for s in drain["stages"])
+        return f"draining {agent}: loading its stages elsewhere ({moves or 'it serves none'})"
+    if state == "moving_sessions":
+        return f"draining {agent}: stages switched over; moving live sessions with their KV"
+    if state == "drained":
+        took = drain["finished_unix_s"] - drain["started_unix_s"]
+        return f"{agent} drained in {took:.1f} s: {drain['sessions_asked']} live sessions moved; it exits now"
+    return f"drain of {agent} failed: {drain['error']}"
