@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.coordinator.deployer import AgentLink, AgentNotConnected, Deployer
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady
+from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
 from stratamesh.fleet.types import Assignment, Capabilities, Registration, SpeedInfo, StageStatus
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
@@ -286,3 +286,65 @@ def test_after_a_death_the_survivors_keep_their_layers_and_a_spare_takes_the_los
     after = {s.agent_id: (s.spec.start_layer, s.spec.end_layer) for s in registry.active_plan("m").stages}
     assert after == {**{a: r for a, r in before.items() if a != victim.link.agent_id},
                      spare.link.agent_id: before[victim.link.agent_id]}
+
+
+def shutdowns(agent: Agent) -> list[str]:
+    return [m.shutdown.reason for m in agent.sent if m.WhichOneof("kind") == "shutdown"]
+
+
+def test_a_drain_loads_the_stage_on_the_spare_switches_once_ready_and_lets_the_agent_go(model_dir: Path) -> None:
+    now, in_use = [100.0], set()
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, now)
+    deployer.assignments_in_use = lambda: in_use
+    plan = registry.active_plan("m")
+    old_route, _ = deployer.route("m")
+    drained = next(s for s in plan.stages if s.agent_id == "a2")
+    kept = next(s for s in plan.stages if s.agent_id != "a2")
+    in_use.add(drained.assignment_id)                       # a generation runs through it
+    ((old, new),) = deployer.drain("a2")
+    assert (old.assignment_id, new.agent_id, new.spec) == (drained.assignment_id, "a3", drained.spec)
+    assert [a.assignment_id for a in spare.assignments()] == [new.assignment_id]
+    assert deployer.route("m")[0] == old_route              # the drained stage serves until its replacement loads
+    assert [(o.assignment_id, n.assignment_id, n.state) for o, n in deployer.replacing("a2")] == [
+        (old.assignment_id, new.assignment_id, "loading")]
+    report_ready(deployer, [spare])
+    assert deployer.replacing("a2") == []
+    i = drained.stage_index
+    route, _ = deployer.route("m")
+    assert route[1 - i] == old_route[1 - i] and route[i].assignment_id == new.assignment_id
+    assert {s.assignment_id for s in registry.active_plan("m").stages} == {kept.assignment_id, new.assignment_id}
+    deployer.tick()
+    assert released(a2) == [] and shutdowns(a2) == []      # still in use: not cut
+    deployer.finish_drain("a2")
+    assert released(a2) == [drained.assignment_id] and len(shutdowns(a2)) == 1
+    deployer.agent_disconnected(a2.link)                    # it exits, as told
+    now[0] += 60
+    heartbeats(deployer, [a1, spare])
+    deployer.check_liveness()
+    assert registry.agent("a2").state == "drained"          # not dead: nothing is re-planned, nobody banned
+    assert [e.kind for e in registry.events(20) if e.agent_id == "a2"][0] == "agent_drained"
+    deployer.agent_connected(a2.link, a2.registration())    # started again later: an ordinary agent
+    assert "a2" in deployer._plannable()
+
+
+def test_a_drained_agent_is_planned_on_no_more_and_a_drain_without_a_spare_is_refused(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, now)
+    deployer.drain("a2")
+    assert "a2" not in deployer._plannable()
+    with pytest.raises(PlacementError, match=r"no spare agent can take the stages \[0, 3\).* of m"):
+        deployer.drain("a1")                                # a3 is taken by a2's stage, and a2 is leaving
+    assert "a1" in deployer._plannable()                   # a refused drain changes nothing
+    with pytest.raises(AgentNotConnected):
+        deployer.drain("nobody")
+    deployer.cancel_drain("a2")
+    assert "a2" in deployer._plannable() and deployer.replacing("a2") == []
+
+
+def test_a_replacement_that_fails_to_load_fails_the_drain(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, now)
+    ((old, new),) = deployer.drain("a1")
+    deployer.stage_status("a3", StageStatus(new.assignment_id, "failed", "out of memory"))
+    assert "out of memory" in deployer.drain_failures["a1"] and deployer.replacing("a1") == []
+    assert old.assignment_id in {s.assignment_id for s in registry.active_plan("m").stages}

@@ -9,9 +9,9 @@ import pytest
 
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
-    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob,
-    TokenEvent,
+    Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
+    LinkMeasurement, Peer, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo, StageLoad,
+    StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -33,6 +33,8 @@ STAGE_MESSAGES = [
     SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2"), Hop("10.0.0.3:5000", "a3")), "10.0.0.1:1",
                 SamplingParams(0.7, 40, 0.9, seed=11), TRACEPARENT, (5, 6, 7, 8), 3),
     SessionOpen("s1", "a1", (), "o:1", SamplingParams()),
+    SessionOpen("s1.1", "b1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6, 7), max_cached_tokens=2,
+                resume_from="s1.0"),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
     StepChunk("s1", 0, 0, (1, 2, 3), True, TRACE_ID, sent_unix_ns=1_700_000_000_123_456_789),
     StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True, trace_id=TRACE_ID), StepChunk("s2", 0, 0, (9,))),
@@ -218,3 +220,35 @@ def test_bad_link_measurements_are_rejected(link, match) -> None:
 def test_bad_trace_fields_are_rejected(message, match) -> None:
     with pytest.raises(InvalidInput, match=match):
         convert.stage_message_from_pb(message)
+
+
+LAYOUT = KvLayout("m", 2, 4, "float32", 16, 2, 8)
+
+
+def test_kv_migration_messages_round_trip() -> None:
+    header = KvHeader(LAYOUT, "s.0", (5, 6, 7), 2, 2, TensorBlob("float32", (2, 2, 2, 2, 8), b""), 512, b"d" * 16)
+    piece = KvPiece(512, b"\x01\x02", 99)
+    assert convert.kv_chunk_from_pb(convert.kv_chunk_to_pb(header)) == header
+    assert convert.kv_chunk_from_pb(convert.kv_chunk_to_pb(piece)) == piece
+    export = KvExportRequest("s.0", "a1", LAYOUT)
+    assert convert.kv_export_request_from_pb(convert.kv_export_request_to_pb(export)) == export
+    pull = KvImportRequest("s.0", "b1", Hop("127.0.0.1:5001", "a1"))
+    assert convert.kv_import_request_from_pb(convert.kv_import_request_to_pb(pull)) == pull
+    assert LAYOUT.mismatch(LAYOUT) == ""
+
+
+@pytest.mark.parametrize("chunk, field", [
+    (pb.KvChunk(), "no kind"),
+    (pb.KvChunk(piece=pb.KvPiece(offset=-1)), "offset"),
+    (pb.KvChunk(header=pb.KvHeader(session_id="s", token_ids=[1, 2], prompt_len=3, digest=b"d" * 16,
+                                   layout=convert.kv_layout_to_pb(LAYOUT))), "prompt_len"),
+    (pb.KvChunk(header=pb.KvHeader(session_id="s", token_ids=[1, -2], prompt_len=1, digest=b"d" * 16,
+                                   layout=convert.kv_layout_to_pb(LAYOUT))), "token_ids"),
+    (pb.KvChunk(header=pb.KvHeader(session_id="s", token_ids=[1], prompt_len=1, digest=b"d",
+                                   layout=convert.kv_layout_to_pb(LAYOUT))), "digest"),
+    (pb.KvChunk(header=pb.KvHeader(session_id="s", token_ids=[1], prompt_len=1, digest=b"d" * 16,
+                                   layout=pb.KvLayout(start_layer=3, end_layer=3, block_size=16))), "layers"),
+])
+def test_bad_kv_chunks_name_the_field(chunk: pb.KvChunk, field: str) -> None:
+    with pytest.raises(InvalidInput, match=field):
+        convert.kv_chunk_from_pb(chunk)

@@ -1,0 +1,68 @@
+"""The drain driver and its admin API: refusals by name, the stages first, then the sessions, then the agent."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+
+from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.api.admin import admin_router
+from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.origin import Origin
+from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready, shutdowns  # noqa: F401 (a fixture)
+
+
+async def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_drain_through_the_admin_api_from_request_to_the_agent_told_to_exit(model_dir: Path) -> None:
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
+    origin = Origin("127.0.0.1:1")
+    drainer = Drainer(deployer, origin)
+    app = FastAPI()
+    app.include_router(admin_router(MeshAdmin(registry, origin, {}, drainer)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh") as client:
+        missing = await client.post("/admin/api/agents/nobody/drain")
+        assert missing.status_code == 404 and "not connected" in missing.json()["error"]["message"]
+
+        started = await client.post("/admin/api/agents/a2/drain")
+        assert started.status_code == 202
+        drain = started.json()["drain"]
+        layers = next([s.spec.start_layer, s.spec.end_layer] for s in registry.active_plan("m").stages
+                      if s.agent_id == "a2")
+        assert drain["state"] == "moving_stages"
+        assert drain["stages"] == [{"model": "m", "layers": layers, "from": "a2", "to": "a3"}]
+
+        again = await client.post("/admin/api/agents/a2/drain")
+        assert again.status_code == 409 and "already" in again.json()["error"]["message"]
+        refused = await client.post("/admin/api/agents/a1/drain")   # the only spare is taken
+        assert refused.status_code == 409 and "no spare agent" in refused.json()["error"]["message"]
+
+        await asyncio.sleep(0.1)
+        assert (await client.get("/admin/api/agents/a2/drain")).json()["drain"]["state"] == "moving_stages"
+        report_ready(deployer, [spare])                 # the replacement loaded: sessions move, then a2 goes
+        await wait_for(lambda: drainer.status("a2").state == "drained")
+        assert shutdowns(a2) and registry.agent("a2").state == "drained"
+        assert (await client.get("/admin/api/agents/a1/drain")).status_code == 404
+    await drainer.close()
+
+
+async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays(model_dir: Path) -> None:
+    from stratamesh.fleet.types import StageStatus
+
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
+    drainer = Drainer(deployer, Origin("127.0.0.1:1"))
+    status = drainer.start("a1")
+    new_id = deployer.replacing("a1")[0][1].assignment_id
+    deployer.stage_status("a3", StageStatus(new_id, "failed", "disk full"))
+    await wait_for(lambda: status.state == "failed")
+    assert "disk full" in status.error and not shutdowns(a1)
+    assert "a1" in deployer._plannable()               # planned on again
+    await drainer.close()
