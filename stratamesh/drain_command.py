@@ -54,7 +54,8 @@ def _call(url: str, method: str) -> dict[str, Any]:
 def _describe(drain: dict[str, Any]) -> str:
     agent, state = drain["agent_id"], drain["state"]
     if state == "moving_stages":
-        moves = "; ".join(f"{s['model']} layers {s['layers'][0]}-{s['layers'][1]} -> {s['to']}" for s in drain["stages"])
+        moves = "; ".join(f"{s['model']} layers {s['layers'][0]}-{s['layers'][1]} -> {s['to']}"
+                          for s in drain["stages"])
         return f"draining {agent}: loading its stages elsewhere ({moves or 'it serves none'})"
     if state == "moving_sessions":
         return f"draining {agent}: stages switched over; moving live sessions with their KV"
