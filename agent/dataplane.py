@@ -51,6 +51,8 @@ class _Call:
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     def run(self) -> None:
+        if self.done.cancelled():
+            return      # the RPC that asked is gone: nobody wants it done
         try:
             self.done.set_result(self.fn())
         except Exception as exc:  # the RPC that asked answers with it

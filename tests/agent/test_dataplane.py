@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -64,19 +65,28 @@ async def served(tiny_model):
     """What `stage` yields, and the StageService itself."""
     spec = StageSpec("m", str(tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)), 0, 2, 2,
                      kv_block_size=4)
+    async with serving(spec, "a0", "agent-under-test") as (host, service, origin, address, stream):
+        yield spec, stream, origin, address, host, service
+
+
+@asynccontextmanager
+async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
+    """An agent serving one stage over real gRPC, its own origin, and the origin's Push stream to it."""
     host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
-    await host.load(Assignment("a0", spec))
-    service, origin, server = StageService(host, "agent-under-test"), Origin(), make_server()
+    await host.load(Assignment(assignment_id, spec))
+    service, origin, server = StageService(host, agent_id), Origin(), make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
     pb_grpc.add_OriginServicer_to_server(origin, server)
     address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
     await server.start()
     service.start()
     stream = OutboundStream(address, lambda ch, it: pb_grpc.StageStub(ch).Push(it)).start()
-    yield spec, stream, origin, address, host, service
-    await stream.close()
-    await service.close()
-    await server.stop(grace=None)
+    try:
+        yield host, service, origin, address, stream
+    finally:
+        await stream.close()
+        await service.close()
+        await server.stop(grace=None)
 
 
 def send(stream: OutboundStream, message) -> None:

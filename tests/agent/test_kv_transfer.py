@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -15,15 +14,15 @@ from prometheus_client import generate_latest
 
 from stratamesh.agent import kv_transfer
 from stratamesh.agent.dataplane import StageService
-from stratamesh.agent.engine.stage_engine import EngineConfig, SessionKv
+from stratamesh.agent.engine.stage_engine import SessionKv
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import (Assignment, Hop, KvExportRequest, KvImportRequest, KvLayout, KvPiece,
+from stratamesh.fleet.types import (Hop, KvExportRequest, KvImportRequest, KvLayout, KvPiece,
                                     SamplingParams, SessionOpen, StageSpec, StepChunk)
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import bind, make_channel, make_server
+from stratamesh.fleet.wire.channels import make_channel
 from stratamesh.fleet.wire.stream import OutboundStream
-from tests.agent.test_dataplane import Origin, greedy_reference, send
+from tests.agent.test_dataplane import Origin, greedy_reference, send, serving
 
 PROMPT = list(range(40, 63))        # 23 tokens: 5 full blocks of 4 and a partial one
 
@@ -68,21 +67,8 @@ class Agent:
 
 @asynccontextmanager
 async def agent(spec: StageSpec, assignment_id: str):
-    host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
-    await host.load(Assignment(assignment_id, spec))
-    service, origin, server = StageService(host, f"agent-{assignment_id}"), Origin(), make_server()
-    pb_grpc.add_StageServicer_to_server(service, server)
-    pb_grpc.add_OriginServicer_to_server(origin, server)
-    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
-    await server.start()
-    service.start()
-    stream = OutboundStream(address, lambda ch, it: pb_grpc.StageStub(ch).Push(it)).start()
-    try:
+    async with serving(spec, assignment_id, f"agent-{assignment_id}") as (host, service, origin, address, stream):
         yield Agent(spec, assignment_id, host, service, address, stream, origin)
-    finally:
-        await stream.close()
-        await service.close()
-        await server.stop(grace=None)
 
 
 @pytest.fixture
