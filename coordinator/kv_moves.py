@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from stratamesh.fleet.types import Hop, KvImportRequest
 from stratamesh.fleet.wire import convert
@@ -18,15 +17,6 @@ log = logging.getLogger(__name__)
 IMPORT_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class KvMove:
-    """What moving one session's KV did: bytes pulled, and why a stage could not pull (it then recomputes)."""
-
-    num_stages: int
-    num_bytes: int
-    errors: tuple[str, ...]
-
-
 def replaced_hops(old: Sequence[Hop], new: Sequence[Hop]) -> list[tuple[Hop, Hop]]:
     """(old hop, new hop) at each position where the new route has another stage; none if the stage count changed
     (then the layer ranges differ and no KV can move)."""
@@ -35,17 +25,17 @@ def replaced_hops(old: Sequence[Hop], new: Sequence[Hop]) -> list[tuple[Hop, Hop
     return [(o, n) for o, n in zip(old, new, strict=True) if o.assignment_id != n.assignment_id]
 
 
-async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop]) -> KvMove:
-    """Has each stage new to the route pull the quiet session's KV from the stage it replaces, all at once."""
+async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop]) -> int:
+    """Has each stage new to the route pull the quiet session's KV from the stage it replaces, all at once;
+    returns the bytes pulled. A stage that could not pull is logged: it computes the session again."""
     pairs = replaced_hops(old, new)
     results = await asyncio.gather(*(_pull(session_id, source, target) for source, target in pairs),
                                    return_exceptions=True)
-    num_bytes = sum(r for r in results if isinstance(r, int))
-    errors = tuple(f"{target.address}: {describe_error(r)}" for (_, target), r in zip(pairs, results, strict=True)
-                   if isinstance(r, BaseException))
-    for error in errors:
-        log.warning("session %s: KV not moved (%s); that stage computes it again", session_id, error)
-    return KvMove(len(pairs), num_bytes, errors)
+    for (_, target), result in zip(pairs, results, strict=True):
+        if isinstance(result, BaseException):
+            log.warning("session %s: KV not moved to %s (%s); that stage computes it again", session_id,
+                        target.address, describe_error(result))
+    return sum(r for r in results if isinstance(r, int))
 
 
 async def _pull(session_id: str, source: Hop, target: Hop) -> int:

@@ -153,8 +153,8 @@ class Generation:
             while True:
                 route, block_size = await self._routes(frozenset(lost))
                 if resume_from:
-                    moved = await move_kv(resume_from, record.route, route)
-                    stats.kv_moved_bytes += moved.num_bytes
+                    moved_bytes = await move_kv(resume_from, record.route, route)
+                    stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
                 record.route = tuple(route)
                 try:
                     attempt = self._attempt(route, block_size, self._prompt + emitted, not emitted, resume_from)

@@ -66,3 +66,14 @@ async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays
     assert "disk full" in status.error and not shutdowns(a1)
     assert "a1" in deployer._plannable()               # planned on again
     await drainer.close()
+
+
+def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None:
+    from stratamesh.coordinator.kv_moves import replaced_hops
+    from stratamesh.fleet.types import Hop
+
+    old = [Hop("h1:1", "p-0"), Hop("h2:1", "p-1"), Hop("h3:1", "p-2")]
+    new = [old[0], Hop("h4:1", "p-1-m1"), old[2]]
+    assert replaced_hops(old, new) == [(old[1], new[1])]
+    assert replaced_hops(old, old) == []
+    assert replaced_hops(old, new[:2]) == []          # another stage count: other layer ranges, nothing moves
