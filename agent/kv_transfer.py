@@ -89,9 +89,10 @@ class KvReceiver:
         if header is None:
             raise KvCorrupt("the export ended before its header")
         data = bytes(self._data)
-        if len(data) != header.num_bytes or digest(data) != header.digest:
+        matches = digest(data) == header.digest
+        if len(data) != header.num_bytes or not matches:
             raise KvCorrupt(f"session {header.session_id}: {len(data)} of {header.num_bytes} bytes, "
-                            f"digest {'matches' if digest(data) == header.digest else 'differs'}")
+                            f"digest {'matches' if matches else 'differs'}")
         layout = self.layout
         expected = (2, layout.end_layer - layout.start_layer, header.num_computed, layout.num_kv_heads,
                     layout.head_dim)

@@ -58,9 +58,9 @@ class Drainer:
         address = self._deployer.stage_address(agent_id)
         try:
             pairs = self._deployer.drain(agent_id)
-        except MeshError as exc:
-            if isinstance(exc, AgentNotConnected):
-                raise
+        except AgentNotConnected:
+            raise
+        except MeshError as exc:    # no spare can take a stage
             raise DrainRefused(f"cannot drain agent {agent_id!r}: {exc}") from None
         status = self._drains[agent_id] = DrainStatus(agent_id, time.time(), stages=[
             {"model": old.spec.model_id, "layers": [old.spec.start_layer, old.spec.end_layer],

@@ -114,7 +114,7 @@ class StageEngine:
     def _resume(self, message: SessionOpen) -> int | None:
         """Adopts the session the open resumes, if it is here (live or imported); its cached tokens, else None."""
         old = message.resume_from
-        if old in self.sessions and old != message.session_id:
+        if old in self.sessions:       # (open() refused a session_id that is open already)
             del self.sessions[old]
         elif old in self.parked:
             self.parked.discard(old)
@@ -125,7 +125,7 @@ class StageEngine:
     # ------------------------------------------------------------ KV migration
     def kv_layout(self) -> KvLayout:
         spec, cache = self.assignment.stage, self.runner.cache
-        return KvLayout(spec.model_id, spec.start_layer, spec.end_layer, str(cache.dtype).removeprefix("torch."),
+        return KvLayout(spec.model_id, spec.start_layer, spec.end_layer, codec.DTYPE_NAMES[cache.dtype],
                         cache.block_size, cache.num_kv_heads, cache.head_dim)
 
     def export_session(self, session_id: str) -> SessionKv:

@@ -51,9 +51,8 @@ class StageRunner:
         cache = self.cache
         ids = torch.tensor(block_table[:-(-num_tokens // cache.block_size)], dtype=torch.long, device=cache.device)
         # each layer's blocks [blocks, block_size, H, D] -> token slots [blocks * block_size, H, D] -> the first n
-        k = torch.stack([layer[ids].flatten(0, 1)[:num_tokens] for layer in cache.k])
-        v = torch.stack([layer[ids].flatten(0, 1)[:num_tokens] for layer in cache.v])
-        return torch.stack([k, v]).cpu()
+        return torch.stack([torch.stack([layer[ids].flatten(0, 1)[:num_tokens] for layer in layers])
+                            for layers in (cache.k, cache.v)]).cpu()
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         """Writes what read_kv() returned (from a stage of the same layout) into the blocks of block_table."""

@@ -160,41 +160,44 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
                                 after_tokens: int = 16) -> FailoverRun:
     """Runs the jobs undisturbed, then again with a kill -9 of the agent serving `stage` once every stream
     has after_tokens tokens."""
-    run = FailoverRun(await run_streams(mesh.url, model, jobs), [])
+    async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
+        mesh.kill_agent(mesh.agent_index(run.killed_address))
+        await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
 
-    async def kill(outcomes: list[StreamOutcome]) -> None:
-        await wait_for_tokens(outcomes, after_tokens)
-        async with httpx.AsyncClient(timeout=10) as client:
-            routes = await running_routes(client, mesh.url)
-            run.killed_address, run.kill_s = routes[0][stage], time.monotonic()
-            mesh.kill_agent(mesh.agent_index(run.killed_address))
-            await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
-            run.routes_after = await running_routes(client, mesh.url)
-
-    run.outcomes = await run_streams(mesh.url, model, jobs, during=kill)
-    return run
+    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, kill)
 
 
 async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
                                  after_tokens: int = 16) -> FailoverRun:
     """Runs the jobs undisturbed, then again with the agent serving `stage` drained by `stratamesh drain` once
     every stream has after_tokens tokens."""
+    async def drain(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
+        agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
+        command = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        run.drain_output = (await command.communicate())[0].decode(errors="replace")
+        run.drain_exit = command.returncode
+
+    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, drain)
+
+
+async def _disturb_stage_mid_stream(
+        mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int, after_tokens: int,
+        disturb: Callable[[FailoverRun, list[StreamOutcome]], Awaitable[None]]) -> FailoverRun:
+    """The jobs undisturbed, then again with disturb() done to the agent of `stage` (run.killed_address) once
+    every stream has after_tokens tokens; the running routes are read when disturb() returns."""
     run = FailoverRun(await run_streams(mesh.url, model, jobs), [])
 
-    async def drain(outcomes: list[StreamOutcome]) -> None:
+    async def during(outcomes: list[StreamOutcome]) -> None:
         await wait_for_tokens(outcomes, after_tokens)
         async with httpx.AsyncClient(timeout=10) as client:
             run.killed_address = (await running_routes(client, mesh.url))[0][stage]
-            agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
             run.kill_s = time.monotonic()
-            command = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-            run.drain_output = (await command.communicate())[0].decode(errors="replace")
-            run.drain_exit = command.returncode
+            await disturb(run, outcomes)
             run.routes_after = await running_routes(client, mesh.url)
 
-    run.outcomes = await run_streams(mesh.url, model, jobs, during=drain)
+    run.outcomes = await run_streams(mesh.url, model, jobs, during=during)
     return run
 
 
