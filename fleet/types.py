@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from stratamesh.fleet.errors import InvalidInput
 
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class Capabilities:
     speeds: tuple[SpeedInfo, ...] = ()
     site: str = ""              # where the box is (a building, a cloud region): the operator says
     tier: str = "edge"          # "edge" or "cloud"
+    num_ranks: int = 1          # the most ranks a tensor-parallel stage here may have (its GPUs, or CPU ranks)
 
     @property
     def usable_mem_bytes(self) -> int:
@@ -71,8 +73,11 @@ class StageSpec:
     dtype: str = "float32"
     device: str = "cpu"
     kv_block_size: int = 16
+    tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
 
     def __post_init__(self) -> None:
+        if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
+            raise InvalidInput(f"stage tp_degree must be in 1..{MAX_TP_DEGREE}, got {self.tp_degree}")
         if not 1 <= self.kv_block_size <= 1024:
             raise InvalidInput(f"stage kv_block_size must be in 1..1024, got {self.kv_block_size}")
         if not 0 <= self.start_layer < self.end_layer <= self.num_layers:

@@ -6,9 +6,9 @@ from stratamesh.fleet.errors import InvalidInput
 import re
 
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout,
-    KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo, StageLoad,
-    StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
+    MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
+    KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
+    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -41,7 +41,7 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         hostname=caps.hostname, cpu_model=caps.cpu_model, num_cpus=caps.num_cpus,
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
         gpus=[gpu_to_pb(g) for g in caps.gpus],
-        backends=list(caps.backends), site=caps.site, tier=caps.tier,
+        backends=list(caps.backends), site=caps.site, tier=caps.tier, num_ranks=caps.num_ranks,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth)
                 for s in caps.speeds])
 
@@ -53,22 +53,25 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
         raise InvalidInput("capabilities: speeds must have positive flops and mem_bandwidth")
     if msg.tier not in ("", "edge", "cloud"):
         raise InvalidInput(f"capabilities: tier {msg.tier!r} is not edge or cloud")
+    if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
+        raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
-                        msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge")
+                        msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",
+                        msg.num_ranks or 1)
 
 
 def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
     return pb.StageSpec(model_id=spec.model_id, model_path=spec.model_path,
                         start_layer=spec.start_layer, end_layer=spec.end_layer,
                         num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device,
-                        kv_block_size=spec.kv_block_size)
+                        kv_block_size=spec.kv_block_size, tp_degree=spec.tp_degree)
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
-                     msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16)
+                     msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1)
 
 
 def assignment_to_pb(assignment: Assignment) -> pb.Assignment:
