@@ -16,6 +16,7 @@ from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.engine.stage_engine import EngineConfig
+from stratamesh.agent.engine.tp_group import GroupFailed
 from stratamesh.agent.probe import probe
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.telemetry import TelemetrySampler
@@ -45,6 +46,7 @@ class AgentOptions:
     site: str = ""                      # reported to the planner: where this box is
     tier: str = "edge"
     remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
+    num_ranks: int = 0                  # ranks a tensor-parallel stage here may have; 0: one per GPU, else 1
     metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
     traces_json: str = ""               # append every span as OpenTelemetry JSON to this file
     otlp_traces_endpoint: str = ""      # export spans over OTLP/HTTP to this collector
@@ -55,7 +57,14 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
-    host = StageHost(executor, options.engine)
+    loop, group_failures = asyncio.get_running_loop(), []
+
+    def group_down(reason: str) -> None:
+        group_failures.append(reason)
+        stop.set()
+    # A tensor-parallel stage whose group went down cannot serve again: the agent exits, the coordinator sees it
+    # gone (its sessions fail over, its stages are re-planned), and whatever supervises the agent restarts it.
+    host = StageHost(executor, options.engine, lambda reason: loop.call_soon_threadsafe(group_down, reason))
     metrics = AgentMetrics()
     spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
     service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans))
@@ -83,7 +92,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     if options.metrics_port is not None:
         metrics_server, metrics_port = metrics.serve(options.host, options.metrics_port)
         metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
-    capabilities = probe(options.site, options.tier, remeasure=options.remeasure)
+    capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
     sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
 
@@ -107,6 +116,9 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         await service.close()
         await server.stop(grace=1.0)
         executor.shutdown(wait=False, cancel_futures=True)
+        host.close()
         if metrics_server is not None:
             metrics_server.shutdown()
         spans.close()
+    if group_failures:
+        raise GroupFailed(f"{group_failures[0]}; the agent exits")

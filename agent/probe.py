@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stratamesh.fleet.types import Capabilities, GpuInfo
+from stratamesh.fleet.types import MAX_TP_DEGREE, Capabilities, GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,19 @@ def backends_for(gpus: Sequence[GpuInfo], cuda_available: bool, onnx_providers: 
     return torch_backends + tuple(sorted(onnx))
 
 
-def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False) -> Capabilities:
-    """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed)."""
+def ranks_for(num_ranks: int, num_gpus: int) -> int:
+    """The ranks a tensor-parallel stage here may have: num_ranks (0: one per GPU, else 1), at most one per GPU."""
+    ranks = num_ranks or min(num_gpus, MAX_TP_DEGREE) or 1
+    if num_gpus and ranks > num_gpus:
+        log.warning("%d ranks asked for but this box has %d GPUs: %d ranks", ranks, num_gpus, num_gpus)
+        return num_gpus
+    return ranks
+
+
+def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False,
+          num_ranks: int = 0) -> Capabilities:
+    """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed);
+    num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for)."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()]
     hostname, cpu_model = socket.gethostname(), parse_cpu_model(read_cpuinfo())
@@ -170,4 +181,4 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
         backends=backends_for(gpus, torch.cuda.is_available(), read_onnx_providers()),
-        speeds=speeds, site=site, tier=tier)
+        speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
@@ -19,9 +21,12 @@ RELEASED_KEEP_S = 10.0
 class StageHost:
     """Loaded stages by assignment id, and which stage each open session lives on."""
 
-    def __init__(self, executor: Executor, config: EngineConfig):
+    def __init__(self, executor: Executor, config: EngineConfig,
+                 on_group_failure: Callable[[str], None] | None = None):
         self.executor = executor
         self.config = config
+        # told (from any thread) when a tensor-parallel stage's group went down: the agent cannot serve it again
+        self.on_group_failure = on_group_failure
         self.engines: dict[str, StageEngine] = {}
         self.num_computed_tokens = 0        # tokens all stages have run through their layers, ever
         self._loading: dict[str, asyncio.Future[StageEngine]] = {}
@@ -45,10 +50,14 @@ class StageHost:
 
     async def _load(self, assignment: Assignment) -> StageEngine:
         runner, self._released = self._released, None     # dropped either way: its memory may be needed
-        if runner is None or runner.model.spec != assignment.stage:
+        if runner is not None and runner.model.spec != assignment.stage:
+            runner.close()
+            runner = None
+        if runner is None:
             loop = asyncio.get_running_loop()
-            runner = await loop.run_in_executor(self.executor, StageRunner.load, assignment.stage,
-                                                self.config.kv_cache_bytes)
+            load = functools.partial(StageRunner.load, assignment.stage, self.config.kv_cache_bytes,
+                                     self._group_failed)
+            runner = await loop.run_in_executor(self.executor, load)
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
         return engine
 
@@ -57,12 +66,25 @@ class StageHost:
         stage comes back under a new assignment id)."""
         engine = self.engines.pop(assignment_id, None)
         if engine is not None:
+            if self._released is not None:
+                self._released.close()
             runner = self._released = engine.runner
             asyncio.get_running_loop().call_later(RELEASED_KEEP_S, self._forget_released, runner)
+
+    def _group_failed(self, reason: str) -> None:
+        if self.on_group_failure is not None:
+            self.on_group_failure(reason)
 
     def _forget_released(self, runner: StageRunner) -> None:
         if self._released is runner:
             self._released = None
+            runner.close()
+
+    def close(self) -> None:
+        """Stops the other ranks of every tensor-parallel stage (the agent is going away)."""
+        for runner in [e.runner for e in self.engines.values()] + [self._released]:
+            if runner is not None:
+                runner.close()
 
     def engine(self, assignment_id: str) -> StageEngine:
         engine = self.engines.get(assignment_id)

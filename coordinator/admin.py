@@ -37,6 +37,21 @@ class MeshAdmin:
                         "telemetry": asdict(telemetry) | {"received": ts} if telemetry else None})
         return out
 
+    def plans(self) -> list[dict[str, Any]]:
+        """Each model's active plan, and the standby one loading beside it if any: which agent serves which
+        layers, on how many tensor-parallel ranks, in what state."""
+        out = []
+        for model in self._registry.models():
+            for plan in (self._registry.active_plan(model.model_id), self._registry.standby_plan(model.model_id)):
+                if plan is not None:
+                    out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
+                                "created": plan.created, "reason": plan.reason,
+                                "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
+                                            "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
+                                            "tp_degree": s.spec.tp_degree, "state": s.state}
+                                           for s in plan.stages]})
+        return out
+
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]:
         """An agent's telemetry history, oldest first."""
         return [asdict(t) | {"received": ts} for ts, t in self._registry.telemetry(agent_id, since, limit)]

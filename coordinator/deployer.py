@@ -434,7 +434,8 @@ class Deployer:
         if len(agents) < num_stages:
             log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
             return False
-        placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in previous.stages] if previous else []
+        placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer, s.spec.tp_degree)
+                     for s in previous.stages] if previous else []
         try:
             planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
                                           self._registry.links(), placement)
@@ -470,7 +471,7 @@ class Deployer:
             plan = self._registry.active_plan(model.model_id)
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
-            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer) for s in plan.stages]
+            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer, s.spec.tp_degree) for s in plan.stages]
             chosen = repair_stages(model.model_id, model.config, agents, placement, self._registry.links())
             pairs += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                       spare, s.spec, "assigned"))

@@ -75,9 +75,14 @@ def _m004_telemetry_and_links(db: Database) -> None:
                         "error": str, "ts": float}, pk=("agent_id", "peer_id"), if_not_exists=True)
 
 
+def _m005_stage_tp_degree(db: Database) -> None:
+    """Stages carry the ranks of the tensor-parallel group serving them."""
+    db["stages"].add_column("tp_degree", int, not_null_default=1)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
-                                     _m003_stage_kv_block_size, _m004_telemetry_and_links)
+                                     _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -349,7 +354,7 @@ class Registry:
 
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
-                 "kv_block_size")
+                 "kv_block_size", "tp_degree")
 
 
 def _stage_row(plan_id: str, stage: PlannedStage) -> dict[str, Any]:

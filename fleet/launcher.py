@@ -45,6 +45,7 @@ class LocalMesh:
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
+    agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
     coordinator_args: list[str] = field(default_factory=list)   # appended to the coordinator's command line
     coordinator: subprocess.Popen | None = None
     agents: list[subprocess.Popen] = field(default_factory=list)
@@ -83,6 +84,18 @@ class LocalMesh:
         """kill -9 of one agent: no goodbye to anyone, as when a box loses power."""
         _kill(self.agents[index])
 
+    def rank_pids(self, index: int) -> dict[int, int]:
+        """rank -> pid of the tensor-parallel ranks (1..N-1) that agent number index launched (Linux /proc)."""
+        out = {}
+        for pid in _children(self.agents[index].pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if "stratamesh.agent.engine.tp_worker" in argv:
+                out[int(argv[argv.index("--rank") + 1])] = pid
+        return dict(sorted(out.items()))
+
     def agent_index(self, address: str) -> int:
         """Which agent serves its stages at this address."""
         return self.agent_addresses.index(address)
@@ -100,7 +113,7 @@ class LocalMesh:
                 "--threads", str(threads)]
         if not self.use_zeroconf:
             args += ["--coordinator", self.grpc_address]
-        process = self._spawn(f"agent{index}", [*args, *self.agent_args])
+        process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])])
         if index < len(self.agents):
             self.agents[index] = process
         else:
@@ -206,6 +219,16 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
             process.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
 
 
 def _kill(process: subprocess.Popen) -> None:

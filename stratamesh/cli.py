@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
+    agent.add_argument("--ranks", type=_num_ranks, default=0, metavar="N",
+                       help="ranks a tensor-parallel stage here may have; default: the number of GPUs, else 1")
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.add_argument("--metrics-port", type=int, default=0,
@@ -173,6 +175,19 @@ def _coordinator(args: argparse.Namespace) -> None:
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
 
+def _num_ranks(text: str) -> int:
+    """--ranks: an integer in 1..MAX_TP_DEGREE."""
+    from stratamesh.fleet.types import MAX_TP_DEGREE
+
+    try:
+        ranks = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= ranks <= MAX_TP_DEGREE:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_TP_DEGREE}, got {ranks}")
+    return ranks
+
+
 def _agent(args: argparse.Namespace) -> None:
     from stratamesh.agent.daemon import AgentOptions, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig
@@ -182,7 +197,7 @@ def _agent(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
-        tier=args.tier, remeasure=args.remeasure,
+        tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
         engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
                             args.max_batch_seqs, not args.no_prefix_cache),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,

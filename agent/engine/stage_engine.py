@@ -125,8 +125,9 @@ class StageEngine:
     # ------------------------------------------------------------ KV migration
     def kv_layout(self) -> KvLayout:
         spec, cache = self.assignment.stage, self.runner.cache
+        # every KV head, whether one process holds them or the ranks of a group split them: read_kv gathers them
         return KvLayout(spec.model_id, spec.start_layer, spec.end_layer, codec.DTYPE_NAMES[cache.dtype],
-                        cache.block_size, cache.num_kv_heads, cache.head_dim)
+                        cache.block_size, self.runner.model.config.num_kv_heads, cache.head_dim)
 
     def export_session(self, session_id: str) -> SessionKv:
         """A quiet session's state and KV (InvalidInput if it is not open here or has work queued)."""

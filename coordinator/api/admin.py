@@ -39,6 +39,10 @@ def admin_router(admin: Admin) -> APIRouter:
     async def agents() -> Response:
         return JSONResponse({"agents": admin.agents()})
 
+    @router.get("/plans")
+    async def plans() -> Response:
+        return JSONResponse({"plans": admin.plans()})
+
     @router.get("/agents/{agent_id}/telemetry")
     async def telemetry(agent_id: str, since: float = 0.0, limit: int = Query(300, ge=1, le=10_000)) -> Response:
         return JSONResponse({"agent_id": agent_id, "telemetry": admin.telemetry(agent_id, since, limit)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,10 @@ from stratamesh.kernels.ops.paged_attention import PagedKVCache
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @dataclass(slots=True)
@@ -60,13 +65,12 @@ class StageModel:
         _check_shapes(config, tensors)
         self.config, self.spec = config, spec
         self.dtype = TORCH_DTYPES[spec.dtype]
-        self._tensors = tensors
-        self._layers = [LayerWeights.from_tensors(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
-        self._embed = tensors.get(EMBED) if spec.is_first else None
-        self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
-        head = EMBED if config.tie_word_embeddings else LM_HEAD
-        self._lm_head = tensors.get(head) if spec.is_last else None
+        self._take(tensors)
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
+        # The heads this model computes and how partial outputs of the attention and MLP projections combine:
+        # all heads and nothing to combine, until a sharding transformation (kernels.models.tp) changes them.
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged
 
     @property
     def tensor_names(self) -> list[str]:
@@ -76,14 +80,34 @@ class StageModel:
     def param_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._tensors)
+
+    def reshard(self, tensors: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
+                reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Swaps in shards of its tensors that compute num_heads / num_kv_heads of the heads and a slice of the
+        MLP; reduce combines the partial outputs of the o and down projections (see kernels.models.tp)."""
+        self._take(tensors)
+        self.num_heads, self.num_kv_heads, self.reduce = num_heads, num_kv_heads, reduce
+
+    def _take(self, tensors: dict[str, torch.Tensor]) -> None:
+        spec = self.spec
+        self._tensors = tensors
+        self._layers = [LayerWeights.from_tensors(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
+        self._embed = tensors.get(EMBED) if spec.is_first else None
+        self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
+        head = EMBED if self.config.tie_word_embeddings else LM_HEAD
+        self._lm_head = tensors.get(head) if spec.is_last else None
+
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
-        return KVCache(len(self._layers), c.num_kv_heads, c.head_dim, self.dtype, self.spec.device, chunk_tokens)
+        return KVCache(len(self._layers), self.num_kv_heads, c.head_dim, self.dtype, self.spec.device, chunk_tokens)
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """An empty paged KV cache for this stage's layers, in its dtype and on its device."""
+        """An empty paged KV cache for this stage's layers (its own KV heads), in its dtype and on its device."""
         c = self.config
-        return PagedKVCache(len(self._layers), num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype,
+        return PagedKVCache(len(self._layers), num_blocks, block_size, self.num_kv_heads, c.head_dim, self.dtype,
                             self.spec.device)
 
     @torch.inference_mode()
@@ -92,15 +116,16 @@ class StageModel:
 
         inputs: token ids [N] on the first stage, else the previous stage's hidden [N, hidden].
         attn: a KVCache (one sequence, positions consecutive from at most its num_tokens) or a PagedBatch."""
+        self.check_inputs(inputs, positions, attn)
         x = self._embed_inputs(inputs)                          # x: [N, hidden]
-        positions = self._check_positions(positions, x.shape[0], attn)
+        positions = positions.to(self.spec.device, torch.long)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [N, D]
         cos, sin = cos[:, None], sin[:, None]                   # [N, 1, D]: broadcast over heads
         for local_idx, layer in enumerate(self._layers):
             window = self.config.window_for_layer(self.spec.start_layer + local_idx)
             x = x + self._attention(layer, local_idx, x, cos, sin, positions, window, attn)
             h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
-            x = x + swiglu(h, layer.gate, layer.up, layer.down)
+            x = x + self.reduce(swiglu(h, layer.gate, layer.up, layer.down))
         return x
 
     @torch.inference_mode()
@@ -113,26 +138,33 @@ class StageModel:
 
     def _attention(self, layer: LayerWeights, local_idx: int, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:
-        c, num_tokens = self.config, x.shape[0]
+        c, num_tokens, heads, kv_heads = self.config, x.shape[0], self.num_heads, self.num_kv_heads
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, c.num_heads, c.head_dim)
-        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, heads, c.head_dim)
+        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, kv_heads, c.head_dim)
+        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, kv_heads, c.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [N, H, D]  k, v: [N, KV, D]
         out = attn.attend(local_idx, q, k, v, positions, window)  # [N, H, D]
-        return F.linear(out.reshape(num_tokens, c.num_heads * c.head_dim), layer.o, layer.o_bias)
+        out = self.reduce(F.linear(out.reshape(num_tokens, heads * c.head_dim), layer.o))
+        return out if layer.o_bias is None else out + layer.o_bias   # the bias once, after the partial sums
 
-    def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+    def check_inputs(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention) -> None:
+        """InvalidInput unless forward() takes these: token ids in the vocabulary (first stage) or hidden states
+        of the model's width, and one position per row that attn can attend at."""
         if self._embed is not None:
             if inputs.dtype != torch.long or inputs.dim() != 1:
                 raise InvalidInput(f"first stage inputs must be token ids [T] int64, got {inputs.dtype} "
                                    f"{tuple(inputs.shape)}")
             if inputs.numel() and not 0 <= int(inputs.min()) <= int(inputs.max()) < self.config.vocab_size:
                 raise InvalidInput(f"token ids must be in [0, {self.config.vocab_size})")
-            return F.embedding(inputs.to(self._embed.device), self._embed)
-        if not inputs.is_floating_point() or inputs.dim() != 2 or inputs.shape[1] != self.config.hidden_size:
+        elif not inputs.is_floating_point() or inputs.dim() != 2 or inputs.shape[1] != self.config.hidden_size:
             raise InvalidInput(f"stage inputs must be hidden states [T, {self.config.hidden_size}], got "
                                f"{inputs.dtype} {tuple(inputs.shape)}")
+        self._check_positions(positions, inputs.shape[0], attn)
+
+    def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self._embed is not None:
+            return F.embedding(inputs.to(self._embed.device), self._embed)
         return inputs.to(device=self.spec.device, dtype=self.dtype)
 
     def _check_positions(self, positions: torch.Tensor, num_tokens: int, attn: Attention) -> torch.Tensor:

@@ -9,7 +9,9 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -162,6 +164,18 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
     has after_tokens tokens."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
         mesh.kill_agent(mesh.agent_index(run.killed_address))
+        await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
+
+    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, kill)
+
+
+async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
+                               rank: int = 1, after_tokens: int = 16) -> FailoverRun:
+    """As kill_stage_mid_stream, but kill -9 of one rank > 0 of the tensor-parallel group serving `stage`: a
+    process its agent launched. The agent takes the group down and exits; the rest is the failover path."""
+    async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
+        index = mesh.agent_index(run.killed_address)
+        os.kill(mesh.rank_pids(index)[rank], signal.SIGKILL)
         await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
 
     return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, kill)

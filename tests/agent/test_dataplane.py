@@ -87,6 +87,7 @@ async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
         await stream.close()
         await service.close()
         await server.stop(grace=None)
+        host.close()
 
 
 def send(stream: OutboundStream, message) -> None:

@@ -259,6 +259,34 @@ def test_a_stage_keeps_its_kv_block_size(reg: Registry) -> None:
     assert reg.active_plan("m").stages[0].spec == spec
 
 
+def test_a_stage_keeps_its_tp_degree_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "tp.db")
+    specs = [StageSpec("m", "/models/m", 0, 2, 6), StageSpec("m", "/models/m", 2, 4, 6, tp_degree=2),
+             StageSpec("m", "/models/m", 4, 6, 6)]
+    reg = Registry(path)
+    reg.add_model("m", "/models/m", 6, {}, now=T0)
+    reg.save_plan("p1", "m", [PlannedStage(f"p1-{i}", i, agent, spec)
+                              for i, (agent, spec) in enumerate(zip(["e1", "cloud", "e2"], specs))], "tp", now=T0)
+    reg.close()
+    again = Registry(path)
+    assert [(s.agent_id, s.spec) for s in again.active_plan("m").stages] == list(zip(["e1", "cloud", "e2"], specs))
+    again.close()
+
+
+def test_stages_saved_before_tp_degree_existed_read_back_as_one_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "old.db")
+    old = Registry(path, migrations=MIGRATIONS[:4])
+    old.add_model("m", "/models/m", 4, {}, now=T0)
+    old._db["plans"].insert({"plan_id": "p1", "model_id": "m", "created": T0, "state": "active", "reason": ""})
+    old._db["stages"].insert({"assignment_id": "p1-0", "plan_id": "p1", "stage_index": 0, "agent_id": "a1",
+                              "model_path": "/models/m", "start_layer": 0, "end_layer": 4, "num_layers": 4,
+                              "dtype": "float32", "device": "cpu", "kv_block_size": 16, "state": "ready"})
+    old.close()
+    new = Registry(path)
+    assert new.active_plan("m").stages[0].spec == StageSpec("m", "/models/m", 0, 4, 4, tp_degree=1)
+    new.close()
+
+
 def _telemetry(i: int) -> Telemetry:
     return Telemetry(T0 + i, queue_depth=i, tokens_per_s=10.0 * i,
                      stages=(StageLoad("p-0", 1, i, i, 64, 32, 16),),
@@ -290,7 +318,7 @@ def test_telemetry_retention_drops_old_rows_and_caps_each_agent(reg: Registry) -
 
 def test_links_keep_the_newest_figures_and_survive_a_failed_probe(reg: Registry) -> None:
     reg.record_links("a", [LinkMeasurement("b", 0.002, 1e8), LinkMeasurement("c", error="refused")], now=T0)
-    assert [(l.agent_id, l.peer_id, l.rtt_s) for l in reg.links()] == [("a", "b", 0.002)]  # c: never measured
+    assert [(r.agent_id, r.peer_id, r.rtt_s) for r in reg.links()] == [("a", "b", 0.002)]  # c: never measured
     reg.record_links("a", [LinkMeasurement("b", 0.001, 2e8)], now=T0 + 1)
     reg.record_links("a", [LinkMeasurement("b", error="timeout")], now=T0 + 2)
     (link,) = reg.links()
