@@ -75,6 +75,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     await server.start()
     service.start()
     stage_address = f"{options.advertise_host or options.host}:{port}"
+    service.address = stage_address
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     browser = discovery.Browser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(

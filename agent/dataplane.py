@@ -14,6 +14,7 @@ import grpc
 from stratamesh.agent import kv_transfer
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import Outbox, StageEngine
+from stratamesh.agent.engine.tp_group import GroupFailed
 from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
@@ -76,6 +77,9 @@ class StageService(pb_grpc.StageServicer):
         self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it),
                                    on_broken=self._origin_broken)
         self._worker: asyncio.Task[None] | None = None
+        # the address peers dial for this service, once bound: a stage that fails as a whole (a tensor-parallel
+        # group went down) names it as the hop its sessions lost, so that their origins fail over around it
+        self.address = ""
 
     def start(self) -> None:
         self._worker = asyncio.get_running_loop().create_task(self._work())
@@ -284,11 +288,12 @@ class StageService(pb_grpc.StageServicer):
             if sum(c.end - c.begin for c in batch.chunks) <= INLINE_MAX_TOKENS:
                 return engine.run(batch)
             return await asyncio.get_running_loop().run_in_executor(self._host.executor, engine.run, batch)
-        except Exception as exc:  # a failed step fails its sessions, never the stage
+        except Exception as exc:  # a failed step fails its sessions; only a group's failure fails the stage
             log.exception("a step of %s failed", engine.assignment.assignment_id)
+            lost = self.address if isinstance(exc, GroupFailed) else ""
             outbox = Outbox()
             for chunk in batch.chunks:
-                self._fail(chunk.session_id, StageFailed(f"{type(exc).__name__}: {exc}"), outbox)
+                self._fail(chunk.session_id, StageFailed(f"{type(exc).__name__}: {exc}"), outbox, unreachable=lost)
             engine.postprocess(batch, None, outbox)
             self._send(outbox)
             return None

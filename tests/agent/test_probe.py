@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from stratamesh.agent.probe import (
-    RawGpu, backends_for, onnx_backend, parse_cpu_model, parse_gpu, parse_meminfo, probe, read_nvml,
+    RawGpu, backends_for, onnx_backend, parse_cpu_model, parse_gpu, parse_meminfo, probe, ranks_for, read_nvml,
     read_onnx_providers,
 )
 from stratamesh.fleet.types import GpuInfo
@@ -192,3 +192,15 @@ def test_probe_on_this_box() -> None:
     assert ("onnxruntime-cpu" in caps.backends) == ("CPUExecutionProvider" in read_onnx_providers())
     assert caps.speeds and caps.speeds[0].backend == "torch-cpu"
     assert probe().speeds == caps.speeds   # the second probe reads the cache
+
+
+@pytest.mark.parametrize("asked, num_gpus, ranks", [
+    (0, 0, 1),      # a CPU box: one rank unless the operator says more
+    (4, 0, 4),      # ... who may: the ranks then share its cores
+    (0, 2, 2),      # a GPU box: one rank per GPU
+    (0, 16, 8),     # ... at most a group's largest size
+    (4, 2, 2),      # never more ranks than GPUs
+    (1, 4, 1),      # fewer GPUs for a group than it has: the operator's call
+])
+def test_the_ranks_an_agent_offers(asked: int, num_gpus: int, ranks: int) -> None:
+    assert ranks_for(asked, num_gpus) == ranks

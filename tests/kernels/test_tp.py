@@ -138,3 +138,19 @@ def test_the_model_code_asks_no_rank(tiny_model):
     assert apply_tp(model, 0, 1, all_reduce) is model
     model.forward(ids, torch.arange(5), model.new_cache())
     assert calls == [(5, 256)] * 4   # after attention and after the MLP, in each of 2 layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_single_rank_nccl_group_on_a_gpu_matches_the_whole_model(tiny_model):
+    """The NCCL path as far as one GPU allows: a group of one, its all-reduce through NCCL on the device."""
+    model_dir = tiny_model("llama", **GQA)
+    spec = StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS, device="cuda:0")
+    ids = prompt(seed=15)
+    whole = load_stage(spec)
+    expected = whole.logits(whole.forward(ids, torch.arange(ids.numel()), whole.new_cache())).cpu()
+    group = Collectives(store_for(0, 1, 0), 0, 1, "nccl")
+    sharded = apply_tp(load_stage(spec), 0, 1, group.all_reduce)
+    got = sharded.logits(sharded.forward(ids, torch.arange(ids.numel()), sharded.new_cache())).cpu()
+    assert group.num_all_reduces == 2 * NUM_LAYERS
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)

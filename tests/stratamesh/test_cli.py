@@ -35,6 +35,11 @@ def test_bad_arguments_fail_with_usage() -> None:
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+def test_an_agent_asked_for_too_many_ranks_is_refused_with_the_range() -> None:
+    result = stratamesh("agent", "--ranks", "9")
+    assert result.returncode == 2 and "--ranks: must be in 1..8, got 9" in result.stderr
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

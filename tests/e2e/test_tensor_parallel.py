@@ -1,0 +1,85 @@
+"""Mixed plans: edge stages and a tensor-parallel group in one pipeline, as processes on loopback.
+
+The "cloud" agent says it may run 2 ranks (--ranks 2); with exactly 3 stages over an edge, a cloud and an edge
+agent the planner makes the cloud's 2 ranks one TP=2 stage (see tests/coordinator/test_tp_placement.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stratamesh.bench.chaos import kill_rank_mid_stream, make_jobs
+from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.metrics import percentile
+from stratamesh.fleet.launcher import LocalMesh
+
+from .reference import greedy_tokens
+from .test_mesh import complete_ids
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+CLOUD = ["--ranks", "2", "--tier", "cloud"]
+
+
+def active_plan(mesh: LocalMesh) -> dict:
+    (plan,) = [p for p in httpx.get(f"{mesh.url}/admin/api/plans").json()["plans"] if p["state"] == "active"]
+    return plan
+
+
+def tp_stages(plan: dict) -> list[tuple[int, dict]]:
+    """(index, stage) of each tensor-parallel stage of the plan."""
+    return [(i, s) for i, s in enumerate(plan["stages"]) if s["tp_degree"] > 1]
+
+
+def test_an_edge_tp_edge_pipeline_gives_the_tokens_of_transformers(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    model_dir = tiny_models["llama"]
+    with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={1: CLOUD},
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+        plan = active_plan(mesh)
+        ((index, stage),) = tp_stages(plan)
+        assert [s["tp_degree"] for s in plan["stages"]].count(1) == 2 and stage["tp_degree"] == 2
+        assert stage["agent_id"] == mesh.agent_ids[1] and 0 < index < 2   # edge -> cloud TP=2 -> edge
+        assert [(s["start_layer"], s["end_layer"]) for s in plan["stages"]][0][0] == 0
+        assert list(mesh.rank_pids(1)) == [1]           # the cloud agent launched its rank 1
+        for seed, length in ((1, 12), (2, 40)):
+            prompt = make_jobs(1, regular_token_ids(model_dir), prompt_len=length, max_tokens=1, seed=seed)[0]
+            ids = list(prompt.prompt_ids)
+            assert complete_ids(mesh, model_dir, ids, 24) == greedy_tokens(model_dir, ids, 24)
+
+
+def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_a_new_plan(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """An edge and three 2-rank agents for 3 stages: one agent is left over. kill -9 of rank 1 of a group
+    mid-stream: its agent goes down with it, and the streams go on through a re-planned pipeline."""
+    model_dir = tiny_models["llama"]
+    jobs = make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=7)
+    with LocalMesh(str(model_dir), num_agents=4, num_stages=3, agent_args_by_index={i: CLOUD for i in (1, 2, 3)},
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+        plan = active_plan(mesh)
+        index, stage = tp_stages(plan)[0]
+        group_agent = mesh.agent_ids.index(stage["agent_id"])
+        rank_pids = mesh.rank_pids(group_agent)
+        run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, jobs, stage=index, rank=1))
+        exit_code = mesh.agents[group_agent].wait(timeout=30)
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 6}).json()["requests"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and stage["agent_id"] in str(active_plan(mesh)["stages"]):
+            time.sleep(0.2)
+        new_plan = active_plan(mesh)
+    assert [o.error for o in run.reference + run.outcomes if o.error] == []
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]
+    assert exit_code != 0                                # the agent went down with its group ...
+    assert not any(Path(f"/proc/{pid}").exists() for pid in rank_pids.values())   # ... and so did every rank
+    assert all(r["num_failovers"] >= 1 and r["state"] == "finished" for r in records)
+    assert all(run.killed_address not in route for route in run.routes_after)
+    assert stage["agent_id"] not in [s["agent_id"] for s in new_plan["stages"]]
+    def layout(p: dict) -> list[tuple[int, int, str, int]]:
+        return [(s["start_layer"], s["end_layer"], s["agent_id"][-2:], s["tp_degree"]) for s in p["stages"]]
+    print(f"\nplan {layout(plan)}, stage {index} lost rank 1: stall p50 {percentile(run.stalls, 50) * 1e3:.0f} ms, "
+          f"max {max(run.stalls) * 1e3:.0f} ms over {len(run.stalls)} streams; re-planned {layout(new_plan)}")
