@@ -39,7 +39,13 @@ def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, 
     start = time.perf_counter()
     while (step := engine.schedule()) is not None:
         engine.postprocess(step, engine.run(step), Outbox())
-    prefill_s, times = time.perf_counter() - start, []
+    prefill_s = time.perf_counter() - start
+    return prefill_s, statistics.median(decode_times(engine, batch, prompt_len, steps))
+
+
+def decode_times(engine: StageEngine, batch: int, prompt_len: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` batched decode steps of sessions s0..s{batch-1}, prefilled with prompt_len."""
+    times = []
     for n in range(steps):
         for i in range(batch):
             engine.add(StepChunk(f"s{i}", n + 1, prompt_len + n, (5,), True), None)
@@ -47,7 +53,7 @@ def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, 
         step = engine.schedule()
         engine.postprocess(step, engine.run(step), Outbox())
         times.append(time.perf_counter() - start)
-    return prefill_s, statistics.median(times)
+    return times
 
 
 def transformers_times(model_dir: Path, batch: int, prompt_len: int, steps: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -26,6 +27,9 @@ from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngi
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
 from stratamesh.tiny_model import write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stage_step import decode_times  # noqa: E402  (a sibling script, not a package)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +59,7 @@ def run(spec: StageSpec, batch: int, prompt_len: int, steps: int, cores: int) ->
             engine.postprocess(step, engine.run(step), Outbox())
         collectives = runner.ranks.collectives if runner.ranks else None
         reduce_before = collectives.all_reduce_s if collectives else 0.0
-        times = []
-        for n in range(steps):
-            for i in range(batch):
-                engine.add(StepChunk(f"s{i}", n + 1, prompt_len + n, (5,), True), None)
-            start = time.perf_counter()
-            step = engine.schedule()
-            engine.postprocess(step, engine.run(step), Outbox())
-            times.append(time.perf_counter() - start)
+        times = decode_times(engine, batch, prompt_len, steps)
         decode_s = statistics.median(times)
         if collectives is None:
             return Timing(prefill_s, decode_s)

@@ -28,6 +28,14 @@ def test_stage_step_benchmark_prints_its_table() -> None:
     assert "| stratamesh stage engine" in result.stdout and "decode step ratio" in result.stdout
 
 
+def test_tensor_parallel_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--layers", "2",
+                             "--hidden", "256", "--batch", "2", "--prompt-len", "16", "--steps", "3"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| TP=2 (gloo) |" in result.stdout and "speed-up TP=2 over TP=1" in result.stdout
+
+
 def test_trace_report_benchmark_prints_its_tables() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_report.py"), "--tokens", "4",
                              "--requests", "1"], capture_output=True, text=True, timeout=300)
