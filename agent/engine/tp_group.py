@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import pickle
 import socket
 import subprocess
@@ -156,7 +155,7 @@ class RankGroup:
         args = [sys.executable, "-m", "stratamesh.agent.engine.tp_worker", "--rank", str(rank),
                 "--store-port", str(self._store.port), "--num-blocks", str(num_blocks),
                 "--threads", str(num_threads), "--fd", str(theirs.fileno()), "--spec", _spec_arg(self.spec)]
-        process = subprocess.Popen(args, pass_fds=(theirs.fileno(),), env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+        process = subprocess.Popen(args, pass_fds=(theirs.fileno(),))   # gloo's device is set: loopback
         theirs.close()
         return _Worker(rank, process, Connection(ours.detach()))
 
