@@ -11,10 +11,10 @@ import torch
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.tp_group import RankGroup
 from stratamesh.fleet.types import SamplingParams, StageSpec
-from stratamesh.kernels.models.config import ModelConfig, read_config
+from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice
-from stratamesh.kernels.ops.paged_attention import PagedBatch, SeqSlice
+from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -47,23 +47,26 @@ class StageRunner:
         other ranks it launches; on_group_failure hears, from any thread, that the group went down)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
-        num_blocks, block_bytes = kv_blocks(config, spec, kv_cache_bytes)
+        num_blocks = max(2, PagedKVCache.blocks_for_bytes(
+            kv_cache_bytes, spec.end_layer - spec.start_layer, spec.kv_block_size,
+            config.num_kv_heads // spec.tp_degree, config.head_dim, TORCH_DTYPES[spec.dtype]))
         ranks = None
         if spec.tp_degree > 1:   # the other ranks load their shards while this one loads its own
             threads = max(1, torch.get_num_threads() // spec.tp_degree)
             ranks = RankGroup(spec, num_blocks, threads, on_group_failure)
         try:
-            model = load_stage(spec)
+            model = load_stage(spec, config)
             if ranks is not None:
-                model = apply_tp(model, 0, spec.tp_degree, ranks.start(spec.device).all_reduce)
+                model = apply_tp(model, 0, spec.tp_degree, ranks.start().all_reduce)
         except BaseException:
             if ranks is not None:
                 ranks.close()
             raise
+        runner = cls(model, num_blocks, 0, ranks)
         log.info("stage [%d, %d) of %s on %d rank(s): %.1f MB of weights, %d KV blocks of %d tokens (%.1f MB) "
                  "per rank", spec.start_layer, spec.end_layer, spec.model_id, spec.tp_degree,
-                 model.param_bytes / 1e6, num_blocks, spec.kv_block_size, num_blocks * block_bytes / 1e6)
-        return cls(model, num_blocks, 0, ranks)
+                 model.param_bytes / 1e6, num_blocks, spec.kv_block_size, runner.cache.nbytes / 1e6)
+        return runner
 
     def close(self) -> None:
         """Stops the other ranks of a tensor-parallel stage; nothing to do for one process."""
@@ -140,10 +143,3 @@ class StageRunner:
             tokens[chunk.session_id] = sample(logits[i], sampling[chunk.session_id], position)
         return StepOutput(tokens=tokens)
 
-
-def kv_blocks(config: ModelConfig, spec: StageSpec, kv_cache_bytes: int) -> tuple[int, int]:
-    """(blocks, bytes per block) of a paged KV cache of about kv_cache_bytes for one rank of the stage."""
-    layers, kv_heads = spec.end_layer - spec.start_layer, config.num_kv_heads // spec.tp_degree
-    itemsize = TORCH_DTYPES[spec.dtype].itemsize
-    block_bytes = 2 * layers * kv_heads * config.head_dim * itemsize * spec.kv_block_size
-    return max(2, kv_cache_bytes // block_bytes), block_bytes

@@ -14,21 +14,10 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import torch
+
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.agent.engine.tp_group import (
-    Collectives,
-    Forward,
-    LoadFailed,
-    ReadKv,
-    Ready,
-    Stop,
-    WriteKv,
-    backend_for,
-    rank_device,
-    recv,
-    send,
-    store_for,
-)
+from stratamesh.agent.engine.tp_group import (Collectives, Forward, LoadFailed, Ready, ReadKv, Stop, WriteKv,
+                                              backend_for, rank_device, recv, send, store_for)
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models.tp import apply_tp

@@ -178,9 +178,10 @@ class StageModel:
         return positions
 
 
-def load_stage(spec: StageSpec) -> StageModel:
-    """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors."""
-    config = read_config(spec.model_path)
+def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel:
+    """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors (config: its
+    config.json, if the caller read it already)."""
+    config = config or read_config(spec.model_path)
     if config.num_layers != spec.num_layers:
         raise CheckpointError(f"{spec.model_path} has {config.num_layers} layers, the stage spec says "
                               f"{spec.num_layers}")

@@ -63,6 +63,8 @@ def test_sharded_stage_matches_the_whole_model_and_transformers(tiny_model, arch
     for logits in got:   # every rank ends with the whole hidden state, so the same logits
         torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
         torch.testing.assert_close(logits, hf_logits(model_dir, ids), atol=LOGITS_ATOL, rtol=0)
+    print(f"\n{arch} TP={world_size}: max |logits - unsharded| {(got[0] - expected).abs().max():.1e}, "
+          f"max |logits - transformers| {(got[0] - hf_logits(model_dir, ids)).abs().max():.1e}")
     # each rank caches its own KV heads only
     kv_heads = read_config(model_dir).num_kv_heads // world_size
     assert all(m.num_kv_heads == kv_heads and m.new_paged_cache(2, 16).k[0].shape[2] == kv_heads for m in ranks)
