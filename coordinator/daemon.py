@@ -24,6 +24,7 @@ from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.origin import Origin, OriginService
+from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.service import MeshGenerator
 from stratamesh.fleet import discovery
@@ -41,6 +42,7 @@ class ModelRequest:
     path: str
     model_id: str = ""
     num_stages: int = 1
+    pins: SitePins = SitePins()
 
     @property
     def served_id(self) -> str:
@@ -119,7 +121,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness)
     deployer.start()
     for model in options.models:  # a bad model folder fails here, before anything listens
-        deployer.add_model(model.served_id, model.path, model.num_stages)
+        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)
     server = make_server()
     grpc_port = bind(server, options.host, options.grpc_port)
     advertise_host = options.advertise_host or options.host

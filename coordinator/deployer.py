@@ -12,12 +12,14 @@ from pathlib import Path
 
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S, PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.placement import plan_stages, repair_stages
-from stratamesh.coordinator.registry import PlannedStage, PlanRecord, Registry, StageRecord
-from stratamesh.fleet.errors import CheckpointError, MeshError, ModelNotFound, ModelNotReady, PlacementError
+from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, repair_stages
+from stratamesh.coordinator.registry import ModelRecord, PlannedStage, PlanRecord, Registry, StageRecord
+from stratamesh.fleet.errors import (CheckpointError, InvalidInput, MeshError, ModelNotFound, ModelNotReady,
+                                     PlacementError)
 from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
-                                    StageStatus, Telemetry)
+                                    StageSpec, StageStatus, Telemetry)
 from stratamesh.fleet.wire import convert
+from stratamesh.partitioner.plan import Plan
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 log = logging.getLogger(__name__)
@@ -113,14 +115,46 @@ class Deployer:
                 self.liveness.expect(stage.agent_id, now)
 
     # ------------------------------------------------------------ models
-    def add_model(self, model_id: str, path: str, num_stages: int) -> None:
-        """Registers a model (or updates its path) and asks for a plan of num_stages stages."""
+    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins()) -> None:
+        """Registers a model (or updates its path and site pins: a served one takes them at its next re-plan)
+        and asks for a plan of num_stages stages."""
+        if num_stages < 1:
+            raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
         config = read_model_config(path)
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
-                                 config, self._clock())
+                                 config, self._clock(), first_site=pins.first, last_site=pins.last)
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages
         self.reconcile()
+
+    def num_stages(self, model_id: str) -> int:
+        """Stages of the model's serving plan, or of the plan it waits for (0 if neither)."""
+        plan = self._registry.active_plan(model_id)
+        return len(plan.stages) if plan else self._pending.get(model_id, 0)
+
+    def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
+        """An operator's re-plan: the best plan over the agents there are now loads beside the serving one and
+        takes over once ready ("standby"). ("unchanged", why) if the serving plan is that plan; ("waiting", why)
+        if the model has no plan yet and too few agents. ModelNotFound, or PlacementError if no plan fits."""
+        self.model(model_id)
+        plan = self._registry.active_plan(model_id)
+        num_stages = num_stages or self.num_stages(model_id) or 1
+        if num_stages < 1:
+            raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
+        if plan is None:
+            self._pending[model_id] = num_stages
+            self.reconcile()
+            plan = self._registry.active_plan(model_id)
+            return ("planned", plan.reason) if plan else (
+                "waiting", f"waiting for {num_stages} agent(s); {len(self._plannable())} can take a stage")
+        planned, placed = self._best_plan(model_id, num_stages)
+        if [(agent, s.start_layer, s.end_layer, s.tp_degree) for agent, s in placed] == _placement(plan):
+            return "unchanged", f"the serving plan is still the best one. {planned.reason}"
+        if self._registry.standby_plan(model_id) is not None:
+            self._registry.abandon_standby(model_id)
+        self._save_plan(model_id, planned, placed, standby=True)
+        self.reconcile()
+        return "standby", planned.reason
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
@@ -429,22 +463,28 @@ class Deployer:
 
         previous: the plan serving now, kept where it still fits unless moving is clearly better (its lost
         stages go to spares). standby: the new plan loads beside it, and is saved only if it moves layers."""
-        model = self._registry.model(model_id)
-        agents = self._plannable()
-        if len(agents) < num_stages:
-            log.warning("cannot place %s yet: %d of %d agents", model_id, len(agents), num_stages)
-            return False
-        placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer, s.spec.tp_degree)
-                     for s in previous.stages] if previous else []
         try:
-            planned, placed = plan_stages(model_id, model.path, model.config, agents, num_stages,
-                                          self._registry.links(), placement)
+            planned, placed = self._best_plan(model_id, num_stages, _placement(previous) if previous else [])
         except PlacementError as exc:
             log.error("cannot place %s: %s", model_id, exc)
             self._registry.log_event("placement_failed", str(exc), self._clock())
             return False
         if standby and planned.search == "kept":
             return False
+        self._save_plan(model_id, planned, placed, standby)
+        return True
+
+    def _best_plan(self, model_id: str, num_stages: int,
+                   previous: Placement = ()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+        """The planner's best plan for the model over the plannable agents (PlacementError if none fits)."""
+        model = self._registry.model(model_id)
+        agents = self._plannable()
+        if len(agents) < num_stages:
+            raise PlacementError(f"cannot place {model_id} yet: {len(agents)} of {num_stages} agents")
+        return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
+                           previous, _pins(model))
+
+    def _save_plan(self, model_id: str, planned: Plan, placed: list[tuple[str, StageSpec]], standby: bool) -> None:
         plan_id = uuid.uuid4().hex[:12]
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
@@ -453,7 +493,6 @@ class Deployer:
         self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
         self._unplaceable.pop(model_id, None)
         log.info("%s %s: %s", "standby plan for" if standby else "planned", model_id, reason)
-        return True
 
     # ------------------------------------------------------------ drains
     def drain(self, agent_id: str) -> list[tuple[StageRecord, StageRecord]]:
@@ -471,8 +510,8 @@ class Deployer:
             plan = self._registry.active_plan(model.model_id)
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
-            placement = [(s.agent_id, s.spec.start_layer, s.spec.end_layer, s.spec.tp_degree) for s in plan.stages]
-            chosen = repair_stages(model.model_id, model.config, agents, placement, self._registry.links())
+            chosen = repair_stages(model.model_id, model.config, agents, _placement(plan), self._registry.links(),
+                                   _pins(model))
             pairs += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                       spare, s.spec, "assigned"))
                       for s, spare in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
@@ -539,3 +578,12 @@ class Deployer:
         link.send(convert.shutdown_to_pb("drained: its stages moved to other agents"))
         self._registry.set_agent_state(agent_id, "drained", self._clock())
         log.info("agent %s drained; told to exit", agent_id)
+
+
+def _placement(plan: PlanRecord) -> list[tuple[str, int, int, int]]:
+    """(agent, start layer, end layer, tp degree) of each stage of the plan, in pipeline order."""
+    return [(s.agent_id, s.spec.start_layer, s.spec.end_layer, s.spec.tp_degree) for s in plan.stages]
+
+
+def _pins(model: ModelRecord) -> SitePins:
+    return SitePins(model.first_site, model.last_site)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import Capabilities, StageSpec
 from stratamesh.partitioner.fleet import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
-from stratamesh.partitioner.plan import Plan, PlannedStage, PlanRequest
+from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config
 
@@ -22,6 +23,14 @@ STAGE_DTYPE = "float32"          # what the CPU stages run today, whatever the c
 UNMEASURED = Speed("torch-cpu", STAGE_DTYPE, flops=50e9, mem_bandwidth=10e9)
 KV_CONTEXT_TOKENS = 4096         # the KV reserve a stage must hold: this context ...
 KV_SEQUENCES = 8                 # ... for this many sequences
+
+
+@dataclass(frozen=True, slots=True)
+class SitePins:
+    """Data residency: the site the first stage (it sees token ids) and the last (it produces them) run at."""
+
+    first: str = ""             # "" for any site
+    last: str = ""
 
 
 def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = ()) -> FleetSnapshot:
@@ -87,13 +96,13 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                num_stages: int, links: Sequence[LinkRecord] = (),
-                previous: Placement = ()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
+                pins: SitePins = SitePins()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
     a stage may be a tensor-parallel group of one agent's ranks.
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better."""
-    profile, request = _profile(model_id, config), _request(config, num_stages)
+    profile, request = _profile(model_id, config), _request(config, num_stages, pins)
     fleet = fleet_of(agents, links)
     previous_plan = _as_plan(profile, fleet, request, previous, _ranks(agents))
     plan = plan_pipeline(profile, fleet, request, previous=previous_plan)
@@ -101,12 +110,13 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
 
 
 def repair_stages(model_id: str, config: dict[str, Any], agents: Mapping[str, Capabilities], placement: Placement,
-                  links: Sequence[LinkRecord] = ()) -> list[str]:
+                  links: Sequence[LinkRecord] = (), pins: SitePins = SitePins()) -> list[str]:
     """The agent of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV);
     PlacementError if none fit."""
     fleet = fleet_of(agents, links)
-    plan = _as_plan(_profile(model_id, config), fleet, _request(config, len(placement)), placement, _ranks(agents))
+    plan = _as_plan(_profile(model_id, config), fleet, _request(config, len(placement), pins), placement,
+                    _ranks(agents))
     if plan is None:
         missing = [f"[{start}, {end})" for agent, start, end, _ in placement if agent not in agents]
         raise PlacementError(f"no spare agent can take the stages {', '.join(missing)} of {model_id}")
@@ -117,10 +127,11 @@ def _profile(model_id: str, config: dict[str, Any]) -> ModelProfile:
     return profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
 
 
-def _request(config: dict[str, Any], num_stages: int) -> PlanRequest:
+def _request(config: dict[str, Any], num_stages: int, pins: SitePins) -> PlanRequest:
     context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
     return PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
-                       concurrency=KV_SEQUENCES, tensor_parallel=True)
+                       concurrency=KV_SEQUENCES, tensor_parallel=True, first_site=pins.first or None,
+                       last_site=pins.last or None)
 
 
 def _ranks(agents: Mapping[str, Capabilities]) -> dict[str, int]:
@@ -137,13 +148,21 @@ def _as_plan(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest, 
     pipelines = []
     for candidate in _repairs(placement, ranks):
         try:
-            pipelines.append(evaluate(profile, fleet, request, _on_ranks(candidate, ranks)))
+            pipeline = evaluate(profile, fleet, request, _on_ranks(candidate, ranks))
         except (PlacementError, InvalidInput):
             continue
+        if _keeps_pins(pipeline, fleet, request):
+            pipelines.append(pipeline)
     if not pipelines:
         return None
     best = min(pipelines, key=lambda p: p.objective_s(request.objective))
     return Plan(profile.name, request.objective, (best,), best.tokens_per_s, "")
+
+
+def _keeps_pins(pipeline: Pipeline, fleet: FleetSnapshot, request: PlanRequest) -> bool:
+    """Whether the first and last stages run at the sites the request pins them to."""
+    first, last = (fleet.device(s.devices[0]).site for s in (pipeline.stages[0], pipeline.stages[-1]))
+    return request.first_site in (None, first) and request.last_site in (None, last)
 
 
 def _repairs(placement: Placement, ranks: Mapping[str, int], limit: int = 64) -> list[list[tuple[str, int, int, int]]]:

@@ -27,6 +27,8 @@ class ModelRecord:
     num_layers: int
     config: dict[str, Any]
     created: float
+    first_site: str = ""        # the site the first stage (it sees token ids) must run at; "" for any
+    last_site: str = ""         # ... and the last stage (it produces them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,9 +80,16 @@ def _m005_stage_tp_degree(db: Database) -> None:
     db["stages"].add_column("tp_degree", int, not_null_default=1)
 
 
+def _m006_model_site_pins(db: Database) -> None:
+    """Models carry the sites their first and last stages are pinned to ("" for none)."""
+    db["models"].add_column("first_site", str, not_null_default="")
+    db["models"].add_column("last_site", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
-                                     _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree)
+                                     _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
+                                     _m006_model_site_pins)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -218,14 +225,15 @@ class Registry:
         return ids
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
-                  now: float) -> None:
-        """Add a model, or update its path and config if it exists (keeping created)."""
+                  now: float, first_site: str = "", last_site: str = "") -> None:
+        """Add a model, or update its path, config and site pins if it exists (keeping created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
         with self._tx() as db:
             db["models"].insert({"model_id": model_id, "created": now}, ignore=True)
             db["models"].update(model_id, {"path": path, "num_layers": num_layers,
-                                           "config_json": json.dumps(config, sort_keys=True)})
+                                           "config_json": json.dumps(config, sort_keys=True),
+                                           "first_site": first_site, "last_site": last_site})
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""

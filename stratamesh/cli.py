@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratamesh", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("STRATAMESH_LOG", "info"))
-    parser.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("STRATAMESH_LOG_FORMAT", "text"),
+    parser.add_argument("--log-format", choices=("text", "json"),
+                        default=os.environ.get("STRATAMESH_LOG_FORMAT", "text"),
                         help="json: one object per line with agent_id and trace_id")
     commands = parser.add_subparsers(metavar="COMMAND")
 
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", help="a Hugging Face folder to deploy")
     coordinator.add_argument("--served-model-name", default="")
     coordinator.add_argument("--stages", type=int, default=1, help="pipeline stages for --model")
+    coordinator.add_argument("--first-site", default="", metavar="SITE",
+                             help="data residency: --model's first stage (it sees token ids) runs at this site")
+    coordinator.add_argument("--last-site", default="", metavar="SITE",
+                             help="... and its last stage (it produces them)")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
@@ -163,8 +168,10 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
     from stratamesh.coordinator.liveness import LivenessConfig
+    from stratamesh.coordinator.placement import SitePins
 
-    models = (ModelRequest(args.model, args.served_model_name, args.stages),) if args.model else ()
+    models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site)),
+              ) if args.model else ()
     options = CoordinatorOptions(
         db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
         advertise_host=args.advertise_host, mesh=args.mesh,

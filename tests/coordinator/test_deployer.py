@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from stratamesh.coordinator.deployer import AgentLink, AgentNotConnected, Deployer
 from stratamesh.coordinator.liveness import LivenessConfig
+from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import Assignment, Capabilities, Registration, SpeedInfo, StageStatus
+from stratamesh.fleet.types import (Assignment, Capabilities, LinkMeasurement, Registration, SpeedInfo,
+                                    StageStatus)
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
 GiB = 1 << 30
@@ -348,3 +351,75 @@ def test_a_replacement_that_fails_to_load_fails_the_drain(model_dir: Path) -> No
     deployer.stage_status("a3", StageStatus(new.assignment_id, "failed", "out of memory"))
     assert "out of memory" in deployer.drain_failures["a1"] and deployer.replacing("a1") == []
     assert old.assignment_id in {s.assignment_id for s in registry.active_plan("m").stages}
+
+
+def placed_on(agent: Agent, *, mem_gib: float, site: str, tier: str = "edge") -> Agent:
+    """The agent with mem_gib of memory and mem_gib times a base speed, at a site."""
+    agent.caps = replace(agent.caps, site=site, tier=tier, ram_total_bytes=int(mem_gib * GiB),
+                         ram_available_bytes=int(mem_gib * GiB),
+                         speeds=(SpeedInfo("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
+    agent.link.capabilities = agent.caps
+    return agent
+
+
+def test_an_operators_replan_loads_the_best_plan_beside_the_serving_one_or_says_it_is_unchanged(
+        model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, [a1, a2])
+    report_ready(deployer, [a1, a2])
+    serving = registry.active_plan("m").plan_id
+    assert deployer.replan("m")[0] == "unchanged"
+    slightly_faster = placed_on(Agent("a3", 8), mem_gib=8.2, site="")    # 2.5%: no re-plan of its own
+    connect_all(deployer, [slightly_faster])
+    deployer.tick()
+    assert registry.standby_plan("m") is None
+    outcome, reason = deployer.replan("m")
+    standby = registry.standby_plan("m")
+    assert outcome == "standby" and reason == standby.reason and "a3" in {s.agent_id for s in standby.stages}
+    assert registry.active_plan("m").plan_id == serving             # it serves on while the new plan loads
+    report_ready(deployer, [a1, a2, slightly_faster])
+    assert registry.active_plan("m").plan_id == standby.plan_id
+    assert deployer.replan("m")[0] == "unchanged"
+    assert deployer.replan("m", num_stages=3)[0] == "standby"
+    assert len(registry.standby_plan("m").stages) == 3 and deployer.num_stages("m") == 2
+    with pytest.raises(PlacementError, match="3 of 4 agents"):
+        deployer.replan("m", num_stages=4)
+    with pytest.raises(ModelNotFound):
+        deployer.replan("other")
+
+
+def test_a_model_waiting_for_agents_replans_to_fewer_stages(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    deployer.add_model("m", str(model_dir), num_stages=3)
+    connect_all(deployer, [Agent("a1", 8)])
+    assert deployer.replan("m")[0] == "waiting" and deployer.num_stages("m") == 3
+    assert deployer.replan("m", num_stages=1)[0] == "planned"
+    assert len(registry.active_plan("m").stages) == 1
+
+
+def test_pinned_sites_keep_the_first_and_last_stages_at_the_edge_also_through_a_drain(model_dir: Path) -> None:
+    edge = [placed_on(Agent(f"a{i}", 8), mem_gib=4, site="factory") for i in (1, 2, 3, 4)]
+    cloud = [placed_on(Agent(f"a{i}", 8), mem_gib=64, site="cloud-eu", tier="cloud") for i in (5, 6)]
+    sites = {a.link.agent_id: a.caps.site for a in [*edge, *cloud]}
+
+    def deploy(pins: SitePins) -> tuple[Registry, Deployer]:
+        registry = Registry(":memory:")
+        deployer = Deployer(registry, clock=lambda: 100.0)
+        connect_all(deployer, [*edge, *cloud])
+        for a in sites:                 # fast links everywhere: crossing sites costs little
+            deployer.links_reported(a, [LinkMeasurement(b, 1e-4, 1e9) for b in sites if b != a])
+        deployer.add_model("m", str(model_dir), num_stages=3, pins=pins)
+        report_ready(deployer, [*edge, *cloud])
+        return registry, deployer
+
+    free, _ = deploy(SitePins())
+    assert [sites[s.agent_id] for s in free.active_plan("m").stages].count("cloud-eu") == 2
+    registry, deployer = deploy(SitePins("factory", "factory"))
+    stages = registry.active_plan("m").stages
+    assert [sites[s.agent_id] for s in stages] == ["factory", "cloud-eu", "factory"]
+    ((old, new),) = deployer.drain(stages[0].agent_id)      # the fast cloud spare may not take the first stage
+    assert old.stage_index == 0 and sites[new.agent_id] == "factory"

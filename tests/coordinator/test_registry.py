@@ -213,7 +213,7 @@ def test_old_db_gets_missing_migrations(tmp_path: Path) -> None:
     path = str(tmp_path / "old.db")
     old = Registry(path, migrations=MIGRATIONS[:1])
     assert old.applied_migrations == [1]
-    old.add_model("m", "/models/m", 8, {}, now=T0)
+    _insert_old_model(old, "m", "/models/m", 8)
     old.close()
     assert "agent_capabilities" not in _tables(path)
 
@@ -222,7 +222,23 @@ def test_old_db_gets_missing_migrations(tmp_path: Path) -> None:
     assert "agent_capabilities" in _tables(path)
     assert new.model("m").path == "/models/m"
     assert [r["version"] for r in new._rows("SELECT version FROM migrations")] == ALL_VERSIONS
+    assert (new.model("m").first_site, new.model("m").last_site) == ("", "")   # no pins before migration 6
     new.close()
+
+
+def _insert_old_model(reg: Registry, model_id: str, path: str, num_layers: int) -> None:
+    """A model row as the first schema wrote it (today's add_model writes columns it lacks)."""
+    reg._db["models"].insert({"model_id": model_id, "path": path, "num_layers": num_layers, "config_json": "{}",
+                              "created": T0})
+
+
+def test_a_models_site_pins_round_trip_and_update() -> None:
+    reg = Registry(":memory:")
+    reg.add_model("m", "/models/m", 8, {}, now=T0, first_site="factory", last_site="factory")
+    assert (reg.model("m").first_site, reg.model("m").last_site) == ("factory", "factory")
+    reg.add_model("m", "/models/m", 8, {}, now=T0 + 1, last_site="cloud")
+    assert (reg.model("m").first_site, reg.model("m").last_site, reg.model("m").created) == ("", "cloud", T0)
+    reg.close()
 
 
 def test_newer_db_is_refused(tmp_path: Path) -> None:
@@ -276,7 +292,7 @@ def test_a_stage_keeps_its_tp_degree_across_a_restart(tmp_path: Path) -> None:
 def test_stages_saved_before_tp_degree_existed_read_back_as_one_rank(tmp_path: Path) -> None:
     path = str(tmp_path / "old.db")
     old = Registry(path, migrations=MIGRATIONS[:4])
-    old.add_model("m", "/models/m", 4, {}, now=T0)
+    _insert_old_model(old, "m", "/models/m", 4)
     old._db["plans"].insert({"plan_id": "p1", "model_id": "m", "created": T0, "state": "active", "reason": ""})
     old._db["stages"].insert({"assignment_id": "p1-0", "plan_id": "p1", "stage_index": 0, "agent_id": "a1",
                               "model_path": "/models/m", "start_layer": 0, "end_layer": 4, "num_layers": 4,
