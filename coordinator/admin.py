@@ -1,16 +1,24 @@
-"""What the admin API reads: agents with their newest telemetry, links, recent requests and their traces."""
+"""What the admin API reads and does: agents with their newest telemetry, models and plans, links, live stats,
+events, recent requests and their traces; deploying a model, re-planning one, draining an agent."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord
+from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.errors import MeshError
+
+SNAPSHOT_EVENTS = 20        # the newest events a live snapshot carries
 
 
 class UnknownRequest(MeshError, LookupError):
@@ -18,14 +26,18 @@ class UnknownRequest(MeshError, LookupError):
 
 
 class MeshAdmin:
-    """Read-only views of the mesh as JSON-ready values."""
+    """Views of the mesh as JSON-ready values, and the operator's actions on it."""
 
     def __init__(self, registry: Registry, origin: Origin, metrics_addresses: Mapping[str, str],
-                 drainer: Drainer | None = None):
+                 drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
+                 clock: Callable[[], float] = time.time):
         self._registry = registry
         self._origin = origin
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
         self._drainer = drainer
+        self._deployer = deployer
+        self._live = live if live is not None else LiveStats()
+        self._clock = clock
 
     def agents(self) -> list[dict[str, Any]]:
         """Every agent the registry knows, with its state, capabilities and newest telemetry."""
@@ -45,12 +57,59 @@ class MeshAdmin:
             for plan in (self._registry.active_plan(model.model_id), self._registry.standby_plan(model.model_id)):
                 if plan is not None:
                     out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
-                                "created": plan.created, "reason": plan.reason,
+                                "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
                                             "tp_degree": s.spec.tp_degree, "state": s.state}
                                            for s in plan.stages]})
         return out
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every deployed model, its state and its stage count."""
+        return [self._model_json(model_id) for model_id in (m.model_id for m in self._registry.models())]
+
+    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins) -> dict[str, Any]:
+        """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
+        served_id = model_id or Path(path).resolve().name
+        self._planner().add_model(served_id, path, num_stages, pins)
+        return self._model_json(served_id)
+
+    def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
+        """Re-plans a model over the agents there are now (ModelNotFound; PlacementError if no plan fits)."""
+        outcome, reason = self._planner().replan(model_id, num_stages)
+        return {"model_id": model_id, "outcome": outcome, "reason": reason}
+
+    def _model_json(self, model_id: str) -> dict[str, Any]:
+        deployer, model = self._planner(), self._registry.model(model_id)
+        info = deployer.model(model_id)
+        state = ("ready" if deployer.is_ready(model_id) else "recovering" if deployer.accepts(model_id)
+                 else "loading" if self._registry.active_plan(model_id) else "waiting")
+        return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
+                "max_context": info.max_context, "state": state, "num_stages": deployer.num_stages(model_id),
+                "first_site": model.first_site, "last_site": model.last_site, "created": model.created}
+
+    def _planner(self) -> Deployer:
+        if self._deployer is None:
+            raise RuntimeError("this admin view was made without a deployer")
+        return self._deployer
+
+    def stats(self, seconds: int) -> list[dict[str, Any]]:
+        """The API's tokens/s, requests/s, TTFT and ITL p50/p99 and queue, one point per second, oldest first."""
+        return self._live.points(self._clock(), seconds)
+
+    def events(self, limit: int) -> list[dict[str, Any]]:
+        """The newest registry events (plans, placement failures, drains, agents seen), newest first."""
+        return [asdict(e) for e in self._registry.events(limit)]
+
+    def drains(self) -> list[dict[str, Any]]:
+        return [d.as_json() for d in self._drainer.all()] if self._drainer else []
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the admin UI draws, at once: what its live stream sends every second."""
+        latest = self.stats(1)
+        return {"ts": self._clock(), "agents": self.agents(), "plans": self.plans(), "links": self.links(),
+                "models": self.models(), "drains": self.drains(), "stats": latest[-1] if latest else None,
+                "events": self.events(SNAPSHOT_EVENTS)}
 
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]:
         """An agent's telemetry history, oldest first."""

@@ -16,6 +16,7 @@ import uvicorn
 from stratamesh.coordinator.admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.openai import create_app
+from stratamesh.coordinator.api.ui import mount_ui
 from stratamesh.coordinator.control import ControlService
 from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.drain import Drainer
@@ -104,6 +105,7 @@ async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMe
     """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
     app = create_app(generator, metrics)
     app.include_router(admin_router(admin))
+    mount_ui(app)
     http = _Server(uvicorn.Config(app, host=options.host, port=options.http_port,
                                   log_config=None, access_log=False, timeout_graceful_shutdown=2))
     task = asyncio.create_task(http.serve())
@@ -140,7 +142,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     await server.start()
 
     drainer = Drainer(deployer, origin)
-    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer)
+    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer, deployer, metrics.live)
     http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, options)
 
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))

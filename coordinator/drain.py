@@ -70,6 +70,10 @@ class Drainer:
         task.add_done_callback(self._tasks.discard)
         return status
 
+    def all(self) -> list[DrainStatus]:
+        """Every drain this coordinator ran or runs, oldest first."""
+        return sorted(self._drains.values(), key=lambda d: d.started_unix_s)
+
     def status(self, agent_id: str) -> DrainStatus:
         status = self._drains.get(agent_id)
         if status is None:

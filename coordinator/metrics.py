@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.registry import Collector
 
 from stratamesh.coordinator.api.generation import Clock, GenerationRun, Timeline
+from stratamesh.coordinator.live_stats import LiveStats
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,11 @@ class ApiMetrics:
     # request_finished (stop, length or abort) or request_failed. Fleet-wide gauges (vllm:num_requests_waiting,
     # vllm:kv_cache_usage_perc) are not defined here: they come from collectors added with register().
 
-    def __init__(self, engine: str = "0", clock: Clock = time.monotonic) -> None:
+    def __init__(self, engine: str = "0", clock: Clock = time.monotonic, wall_clock: Clock = time.time) -> None:
         self.registry = CollectorRegistry()
         self.clock = clock
+        self.wall_clock = wall_clock
+        self.live = LiveStats()     # the admin UI's per-second charts
         self._engine = engine
         self._running: set[str] = set()  # request ids started and not yet ended
         self._counters = _Counters(self.registry)
@@ -96,6 +99,7 @@ class ApiMetrics:
             log.warning("request %s was started twice; counted once", run.job.request_id)
             return
         self._running.add(run.job.request_id)
+        self.live.request_started(self.wall_clock())
         labels = self._labels(run)
         for reason in FINISHED_REASONS:  # every series from the start, so rate() sees the first request
             self._counters.success.labels(*labels, reason)
@@ -107,9 +111,11 @@ class ApiMetrics:
         self._counters.generation_tokens.labels(*labels).inc()
         if gap_s is not None:
             self._histograms.inter_token_latency.labels(*labels).observe(gap_s)
+            self.live.token(self.wall_clock(), gap_s)
             return
         timeline, num_prompt_tokens = run.timeline, len(run.job.prompt_ids)
         assert timeline.first_token_s is not None
+        self.live.first_token(self.wall_clock(), timeline.first_token_s - timeline.arrival_s)
         self._histograms.time_to_first_token.labels(*labels).observe(timeline.first_token_s - timeline.arrival_s)
         self._counters.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
         self._counters.prefix_cache_queries.labels(*labels).inc(num_prompt_tokens)
@@ -133,6 +139,7 @@ class ApiMetrics:
         if run.job.request_id not in self._running:
             return False
         self._running.discard(run.job.request_id)
+        self.live.request_ended(self.wall_clock(), had_first_token=run.timeline.first_token_s is not None)
         labels = self._labels(run)
         self._counters.running.labels(*labels).dec()
         self._counters.preemptions.labels(*labels).inc(run.num_preemptions)

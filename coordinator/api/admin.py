@@ -1,20 +1,43 @@
-"""The admin JSON API under /admin/api: agents, telemetry, links, requests and their traces."""
+"""The admin JSON API under /admin/api: agents, models and plans, links, live stats, events, requests and their
+traces, the operator's actions (deploy, re-plan, drain), and a live stream of snapshots for the admin UI."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from stratamesh.coordinator.api import admin_schemas as schemas
 from stratamesh.coordinator.api.errors import ApiError, error_response
-from stratamesh.fleet.errors import MeshError
+from stratamesh.coordinator.api.sse import SSEResponse, sse_event
+from stratamesh.coordinator.placement import SitePins
+from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
+
+SNAPSHOT_EVERY_S = 1.0      # how often /admin/api/stream sends a snapshot
+STATS_INTERVAL_S = 1.0      # the stats' resolution (LiveStats keeps one bucket per second)
 
 
 class Admin(Protocol):
-    """What the admin API reads; the coordinator's MeshAdmin implements it."""
+    """What the admin API reads and does; the coordinator's MeshAdmin implements it."""
 
     def agents(self) -> list[dict[str, Any]]: ...
+
+    def plans(self) -> list[dict[str, Any]]: ...
+
+    def models(self) -> list[dict[str, Any]]: ...
+
+    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins) -> dict[str, Any]: ...
+
+    def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]: ...
+
+    def stats(self, seconds: int) -> list[dict[str, Any]]: ...
+
+    def events(self, limit: int) -> list[dict[str, Any]]: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
 
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]: ...
 
@@ -33,22 +56,69 @@ class Admin(Protocol):
 
 def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
-    router = APIRouter(prefix="/admin/api", tags=["admin"])
+    router = APIRouter(prefix="/admin/api", tags=["admin"], responses={
+        400: {"description": "a malformed request (OpenAI's error shape)"},
+        404: {"description": "no such agent, model or request"}})
 
-    @router.get("/agents")
-    async def agents() -> Response:
-        return JSONResponse({"agents": admin.agents()})
+    @router.get("/agents", response_model=schemas.Agents)
+    async def agents() -> dict[str, Any]:
+        """Every agent the registry knows: state, capabilities and newest telemetry."""
+        return {"agents": admin.agents()}
 
-    @router.get("/plans")
-    async def plans() -> Response:
-        return JSONResponse({"plans": admin.plans()})
+    @router.get("/plans", response_model=schemas.Plans)
+    async def plans() -> dict[str, Any]:
+        """Each model's active plan and its standby: which agent serves which layers."""
+        return {"plans": admin.plans()}
+
+    @router.get("/models", response_model=schemas.Models)
+    async def models() -> dict[str, Any]:
+        return {"models": admin.models()}
+
+    @router.post("/models", status_code=202, response_model=schemas.DeployedModel)
+    async def deploy(body: schemas.DeployModel) -> Any:
+        """Deploys a Hugging Face folder; it loads as soon as enough agents can take its stages."""
+        try:
+            return {"model": admin.deploy(body.path, body.model_id, body.num_stages,
+                                          SitePins(body.first_site or "", body.last_site or ""))}
+        except (CheckpointError, InvalidInput) as exc:
+            return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
+
+    @router.post("/models/{model_id:path}/replan", status_code=202, response_model=schemas.ReplanResult)
+    async def replan(model_id: str, body: schemas.Replan | None = None) -> Any:
+        """Re-plans a model over the agents there are now: a better plan loads beside the serving one and
+        takes over once ready; the serving one is kept if it is still the best."""
+        try:
+            return {"replan": admin.replan(model_id, body.num_stages if body else None)}
+        except ModelNotFound as exc:
+            return error_response(ApiError(404, str(exc), param="model_id", code="model_not_found"))
+        except (PlacementError, InvalidInput) as exc:
+            return error_response(ApiError(409, str(exc), code="replan_refused"))
+
+    @router.get("/stats", response_model=schemas.Stats)
+    async def stats(seconds: int = Query(300, ge=1, le=600)) -> dict[str, Any]:
+        """Tokens/s, requests/s, TTFT and ITL p50/p99 (over 10 s) and the queue, one point per second."""
+        return {"interval_s": STATS_INTERVAL_S, "points": admin.stats(seconds)}
+
+    @router.get("/events", response_model=schemas.Events)
+    async def events(limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+        """The newest events: plans, placement failures, drains, stage moves, agents seen; newest first."""
+        return {"events": admin.events(limit)}
+
+    @router.get("/stream", response_class=Response, responses={200: {
+        "content": {"text/event-stream": {}},
+        "description": "server-sent events: `event: snapshot` about every second, with agents, plans, links, "
+                       "models, drains, the newest stats point and the newest events"}})
+    async def stream(request: Request) -> Response:
+        """Live snapshots for the admin UI (server-sent events)."""
+        return SSEResponse(_snapshots(admin, request), _nothing)
 
     @router.get("/agents/{agent_id}/telemetry")
     async def telemetry(agent_id: str, since: float = 0.0, limit: int = Query(300, ge=1, le=10_000)) -> Response:
         return JSONResponse({"agent_id": agent_id, "telemetry": admin.telemetry(agent_id, since, limit)})
 
-    @router.post("/agents/{agent_id}/drain", status_code=202)
-    async def drain(agent_id: str) -> Response:
+    @router.post("/agents/{agent_id}/drain", status_code=202, response_model=schemas.Drain,
+                 responses={409: {"description": "no spare agent can take a stage, or it is being drained"}})
+    async def drain(agent_id: str) -> Any:
         """Moves the agent's stages to spares and its live sessions with their KV, then lets it exit."""
         try:
             return JSONResponse({"drain": admin.drain(agent_id)}, status_code=202)
@@ -57,16 +127,17 @@ def admin_router(admin: Admin) -> APIRouter:
         except MeshError as exc:
             return error_response(ApiError(409, str(exc), code="drain_refused"))
 
-    @router.get("/agents/{agent_id}/drain")
-    async def drain_status(agent_id: str) -> Response:
+    @router.get("/agents/{agent_id}/drain", response_model=schemas.Drain)
+    async def drain_status(agent_id: str) -> Any:
         try:
-            return JSONResponse({"drain": admin.drain_status(agent_id)})
+            return {"drain": admin.drain_status(agent_id)}
         except LookupError as exc:
             return error_response(ApiError(404, str(exc), code="drain_not_found"))
 
-    @router.get("/links")
-    async def links() -> Response:
-        return JSONResponse({"links": admin.links()})
+    @router.get("/links", response_model=schemas.Links)
+    async def links() -> dict[str, Any]:
+        """The newest measurement of each link (round trip and bulk rate), between agents and to the origin."""
+        return {"links": admin.links()}
 
     @router.get("/requests")
     async def requests(limit: int = Query(100, ge=1, le=1000)) -> Response:
@@ -84,6 +155,17 @@ def admin_router(admin: Admin) -> APIRouter:
             return error_response(ApiError(404, str(exc), code="request_not_found"))
 
     return router
+
+
+async def _snapshots(admin: Admin, request: Request) -> AsyncIterator[bytes]:
+    """A snapshot now and then every SNAPSHOT_EVERY_S, until the client goes."""
+    while not await request.is_disconnected():
+        yield sse_event(admin.snapshot(), event="snapshot")
+        await asyncio.sleep(SNAPSHOT_EVERY_S)
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _or_404(read) -> Response:

@@ -17,9 +17,10 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_event(data: dict[str, Any]) -> bytes:
-    """One `data:` event; compact JSON never holds a raw newline, so one line is always enough."""
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def sse_event(data: dict[str, Any], event: str = "") -> bytes:
+    """One `data:` event (of type event, if given); compact JSON never holds a raw newline, so one line is enough."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):

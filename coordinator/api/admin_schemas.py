@@ -1,0 +1,168 @@
+"""The admin API's bodies, as pydantic models: they validate requests and put every response in the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stratamesh.fleet.types import Capabilities, GpuInfo, StageLoad
+
+MAX_STAGES = 64
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeployModel(_Request):
+    """POST /admin/api/models: a Hugging Face folder to serve, cut into num_stages stages."""
+
+    path: str = Field(min_length=1, max_length=4096, description="the model folder, as the agents see it")
+    model_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$",
+                                 description="the served name; default: the folder's name")
+    num_stages: int = Field(1, ge=1, le=MAX_STAGES)
+    first_site: str | None = Field(None, max_length=128, description="the site the first stage must run at")
+    last_site: str | None = Field(None, max_length=128, description="the site the last stage must run at")
+
+
+class Replan(_Request):
+    """POST /admin/api/models/{model_id}/replan: re-plan over the agents there are now."""
+
+    num_stages: int | None = Field(None, ge=1, le=MAX_STAGES, description="default: as many as now")
+
+
+# ------------------------------------------------------------------ responses
+class TelemetryView(BaseModel):
+    unix_s: float
+    queue_depth: int
+    tokens_per_s: float
+    stages: list[StageLoad]
+    gpus: list[GpuInfo]
+    received: float | None = Field(description="when the coordinator received it (unix s)")
+
+
+class AgentView(BaseModel):
+    agent_id: str
+    name: str
+    address: str
+    capabilities: Capabilities
+    state: str
+    first_seen: float
+    last_seen: float
+    state_since: float
+    metrics_address: str
+    telemetry: TelemetryView | None
+
+
+class Agents(BaseModel):
+    agents: list[AgentView]
+
+
+class StageView(BaseModel):
+    assignment_id: str
+    agent_id: str
+    start_layer: int
+    end_layer: int
+    tp_degree: int
+    state: str
+
+
+class PlanView(BaseModel):
+    plan_id: str
+    model_id: str
+    state: Literal["active", "standby"]
+    created: float
+    reason: str
+    num_layers: int
+    stages: list[StageView]
+
+
+class Plans(BaseModel):
+    plans: list[PlanView]
+
+
+class ModelView(BaseModel):
+    model_id: str
+    path: str
+    num_layers: int
+    max_context: int
+    state: Literal["ready", "recovering", "loading", "waiting"]
+    num_stages: int
+    first_site: str
+    last_site: str
+    created: float
+
+
+class Models(BaseModel):
+    models: list[ModelView]
+
+
+class DeployedModel(BaseModel):
+    model: ModelView
+
+
+class ReplanView(BaseModel):
+    model_id: str
+    outcome: Literal["standby", "unchanged", "planned", "waiting"]
+    reason: str
+
+
+class ReplanResult(BaseModel):
+    replan: ReplanView
+
+
+class StatsPoint(BaseModel):
+    t: float = Field(description="the second (unix s)")
+    tokens_per_s: int
+    requests_per_s: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    running: int
+    waiting: int
+
+
+class Stats(BaseModel):
+    interval_s: float
+    points: list[StatsPoint]
+
+
+class EventView(BaseModel):
+    id: int
+    ts: float
+    kind: str
+    agent_id: str | None
+    detail: str
+
+
+class Events(BaseModel):
+    events: list[EventView]
+
+
+class LinkView(BaseModel):
+    agent_id: str
+    peer_id: str
+    rtt_s: float
+    bandwidth_bytes_per_s: float
+    error: str
+    ts: float
+
+
+class Links(BaseModel):
+    links: list[LinkView]
+
+
+class DrainView(BaseModel):
+    agent_id: str
+    started_unix_s: float
+    state: Literal["moving_stages", "moving_sessions", "drained", "failed"]
+    stages: list[dict]
+    sessions_asked: int
+    finished_unix_s: float
+    error: str
+
+
+class Drain(BaseModel):
+    drain: DrainView

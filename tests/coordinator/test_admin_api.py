@@ -1,0 +1,140 @@
+"""The admin API's models, re-plans, stats, events and snapshots over a real registry and deployer, its OpenAPI
+document, and the admin UI's static files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.api import admin_schemas as schemas
+from stratamesh.coordinator.api.admin import admin_router
+from stratamesh.coordinator.api.errors import install_error_handlers
+from stratamesh.coordinator.api.ui import UI_DIR, mount_ui
+from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.live_stats import LiveStats
+from stratamesh.coordinator.origin import Origin
+from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def mesh(model_dir: Path):
+    registry, deployer, agents = ready_pair(model_dir, [100.0])
+    live = LiveStats()
+    origin = Origin("127.0.0.1:1")
+    admin = MeshAdmin(registry, origin, {}, Drainer(deployer, origin), deployer, live, clock=lambda: T0 + 10)
+    app = FastAPI()
+    app.include_router(admin_router(admin))
+    mount_ui(app)
+    install_error_handlers(app)
+    return registry, deployer, agents, live, admin, app
+
+
+async def client_of(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh")
+
+
+async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, model_dir: Path) -> None:
+    registry, deployer, agents, _, _, app = mesh
+    async with await client_of(app) as client:
+        (m,) = (await client.get("/admin/api/models")).json()["models"]
+        assert (m["model_id"], m["state"], m["num_stages"], m["num_layers"], m["first_site"]) == ("m", "ready", 2, 6, "")
+        missing = await client.post("/admin/api/models", json={"path": str(model_dir / "nope"), "num_stages": 1})
+        assert missing.status_code == 400 and missing.json()["error"]["code"] == "bad_model"
+        assert "config.json" in missing.json()["error"]["message"]
+        for bad in ({"path": str(model_dir), "num_stages": 0}, {"path": str(model_dir), "stages": 2}, {}):
+            refused = await client.post("/admin/api/models", json=bad)
+            assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", bad
+        deployed = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m2",
+                                                                "num_stages": 1})
+        assert deployed.status_code == 202
+        assert deployed.json()["model"] | {"created": 0} == {
+            "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
+            "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "created": 0}
+        pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
+                                                              "num_stages": 1, "first_site": "lab"})
+        assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"
+        assert registry.model("m3").first_site == "lab"
+        event = (await client.get("/admin/api/events", params={"limit": 1})).json()["events"][0]
+        assert event["kind"] == "placement_failed" and "'lab'" in event["detail"]
+        report_ready(deployer, agents)
+        states = {m["model_id"]: m["state"] for m in (await client.get("/admin/api/models")).json()["models"]}
+        assert states == {"m": "ready", "m2": "ready", "m3": "waiting"}
+        plans = (await client.get("/admin/api/plans")).json()["plans"]
+        assert sorted((p["model_id"], p["num_layers"], p["state"]) for p in plans) == [
+            ("m", 6, "active"), ("m2", 6, "active")]
+
+
+async def test_a_replan_through_the_api_is_kept_moved_or_refused(mesh) -> None:
+    registry, _, _, _, _, app = mesh
+    async with await client_of(app) as client:
+        kept = await client.post("/admin/api/models/m/replan")
+        assert kept.status_code == 202 and kept.json()["replan"]["outcome"] == "unchanged"
+        moved = await client.post("/admin/api/models/m/replan", json={"num_stages": 3})
+        assert moved.status_code == 202 and moved.json()["replan"]["outcome"] == "standby"
+        assert moved.json()["replan"]["reason"] == registry.standby_plan("m").reason
+        states = [p["state"] for p in (await client.get("/admin/api/plans")).json()["plans"]]
+        assert states == ["active", "standby"]
+        too_many = await client.post("/admin/api/models/m/replan", json={"num_stages": 9})
+        assert too_many.status_code == 409 and "3 of 9 agents" in too_many.json()["error"]["message"]
+        unknown = await client.post("/admin/api/models/nope/replan")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        bad = await client.post("/admin/api/models/m/replan", json={"num_stages": "many"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_stages"
+
+
+async def test_stats_events_and_the_snapshot_the_ui_draws(mesh) -> None:
+    _, _, _, live, admin, app = mesh
+    live.request_started(T0 + 8.1)
+    live.first_token(T0 + 8.2, ttft_s=0.1)
+    live.token(T0 + 9.3, gap_s=0.05)
+    async with await client_of(app) as client:
+        stats = (await client.get("/admin/api/stats", params={"seconds": 3})).json()
+        assert stats["interval_s"] == 1.0
+        assert [(p["t"] - T0, p["tokens_per_s"], p["running"]) for p in stats["points"]] == [
+            (7, 0, 0), (8, 1, 1), (9, 1, 1)]
+        assert stats["points"][1]["ttft_p50_s"] == 0.1 and stats["points"][2]["itl_p99_s"] == 0.05
+        assert (await client.get("/admin/api/stats", params={"seconds": 0})).status_code == 400
+        events = (await client.get("/admin/api/events", params={"limit": 5})).json()["events"]
+        assert events[0]["kind"] == "agent_connected" and events[0]["agent_id"] == "a3"   # the spare, last
+        assert [e["kind"] for e in events].count("plan") == 1
+    snapshot = admin.snapshot()
+    assert len(snapshot["agents"]) == 3 and [p["model_id"] for p in snapshot["plans"]] == ["m"]
+    assert snapshot["stats"]["t"] == T0 + 9 and snapshot["drains"] == [] and snapshot["events"]
+    schemas.Agents(agents=snapshot["agents"])       # what the stream sends obeys the documented shapes
+    schemas.Models(models=snapshot["models"])
+
+
+async def test_the_openapi_document_describes_the_admin_api(mesh) -> None:
+    app = mesh[-1]
+    async with await client_of(app) as client:
+        doc = (await client.get("/openapi.json")).json()
+    paths = doc["paths"]
+    for path in ("/admin/api/agents", "/admin/api/plans", "/admin/api/models", "/admin/api/models/{model_id}/replan",
+                 "/admin/api/stats", "/admin/api/events", "/admin/api/stream", "/admin/api/links",
+                 "/admin/api/agents/{agent_id}/drain"):
+        assert path in paths, path
+    assert "DeployModel" in str(paths["/admin/api/models"]["post"]["requestBody"])
+    assert {"AgentView", "PlanView", "StatsPoint", "Capabilities"} <= doc["components"]["schemas"].keys()
+    assert "text/event-stream" in paths["/admin/api/stream"]["get"]["responses"]["200"]["content"]
+
+
+async def test_the_ui_is_served_as_static_files(mesh) -> None:
+    app = mesh[-1]
+    async with await client_of(app) as client:
+        redirect = await client.get("/admin")
+        assert redirect.status_code == 307 and redirect.headers["location"] == "/admin/"
+        index = await client.get("/admin/")
+        assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+        assert "/admin/static/" in index.text
+        scripts = sorted(p.name for p in UI_DIR.glob("*.js"))
+        assert scripts
+        for name in scripts:
+            asset = await client.get(f"/admin/static/{name}")
+            assert asset.status_code == 200 and "javascript" in asset.headers["content-type"], name
+        assert (await client.get("/admin/static/../admin.py")).status_code == 404
