@@ -85,13 +85,16 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool"})   # loc parts naming a union's member, not a field
+
+
 def _param_name(loc: list[Any]) -> str | None:
     # Pydantic puts union member names ("str", "list[str]") and validator tags in loc; keep the field path.
     name = ""
     for part in loc:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier():
+        elif isinstance(part, str) and part.isidentifier() and part not in _UNION_MEMBERS:
             name += f".{part}" if name else part
         else:
             break

@@ -24,7 +24,8 @@ from stratamesh.coordinator.api.errors import (
     validation_error,
 )
 from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
-from stratamesh.coordinator.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                                GenerationRequest)
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
 from stratamesh.coordinator.metrics import ApiMetrics
@@ -68,6 +69,7 @@ def create_app(generator: Generator, metrics: ApiMetrics | None = None) -> FastA
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     install_error_handlers(app)
@@ -128,6 +130,18 @@ class OpenAIApi:
             fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
                              req.return_token_ids)
             return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt, arrival_s)
+        except Exception as e:
+            return error_response(e)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings: served for embedding models (no LM head); every model stratamesh loads today is a
+        text-generation model, so a known model gets a 400 saying so, and an unknown one a 404."""
+        try:
+            req = await parse_body(request, EmbeddingRequest)
+            self._card(req.model)
+            raise ApiError(400, f"the model {req.model!r} generates text (it has an LM head) and serves no "
+                                "embeddings; use /v1/completions or /v1/chat/completions with it",
+                           param="model", code="model_not_embedding")
         except Exception as e:
             return error_response(e)
 

@@ -179,3 +179,13 @@ class ChatCompletionRequest(GenerationRequest):
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens, OpenAI's newer name, wins over max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"

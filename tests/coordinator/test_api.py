@@ -442,3 +442,13 @@ async def test_return_token_ids_whole_and_streamed(client: httpx.AsyncClient, ge
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == expected
     plain = (await client.post(path, json={**body, "return_token_ids": False})).json()
     assert "token_ids" not in plain["choices"][0]
+
+
+async def test_embeddings_of_a_text_generation_model_are_refused_by_name(client: httpx.AsyncClient) -> None:
+    refused = await client.post("/v1/embeddings", json={"model": "tiny", "input": "hello"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "model_not_embedding" and "LM head" in refused.json()["error"]["message"]
+    unknown = await client.post("/v1/embeddings", json={"model": "nope", "input": ["a", "b"]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    bad = await client.post("/v1/embeddings", json={"model": "tiny", "input": {"text": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
