@@ -265,6 +265,7 @@ def _up(args: argparse.Namespace) -> None:
         model_id = Path(model_dir).resolve().name
         print(f"\nstratamesh is up: {args.agents} agents serving '{model_id}'\n"
               f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
+              f"  admin   {mesh.url}/admin/  (web UI)\n"
               f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n\n"
               f"  curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model_id}\", \"prompt\": \"The mesh\", \"max_tokens\": 16}}'\n\n"
