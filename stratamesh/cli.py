@@ -6,10 +6,8 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -245,8 +243,9 @@ def _bench_serve(args: argparse.Namespace) -> None:
 
 def _bench_chaos(args: argparse.Namespace) -> None:
     from stratamesh.bench.chaos import chaos_main
+    from stratamesh.sdk.local import builtin_model_dir
 
-    report = chaos_main(args.model or _builtin_model(), args.agents, args.stages, args.duration, args.clients,
+    report = chaos_main(args.model or builtin_model_dir(), args.agents, args.stages, args.duration, args.clients,
                         args.kill_every, args.jobs, args.prompt_len, args.max_tokens, args.seed)
     if report.num_failed or report.num_mismatched:
         raise SystemExit(1)
@@ -254,8 +253,9 @@ def _bench_chaos(args: argparse.Namespace) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.sdk.local import builtin_model_dir
 
-    model_dir = args.model or _builtin_model()
+    model_dir = args.model or builtin_model_dir()
     mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port)
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
@@ -282,23 +282,6 @@ def _up(args: argparse.Namespace) -> None:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _builtin_model() -> str:
-    """The built-in tiny Llama, written once into the user's cache."""
-    from stratamesh.tiny_model import write_tiny_model
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "stratamesh")
-    path = cache / "tiny-llama"
-    if not (path / "model.safetensors").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache))
-        write_tiny_model(tmp, arch="llama")
-        try:
-            tmp.rename(path)        # atomic: a concurrent `up` either sees the whole folder or none
-        except OSError:             # another `up` got there first; theirs is identical
-            shutil.rmtree(tmp)
-    return str(path)
 
 
 if __name__ == "__main__":

@@ -74,5 +74,5 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         url=args.url.rstrip("/"), model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        prefix_len=args.prefix_len, range_ratio=args.random_range_ratio, seed=args.seed, goodput_ms=parse_goodput(args.goodput),
-        warmup=args.warmup)
+        prefix_len=args.prefix_len, range_ratio=args.random_range_ratio, seed=args.seed,
+        goodput_ms=parse_goodput(args.goodput), warmup=args.warmup)

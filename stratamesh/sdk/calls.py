@@ -1,0 +1,137 @@
+"""What both clients share and do without I/O: request bodies, model choice, response parsing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from stratamesh.sdk.errors import (
+    AmbiguousModelError,
+    EmbeddingsNotSupportedError,
+    MeshAPIError,
+    NotFoundError,
+    UnexpectedResponseError,
+)
+from stratamesh.sdk.results import Agent, ChatChunk, CompletionChunk, Message, Model
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+CONNECT_TIMEOUT_S = 10.0
+
+MessageLike = Message | Mapping[str, Any]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling fields of a completion or chat request."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                                "top_p": self.top_p, "top_k": self.top_k}
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop is not None:
+            body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return body
+
+
+def api_root(url: str) -> str:
+    """The server's root URL; a trailing "/" or "/v1" (as OpenAI clients take it) is dropped."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def generation_body(model: str, sampling: Sampling, stream: bool, **fields: Any) -> dict[str, Any]:
+    """The body of /v1/completions (fields: prompt) or /v1/chat/completions (fields: messages)."""
+    body = {"model": model, **fields, **sampling.as_json(), "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def message_json(message: MessageLike) -> dict[str, Any]:
+    """A Message or a {"role", "content"} mapping as the API takes it."""
+    return message.as_json() if isinstance(message, Message) else dict(message)
+
+
+def embeddings_body(model: str, inputs: str | Sequence[str]) -> dict[str, Any]:
+    return {"model": model, "input": [inputs] if isinstance(inputs, str) else list(inputs)}
+
+
+def choose_model(models: Sequence[Model]) -> str:
+    """The id of the only model the mesh serves; AmbiguousModelError if it serves none or several."""
+    if len(models) == 1:
+        return models[0].id
+    if not models:
+        raise AmbiguousModelError("the mesh serves no model yet; pass model=... once one is deployed")
+    names = ", ".join(repr(m.id) for m in models)
+    raise AmbiguousModelError(f"the mesh serves several models ({names}); pass model=... to pick one")
+
+
+def embeddings_error(exc: MeshAPIError, model: str) -> MeshAPIError:
+    """exc of POST /v1/embeddings as EmbeddingsNotSupportedError where it says the model has none; others unchanged."""
+    if exc.code == "model_not_embedding":
+        return EmbeddingsNotSupportedError(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+    if not isinstance(exc, NotFoundError) or exc.code == "model_not_found":
+        return exc
+    return EmbeddingsNotSupportedError(   # a server without the route
+        exc.status_code, f"the mesh serves no embeddings for model {model!r} (POST /v1/embeddings answered "
+        f"{exc.status_code}: {exc.message})", exc.type, exc.param, exc.code)
+
+
+def parse(body_json: bytes) -> Any:
+    """The JSON of a successful response; UnexpectedResponseError if it is not JSON."""
+    try:
+        return json.loads(body_json)
+    except ValueError as e:
+        raise UnexpectedResponseError(f"the server answered with invalid JSON: {body_json[:200]!r}") from e
+
+
+def shaped(what: str, build: Callable[[Any], T], body: Any) -> T:
+    """build(body), with a missing or mistyped field reported as UnexpectedResponseError naming what."""
+    try:
+        return build(body)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise UnexpectedResponseError(f"unexpected {what} from the server ({type(e).__name__}: {e}): "
+                                      f"{str(body)[:300]}") from e
+
+
+def models_from_json(body: Any) -> list[Model]:
+    return shaped("model list", lambda b: [Model.from_json(m) for m in b["data"]], body)
+
+
+def agents_from_json(body: Any) -> list[Agent]:
+    return shaped("agent list", lambda b: [Agent.from_json(a) for a in b["agents"]], body)
+
+
+def embeddings_from_json(body: Any) -> list[list[float]]:
+    def build(b: Any) -> list[list[float]]:
+        data = sorted(b["data"], key=lambda d: d.get("index", 0))
+        return [[float(x) for x in d["embedding"]] for d in data]
+
+    return shaped("embeddings", build, body)
+
+
+def completion_chunk(event: dict[str, Any]) -> CompletionChunk | None:
+    """The chunk of one completion event; None for one that carries nothing."""
+    chunk = CompletionChunk.from_json(event)
+    return chunk if chunk.text or chunk.finish_reason or chunk.usage else None
+
+
+def chat_chunk(event: dict[str, Any]) -> ChatChunk | None:
+    """The chunk of one chat event; None for one that carries nothing (such as the role-only first one)."""
+    chunk = ChatChunk.from_json(event)
+    return chunk if chunk.content or chunk.finish_reason or chunk.usage else None

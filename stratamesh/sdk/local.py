@@ -1,0 +1,74 @@
+"""An embedded mesh: a coordinator and agents started as processes here, with a client connected to it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.sdk.async_client import AsyncMesh
+from stratamesh.sdk.client import Mesh
+
+__all__ = ["async_local_mesh", "builtin_model_dir", "local_mesh"]
+
+
+def builtin_model_dir() -> str:
+    """The built-in tiny Llama (random weights, a real tokenizer), written once into the user's cache."""
+    from stratamesh.tiny_model import write_tiny_model   # imports torch: only when a mesh is started
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "stratamesh")
+    path = cache / "tiny-llama"
+    if not (path / "model.safetensors").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        write_tiny_model(tmp, arch="llama")
+        try:
+            tmp.rename(path)        # atomic: a concurrent start either sees the whole folder or none
+        except OSError:             # another one got there first; theirs is identical
+            shutil.rmtree(tmp)
+    return str(path)
+
+
+def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | None, **kwargs: Any) -> LocalMesh:
+    """The LocalMesh that serves model (default: the built-in tiny Llama) over agents processes."""
+    model_dir = str(model) if model is not None else builtin_model_dir()
+    return LocalMesh(model_dir, num_agents=agents, num_stages=stages, **kwargs)
+
+
+@contextmanager
+def local_mesh(model: str | os.PathLike[str] | None = None, agents: int = 3, stages: int | None = None,
+               **kwargs: Any) -> Iterator[Mesh]:
+    """A Mesh connected to a mesh started here; every process is stopped on exit, also on an exception."""
+    processes = launcher(model, agents, stages, **kwargs)
+    try:
+        processes.start()
+        with Mesh(processes.url) as mesh:
+            mesh.local_mesh = processes
+            yield mesh
+    finally:
+        processes.stop()
+
+
+@asynccontextmanager
+async def async_local_mesh(model: str | os.PathLike[str] | None = None, agents: int = 3, stages: int | None = None,
+                           **kwargs: Any) -> AsyncIterator[AsyncMesh]:
+    """An AsyncMesh connected to a mesh started here (in a thread); every process is stopped on exit."""
+    processes = launcher(model, agents, stages, **kwargs)
+    start = asyncio.ensure_future(asyncio.to_thread(processes.start))
+    try:
+        await asyncio.shield(start)
+        async with AsyncMesh(processes.url) as mesh:
+            mesh.local_mesh = processes
+            yield mesh
+    finally:
+        # if we were cancelled while starting, the thread still spawns processes: let it finish, then stop them all
+        await asyncio.wait({start})
+        if not start.cancelled():
+            start.exception()   # retrieved, so asyncio does not log it a second time
+        await asyncio.to_thread(processes.stop)
