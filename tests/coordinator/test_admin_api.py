@@ -137,4 +137,5 @@ async def test_the_ui_is_served_as_static_files(mesh) -> None:
         for name in scripts:
             asset = await client.get(f"/admin/static/{name}")
             assert asset.status_code == 200 and "javascript" in asset.headers["content-type"], name
+            assert asset.headers["cache-control"] == "no-cache"
         assert (await client.get("/admin/static/../admin.py")).status_code == 404

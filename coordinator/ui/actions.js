@@ -1,0 +1,147 @@
+"use strict";
+// What an operator can do: deploy a model, re-plan one, drain an agent. Results and errors show as
+// toasts; the drain asks first, in a dialog that says what will happen.
+
+import { postJson, seg } from "./api.js";
+import { agentLabel, el, stateClass } from "./dom.js";
+
+const TOAST_MS = { ok: 6000, info: 6000, error: 12000 };
+
+export class Actions {
+  constructor({ toasts, dialog, onChange }) {
+    this.toasts = toasts;
+    this.dialog = dialog;
+    this.onChange = onChange;   // after an action: refresh the state now
+    this.view = null;           // the newest view, set by the app on every render
+    this.noteDrain = () => {};  // the app records a drain it started, until the snapshot carries it
+  }
+
+  toast(message, kind = "info") {
+    const node = el("div", { class: `toast ${kind}`, role: kind === "error" ? "alert" : "status",
+      "data-testid": "toast", "data-kind": kind },
+      el("span", { class: "toast-text", text: message }),
+      el("button", { class: "toast-close", type: "button", "aria-label": "dismiss",
+        onclick: () => node.remove() }, "×"));
+    this.toasts.append(node);
+    setTimeout(() => node.remove(), TOAST_MS[kind] || 6000);
+  }
+
+  /** Resolves true when the operator confirms. */
+  confirm(title, body, okLabel) {
+    const dialog = this.dialog;
+    dialog.querySelector("#confirm-title").textContent = title;
+    dialog.querySelector("#confirm-body").textContent = body;
+    dialog.querySelector("#confirm-ok").textContent = okLabel;
+    dialog.returnValue = "";
+    return new Promise((resolve) => {
+      dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true });
+      dialog.showModal();
+    });
+  }
+
+  async drain(agentId) {
+    const view = this.view;
+    const agent = view && view.agentsById.get(agentId);
+    const name = agentLabel(agent, agentId);
+    const stages = (view && view.serving.get(agentId)) || [];
+    const what = stages.map((s) => `${s.model_id} layers [${s.start_layer}, ${s.end_layer})`).join(", ");
+    const ok = await this.confirm(`Drain ${name}?`,
+      `Its stages (${what || "none"}) move to spare agents and its live sessions follow with their KV cache; `
+      + "then the agent exits. Requests keep streaming.", "Drain");
+    if (!ok) return;
+    try {
+      const { drain } = await postJson(`/agents/${seg(agentId)}/drain`);
+      this.noteDrain(drain);
+      this.toast(`Draining ${name}: ${drain.state.replace("_", " ")}`, "info");
+      this.onChange();
+    } catch (err) {
+      this.toast(`Drain of ${name} refused: ${err.message}`, "error");
+    }
+  }
+
+  async replan(modelId, numStages) {
+    try {
+      const { replan } = await postJson(`/models/${seg(modelId)}/replan`, { num_stages: numStages || null });
+      const kind = replan.outcome === "unchanged" ? "info" : "ok";
+      const gist = (replan.reason || "").split(". ")[0];   // the first sentence; the plan's full reason is in Placement
+      this.toast(`Re-plan of ${modelId}: ${replan.outcome}${gist ? ` — ${gist}` : ""}`, kind);
+      this.onChange();
+    } catch (err) {
+      this.toast(`Re-plan of ${modelId} failed: ${err.message}`, "error");
+    }
+  }
+
+  mountDeployForm(form) {
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const data = new FormData(form);
+      const text = (name) => String(data.get(name) || "").trim() || null;
+      const body = { path: text("path"), model_id: text("model_id"), num_stages: Number(data.get("num_stages")),
+        first_site: text("first_site"), last_site: text("last_site") };
+      const button = form.querySelector("button[type=submit]");
+      button.disabled = true;
+      try {
+        const { model } = await postJson("/models", body);
+        this.toast(`Deploying ${model.model_id} on ${model.num_stages} stage(s): ${model.state}`, "ok");
+        form.reset();
+        this.onChange();
+      } catch (err) {
+        this.toast(`Deploy failed: ${err.message}`, "error");
+      } finally {
+        button.disabled = false;
+      }
+    });
+  }
+}
+
+/** Deployed models with their state and a Re-plan button each. */
+export class ModelsTable {
+  constructor(tbody, actions) {
+    this.tbody = tbody;
+    this.actions = actions;
+    this.signature = "";
+  }
+
+  update(view) {
+    const models = modelRows(view);
+    const signature = JSON.stringify(models);
+    if (signature === this.signature) return;
+    this.signature = signature;
+    const empty = el("tr", { class: "empty-row" },
+      el("td", { colspan: 7, text: "No model deployed yet: use the form below." }));
+    this.tbody.replaceChildren(...(models.length ? models.map((m) => this.row(m)) : [empty]));
+  }
+
+  row(m) {
+    const sites = [m.first_site && `first ${m.first_site}`, m.last_site && `last ${m.last_site}`]
+      .filter(Boolean).join(" · ");
+    return el("tr", { "data-testid": "model-row", "data-model-id": m.model_id },
+      el("td", {}, el("div", { class: "strong", text: m.model_id }),
+        el("div", { class: "mono muted small", title: m.path || "", text: m.path || "" })),
+      el("td", {}, el("span", { class: `badge ${stateClass(m.state)}`, text: m.state || "?" })),
+      el("td", { class: "num", text: m.num_layers ?? "–" }),
+      el("td", { class: "num", text: m.num_stages ?? "–" }),
+      el("td", { class: "small", text: sites || "any" }),
+      el("td", { class: "small" }, m.plans.map((p) => el("div", {},
+        el("span", { class: `badge ${stateClass(p.state)}`, text: p.state }),
+        el("span", { class: "mono muted", text: ` ${p.plan_id}` })))),
+      el("td", { class: "actions" }, el("button", { class: "btn small", type: "button", "data-testid": "replan-button",
+        "data-model-id": m.model_id, title: "weigh the serving plan against the best plan for the agents now",
+        onclick: () => this.actions.replan(m.model_id) }, "Re-plan")));
+  }
+}
+
+/** Models from /models, or from the plans alone when the coordinator sends no model list. */
+function modelRows(view) {
+  const plansOf = (id) => view.plans.filter((p) => p.model_id === id)
+    .map((p) => ({ plan_id: p.plan_id, state: p.state }));
+  const rows = view.models.map((m) => ({ ...m, plans: plansOf(m.model_id) }));
+  for (const id of new Set(view.plans.map((p) => p.model_id))) {
+    if (!rows.some((m) => m.model_id === id)) {
+      const active = view.plans.find((p) => p.model_id === id && p.state === "active");
+      rows.push({ model_id: id, state: active ? "ready" : "loading", num_layers: active && active.num_layers,
+        num_stages: active && active.stages.length, plans: plansOf(id) });
+    }
+  }
+  return rows;
+}
