@@ -209,8 +209,9 @@ class Browser:
             async for record in self._resolve_changes(queue, type_, mesh):
                 yield record
         finally:
-            self._browsers.discard(browser)
-            await browser.async_cancel()
+            if browser in self._browsers:   # else close() has cancelled it already: a second cancel raises
+                self._browsers.discard(browser)
+                await browser.async_cancel()
 
     async def _resolve_changes(self, queue: asyncio.Queue[tuple[str, ServiceStateChange]],
                                type_: str, mesh: str) -> AsyncIterator[ServiceRecord]:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,8 @@ class LocalMesh:
     mesh: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
     db: str | None = None
     http_port: int = 0
-    log_dir: str | None = None
+    log_dir: str | None = None          # None: a folder of its own under /tmp (see keep_logs)
+    keep_logs: bool = True              # False: stop() deletes that folder (not a log_dir the caller gave)
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -54,6 +56,7 @@ class LocalMesh:
     agent_ids: list[str] = field(default_factory=list)       # stable per index: a restarted agent keeps its id
     url: str = ""
     grpc_address: str = ""
+    _own_logs: str = field(default="", repr=False)   # the log folder this mesh made itself
 
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
         """Starts every process and waits until /health says the model is ready."""
@@ -161,6 +164,8 @@ class LocalMesh:
         self.agents.clear()
         self.agent_addresses.clear()
         self.agent_metrics.clear()
+        if not self.keep_logs and self._own_logs:
+            shutil.rmtree(self._own_logs, ignore_errors=True)
 
     def __enter__(self) -> LocalMesh:
         return self if self.coordinator is not None else self.start()
@@ -171,7 +176,7 @@ class LocalMesh:
     # ------------------------------------------------------------ internals
     def _logs(self) -> str:
         if self.log_dir is None:
-            self.log_dir = f"/tmp/stratamesh-{self.mesh}"
+            self.log_dir = self._own_logs = f"/tmp/stratamesh-{self.mesh}"
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         return self.log_dir
 

@@ -38,6 +38,7 @@ def builtin_model_dir() -> str:
 def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | None, **kwargs: Any) -> LocalMesh:
     """The LocalMesh that serves model (default: the built-in tiny Llama) over agents processes."""
     model_dir = str(model) if model is not None else builtin_model_dir()
+    kwargs.setdefault("keep_logs", False)     # an embedded mesh leaves nothing behind unless asked to
     return LocalMesh(model_dir, num_agents=agents, num_stages=stages, **kwargs)
 
 

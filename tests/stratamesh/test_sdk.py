@@ -217,15 +217,19 @@ def test_local_mesh_stops_its_processes_on_an_exception(model_dir: Path, tmp_pat
         assert mesh.generate(PROMPT, max_tokens=3).usage.completion_tokens == 3
         raise RuntimeError("boom")
     assert not any(_alive(pid) for pid in pids)
+    assert (tmp_path / "coordinator.log").exists()        # a log folder the caller gave is kept
     with Mesh(url) as client, pytest.raises(MeshConnectionError):
         client.models()
 
 
-async def test_async_local_mesh(model_dir: Path, tmp_path: Path) -> None:
-    async with AsyncMesh.local(model_dir, agents=1, log_dir=str(tmp_path)) as client:
+async def test_async_local_mesh(model_dir: Path) -> None:
+    async with AsyncMesh.local(model_dir, agents=1) as client:
         assert client.local_mesh is not None and client.local_mesh.coordinator is not None
         pids = [client.local_mesh.coordinator.pid, *(p.pid for p in client.local_mesh.agents)]
+        logs = Path(client.local_mesh.log_dir)
+        assert (logs / "coordinator.log").exists()
         reply = await client.chat(QUESTION, max_tokens=5)
         assert reply.usage is not None and reply.usage.completion_tokens == 5 and reply.content
         assert [a.state for a in await client.agents()] == ["connected"]
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert not logs.exists()                               # a folder of its own is removed

@@ -1,0 +1,261 @@
+"""A mesh across Linux network namespaces acting as separate hosts (needs root and iproute2).
+
+    sudo .venv/bin/python examples/netns_mesh.py                  # agents find the coordinator by zeroconf
+    sudo .venv/bin/python examples/netns_mesh.py --no-zeroconf    # ... or dial its address, as across a WAN
+
+Every "host" is a network namespace with one address on a shared bridge; the bridge sits in a namespace of
+its own, so nothing here touches the machine's real network:
+
+    PREFIX-br       br0, the bridge (a switch: no address)
+    PREFIX-coord    10.77.0.1    the coordinator: HTTP on :8000, gRPC on :50051
+    PREFIX-client   10.77.0.2    an application host that calls the API
+    PREFIX-h1 ...   10.77.0.11 ...  one agent each
+
+The hosts share this machine's CPUs, files and hostname; only their networks are apart. On real hosts run
+the same commands without `ip netns exec`. Everything is torn down at the end, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from stratamesh.sdk.local import builtin_model_dir
+
+SKIP = 77                  # exit status when this machine cannot run the example (the automake "skipped" code)
+SUBNET = "10.77.0"
+HTTP_PORT, GRPC_PORT = 8000, 50051   # fixed ports are fine: each namespace has its own
+COORDINATOR = f"{SUBNET}.1"
+
+
+def ip(*args: str) -> None:
+    """Runs one `ip` command; raises with its message if it fails."""
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Network:
+    """Namespaces joined by a bridge that lives in a namespace of its own; close() deletes every one."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.bridge_ns = f"{prefix}-br"
+        self.namespaces: list[str] = []
+
+    def create(self) -> None:
+        self._add_namespace(self.bridge_ns)
+        ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+
+    def add_host(self, label: str, address: str) -> str:
+        """A namespace whose eth0 (address/24) is plugged into the bridge; returns its name."""
+        ns = f"{self.prefix}-{label}"
+        self._add_namespace(ns)
+        # A veth pair is a cable: one end (named label) in the bridge's namespace, the other (eth0) in the host's.
+        ip("-n", self.bridge_ns, "link", "add", label, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        ip("-n", self.bridge_ns, "link", "set", label, "master", "br0", "up")
+        ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+        ip("-n", ns, "link", "set", "eth0", "up")
+        ip("-n", ns, "link", "set", "lo", "up")    # tensor-parallel ranks and local tools talk over loopback
+        return ns
+
+    def close(self) -> None:
+        """Deletes the namespaces; their veths and the bridge go with them."""
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+
+    def leftovers(self) -> list[str]:
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in listing.splitlines() if line.startswith(f"{self.prefix}-")]
+
+    def _add_namespace(self, ns: str) -> None:
+        ip("netns", "add", ns)
+        self.namespaces.append(ns)
+
+
+class Processes:
+    """Daemons started inside namespaces, each logging to its own file; stop() ends them all."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.running: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, ns: str, args: list[str]) -> None:
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            self.running[name] = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "stratamesh.cli", *args],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def check_alive(self) -> None:
+        for name, process in self.running.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {process.returncode}")
+
+    def stop(self) -> None:
+        """SIGTERM to each (a clean shutdown), SIGKILL to any still running after 10 s."""
+        for process in self.running.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.running.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def print_logs(self, num_lines: int = 15) -> None:
+        for name in self.running:
+            lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-num_lines:]
+            print(f"--- {name}.log (last {len(lines)} lines)", *lines, sep="\n", file=sys.stderr)
+
+
+def cannot_run(prefix: str) -> str | None:
+    """Why this machine cannot run the example, or None."""
+    if sys.platform != "linux":
+        return "network namespaces are a Linux feature"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing"
+    probe = subprocess.run(["ip", "netns", "add", f"{prefix}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:     # root in a container without CAP_SYS_ADMIN, say
+        return f"cannot create a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"{prefix}-probe"], capture_output=True)
+    return None
+
+
+def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: Processes) -> int:
+    """Builds the network, starts the daemons and runs the client on its own host; returns its exit status."""
+    network.create()
+    coordinator_ns = network.add_host("coord", COORDINATOR)
+    client_ns = network.add_host("client", f"{SUBNET}.2")
+    # Each daemon listens on, advertises and runs zeroconf on its own host's address.
+    daemons.start("coordinator", coordinator_ns, [
+        "coordinator", "--mesh", prefix, "--db", str(daemons.log_dir / "registry.db"),
+        "--host", COORDINATOR, "--interface", COORDINATOR, "--http-port", str(HTTP_PORT),
+        "--grpc-port", str(GRPC_PORT), "--model", builtin_model_dir(), "--stages", str(args.agents)])
+    for index in range(1, args.agents + 1):
+        address = f"{SUBNET}.{10 + index}"
+        dial = ["--coordinator", f"{COORDINATOR}:{GRPC_PORT}"] if args.no_zeroconf else []
+        daemons.start(f"agent-h{index}", network.add_host(f"h{index}", address), [
+            "agent", "--mesh", prefix, "--name", f"h{index}", "--host", address, "--interface", address,
+            "--threads", "1", *dial])
+    print(f"{args.agents + 2} hosts on {SUBNET}.0/24; daemons starting (logs in {daemons.log_dir}) ...", flush=True)
+
+    # The client runs this same file on the client host; it reaches only the coordinator's address.
+    client = subprocess.Popen(["ip", "netns", "exec", client_ns, sys.executable, __file__, "--client-of",
+                               f"http://{COORDINATOR}:{HTTP_PORT}", "--agents", str(args.agents),
+                               "--timeout", str(args.timeout)])
+    try:
+        while client.poll() is None:
+            daemons.check_alive()
+            time.sleep(0.2)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    return client.returncode
+
+
+def run_client(url: str, num_agents: int, timeout_s: float) -> int:
+    """On the client host: waits for the mesh, prints where each stage runs, and completes a prompt."""
+    deadline = time.monotonic() + timeout_s
+    health: dict = {}
+    while not (health.get("status") == "ok" and health.get("num_agents") == num_agents):
+        if time.monotonic() > deadline:
+            print(f"the mesh was not ready after {timeout_s:.0f} s: {health}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+        try:
+            health = httpx.get(f"{url}/health", timeout=5).json()
+        except httpx.HTTPError:
+            pass   # the coordinator is still starting
+    agents = {a["agent_id"]: a for a in httpx.get(f"{url}/admin/api/agents").json()["agents"]}
+    (plan,) = [p for p in httpx.get(f"{url}/admin/api/plans").json()["plans"] if p["state"] == "active"]
+    stages = sorted(plan["stages"], key=lambda s: s["start_layer"])
+    hosts = {agents[s["agent_id"]]["address"].rsplit(":", 1)[0] for s in stages}
+    print(f"plan: {len(stages)} stages on {len(hosts)} hosts")
+    for index, stage in enumerate(stages):
+        agent = agents[stage["agent_id"]]
+        print(f"  stage {index}: layers [{stage['start_layer']}, {stage['end_layer']}) on {agent['name']} "
+              f"at {agent['address']}")
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Across the bridge", "max_tokens": 16, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    # The built-in model has random weights: the text is gibberish, but it crossed every host.
+    print(f"completion: {response.json()['choices'][0]['text']!r}")
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_and_tear_down(args: argparse.Namespace, prefix: str) -> int:
+    """Runs the mesh; whatever happens (an error, Ctrl-C, a kill), stops every process and deletes every namespace."""
+    signal.signal(signal.SIGTERM, _interrupt)   # `kill` tears down as Ctrl-C does
+    network = Network(prefix)
+    daemons = Processes(Path(tempfile.mkdtemp(prefix=f"{prefix}-logs-")))
+    status = 1
+    try:
+        status = run_mesh(args, prefix, network, daemons)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        status = 130
+    except subprocess.CalledProcessError as exc:
+        print(f"failed: {' '.join(exc.cmd)}: {exc.stderr.strip()}", file=sys.stderr)
+    except RuntimeError as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):   # a second Ctrl-C must not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
+        daemons.stop()
+        network.close()
+    if status in (0, 130):
+        shutil.rmtree(daemons.log_dir)
+    else:
+        daemons.print_logs()
+    leftovers = network.leftovers()
+    if leftovers:
+        print(f"namespaces left behind: {leftovers}", file=sys.stderr)
+        return 1
+    print("torn down: processes stopped, namespaces deleted")
+    return status
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, default=3, help="agent hosts (one stage each)")
+    parser.add_argument("--no-zeroconf", action="store_true",
+                        help="agents dial the coordinator's address instead of finding it by zeroconf")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the mesh")
+    parser.add_argument("--client-of", metavar="URL", help=argparse.SUPPRESS)   # the client host's part
+    args = parser.parse_args()
+    if args.client_of:
+        try:
+            sys.exit(run_client(args.client_of, args.agents, args.timeout))
+        except KeyboardInterrupt:   # Ctrl-C reaches the client too; the parent reports it
+            sys.exit(130)
+
+    prefix = f"sm-{secrets.token_hex(3)}"   # unique: parallel runs never share a namespace
+    reason = cannot_run(prefix)
+    if reason:
+        print(f"skipped: {reason}", file=sys.stderr)
+        sys.exit(SKIP)
+    print(f"namespaces: {prefix}-*", flush=True)
+    sys.exit(run_and_tear_down(args, prefix))
+
+
+if __name__ == "__main__":
+    main()
