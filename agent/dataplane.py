@@ -229,7 +229,10 @@ class StageService(pb_grpc.StageServicer):
                 case _Poison():
                     self._fail(message.session_id, message.exc, outbox, message.unreachable)
         except MeshError as exc:
-            self._fail(_session_of(message), exc, outbox)
+            if isinstance(message, SessionOpen) and self._host.engine_of(message.session_id) is None:
+                self._refuse_open(message, exc, outbox)
+            else:
+                self._fail(_session_of(message), exc, outbox)
         self._send(outbox)
 
     def _add_batch(self, batch: StepBatch, arrived_ns: int) -> None:
@@ -331,6 +334,13 @@ class StageService(pb_grpc.StageServicer):
             log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
         outbox.events.append((message.origin, TokenEvent(session_id, -1, error=str(exc),
                                                          error_stage=self._agent_id, unreachable=unreachable)))
+
+    def _refuse_open(self, message: SessionOpen, exc: MeshError, outbox: Outbox) -> None:
+        """Tells the origin why a session could not open here (a prompt outside the vocabulary, a stage not served
+        here), so that it fails now rather than after its step timeout; the stages before close it as it ends."""
+        log.warning("session %s could not open on %s: %s", message.session_id, self._agent_id, exc)
+        outbox.events.append((message.origin, TokenEvent(message.session_id, -1, error=str(exc),
+                                                         error_stage=self._agent_id)))
 
     def _next_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Fails, in order, every session whose next hop was on the broken stream."""

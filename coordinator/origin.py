@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -84,6 +85,7 @@ class _Live:
     trace_id: str = ""
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    movable: bool = True        # a generation; an embedding ends after its prompt and is never moved
     leaving: str = ""           # a Stage address being drained: move off it at the next token
     moved: bool = False         # it moved: the stages keep the session for its next route to adopt
 
@@ -111,12 +113,9 @@ class _RouteLost(Exception):
         self.address = address
 
 
-class Generation:
-    """One generation: async-iterate for its token ids; aclose() ends it on every stage.
-
-    It keeps the prompt and every token it emitted. When a stage of its route is lost it prefills them on
-    a new route and goes on from there: sampling is keyed by position, so the continuation is the one an
-    uninterrupted run gives, and the caller sees no token twice and none missing."""
+class _Request:
+    """What a generation and an embedding share: the prompt, the record, and one session per attempt, opened and
+    prefilled on one route; a preempted attempt or one that lost a stage makes way for the next."""
 
     def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int],
                  params: SamplingParams, request_id: str, hidden_size: int):
@@ -129,6 +128,93 @@ class Generation:
         self._params = params
         self._request_id = request_id
         self._chunk = chunk_tokens(hidden_size)
+        self._lost: set[str] = set()    # Stage addresses an attempt lost: the next routes avoid them
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.record.num_preemptions
+
+    def _session_id(self) -> str:
+        """The session of this attempt: a new one per attempt, as the stages may still hold the last one."""
+        record = self.record
+        return f"{self._request_id}.{record.num_preemptions + record.num_failovers + record.num_moves}"
+
+    async def _recover(self, exc: _Preempted | _RouteLost, num_tokens: int) -> None:
+        """Readies the next attempt: after a preemption, a pause; after a lost stage, a route around it (StageFailed
+        after MAX_FAILOVERS of them)."""
+        record, stats = self.record, self._origin.stats
+        if isinstance(exc, _Preempted):
+            record.num_preemptions += 1
+            await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (record.num_preemptions - 1), 1.0))
+            return
+        record.num_failovers += 1
+        stats.num_failovers += 1
+        if record.num_failovers > MAX_FAILOVERS:
+            raise StageFailed(f"lost {MAX_FAILOVERS + 1} routes in a row; the last: {exc}") from None
+        log.warning("request %s lost a stage (%s) after %d tokens; resuming on a new route",
+                    self._request_id, exc, num_tokens)
+        self._lost.add(exc.address)
+        self._origin.on_unreachable(exc.address)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Records why the request failed (a caller that stopped it is no failure)."""
+        if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
+            self.record.error = str(exc) or type(exc).__name__
+
+    def _finish(self, num_tokens: int) -> None:
+        record = self.record
+        record.end_unix_ns, record.num_tokens, record.cached_tokens = time.time_ns(), num_tokens, self.cached_tokens
+        if record.trace_id:
+            self._origin.spans.record("request", record.trace_id, "", record.start_unix_ns, record.end_unix_ns,
+                                      {"stratamesh.request": record.request_id,
+                                       "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
+
+    async def _open(self, live: _Live, stream: OutboundStream, session_id: str, route: Sequence[Hop],
+                    block_size: int, token_ids: list[int], first: bool, resume_from: str = "") -> int:
+        """Opens the session on the route (resuming a moved session's KV); returns the leading tokens of token_ids
+        every stage holds already, from which the prefill starts."""
+        record, origin = self.record, self._origin
+        cacheable = bool(resume_from) or len(token_ids) > block_size
+        opened_ns = time.time_ns()
+        stream.send(convert.stage_message_to_pb(SessionOpen(
+            session_id, route[0].assignment_id, tuple(route[1:]), origin.address,
+            self._params, traceparent(record.trace_id, self._span_id) if record.trace_id else "",
+            prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0,
+            resume_from=resume_from)))
+        cached = 0
+        if cacheable:
+            cached = (await origin.next_event(live, session_id, opened=True)).cached_tokens
+            origin.span(live, "open", opened_ns, time.time_ns(), session_id, {})
+        origin.moving.pop(resume_from, None)   # resumed: the stages it left hold nothing of it now
+        if first:
+            self.cached_tokens = cached
+        else:   # the tokens before the newest had all been computed on the route before (at most, for a prompt)
+            record.num_replayed_tokens += len(token_ids) - 1 - cached
+            origin.stats.num_replayed_tokens += len(token_ids) - 1 - cached
+        return cached
+
+    def _send_prefill(self, stream: OutboundStream, session_id: str, token_ids: list[int], start: int,
+                      trace_id: str) -> int:
+        step = 0
+        for begin in range(start, len(token_ids), self._chunk):
+            piece = tuple(token_ids[begin:begin + self._chunk])
+            last = begin + self._chunk >= len(token_ids)
+            stream.send(convert.stage_message_to_pb(
+                StepChunk(session_id, step, begin, piece, last, trace_id, time.time_ns())))
+            step += 1
+        return step
+
+
+class Generation(_Request):
+    """One generation: async-iterate for its token ids; aclose() ends it on every stage.
+
+    It keeps the prompt and every token it emitted. When a stage of its route is lost it prefills them on
+    a new route and goes on from there: sampling is keyed by position, so the continuation is the one an
+    uninterrupted run gives, and the caller sees no token twice and none missing."""
+
+    def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int],
+                 params: SamplingParams, request_id: str, hidden_size: int):
+        super().__init__(origin, routes, prompt_ids, params, request_id, hidden_size)
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -140,18 +226,13 @@ class Generation:
     async def aclose(self) -> None:
         await self._tokens.aclose()
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.record.num_preemptions
-
     async def _run(self) -> AsyncIterator[int]:
         emitted: list[int] = []
-        lost: set[str] = set()
         record, stats = self.record, self._origin.stats
         resume_from = left = ""     # the session a move left quiet on the stages (for the next attempt; for good)
         try:
             while True:
-                route, block_size = await self._routes(frozenset(lost))
+                route, block_size = await self._routes(frozenset(self._lost))
                 if resume_from:
                     moved_bytes = await move_kv(resume_from, record.route, route)
                     stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
@@ -169,59 +250,22 @@ class Generation:
                     stats.num_moves += 1
                     resume_from = left = exc.session_id
                     self._origin.moving[left] = record.route
-                except _Preempted:
-                    record.num_preemptions += 1
-                    await asyncio.sleep(min(REPLAY_BACKOFF_S * 2 ** (record.num_preemptions - 1), 1.0))
-                except _RouteLost as exc:
-                    record.num_failovers += 1
-                    stats.num_failovers += 1
-                    if record.num_failovers > MAX_FAILOVERS:
-                        raise StageFailed(f"lost {MAX_FAILOVERS + 1} routes in a row; the last: {exc}") from None
-                    log.warning("request %s lost a stage (%s) after %d tokens; resuming on a new route",
-                                self._request_id, exc, len(emitted))
-                    lost.add(exc.address)
-                    self._origin.on_unreachable(exc.address)
+                except (_Preempted, _RouteLost) as exc:
+                    await self._recover(exc, len(emitted))
         except BaseException as exc:
-            if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
-                record.error = str(exc) or type(exc).__name__
+            self._failed(exc)
             raise
         finally:
             self._origin.moving.pop(left, None)
             self._finish(len(emitted))
 
-    def _finish(self, num_tokens: int) -> None:
-        record = self.record
-        record.end_unix_ns, record.num_tokens, record.cached_tokens = time.time_ns(), num_tokens, self.cached_tokens
-        if record.trace_id:
-            self._origin.spans.record("request", record.trace_id, "", record.start_unix_ns, record.end_unix_ns,
-                                      {"stratamesh.request": record.request_id,
-                                       "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
-
     async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], first: bool,
                        resume_from: str = "") -> AsyncIterator[int]:
         """One pass over the route: open (resuming a moved session's KV), prefill token_ids from what the
         stages hold, then decode."""
-        record = self.record
-        session_id = f"{self._request_id}.{record.num_preemptions + record.num_failovers + record.num_moves}"
-        trace_id = record.trace_id
+        session_id, trace_id = self._session_id(), self.record.trace_id
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
-            cacheable = bool(resume_from) or len(token_ids) > block_size
-            opened_ns = time.time_ns()
-            stream.send(convert.stage_message_to_pb(SessionOpen(
-                session_id, route[0].assignment_id, tuple(route[1:]), self._origin.address,
-                self._params, traceparent(trace_id, self._span_id) if trace_id else "",
-                prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0,
-                resume_from=resume_from)))
-            cached = 0
-            if cacheable:
-                cached = (await self._origin.next_event(live, session_id, opened=True)).cached_tokens
-                self._origin.span(live, "open", opened_ns, time.time_ns(), session_id, {})
-            self._origin.moving.pop(resume_from, None)   # resumed: the stages it left hold nothing of it now
-            if first:
-                self.cached_tokens = cached
-            else:   # the tokens before the newest had all been computed on the route before
-                record.num_replayed_tokens += len(token_ids) - 1 - cached
-                self._origin.stats.num_replayed_tokens += len(token_ids) - 1 - cached
+            cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from)
             step = self._send_prefill(stream, session_id, token_ids, cached, trace_id)
             position = len(token_ids)
             while True:
@@ -236,16 +280,47 @@ class Generation:
                 step, position = step + 1, position + 1
                 yield token
 
-    def _send_prefill(self, stream: OutboundStream, session_id: str, token_ids: list[int], start: int,
-                      trace_id: str) -> int:
-        step = 0
-        for begin in range(start, len(token_ids), self._chunk):
-            piece = tuple(token_ids[begin:begin + self._chunk])
-            last = begin + self._chunk >= len(token_ids)
-            stream.send(convert.stage_message_to_pb(
-                StepChunk(session_id, step, begin, piece, last, trace_id, time.time_ns())))
-            step += 1
-        return step
+
+class Embedding(_Request):
+    """One embedding: await vector() for the prompt's pooled, L2-normalized vector, which the last stage of an
+    embedding model returns for the prompt's last chunk. A preempted attempt, or one that lost a stage, is
+    replayed: the prompt is prefilled again on the next route."""
+
+    def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int], request_id: str,
+                 hidden_size: int):
+        super().__init__(origin, routes, prompt_ids, SamplingParams(), request_id, hidden_size)
+
+    async def vector(self) -> tuple[float, ...]:
+        """Runs the request: the embedding; StageFailed (or ModelNotReady from the routes) when it cannot."""
+        try:
+            while True:
+                route, block_size = await self._routes(frozenset(self._lost))
+                self.record.route = tuple(route)
+                try:
+                    return await self._attempt(route, block_size)
+                except (_Preempted, _RouteLost) as exc:
+                    await self._recover(exc, 0)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        finally:
+            self._finish(0)
+
+    async def _attempt(self, route: Sequence[Hop], block_size: int) -> tuple[float, ...]:
+        """One pass over the route: open, prefill the prompt from what the stages hold, take the vector; the
+        session then ends on every stage, and its KV blocks go back (full ones stay in the prefix cache)."""
+        session_id, trace_id, record = self._session_id(), self.record.trace_id, self.record
+        first = record.num_preemptions + record.num_failovers == 0
+        # not movable: a drain need not move it, it ends as soon as its prompt is through
+        with self._origin.session(session_id, route, trace_id, self._span_id, movable=False) as (live, stream):
+            cached = await self._open(live, stream, session_id, route, block_size, self._prompt, first)
+            self._send_prefill(stream, session_id, self._prompt, cached, trace_id)
+            event = await self._origin.next_event(live, session_id)
+        if not event.embedding:
+            raise StageFailed(f"the last stage answered session {session_id} with a token, not an embedding")
+        if not all(math.isfinite(x) for x in event.embedding):
+            raise StageFailed(f"the model gave session {session_id} an embedding with a non-finite value")
+        return event.embedding
 
 
 class Origin:
@@ -300,13 +375,19 @@ class Origin:
         self.remember(generation.record)
         return generation
 
+    def embed(self, routes: RouteSource, prompt_ids: Sequence[int], request_id: str, hidden_size: int) -> Embedding:
+        """An embedding of the prompt over the routes the source gives (an embedding model's); await its vector()."""
+        embedding = Embedding(self, routes, prompt_ids, request_id, hidden_size)
+        self.remember(embedding.record)
+        return embedding
+
     def deliver(self, event: TokenEvent, arrived_ns: int = 0) -> None:
         """Hands a token (or a stage's answer or error) to the generation waiting for it."""
         live = self._sessions.get(event.session_id)
         if live is None:
             log.debug("event for finished session %s dropped", event.session_id)
             return
-        if event.sent_unix_ns and arrived_ns and event.token_id >= 0:
+        if event.sent_unix_ns and arrived_ns and (event.token_id >= 0 or event.embedding):
             if self._on_hop is not None:
                 self._on_hop(max(arrived_ns - event.sent_unix_ns, 0) / 1e9)
             self.span(live, "send", event.sent_unix_ns, arrived_ns, event.session_id,
@@ -314,12 +395,12 @@ class Origin:
         live.events.put_nowait(event)
 
     @contextmanager
-    def session(self, session_id: str, route: Sequence[Hop], trace_id: str = "",
-                parent_span_id: str = "") -> Iterator[tuple[_Live, OutboundStream]]:
+    def session(self, session_id: str, route: Sequence[Hop], trace_id: str = "", parent_span_id: str = "",
+                movable: bool = True) -> Iterator[tuple[_Live, OutboundStream]]:
         """Registers a session for a with-block; closes it on every stage at exit."""
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
-        live = self._sessions[session_id] = _Live(tuple(route), trace_id, parent_span_id)
+        live = self._sessions[session_id] = _Live(tuple(route), trace_id, parent_span_id, movable=movable)
         stream = self._streams.get(route[0].address)
         try:
             yield live, stream
@@ -359,7 +440,7 @@ class Origin:
         next (at its next token: it is quiet then); returns how many were asked now."""
         asked = 0
         for live in self._sessions.values():
-            if live.runs_through(address) and not live.leaving:
+            if live.movable and live.runs_through(address) and not live.leaving:
                 live.leaving = address
                 asked += 1
         return asked

@@ -1,15 +1,15 @@
-"""What the HTTP API calls: models, their text codecs, generation through the origin, health."""
+"""What the HTTP API calls: models, their text codecs, generations and embeddings through the origin, health."""
 
 from __future__ import annotations
 
 from functools import partial
 
 from stratamesh.coordinator.api.openai import ModelCard
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.deployer import Deployer, ModelInfo, read_model_config
 from stratamesh.coordinator.origin import Generation, Origin
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.logs import trace_id_var
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.types import SamplingParams, model_task
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
 ROUTE_WAIT_S = 30.0
@@ -23,10 +23,18 @@ class MeshGenerator:
         self._route_wait_s = route_wait_s
         self._origin = origin
         self._codecs: dict[tuple[str, str], TextCodec] = {}
+        self._tasks: dict[tuple[str, str], str] = {}
 
     def list_models(self) -> list[ModelCard]:
-        return [ModelCard(m.model_id, m.created, m.max_context, self._deployer.accepts(m.model_id))
+        return [ModelCard(m.model_id, m.created, m.max_context, self._deployer.accepts(m.model_id), self._task(m))
                 for m in self._deployer.models()]
+
+    def _task(self, model: ModelInfo) -> str:
+        """"generate" or "embed", from the model's config.json (read once per model folder)."""
+        key = (model.model_id, model.path)
+        if key not in self._tasks:
+            self._tasks[key] = model_task(read_model_config(model.path))
+        return self._tasks[key]
 
     def text(self, model_id: str) -> TextCodec:
         model = self._deployer.model(model_id)
@@ -42,6 +50,14 @@ class MeshGenerator:
         generation = self._origin.generate(routes, prompt_ids, params, request_id, model.hidden_size)
         trace_id_var.set(generation.record.trace_id)   # the rest of this request's log records carry it
         return generation
+
+    async def embed(self, model_id: str, prompt_ids: list[int], request_id: str) -> tuple[float, ...]:
+        """The embedding model's pooled, L2-normalized vector of the prompt."""
+        model = self._deployer.model(model_id)
+        routes = partial(self._deployer.wait_route, model_id, self._route_wait_s)
+        embedding = self._origin.embed(routes, prompt_ids, request_id, model.hidden_size)
+        trace_id_var.set(embedding.record.trace_id)
+        return await embedding.vector()
 
     def health(self) -> dict:
         models = {m.model_id: _state(self._deployer, m.model_id) for m in self._deployer.models()}

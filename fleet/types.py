@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
 
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
+# Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
+
+
+def model_task(config: Mapping[str, Any]) -> str:
+    """"embed" for a config.json dict whose architectures[0] is a base model without an LM head, else "generate"."""
+    architectures = config.get("architectures")
+    first = architectures[0] if isinstance(architectures, list) and architectures else None
+    return "embed" if first in EMBEDDING_ARCHITECTURES else "generate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +274,8 @@ class KvImportSummary:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """What the last stage returns to the origin: a sampled token, or the error that ended the session."""
+    """What the last stage returns to the origin: a sampled token (or an embedding model's pooled vector), or the
+    error that ended the session."""
 
     session_id: str
     step: int
@@ -275,6 +287,7 @@ class TokenEvent:
     preempted: bool = False     # a stage ran out of KV blocks: the origin replays the session
     sent_unix_ns: int = 0       # when the last stage finished the step that produced it
     unreachable: str = ""       # with error: the address of the hop a stage lost (the origin replays)
+    embedding: tuple[float, ...] = ()   # instead of a token (embedding models): the prompt's normalized vector
 
 
 STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.types import model_task
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token
@@ -31,7 +32,7 @@ class ModelProfile:
     layer_flops_per_token: tuple[int, ...]        # matmul FLOPs per token (2 per multiply-add)
     layer_attn_flops_per_ctx: tuple[int, ...]     # attention FLOPs per token per context token
     embed_params: int                             # on the first stage
-    head_params: int                              # final norm + LM head on the last stage
+    head_params: int                              # final norm + LM head on the last stage (an embedding model: norm)
     head_flops_per_token: int
     tied_embeddings: bool = False                 # one matrix: a single stage holding both counts it once
 
@@ -91,7 +92,9 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
     bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
     matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
     layer = matmul + bias + 2 * hidden                                  # + the two RMSNorm weights
-    tied = bool(raw.get("tie_word_embeddings", False))
+    # An embedding model has no LM head: its last stage holds the final norm and pools (a few FLOPs per prompt).
+    head = vocab * hidden if model_task(raw) == "generate" else 0
+    tied = bool(head) and bool(raw.get("tie_word_embeddings", False))
     return ModelProfile(
         name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "model"),
         num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, vocab_size=vocab,
@@ -101,8 +104,8 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
         layer_flops_per_token=(2 * matmul,) * num_layers,
         layer_attn_flops_per_ctx=(4 * q_dim,) * num_layers,             # q.k and p.v, 2 FLOPs per multiply-add
         embed_params=vocab * hidden,
-        head_params=vocab * hidden + hidden,
-        head_flops_per_token=2 * vocab * hidden,
+        head_params=head + hidden,
+        head_flops_per_token=2 * head,
         tied_embeddings=tied,
     )
 

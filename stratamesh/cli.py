@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab", type=int, default=1024)
     tiny.add_argument("--context", type=int, default=2048)
     tiny.add_argument("--tie-embeddings", action="store_true")
+    tiny.add_argument("--embedding", action="store_true",
+                      help="an embedding model (the base model without an LM head), served on /v1/embeddings")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_model_tiny)
 
@@ -226,7 +228,7 @@ def _model_tiny(args: argparse.Namespace) -> None:
         args.out, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
         intermediate_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
         vocab_size=args.vocab, max_position_embeddings=args.context,
-        tie_word_embeddings=args.tie_embeddings, seed=args.seed)
+        tie_word_embeddings=args.tie_embeddings, seed=args.seed, embedding=args.embedding)
     print(path)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stratamesh.agent.engine.block_manager import BlockManager
-from stratamesh.agent.engine.scheduler import Batch, Scheduler, WorkItem
+from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import Assignment, KvLayout, SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
@@ -167,8 +167,9 @@ class StageEngine:
 
     # ------------------------------------------------------------ steps
     def wants_more_decodes(self) -> bool:
-        """First stage only: more of this step's decodes are on their way from the origin."""
-        return self.is_first and self.scheduler.wants_more_decodes()
+        """First stage only: more of this step's decodes are on their way from the origin (never for an
+        embedding model: its sessions end after the prompt, so none is on its way)."""
+        return self.is_first and self.runner.model.config.has_lm_head and self.scheduler.wants_more_decodes()
 
     def schedule(self) -> Batch | None:
         return self.scheduler.schedule() if self.scheduler.has_work else None
@@ -197,8 +198,7 @@ class StageEngine:
     def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         for chunk in batch.chunks:
             if chunk.sample:
-                event = TokenEvent(chunk.session_id, chunk.item.step, output.tokens[chunk.session_id])
-                outbox.events.append((self.sessions[chunk.session_id].origin, event))
+                outbox.events.append((self.sessions[chunk.session_id].origin, _event(chunk, output)))
 
     def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         groups: dict[str, tuple[list[StepChunk], list[torch.Tensor]]] = {}
@@ -214,3 +214,11 @@ class StageEngine:
         for address, (chunks, rows) in groups.items():
             hidden = codec.encode(rows[0] if len(rows) == 1 else torch.cat(rows))
             outbox.stage_messages.append((address, StepBatch(tuple(chunks), hidden)))
+
+
+def _event(chunk: ScheduledChunk, output: StepOutput) -> TokenEvent:
+    """The origin's answer to a chunk that asked for one: its sampled token, or its embedding."""
+    if output.embeddings is not None:
+        vector = output.embeddings[chunk.session_id]
+        return TokenEvent(chunk.session_id, chunk.item.step, embedding=tuple(vector.tolist()))
+    return TokenEvent(chunk.session_id, chunk.item.step, output.tokens[chunk.session_id])

@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """One step's result: hidden rows in batch order for the next stage, or the tokens the last stage sampled."""
+    """One step's result: hidden rows in batch order for the next stage, or what the last stage made of the chunks
+    that asked for it: sampled tokens, or (an embedding model) pooled vectors."""
 
     hidden: torch.Tensor | None = None       # [sum of chunk lengths, hidden_size]
     tokens: Mapping[str, int] | None = None  # session id -> sampled token id
+    embeddings: Mapping[str, torch.Tensor] | None = None   # session id -> unit vector [hidden_size], float32
 
 
 class StageRunner:
@@ -135,9 +137,12 @@ class StageRunner:
             if not model.spec.is_last:
                 return StepOutput(hidden=hidden)
             rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
+            sampled = [c for c in batch.chunks if c.sample]
+            if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
+                vectors = model.pool(hidden[rows]) if rows else None   # [num sampled, hidden]
+                return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
             logits = model.logits(hidden[rows]) if rows else None  # [num sampled, vocab]
         tokens = {}
-        sampled = [c for c in batch.chunks if c.sample]
         for i, chunk in enumerate(sampled):
             position = chunk.start_pos + chunk.end - chunk.begin    # the position of the new token
             tokens[chunk.session_id] = sample(logits[i], sampling[chunk.session_id], position)

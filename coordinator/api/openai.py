@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics."""
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /health and
+/metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -23,6 +24,7 @@ from stratamesh.coordinator.api.errors import (
     to_api_error,
     validation_error,
 )
+from stratamesh.coordinator.api.embeddings import check_context, embed_all, embedding_body
 from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                 GenerationRequest)
@@ -36,17 +38,19 @@ from stratamesh.fleet.types import SamplingParams
 log = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True, slots=True)
 class ModelCard:
-    """A model as /v1/models lists it."""
+    """A model as /v1/models lists it; task "generate" (completions and chat) or "embed" (embeddings)."""
 
     id: str
     created: int
     max_context: int
     ready: bool
+    task: str = "generate"
 
 
 class Generator(Protocol):
@@ -58,6 +62,9 @@ class Generator(Protocol):
 
     def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[int]: ...  # unbounded; the API stops it with aclose()
+
+    async def embed(self, model_id: str, prompt_ids: list[int],
+                    request_id: str) -> Sequence[float]: ...  # an embed model's normalized vector of the prompt
 
     def health(self) -> dict[str, Any]: ...
 
@@ -87,7 +94,8 @@ class OpenAIApi:
         """GET /v1/models."""
         try:
             data = [{"id": c.id, "object": "model", "created": c.created, "owned_by": "stratamesh",
-                     "max_model_len": c.max_context, "ready": c.ready} for c in self._generator.list_models()]
+                     "max_model_len": c.max_context, "ready": c.ready, "task": c.task}
+                    for c in self._generator.list_models()]
         except Exception as e:
             return error_response(e)
         return JSONResponse({"object": "list", "data": data})
@@ -134,19 +142,27 @@ class OpenAIApi:
             return error_response(e)
 
     async def embeddings(self, request: Request) -> Response:
-        """POST /v1/embeddings: served for embedding models (no LM head); every model stratamesh loads today is a
-        text-generation model, so a known model gets a 400 saying so, and an unknown one a 404."""
+        """POST /v1/embeddings: an embedding model's vector of each input; a text-generation model gets a 400
+        model_not_embedding, an unknown one a 404."""
         try:
             req = await parse_body(request, EmbeddingRequest)
-            self._card(req.model)
-            raise ApiError(400, f"the model {req.model!r} generates text (it has an LM head) and serves no "
-                                "embeddings; use /v1/completions or /v1/chat/completions with it",
-                           param="model", code="model_not_embedding")
+            card, codec = self._model(req.model, task="embed")
+            prompts = [_prompt_ids(codec, text_or_ids, "input") for text_or_ids in req.input]
+            check_context(prompts, card.max_context)
+            request_id = f"embd-{uuid.uuid4().hex}"
+            vectors = await _unless_gone(request, request_id, embed_all(
+                lambda ids, i: self._generator.embed(req.model, ids, f"{request_id}-{i}"), prompts))
+            if vectors is None:
+                return Response(status_code=499)  # nobody is listening any more
+            return JSONResponse(embedding_body(req.model, vectors, sum(map(len, prompts)), req.encoding_format))
         except Exception as e:
             return error_response(e)
 
-    def _model(self, model_id: str) -> tuple[ModelCard, TextCodec]:
+    def _model(self, model_id: str, task: str = "generate") -> tuple[ModelCard, TextCodec]:
+        """The card and codec of a model that serves task and is ready (404, 400, 503 otherwise)."""
         card = self._card(model_id)
+        if card.task != task:
+            raise _wrong_task(card)
         if not card.ready:
             raise ModelNotReady(f"model {model_id!r} is still loading; retry shortly")
         return card, self._generator.text(model_id)
@@ -217,15 +233,24 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         raise validation_error(e) from e
 
 
-def _prompt_ids(codec: TextCodec, prompt: str | list[int]) -> list[int]:
+def _prompt_ids(codec: TextCodec, prompt: str | list[int], param: str = "prompt") -> list[int]:
     ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, f"the {param} is empty", param=param)
     bad = [t for t in ids if not 0 <= t < codec.vocab_size]
     if bad:
         raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {codec.vocab_size})",
-                       param="prompt")
+                       param=param)
     return ids
+
+
+def _wrong_task(card: ModelCard) -> ApiError:
+    """The 400 for a request the model cannot serve: embeddings of a text-generation model, or the reverse."""
+    if card.task == "embed":
+        return ApiError(400, f"the model {card.id!r} is an embedding model (it has no LM head) and generates no "
+                             "text; use /v1/embeddings with it", param="model", code="model_not_generative")
+    return ApiError(400, f"the model {card.id!r} generates text (it has an LM head) and serves no embeddings; use "
+                         "/v1/completions or /v1/chat/completions with it", param="model", code="model_not_embedding")
 
 
 def _make_job(req: GenerationRequest, codec: TextCodec, prompt_ids: Sequence[int], max_context: int,
@@ -255,11 +280,19 @@ def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: in
 
 async def _collect_unless_gone(request: Request, run: GenerationRun) -> tuple[str, str] | None:
     """The whole text and finish reason, or None (and the run closed) if the client disconnects first."""
-    task = asyncio.create_task(run.collect())
+    try:
+        return await _unless_gone(request, run.job.request_id, run.collect())
+    finally:
+        await run.aclose()   # closed already, unless cancelled before it ran; closing twice does nothing
+
+
+async def _unless_gone(request: Request, request_id: str, work: Awaitable[T]) -> T | None:
+    """What work returns, or None (and work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
     try:
         while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():
-                log.info("request %s: the client went away; generation stopped", run.job.request_id)
+                log.info("request %s: the client went away; its work stopped", request_id)
                 return None
         return task.result()
     finally:
@@ -267,7 +300,6 @@ async def _collect_unless_gone(request: Request, run: GenerationRun) -> tuple[st
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await run.aclose()
 
 
 def _usage(run: GenerationRun) -> dict[str, int]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+MAX_EMBEDDING_INPUTS = 2048   # OpenAI's limit on the inputs of one embeddings request
 
 
 class StreamOptions(BaseModel):
@@ -182,10 +183,39 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings."""
+    """POST /v1/embeddings; input becomes a list with one entry per input: a string or a list of token ids."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
+    input: list[str | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> list[str | list[int]]:
+        if isinstance(value, str) or _is_token_ids(value):
+            value = [value]   # one input
+        if not (isinstance(value, list) and value and all(_is_one_input(v) for v in value)):
+            raise ValueError("input must be a non-empty string, a non-empty list of token ids, or a non-empty "
+                             "list of either")
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("dimensions is not supported: the model's embeddings have the size it gives them")
+        return value
+
+
+def _is_one_input(value: Any) -> bool:
+    return (isinstance(value, str) and value != "") or _is_token_ids(value)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from stratamesh.fleet.errors import InvalidInput
 import re
+import struct
+
+from stratamesh.fleet.errors import InvalidInput
 
 from stratamesh.fleet.types import (
     MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
@@ -204,19 +206,41 @@ def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:
 
 
 def token_batch_to_pb(events: list[TokenEvent]) -> pb.TokenBatch:
-    return pb.TokenBatch(events=[
-        pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
-                      error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
-                      preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable)
-        for e in events])
+    return pb.TokenBatch(events=[_token_event_to_pb(e) for e in events])
+
+
+def _token_event_to_pb(e: TokenEvent) -> pb.TokenEvent:
+    msg = pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
+                        error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
+                        preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable)
+    if e.embedding:
+        msg.embedding.CopyFrom(vector_to_pb(e.embedding))
+    return msg
 
 
 def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
     _require_session_id(msg.session_id, "token_event")
     if msg.cached_tokens < 0 or msg.sent_unix_ns < 0:
         raise InvalidInput("token_event.cached_tokens and token_event.sent_unix_ns must be >= 0")
+    embedding = vector_from_pb(msg.embedding, "token_event.embedding") if msg.HasField("embedding") else ()
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
-                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable)
+                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable, embedding)
+
+
+def vector_to_pb(vector: tuple[float, ...]) -> pb.Tensor:
+    """A vector of floats as a raw float32 Tensor [n] (little-endian, as the activation codec writes it)."""
+    return pb.Tensor(dtype="float32", shape=[len(vector)], data=struct.pack(f"<{len(vector)}f", *vector),
+                     codec="raw")
+
+
+def vector_from_pb(msg: pb.Tensor, where: str) -> tuple[float, ...]:
+    """The floats of a raw float32 Tensor [n], n >= 1; InvalidInput naming where otherwise."""
+    shape = list(msg.shape)
+    if msg.dtype != "float32" or (msg.codec or "raw") != "raw" or len(shape) != 1 or shape[0] < 1:
+        raise InvalidInput(f"{where} must be a raw float32 vector [n], got {msg.dtype} {msg.codec or 'raw'} {shape}")
+    if len(msg.data) != 4 * shape[0]:
+        raise InvalidInput(f"{where}.data holds {len(msg.data)} bytes, shape {shape} needs {4 * shape[0]}")
+    return struct.unpack(f"<{shape[0]}f", msg.data)
 
 
 def spans_to_pb(spans: list[Span]) -> pb.TraceSpans:

@@ -18,34 +18,45 @@ INDEX_FILE = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+# A base model (LlamaModel.save_pretrained, as embedding models ship) names its tensors without "model."
+_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+def canonical_name(name: str) -> str:
+    """The name a checkpoint tensor goes by here: a base model's "layers.0..." becomes "model.layers.0..."."""
+    return "model." + name if name.startswith(_BASE_MODEL_PREFIXES) else name
 
 
 class Checkpoint:
-    """A model folder's safetensors, single-file or sharded; files are opened only while loading."""
+    """A model folder's safetensors, single-file or sharded; files are opened only while loading.
+
+    Tensors go by their canonical names (with the "model." prefix) whether or not the files spell it."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        self._file_of = self._read_weight_map()   # tensor name -> file name
+        # canonical name -> (file name, the name in that file)
+        self._stored = {canonical_name(name): (file, name) for name, file in self._read_weight_map().items()}
 
     def tensor_names(self) -> list[str]:
-        return sorted(self._file_of)
+        return sorted(self._stored)
 
     def load(self, names: Iterable[str], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The named tensors as owned copies in dtype; CheckpointError naming any missing one."""
-        by_file: dict[str, list[str]] = defaultdict(list)
+        by_file: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for name in names:
-            if name not in self._file_of:
+            if name not in self._stored:
                 raise CheckpointError(f"checkpoint {self.model_dir} has no tensor {name!r}")
-            by_file[self._file_of[name]].append(name)
+            file_name, stored_name = self._stored[name]
+            by_file[file_name].append((name, stored_name))
         out: dict[str, torch.Tensor] = {}
         for file_name, file_names in sorted(by_file.items()):
             path = self.model_dir / file_name
             if not path.exists():
                 raise CheckpointError(f"checkpoint shard {path} is missing")
             with safe_open(str(path), framework="pt") as f:
-                for name in file_names:
+                for name, stored_name in file_names:
                     # copy=True so nothing keeps the file's memory map alive
-                    out[name] = f.get_tensor(name).to(dtype=dtype, copy=True)
+                    out[name] = f.get_tensor(stored_name).to(dtype=dtype, copy=True)
         return out
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -77,7 +88,8 @@ def layer_tensor_names(config: ModelConfig, layer_idx: int) -> list[str]:
 
 
 def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
-    """The HF names a stage serving layers [start, end) needs, embedding and head only where they belong."""
+    """The HF names a stage serving layers [start, end) needs, embedding and head only where they belong (an
+    embedding model has no LM head: its last stage ends in the final norm)."""
     assert 0 <= start < end <= config.num_layers, (start, end, config.num_layers)
     names = [EMBED] if start == 0 else []
     for i in range(start, end):
@@ -85,6 +97,6 @@ def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
     if end == config.num_layers:
         names.append(FINAL_NORM)
         head = EMBED if config.tie_word_embeddings else LM_HEAD
-        if head not in names:
+        if config.has_lm_head and head not in names:
             names.append(head)
     return names

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.types import model_task
 
 ARCHS = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -39,6 +40,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    task: str = "generate"                       # "embed": a base model without an LM head (fleet.types.model_task)
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the last stage ends in an LM head and a sampler (else it pools: an embedding model)."""
+        return self.task == "generate"
 
     def window_for_layer(self, layer_idx: int) -> int | None:
         """The sliding window (tokens a query sees, itself included) of a layer, or None for full attention."""
@@ -105,6 +112,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            task=model_task(raw),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -140,6 +148,8 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
         raise CheckpointError(f"config.json hidden_act {act!r} is not supported; only 'silu'")
     if raw.get("mlp_bias"):
         raise CheckpointError("config.json mlp_bias=true is not supported")
+    if raw.get("is_causal") is False:   # some embedding models attend both ways; our attention is causal
+        raise CheckpointError("config.json is_causal=false (bidirectional attention) is not supported")
 
 
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

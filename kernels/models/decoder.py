@@ -59,7 +59,8 @@ class LayerWeights:
 
 
 class StageModel:
-    """Layers [start, end) of a decoder, plus the embedding if first and the final norm + LM head if last."""
+    """Layers [start, end) of a decoder, plus the embedding if first and the final norm + LM head if last (an
+    embedding model's last stage has the final norm alone, and pools)."""
 
     def __init__(self, config: ModelConfig, spec: StageSpec, tensors: dict[str, torch.Tensor]) -> None:
         _check_shapes(config, tensors)
@@ -98,7 +99,7 @@ class StageModel:
         self._embed = tensors.get(EMBED) if spec.is_first else None
         self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
-        self._lm_head = tensors.get(head) if spec.is_last else None
+        self._lm_head = tensors.get(head) if spec.is_last and self.config.has_lm_head else None
 
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
@@ -132,9 +133,19 @@ class StageModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: hidden [T, hidden] -> float32 logits [T, vocab]; last stage only."""
         if self._lm_head is None:
-            raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) is not the last stage")
+            raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) has no LM head (it is not "
+                               "the last stage, or the model is an embedding model)")
         h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
         return F.linear(h, self._lm_head).float()
+
+    @torch.inference_mode()
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + L2 normalization of each row: hidden [T, hidden] (each a prompt's last token, vLLM's LAST
+        pooling) -> float32 unit vectors [T, hidden]; last stage only."""
+        if self._final_norm is None:
+            raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) is not the last stage")
+        h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
+        return F.normalize(h.float(), dim=-1)
 
     def _attention(self, layer: LayerWeights, local_idx: int, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:

@@ -23,12 +23,22 @@ from stratamesh.fleet.types import SamplingParams
 STORY = "The quick brown fox jumps over the lazy dog. Café 🙂 déjà vu. "
 FAIL_AFTER = 5  # tokens the "flaky" model yields before its stage dies
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a story"}]
+BROKEN_TOKEN = 7  # embedder-broken fails a prompt that starts with it
+
+
+def fake_vector(prompt_ids: list[int]) -> tuple[float, ...]:
+    """What the fake embedding models give a prompt: a unit vector that depends on its length and its ids."""
+    raw = (float(len(prompt_ids)), float(sum(prompt_ids) % 97 + 1), float(prompt_ids[0] + 1), 0.5)
+    norm = sum(x * x for x in raw) ** 0.5
+    return tuple(x / norm for x in raw)
 
 
 class FakeGenerator:
     """Models: tiny (story forever), tiny-eos (story, EOS, story...), small (context 40), strict (BOS codec whose
     template rejects odd roles), warming (not ready), broken (fails before a token), flaky (fails mid-stream),
-    crashy (a bug: RuntimeError mid-stream)."""
+    crashy (a bug: RuntimeError mid-stream); and embedding models: embedder (fake_vector of each prompt),
+    embedder-small (context 8), embedder-warming (not ready), embedder-broken (fails a prompt that starts with
+    BROKEN_TOKEN; the others take a second)."""
 
     def __init__(self, codec: TextCodec, strict_codec: TextCodec) -> None:
         self.codec, self.strict_codec = codec, strict_codec
@@ -38,8 +48,14 @@ class FakeGenerator:
         self.cards = {n: ModelCard(n, 1_700_000_000, 512, True) for n in names}
         self.cards["small"] = ModelCard("small", 1_700_000_000, 40, True)
         self.cards["warming"] = ModelCard("warming", 1_700_000_000, 512, False)
+        for name, context, ready in (("embedder", 512, True), ("embedder-small", 8, True),
+                                     ("embedder-warming", 512, False), ("embedder-broken", 512, True)):
+            self.cards[name] = ModelCard(name, 1_700_000_000, context, ready, task="embed")
         self.calls: list[tuple[str, list[int], SamplingParams, str]] = []
         self.closed: list[str] = []
+        self.embed_calls: list[tuple[str, list[int], str]] = []
+        self.embeds_in_flight = self.max_embeds_in_flight = 0
+        self.embeds_cancelled: list[str] = []
         self.status = "ok"
 
     def list_models(self) -> list[ModelCard]:
@@ -63,6 +79,23 @@ class FakeGenerator:
                 yield token
         finally:
             self.closed.append(request_id)
+
+    async def embed(self, model_id: str, prompt_ids: list[int], request_id: str) -> tuple[float, ...]:
+        self.embed_calls.append((model_id, prompt_ids, request_id))
+        self.embeds_in_flight += 1
+        self.max_embeds_in_flight = max(self.max_embeds_in_flight, self.embeds_in_flight)
+        try:
+            await asyncio.sleep(self.token_delay_s)  # 0 still lets the inputs of a request interleave
+            if model_id == "embedder-broken":
+                if prompt_ids[0] == BROKEN_TOKEN:
+                    raise StageFailed("stage 2 died")
+                await asyncio.sleep(1.0)
+            return fake_vector(prompt_ids)
+        except asyncio.CancelledError:
+            self.embeds_cancelled.append(request_id)
+            raise
+        finally:
+            self.embeds_in_flight -= 1
 
     def script(self, model_id: str) -> Iterator[int]:
         if model_id == "tiny-eos":

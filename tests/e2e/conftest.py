@@ -24,6 +24,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for arch in ("llama", "qwen2", "mistral")}
 
 
+@pytest.fixture(scope="session")
+def tiny_embedding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 6-layer tiny embedding model: Llama's base model (LlamaModel), without an LM head."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-embed", num_layers=NUM_LAYERS, embedding=True)
+
+
 def start_mesh(model_dir: Path, tmp_path: Path, num_agents: int = 3) -> LocalMesh:
     return LocalMesh(str(model_dir), num_agents=num_agents, log_dir=str(tmp_path / "logs"),
                      db=str(tmp_path / "registry.db")).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stratamesh.fleet.errors import InvalidInput, StageFailed
@@ -73,6 +74,33 @@ def test_control_messages_round_trip() -> None:
               TokenEvent("s", 5, 7, sent_unix_ns=123)]
     wire = convert.token_batch_to_pb(events).SerializeToString()
     assert [convert.token_event_from_pb(e) for e in pb.TokenBatch.FromString(wire).events] == events
+
+
+def test_an_embedding_event_round_trips_as_a_raw_float32_vector() -> None:
+    vector = (0.5, -0.25, 1.0 / 3.0, 1e-30, 0.0)
+    as_float32 = tuple(float(x) for x in np.asarray(vector, dtype=np.float32))
+    event = TokenEvent("s", 0, embedding=vector, sent_unix_ns=9)
+    msg = pb.TokenBatch.FromString(convert.token_batch_to_pb([event]).SerializeToString()).events[0]
+    assert (msg.embedding.dtype, list(msg.embedding.shape), len(msg.embedding.data)) == ("float32", [5], 20)
+    back = convert.token_event_from_pb(msg)
+    assert back.token_id == -1 and back.sent_unix_ns == 9
+    assert back.embedding == as_float32 and back.embedding[2] != vector[2]   # what a float32 tensor holds
+    assert not convert.token_batch_to_pb([TokenEvent("s", 1, 3)]).events[0].HasField("embedding")
+
+
+NOT_A_VECTOR = "token_event.embedding must be a raw float32 vector"
+
+
+@pytest.mark.parametrize("tensor, match", [
+    (pb.Tensor(dtype="float16", shape=[2], data=bytes(4)), NOT_A_VECTOR),
+    (pb.Tensor(dtype="float32", shape=[2], data=bytes(8), codec="int8"), NOT_A_VECTOR),
+    (pb.Tensor(dtype="float32", shape=[2, 2], data=bytes(16)), NOT_A_VECTOR),
+    (pb.Tensor(dtype="float32", shape=[0]), NOT_A_VECTOR),
+    (pb.Tensor(dtype="float32", shape=[3], data=bytes(8)), "token_event.embedding.data holds 8 bytes"),
+], ids=["dtype", "codec", "shape", "empty", "short"])
+def test_a_malformed_embedding_is_rejected_by_name(tensor: pb.Tensor, match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        convert.token_event_from_pb(pb.TokenEvent(session_id="s", embedding=tensor))
 
 
 @pytest.mark.parametrize("gpu", [

@@ -76,6 +76,21 @@ def test_tied_embeddings_counted_once() -> None:
     assert tied.head_bytes == untied.head_bytes        # a last stage without the first still holds the head
 
 
+E5_MISTRAL_7B = {   # intfloat/e5-mistral-7b-instruct: Mistral-7B's base model, an embedding model without an LM head
+    "architectures": ["MistralModel"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+}
+
+
+def test_an_embedding_model_counts_no_lm_head() -> None:
+    embedder = profile_from_hf_config(E5_MISTRAL_7B)
+    generator = profile_from_hf_config({**E5_MISTRAL_7B, "architectures": ["MistralForCausalLM"]})
+    assert embedder.total_bytes / 2 == 7_110_660_096 and generator.total_bytes / 2 == 7_241_732_096
+    assert embedder.head_params == 4096 and embedder.head_flops_per_token == 0     # the final norm alone
+    assert not profile_from_hf_config({**E5_MISTRAL_7B, "tie_word_embeddings": True}).tied_embeddings
+
+
 @pytest.mark.parametrize("extra, expected", [
     ({}, "bfloat16"),                                            # torch_dtype
     ({"dtype": "float16"}, "float16"),                            # newer configs say dtype

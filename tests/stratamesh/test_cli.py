@@ -30,6 +30,14 @@ def test_model_tiny_writes_a_hugging_face_folder(tmp_path: Path) -> None:
         assert (tmp_path / "m" / name).is_file()
 
 
+def test_model_tiny_embedding_writes_an_embedding_model(tmp_path: Path) -> None:
+    result = stratamesh("model", "tiny", "--arch", "llama", "--embedding", "--out", str(tmp_path / "e"),
+                        "--layers", "2", "--hidden", "64", "--intermediate", "128")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaModel"] and not (tmp_path / "e" / "generation_config.json").exists()
+
+
 def test_bad_arguments_fail_with_usage() -> None:
     result = stratamesh("model", "tiny", "--arch", "gpt5", "--out", "/tmp/x")
     assert result.returncode == 2 and "invalid choice" in result.stderr

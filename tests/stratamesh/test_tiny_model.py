@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from stratamesh.tiny_model import CHAT_TEMPLATE, TINY_ARCHS, write_tiny_model
 
@@ -82,3 +83,26 @@ def test_transformers_loads_each_arch_and_argmax_is_clear(tmp_path, arch):
     assert float(gaps.median()) > 1e-1 and float((gaps > 1e-3).float().mean()) > 0.95
     argmax = logits.argmax(dim=-1)   # special tokens and vocab padding are never the argmax
     assert int(argmax.min()) >= 3 and int(argmax.max()) < num_text_tokens
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_an_embedding_checkpoint_is_the_base_model_as_transformers_saves_it(tmp_path, arch):
+    model_dir = write_tiny_model(tmp_path, arch, **SMALL, embedding=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [{"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel"}[arch]]
+    assert not (model_dir / "generation_config.json").exists()
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "embed_tokens.weight" in names and "norm.weight" in names and "layers.1.mlp.up_proj.weight" in names
+    assert not any(n.startswith("model.") or n.startswith("lm_head") for n in names)
+    model, info = transformers.AutoModel.from_pretrained(model_dir, output_loading_info=True)
+    assert type(model).__name__ == config["architectures"][0]
+    assert not any(info.values())     # no missing, unexpected or mismatched tensors
+    causal = write_tiny_model(tmp_path / "causal", arch, **SMALL)
+    with safe_open(str(causal / "model.safetensors"), "pt") as f:   # the same weights, but for the head
+        assert torch.equal(f.get_tensor("model.layers.1.mlp.up_proj.weight"), model.layers[1].mlp.up_proj.weight)
+
+
+def test_an_embedding_model_cannot_tie_a_head_it_lacks(tmp_path):
+    with pytest.raises(ValueError, match="no LM head"):
+        write_tiny_model(tmp_path, embedding=True, tie_word_embeddings=True)
