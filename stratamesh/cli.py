@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -269,8 +270,7 @@ def _up(args: argparse.Namespace) -> None:
               f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
               f"  admin   {mesh.url}/admin/  (web UI)\n"
               f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n\n"
-              f"  curl {mesh.url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{model_id}\", \"prompt\": \"The mesh\", \"max_tokens\": 16}}'\n\n"
+              f"{_example_call(mesh.url, model_dir, model_id)}\n\n"
               "Ctrl-C stops every process.", flush=True)
         # an agent that exits cleanly was drained; anything else ends the mesh
         while mesh.coordinator.poll() is None and all(p.poll() in (None, 0) for p in mesh.agents):
@@ -280,6 +280,17 @@ def _up(args: argparse.Namespace) -> None:
         print("\nstopping ...", flush=True)
     finally:
         mesh.stop()
+
+
+def _example_call(url: str, model_dir: str, model_id: str) -> str:
+    """A curl command that uses the model: a completion, or an embedding for an embedding model."""
+    from stratamesh.fleet.types import model_task
+
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    endpoint, body = (("embeddings", '"input": ["The mesh", "Edge boxes"]') if model_task(config) == "embed"
+                      else ("completions", '"prompt": "The mesh", "max_tokens": 16'))
+    return (f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model_id}\", {body}}}'")
 
 
 def _interrupt(signum: int, frame: object) -> None:

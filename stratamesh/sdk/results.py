@@ -113,17 +113,19 @@ class ChatChunk:
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A model the mesh serves; max_context is its context length in tokens."""
+    """A model the mesh serves; max_context is its context length in tokens; task "generate" (completions and
+    chat) or "embed" (embed())."""
 
     id: str
     created: int
     max_context: int
     ready: bool
+    task: str = "generate"
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Model:
         return cls(body["id"], int(body.get("created") or 0), int(body.get("max_model_len") or 0),
-                   bool(body.get("ready", True)))
+                   bool(body.get("ready", True)), str(body.get("task") or "generate"))
 
 
 @dataclass(frozen=True, slots=True)

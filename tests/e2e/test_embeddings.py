@@ -81,6 +81,7 @@ def test_embeddings_over_two_stages_equal_transformers(mesh: LocalMesh, tiny_emb
     assert float(expected[0] @ expected[1]) < 0.9     # the texts' vectors differ: a mix-up would show
 
     with Mesh(mesh.url) as sdk:                        # the mesh serves one model: model= may be left out
+        assert [m.task for m in sdk.models()] == ["embed"]
         assert_close_to(sdk.embed(TEXTS), expected)
     client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused")    # it asks for base64
     assert_close_to([d.embedding for d in client.embeddings.create(model=model, input=TEXTS).data], expected)

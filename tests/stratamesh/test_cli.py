@@ -87,3 +87,13 @@ def test_a_coordinator_given_a_folder_without_a_model_says_so(tmp_path: Path) ->
                         "--http-port", "0", "--mesh", "cli-test")
     assert result.returncode == 1
     assert "config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("architecture", "endpoint", "field"), [
+    ("LlamaForCausalLM", "/v1/completions", '"prompt"'), ("LlamaModel", "/v1/embeddings", '"input"')])
+def test_up_shows_a_call_the_model_serves(tmp_path: Path, architecture: str, endpoint: str, field: str) -> None:
+    from stratamesh.cli import _example_call
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    call = _example_call("http://127.0.0.1:8000", str(tmp_path), "m")
+    assert f"http://127.0.0.1:8000{endpoint}" in call and field in call and '"model": "m"' in call

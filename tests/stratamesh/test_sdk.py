@@ -125,7 +125,7 @@ async def test_async_client_gives_the_same_answers(mesh: Mesh) -> None:
 
 def test_models_and_agents(mesh: Mesh, model_dir: Path) -> None:
     (model,) = mesh.models()
-    assert (model.id, model.max_context, model.ready) == (model_dir.name, 2048, True)
+    assert (model.id, model.max_context, model.ready, model.task) == (model_dir.name, 2048, True, "generate")
     assert model.created > 1_600_000_000
     agents = mesh.agents()
     assert mesh.local_mesh is not None
