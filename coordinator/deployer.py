@@ -17,7 +17,7 @@ from stratamesh.coordinator.registry import ModelRecord, PlannedStage, PlanRecor
 from stratamesh.fleet.errors import (CheckpointError, InvalidInput, MeshError, ModelNotFound, ModelNotReady,
                                      PlacementError)
 from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
-                                    StageSpec, StageStatus, Telemetry)
+                                    StageSpec, StageStatus, Telemetry, model_task)
 from stratamesh.fleet.wire import convert
 from stratamesh.partitioner.plan import Plan
 from stratamesh.partitioner.profile import profile_from_hf_config
@@ -57,6 +57,7 @@ class ModelInfo:
     hidden_size: int
     max_context: int
     created: int
+    task: str = "generate"      # or "embed": fleet.types.model_task of its config
 
 
 def read_model_config(path: str) -> dict:
@@ -158,7 +159,7 @@ class Deployer:
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
-                          m.config["max_position_embeddings"], int(m.created))
+                          m.config["max_position_embeddings"], int(m.created), model_task(m.config))
                 for m in self._registry.models()]
 
     def model(self, model_id: str) -> ModelInfo:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from functools import partial
 
 from stratamesh.coordinator.api.openai import ModelCard
-from stratamesh.coordinator.deployer import Deployer, ModelInfo, read_model_config
+from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.origin import Generation, Origin
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.logs import trace_id_var
-from stratamesh.fleet.types import SamplingParams, model_task
+from stratamesh.fleet.types import SamplingParams
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
 ROUTE_WAIT_S = 30.0
@@ -23,18 +23,10 @@ class MeshGenerator:
         self._route_wait_s = route_wait_s
         self._origin = origin
         self._codecs: dict[tuple[str, str], TextCodec] = {}
-        self._tasks: dict[tuple[str, str], str] = {}
 
     def list_models(self) -> list[ModelCard]:
-        return [ModelCard(m.model_id, m.created, m.max_context, self._deployer.accepts(m.model_id), self._task(m))
+        return [ModelCard(m.model_id, m.created, m.max_context, self._deployer.accepts(m.model_id), m.task)
                 for m in self._deployer.models()]
-
-    def _task(self, model: ModelInfo) -> str:
-        """"generate" or "embed", from the model's config.json (read once per model folder)."""
-        key = (model.model_id, model.path)
-        if key not in self._tasks:
-            self._tasks[key] = model_task(read_model_config(model.path))
-        return self._tasks[key]
 
     def text(self, model_id: str) -> TextCodec:
         model = self._deployer.model(model_id)
