@@ -83,7 +83,8 @@ def admin_router(admin: Admin) -> APIRouter:
         except (CheckpointError, InvalidInput) as exc:
             return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
 
-    @router.post("/models/{model_id:path}/replan", status_code=202, response_model=schemas.ReplanResult)
+    @router.post("/models/{model_id:path}/replan", status_code=202, response_model=schemas.ReplanResult,
+                 responses={409: {"description": "no plan fits the agents there are"}})
     async def replan(model_id: str, body: schemas.Replan | None = None) -> Any:
         """Re-plans a model over the agents there are now: a better plan loads beside the serving one and
         takes over once ready; the serving one is kept if it is still the best."""

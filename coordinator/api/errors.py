@@ -42,6 +42,22 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR_MEANINGS = {400: "a malformed request, or one the model cannot serve", 401: "no valid API key",
+                   404: "no such model (or route)", 409: "a conflict with the mesh's state",
+                   429: "over a limit: retry after Retry-After seconds", 499: "the client went away",
+                   502: "a pipeline stage failed", 503: "the model is loading or recovering: retry after Retry-After"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses for these error statuses, each with OpenAI's error body."""
+    return {status: {"description": _ERROR_MEANINGS.get(status, "an error"),
+                     "content": {"application/json": {"schema": _ERROR_SCHEMA}}} for status in statuses}
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     """Map any exception to the HTTP error a client should see; unexpected ones are logged with a trace."""
     match exc:

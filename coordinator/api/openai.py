@@ -14,12 +14,13 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from stratamesh.coordinator.api.errors import (
     ApiError,
     error_response,
+    error_responses,
     install_error_handlers,
     to_api_error,
     validation_error,
@@ -74,13 +75,36 @@ def create_app(generator: Generator, metrics: ApiMetrics | None = None) -> FastA
     app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
     api = OpenAIApi(generator, metrics if metrics is not None else ApiMetrics())
     app.add_api_route("/v1/models", api.models, methods=["GET"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
-    app.add_api_route("/health", api.health, methods=["GET"])
-    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    generated = {200: {"description": "the answer, or with stream: true server-sent events ending in [DONE]",
+                       "content": {"application/json": {}, "text/event-stream": {}}},
+                 **error_responses(400, 404, 499, 502, 503)}
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=generated,
+                      openapi_extra=json_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"], responses=generated,
+                      openapi_extra=json_body(ChatCompletionRequest))
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"], responses=error_responses(400, 404, 502, 503),
+                      openapi_extra=json_body(EmbeddingRequest))
+    app.add_api_route("/health", api.health, methods=["GET"],
+                      responses={503: {"description": "the mesh does not serve (yet)"}})
+    app.add_api_route("/metrics", api.metrics, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "Prometheus' text exposition"}})
     install_error_handlers(app)
     return app
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that parses its JSON body itself (parse_body, for OpenAI's error shape)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:   # pydantic's "#/$defs/X" refs mean nothing inside an OpenAPI document
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            return inline(defs[ref.rsplit("/", 1)[-1]]) if ref.startswith("#/$defs/") else {
+                k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 class OpenAIApi:
