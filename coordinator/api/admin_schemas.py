@@ -18,7 +18,8 @@ class _Request(BaseModel):
 class DeployModel(_Request):
     """POST /admin/api/models: a Hugging Face folder to serve, cut into num_stages stages."""
 
-    path: str = Field(min_length=1, max_length=4096, description="the model folder, as the agents see it")
+    path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$",
+                      description="the model folder, as the agents see it")
     model_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$",
                                  description="the served name; default: the folder's name")
     num_stages: int = Field(1, ge=1, le=MAX_STAGES)
