@@ -36,7 +36,8 @@ def fuzz_app(app: FastAPI, skip: tuple[str, ...] = ()) -> dict[str, int]:
             continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=CASES_PER_OPERATION, deadline=None, database=None,
+            # derandomized: the same cases on every run, so CI never fails at random (explore with more elsewhere)
+            @settings(max_examples=CASES_PER_OPERATION, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             def fuzz(case) -> None:
                 counts[operation.label] = counts.get(operation.label, 0) + 1
