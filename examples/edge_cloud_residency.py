@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+import time
 
 import httpx
 
@@ -34,9 +35,12 @@ def agent_flags(num_edge: int, num_cloud: int, cloud_ranks: int) -> dict[int, li
     return flags
 
 
-def show_plan(mesh: Mesh) -> list[str]:
+def show_plan(mesh: Mesh, num_agents: int) -> list[str]:
     """Prints the active plan stage by stage with each agent's site; returns the site of each stage."""
-    agents = {a.agent_id: a for a in mesh.agents()}
+    # The model is ready once its stages are: a spare may still be joining. Wait for every agent.
+    deadline = time.monotonic() + 30
+    while len(agents := {a.agent_id: a for a in mesh.agents()}) < num_agents and time.monotonic() < deadline:
+        time.sleep(0.2)
     # The SDK has no call for plans: the admin API has them.
     plans = httpx.get(f"{mesh.url}/admin/api/plans").json()["plans"]
     (plan,) = [p for p in plans if p["state"] == "active"]
@@ -69,7 +73,7 @@ def main() -> None:
         # Data residency: the first and the last stage must run at the edge site.
         coordinator_args=["--first-site", EDGE_SITE, "--last-site", EDGE_SITE])
     with local as mesh:
-        sites = show_plan(mesh)
+        sites = show_plan(mesh, args.edge_agents + args.cloud_agents)
         if sites[0] != EDGE_SITE or sites[-1] != EDGE_SITE:
             raise SystemExit(f"residency violated: the first and last stage run at {sites[0]!r} and {sites[-1]!r}")
         print(f"residency holds: token ids enter and leave the pipeline at {EDGE_SITE!r}; "
