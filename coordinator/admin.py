@@ -9,12 +9,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.deployer import Deployer, ModelInfo
 from stratamesh.coordinator.drain import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry import ModelRecord, Registry
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.errors import MeshError
 
@@ -66,22 +66,22 @@ class MeshAdmin:
 
     def models(self) -> list[dict[str, Any]]:
         """Every deployed model, its state and its stage count."""
-        return [self._model_json(model_id) for model_id in (m.model_id for m in self._registry.models())]
+        infos = {info.model_id: info for info in self._planner().models()}
+        return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or Path(path).resolve().name
         self._planner().add_model(served_id, path, num_stages, pins)
-        return self._model_json(served_id)
+        return self._model_json(self._registry.model(served_id), self._planner().model(served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
         """Re-plans a model over the agents there are now (ModelNotFound; PlacementError if no plan fits)."""
         outcome, reason = self._planner().replan(model_id, num_stages)
         return {"model_id": model_id, "outcome": outcome, "reason": reason}
 
-    def _model_json(self, model_id: str) -> dict[str, Any]:
-        deployer, model = self._planner(), self._registry.model(model_id)
-        info = deployer.model(model_id)
+    def _model_json(self, model: ModelRecord, info: ModelInfo) -> dict[str, Any]:
+        deployer, model_id = self._planner(), model.model_id
         state = ("ready" if deployer.is_ready(model_id) else "recovering" if deployer.accepts(model_id)
                  else "loading" if self._registry.active_plan(model_id) else "waiting")
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
