@@ -16,11 +16,17 @@ from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Tele
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import describe_error, make_channel
+from stratamesh.fleet.wire.channels import describe_error, make_channel, revoked
 
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
+# What the coordinator answers a certificate it will not take: retrying cannot help.
+_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+class ControlRefused(MeshError):
+    """The coordinator refuses this agent: its certificate was revoked, or is not the one for its id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +49,8 @@ class ControlClient:
                  telemetry: Callable[[], Awaitable[Telemetry]] | None = None,
                  on_shutdown: Callable[[str], None] = lambda reason: None):
         self._identity = identity
-        self._on_shutdown = on_shutdown     # the coordinator drained this agent: it should exit
+        self._on_shutdown = on_shutdown     # the coordinator drained (or refuses) this agent: it should exit
+        self.refused = ""                   # why the coordinator refuses this agent, once it does
         self._host = host
         self._telemetry = telemetry
         self._find = find_coordinator
@@ -62,6 +69,11 @@ class ControlClient:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, MeshError, OSError, TimeoutError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSED:
+                    self.refused = f"the coordinator refuses this agent: {exc.details()}"
+                    log.error("%s", self.refused)
+                    self._on_shutdown(self.refused)
+                    return
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "control stream down (%s); retrying", describe_error(exc))
@@ -96,6 +108,8 @@ class ControlClient:
                     task = asyncio.create_task(self._probe_links(outbox, message.probe_links))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                elif kind == "revocations":
+                    revoked.replace(convert.revocations_from_pb(message.revocations))
                 elif kind == "shutdown":
                     log.info("the coordinator asks this agent to exit: %s", message.shutdown.reason)
                     self._on_shutdown(message.shutdown.reason)

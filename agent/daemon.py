@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratamesh.agent.control import ControlClient, Identity
+from stratamesh.agent.control import ControlClient, ControlRefused, Identity
+from stratamesh.agent.credentials import NotEnrolled, default_state_dir, obtain_credentials
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.agent.observer import StageObserver
@@ -25,7 +26,7 @@ from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.types import Telemetry
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import bind, make_server
+from stratamesh.fleet.wire.channels import MeshTls, bind, make_server, use_tls, warn_insecure
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,41 @@ class AgentOptions:
     metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
     traces_json: str = ""               # append every span as OpenTelemetry JSON to this file
     otlp_traces_endpoint: str = ""      # export spans over OTLP/HTTP to this collector
+    insecure: bool = False              # plaintext, no certificate: development only, and it says so
+    join_token: str = ""                # presented to the coordinator when the agent holds no certificate
+    state_dir: str = ""                 # its key and certificate; default: default_state_dir(mesh)
+    enroll: str | None = None           # host:port of the coordinator's enrollment endpoint; None: zeroconf
+
+
+async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
+    """The agent's mesh credentials (enrolling first if it holds none), or None in insecure mode."""
+    if options.insecure:
+        warn_insecure("agent")
+        return None
+
+    async def find_enroll() -> str:
+        if options.enroll:
+            return options.enroll
+        if options.coordinator:
+            raise NotEnrolled("--coordinator was given without --enroll (the coordinator's enroll=host:port)")
+        browser = discovery.Browser(interfaces=list(options.interfaces))
+        try:
+            record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
+        finally:
+            await browser.close()
+        if "enroll" not in record.properties:     # discovery checked it is a port when present
+            raise NotEnrolled(f"the coordinator of mesh {options.mesh} offers no enrollment: it runs --insecure")
+        return f"{record.host}:{record.properties['enroll']}"
+
+    state_dir = options.state_dir or default_state_dir(options.mesh)
+    return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token, find_enroll)
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
+    use_tls(await _mesh_tls(options))   # before anything listens or dials
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
     loop, group_failures = asyncio.get_running_loop(), []
 
@@ -102,8 +132,9 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
         return telemetry
 
-    control = asyncio.create_task(ControlClient(identity, host, find_coordinator, telemetry=sample,
-                                                on_shutdown=lambda reason: stop.set()).run())
+    control_client = ControlClient(identity, host, find_coordinator, telemetry=sample,
+                                   on_shutdown=lambda reason: stop.set())
+    control = asyncio.create_task(control_client.run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",
           flush=True)
@@ -123,3 +154,5 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         spans.close()
     if group_failures:
         raise GroupFailed(f"{group_failures[0]}; the agent exits")
+    if control_client.refused:
+        raise ControlRefused(control_client.refused)

@@ -53,12 +53,13 @@ def tcp_round_trips_ms(payload_bytes: int, count: int = 2000) -> list[float]:
     return samples[count // 10:]  # drop the warm-up
 
 
-def decode_gaps_ms(url: str, model: str, num_tokens: int) -> list[float]:
+def decode_gaps_ms(mesh: LocalMesh, model: str, num_tokens: int) -> list[float]:
     """Per-token gaps of one streamed greedy completion, measured at the client."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": num_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     gaps, last = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{mesh.url}/v1/completions", json=body, headers=mesh.headers,
+                      timeout=120) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -70,10 +71,11 @@ def decode_gaps_ms(url: str, model: str, num_tokens: int) -> list[float]:
     return gaps
 
 
-def measure_mesh(model_dir: Path, num_stages: int, num_tokens: int, repeats: int) -> list[float]:
-    with LocalMesh(str(model_dir), num_agents=num_stages, threads_per_agent=1) as mesh:
-        decode_gaps_ms(mesh.url, model_dir.name, 8)  # warm-up: first-touch allocations, streams
-        return [g for _ in range(repeats) for g in decode_gaps_ms(mesh.url, model_dir.name, num_tokens)]
+def measure_mesh(model_dir: Path, num_stages: int, num_tokens: int, repeats: int,
+                 insecure: bool = False) -> list[float]:
+    with LocalMesh(str(model_dir), num_agents=num_stages, threads_per_agent=1, insecure=insecure) as mesh:
+        decode_gaps_ms(mesh, model_dir.name, 8)  # warm-up: first-touch allocations, streams
+        return [g for _ in range(repeats) for g in decode_gaps_ms(mesh, model_dir.name, num_tokens)]
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -85,12 +87,15 @@ def main() -> None:
     parser.add_argument("--model", help="a Hugging Face folder; default: a 6-layer tiny Llama")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plaintext-too", action="store_true",
+                        help="also run 3 stages in --insecure mode: what mTLS costs per token")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else write_tiny_model(
         Path(tempfile.mkdtemp()) / "tiny-llama", arch="llama", num_layers=6)
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
 
     itl = {k: measure_mesh(model_dir, k, args.tokens, args.repeats) for k in (1, 3)}
+    plaintext = measure_mesh(model_dir, 3, args.tokens, args.repeats, insecure=True) if args.plaintext_too else []
     tcp = tcp_round_trips_ms(hidden * 4)
 
     print(f"model {model_dir.name}, {args.repeats} x {args.tokens} greedy tokens per config\n")
@@ -99,11 +104,18 @@ def main() -> None:
     for k, samples in itl.items():
         name = f"{k} stage{'s' if k > 1 else ''} ({k + 1} hops per token)"
         print(f"| {name:<36} | {statistics.median(samples):9.3f} | {pct(samples, 90):7.3f} | {len(samples):7d} |")
+    if plaintext:
+        print(f"| {'3 stages, plaintext (--insecure)':<36} | {statistics.median(plaintext):9.3f} | "
+              f"{pct(plaintext, 90):7.3f} | {len(plaintext):7d} |")
     print(f"| {f'raw TCP round trip, {hidden * 4} B':<36} | {statistics.median(tcp):9.3f} | "
           f"{pct(tcp, 90):7.3f} | {len(tcp):7d} |")
     per_hop = (statistics.median(itl[3]) - statistics.median(itl[1])) / 2
     print(f"\nper-hop cost = (ITL_3 - ITL_1) / 2 = {per_hop:.3f} ms"
           f" = {per_hop / statistics.median(tcp):.1f}x a raw loopback TCP round trip")
+    if plaintext:
+        tls = (statistics.median(itl[3]) - statistics.median(plaintext)) / 4
+        share = f" ({tls / per_hop * 100:.0f}% of the per-hop cost)" if per_hop > 0 else ""
+        print(f"mTLS cost per hop = (ITL_3 - ITL_3 plaintext) / 4 = {tls:.3f} ms{share}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def main() -> None:
         with LocalMesh(model_dir, num_agents=4, num_stages=3, log_dir=str(Path(tmp, "logs"))) as mesh:
             for r in range(args.runs):
                 run = asyncio.run(kill_stage_mid_stream(mesh, model, jobs, stage=args.stage))
-                ways.append(("kill -9", run, _recomputed(mesh.url, len(jobs))))
+                ways.append(("kill -9", run, _recomputed(mesh, len(jobs))))
                 same = sum(1 for o, ref in zip(run.outcomes, run.reference) if not o.error and o.tokens == ref.tokens)
                 gap = statistics.median(b - a for o in run.reference for a, b in zip(o.times, o.times[1:]) if b > a)
                 stalls = run.stalls
@@ -65,36 +65,39 @@ def main() -> None:
                       f"{percentile(stalls, 50) / gap:.1f} |", flush=True)
                 mesh.start_agent(mesh.agent_index(run.killed_address))
                 mesh.wait_ready(60)
-                _wait_connected(mesh.url, 4)
+                _wait_connected(mesh, 4)
                 if args.drain:
                     drained = asyncio.run(drain_stage_mid_stream(mesh, model, jobs, stage=args.stage))
-                    ways.append(("drain", drained, _recomputed(mesh.url, len(jobs))))
+                    ways.append(("drain", drained, _recomputed(mesh, len(jobs))))
                     if drained.drain_exit != 0:
                         raise SystemExit(f"the drain failed:\n{drained.drain_output}")
                     index = mesh.agent_index(drained.killed_address)
                     mesh.agents[index].wait(60)
                     mesh.start_agent(index)
                     mesh.wait_ready(60)
-                    _wait_connected(mesh.url, 4)
+                    _wait_connected(mesh, 4)
         print(f"\nall runs: stall p50 {percentile(all_stalls, 50) * 1e3:.0f} ms, "
               f"max {max(all_stalls) * 1e3:.0f} ms over {len(all_stalls)} streams")
         if args.drain:
             _compare(ways, len(jobs))
 
 
-def _wait_connected(url: str, num_agents: int, timeout_s: float = 60.0) -> None:
+def _wait_connected(mesh: LocalMesh, num_agents: int, timeout_s: float = 60.0) -> None:
     """Until num_agents agents are connected: a restarted agent is a spare only once it has registered."""
     deadline = time.monotonic() + timeout_s
-    while sum(a["state"] == "connected" for a in httpx.get(f"{url}/admin/api/agents", timeout=10).json()["agents"]) \
-            < num_agents:
+    while True:
+        agents = httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers, timeout=10).json()["agents"]
+        if sum(a["state"] == "connected" for a in agents) >= num_agents:
+            return
         if time.monotonic() > deadline:
             raise SystemExit(f"fewer than {num_agents} agents connected after {timeout_s:.0f} s")
         time.sleep(0.1)
 
 
-def _recomputed(url: str, num_requests: int) -> int:
+def _recomputed(mesh: LocalMesh, num_requests: int) -> int:
     """Tokens the newest requests computed again after changing route (the admin API's records)."""
-    records = httpx.get(f"{url}/admin/api/requests", params={"limit": num_requests}, timeout=10).json()["requests"]
+    records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": num_requests}, headers=mesh.headers,
+                        timeout=10).json()["requests"]
     return sum(r["num_replayed_tokens"] for r in records)
 
 

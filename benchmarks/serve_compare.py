@@ -93,9 +93,10 @@ def load_hf(model_dir: Path) -> torch.nn.Module:
     return model
 
 
-def run_mesh(url: str, model_id: str, requests: list[BenchRequest], concurrency: int) -> BenchMetrics:
+def run_mesh(mesh: LocalMesh, model_id: str, requests: list[BenchRequest], concurrency: int) -> BenchMetrics:
     """One `bench serve` run: all requests at once, at most concurrency in flight."""
-    records, duration_s = asyncio.run(run_requests(url, model_id, requests, math.inf, concurrency, seed=0))
+    records, duration_s = asyncio.run(run_requests(mesh.url, model_id, requests, math.inf, concurrency, seed=0,
+                                                   api_key=mesh.api_key))
     return compute_metrics(records, duration_s)
 
 
@@ -104,8 +105,8 @@ def mesh_tok_s(model_dir: Path, num_agents: int, sets: dict[int, list[BenchReque
     mesh = LocalMesh(str(model_dir), num_agents=num_agents)
     try:
         mesh.start()
-        run_mesh(mesh.url, model_dir.name, sets[min(sets)][:2], 2)    # warm-up
-        results = {c: run_mesh(mesh.url, model_dir.name, requests, c) for c, requests in sets.items()}
+        run_mesh(mesh, model_dir.name, sets[min(sets)][:2], 2)    # warm-up
+        results = {c: run_mesh(mesh, model_dir.name, requests, c) for c, requests in sets.items()}
     except LaunchError as exc:
         log.warning("%d-stage mesh did not start: %s", num_agents, exc)
         return dict.fromkeys(sets, math.nan)
@@ -121,8 +122,8 @@ def prefix_ttft_ms(model_dir: Path, requests: list[BenchRequest], concurrency: i
     try:
         mesh.start()
         vocab = sorted({t for r in requests for t in r.prompt_ids})
-        run_mesh(mesh.url, model_dir.name, random_requests(vocab, 2, 16, 2, seed=99), 2)   # warm-up, no prefix
-        metrics = run_mesh(mesh.url, model_dir.name, requests, concurrency)
+        run_mesh(mesh, model_dir.name, random_requests(vocab, 2, 16, 2, seed=99), 2)   # warm-up, no prefix
+        metrics = run_mesh(mesh, model_dir.name, requests, concurrency)
     except LaunchError:
         return None
     finally:

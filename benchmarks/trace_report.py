@@ -29,7 +29,7 @@ def run_requests(mesh: LocalMesh, model: str, num_tokens: int, num_requests: int
     """(response id, client latency in s) of sequential greedy completions, after a warm-up."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": num_tokens, "temperature": 0, "ignore_eos": True}
     out = []
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=120, headers=mesh.headers) as client:
         client.post(f"{mesh.url}/v1/completions", json=body).raise_for_status()
         for _ in range(num_requests):
             start = time.perf_counter()
@@ -42,7 +42,7 @@ def run_requests(mesh: LocalMesh, model: str, num_tokens: int, num_requests: int
 
 def span_totals(mesh: LocalMesh, request_id: str, num_tokens: int) -> dict[tuple, float]:
     """Seconds per (stage, span name) over the steps that produced the request's tokens."""
-    trace = httpx.get(f"{mesh.url}/admin/api/requests/{request_id}/trace", timeout=30).json()
+    trace = httpx.get(f"{mesh.url}/admin/api/requests/{request_id}/trace", headers=mesh.headers, timeout=30).json()
     totals: dict[tuple, float] = defaultdict(float)
     for span in trace["spans"]:
         if span["step"] is not None and span["step"] < num_tokens:

@@ -11,6 +11,7 @@ from typing import Any
 
 from stratamesh.coordinator.deployer import Deployer, ModelInfo
 from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.enrollment import Revoker
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord
 from stratamesh.coordinator.placement import SitePins
@@ -25,12 +26,16 @@ class UnknownRequest(MeshError, LookupError):
     """No request with this id is (still) remembered by the origin."""
 
 
+class InsecureMesh(MeshError):
+    """The mesh runs in insecure development mode: it has no certificates to revoke."""
+
+
 class MeshAdmin:
     """Views of the mesh as JSON-ready values, and the operator's actions on it."""
 
     def __init__(self, registry: Registry, origin: Origin, metrics_addresses: Mapping[str, str],
                  drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, revoker: Revoker | None = None):
         self._registry = registry
         self._origin = origin
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
@@ -38,6 +43,7 @@ class MeshAdmin:
         self._deployer = deployer
         self._live = live if live is not None else LiveStats()
         self._clock = clock
+        self._revoker = revoker
 
     def agents(self) -> list[dict[str, Any]]:
         """Every agent the registry knows, with its state, capabilities and newest telemetry."""
@@ -126,6 +132,16 @@ class MeshAdmin:
         if self._drainer is None:
             raise RuntimeError("this admin view was made without a drainer")
         return self._drainer
+
+    def revoke(self, agent_id: str) -> dict[str, Any]:
+        """Revokes the agent's certificates: it is cut off now and refused from then on (LookupError: none;
+        InsecureMesh: the mesh has no certificates)."""
+        if self._revoker is None:
+            raise InsecureMesh("this mesh runs --insecure: it has no certificates to revoke")
+        serials = self._revoker.revoke_agent(agent_id)
+        self._registry.log_event("agent_revoked", f"certificates revoked: {', '.join(serials) or 'none new'}",
+                                 self._clock(), agent_id)
+        return {"agent_id": agent_id, "revoked_serials": serials}
 
     def links(self) -> list[dict[str, Any]]:
         return [asdict(link) for link in self._registry.links()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -13,6 +13,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import peer_cert, revoked
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,13 @@ class ControlService(pb_grpc.ControlServicer):
         self._deployer = deployer
         self._mesh = mesh
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._outboxes: dict[str, Callable[[pb.CoordinatorMessage], None]] = {}   # agent id -> its stream
         self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
+
+    def broadcast_revocations(self, serials: frozenset[str]) -> None:
+        """Sends the whole revoked list to every connected agent."""
+        for send in list(self._outboxes.values()):
+            send(convert.revocations_to_pb(serials))
 
     async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
                       context: grpc.aio.ServicerContext) -> None:
@@ -38,12 +45,19 @@ class ControlService(pb_grpc.ControlServicer):
         if registration.mesh != self._mesh:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"register.mesh {registration.mesh!r} is not this mesh ({self._mesh!r})")
+        peer = peer_cert(context)   # None only in insecure mode
+        if peer is not None and peer.name != registration.agent_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate is {peer.name!r}'s; "
+                                f"it cannot register as {registration.agent_id!r}")
         outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
         cut_off = asyncio.Event()   # set when the coordinator declares the agent dead: the stream ends
         link = AgentLink(registration.agent_id, registration.stage_address,
                          registration.capabilities, outbox.put_nowait, cut_off.set)
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
+        if peer is not None:   # what this process refuses, the agent must refuse too
+            outbox.put_nowait(convert.revocations_to_pb(revoked.serials))
+        self._outboxes[registration.agent_id] = outbox.put_nowait
         self._deployer.agent_connected(link, registration)
         self.metrics_addresses[registration.agent_id] = registration.metrics_address
         reader = asyncio.create_task(self._read(registration.agent_id, request_iterator))
@@ -54,6 +68,8 @@ class ControlService(pb_grpc.ControlServicer):
             reader.cancel()
             closer.cancel()
             self._deployer.agent_disconnected(link)
+            if self._outboxes.get(registration.agent_id) == outbox.put_nowait:
+                del self._outboxes[registration.agent_id]
             writer.cancel()
 
     async def _read(self, agent_id: str, request_iterator: AsyncIterator[pb.AgentMessage]) -> None:

@@ -5,21 +5,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import uvicorn
 
+from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
+from stratamesh.coordinator.api.admission import Limits
+from stratamesh.coordinator.api.auth import install_access
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.api.ui import mount_ui
 from stratamesh.coordinator.control import ControlService
 from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.credentials import CredentialStore
+from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
 from stratamesh.coordinator.fleet_metrics import FleetCollector, OriginCollector, active_stages, hop_histogram
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
@@ -31,7 +39,7 @@ from stratamesh.coordinator.service import MeshGenerator
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.channels import bind, make_server
+from stratamesh.fleet.wire.channels import bind, make_server, revoked, use_tls, warn_insecure
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +73,11 @@ class CoordinatorOptions:
     trace_sample_rate: float = 1.0       # fraction of requests traced at every stage
     traces_json: str = ""                # append every span as OpenTelemetry JSON to this file
     otlp_traces_endpoint: str = ""       # export spans over OTLP/HTTP to this collector
+    insecure: bool = False               # plaintext gRPC, no CA, no enrollment: development only, said loudly
+    pki_dir: str = ""                    # the mesh's CA; default: beside the registry (default_pki_dir)
+    enroll_port: int = 0                 # the plaintext endpoint agents present join tokens to
+    limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
+    bootstrap_file: str = ""             # write a fresh join token and operator API key here (for `stratamesh up`)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -100,11 +113,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMetrics,
+async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMetrics, access: AccessStore | None,
                       options: CoordinatorOptions) -> tuple[_Server, asyncio.Task[None], int]:
     """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
-    app = create_app(generator, metrics)
+    app = create_app(generator, metrics, options.limits)
     app.include_router(admin_router(admin))
+    install_access(app, access, limits=options.limits)
     mount_ui(app)
     http = _Server(uvicorn.Config(app, host=options.host, port=options.http_port,
                                   log_config=None, access_log=False, timeout_graceful_shutdown=2))
@@ -117,6 +131,56 @@ async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMe
     return http, task, http.servers[0].sockets[0].getsockname()[1]
 
 
+@dataclass
+class _Enrollment:
+    """The CA-backed half of a secure coordinator: who may join, and who is cut off."""
+
+    enroller: Enroller
+    revoker: Revoker
+    server: grpc.aio.Server
+    port: int
+
+
+def _write_bootstrap(path: str, enrollment: _Enrollment, access: AccessStore) -> None:
+    """A join token (24 h) and an operator API key, as JSON readable by the owner only: what a launcher on this
+    box needs to enroll its agents and call the API, without running a command per credential."""
+    token, _ = enrollment.enroller.create_token(24 * 3600, "bootstrap")
+    key, _ = access.create_key("operator", "bootstrap", time.time())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"join_token": str(token), "api_key": key}, out)
+
+
+def _mesh_tls(options: CoordinatorOptions) -> MeshCa | None:
+    """The mesh's CA (created on first start), or None in insecure mode; sets this process's credentials."""
+    if options.insecure:
+        warn_insecure("coordinator")
+        use_tls(None)
+        return None
+    ca = MeshCa.load_or_create(options.pki_dir or default_pki_dir(options.db), options.mesh, time.time())
+    use_tls(ca.coordinator_tls(time.time()))
+    return ca
+
+
+async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: Registry,
+                            control: ControlService) -> _Enrollment:
+    store = CredentialStore(registry)
+
+    def publish(serials: frozenset[str]) -> None:
+        revoked.replace(serials)
+        control.broadcast_revocations(serials)
+
+    revoker = Revoker(store, time.time, publish)
+    revoked.replace(revoker.current())
+    server = make_server(tls=None)
+    enroller = Enroller(store, ca, options.mesh, time.time)
+    pb_grpc.add_EnrollServicer_to_server(EnrollService(enroller, lambda agent_id: registry.log_event(
+        "agent_enrolled", f"certificate issued to {agent_id}", time.time(), agent_id)), server)
+    port = bind(server, options.host, options.enroll_port, tls=None)
+    await server.start()
+    return _Enrollment(enroller, revoker, server, port)
+
+
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = Registry(options.db)
@@ -124,6 +188,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     deployer.start()
     for model in options.models:  # a bad model folder fails here, before anything listens
         deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)
+    ca = _mesh_tls(options)
     server = make_server()
     grpc_port = bind(server, options.host, options.grpc_port)
     advertise_host = options.advertise_host or options.host
@@ -139,20 +204,27 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
+    enrollment = await _start_enrollment(options, ca, registry, control) if ca is not None else None
     await server.start()
 
     drainer = Drainer(deployer, origin)
-    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer, deployer, metrics.live)
-    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, options)
+    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer, deployer, metrics.live,
+                      revoker=enrollment.revoker if enrollment else None)
+    access = None if options.insecure else AccessStore(registry)
+    if options.bootstrap_file and enrollment is not None and access is not None:
+        _write_bootstrap(options.bootstrap_file, enrollment, access)
+    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, access, options)
 
+    enroll = f"{advertise_host}:{enrollment.port}" if enrollment else "-"
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(
         kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh,
-        host=advertise_host, port=grpc_port, properties={"http": str(http_port)}))
-    log.info("coordinator of mesh %s: grpc %s:%d, http %s:%d", options.mesh, advertise_host,
-             grpc_port, options.host, http_port)
+        host=advertise_host, port=grpc_port,
+        properties={"http": str(http_port), **({"enroll": str(enrollment.port)} if enrollment else {})}))
+    log.info("coordinator of mesh %s: grpc %s:%d, http %s:%d, enroll %s", options.mesh, advertise_host,
+             grpc_port, options.host, http_port, enroll)
     print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
-          f"grpc={advertise_host}:{grpc_port}", flush=True)
+          f"grpc={advertise_host}:{grpc_port} enroll={enroll}", flush=True)
     ticker = asyncio.create_task(_tick(deployer))
     origin_links = asyncio.create_task(OriginLinkProber(deployer, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))
@@ -170,5 +242,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         await asyncio.gather(http_task, return_exceptions=True)
         await origin.close()
         await server.stop(grace=1.0)
+        if enrollment is not None:
+            await enrollment.server.stop(grace=None)
         spans.close()
         registry.close()

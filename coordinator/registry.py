@@ -86,10 +86,33 @@ def _m006_model_site_pins(db: Database) -> None:
     db["models"].add_column("last_site", str, not_null_default="")
 
 
+def _m007_join_tokens_and_certificates(db: Database) -> None:
+    """Join tokens (no secrets: they derive from the CA's token key) and every certificate issued."""
+    db["join_tokens"].create({"token_id": str, "created": float, "expires": float, "revoked": float,
+                              "description": str, "num_uses": int}, pk="token_id", not_null={"created"},
+                             defaults={"expires": 0.0, "revoked": 0.0, "description": "", "num_uses": 0},
+                             if_not_exists=True)
+    db["certificates"].create({"serial": str, "agent_id": str, "token_id": str, "issued": float,
+                               "expires": float, "revoked": float}, pk="serial",
+                              defaults={"revoked": 0.0}, if_not_exists=True)
+    db["certificates"].create_index(["agent_id"], if_not_exists=True)
+
+
+def _m008_api_keys_users_sessions(db: Database) -> None:
+    """API keys (only a hash of each), admin users (scrypt) and their login sessions: see coordinator/access.py."""
+    db["api_keys"].create({"key_id": str, "secret_sha256": str, "role": str, "name": str, "created": float,
+                           "expires": float, "revoked": float}, pk="key_id", if_not_exists=True)
+    db["users"].create({"username": str, "password_hash": str, "role": str, "created": float},
+                       pk="username", if_not_exists=True)
+    db["sessions"].create({"token_sha256": str, "username": str, "created": float, "expires": float},
+                          pk="token_sha256", if_not_exists=True)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
-                                     _m006_model_site_pins)
+                                     _m006_model_site_pins, _m007_join_tokens_and_certificates,
+                                     _m008_api_keys_users_sessions)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -157,13 +180,31 @@ class Registry:
 
     @contextmanager
     def _tx(self) -> Iterator[Database]:
-        """One transaction under the lock: commits on success, rolls back on error."""
-        with self._lock, self._db.atomic() as db:
-            yield db
+        """One transaction under the lock: commits on success, rolls back on error.
+
+        BEGIN IMMEDIATE takes the write lock at once. A deferred transaction that reads first and writes
+        second fails at once with "database is locked" when another process (`stratamesh token create`
+        beside a running coordinator) wrote in between; an immediate one waits for it instead."""
+        with self._lock:
+            if self._db.conn.in_transaction:     # nested: a savepoint inside the open transaction
+                with self._db.atomic() as db:
+                    yield db
+                return
+            self._db.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.conn.rollback()
+                raise
+            self._db.conn.execute("COMMIT")
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._db.query(sql, list(params)))
+
+    # Stores of their own tables (credentials, API keys) share this connection and its lock.
+    transaction = _tx
+    query = _rows
 
     def close(self) -> None:
         """Close the connection."""

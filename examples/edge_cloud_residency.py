@@ -41,8 +41,8 @@ def show_plan(mesh: Mesh, num_agents: int) -> list[str]:
     deadline = time.monotonic() + 30
     while len(agents := {a.agent_id: a for a in mesh.agents()}) < num_agents and time.monotonic() < deadline:
         time.sleep(0.2)
-    # The SDK has no call for plans: the admin API has them.
-    plans = httpx.get(f"{mesh.url}/admin/api/plans").json()["plans"]
+    # The SDK has no call for plans: the admin API has them, for the operator API key the launcher made.
+    plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.local_mesh.headers).json()["plans"]
     (plan,) = [p for p in plans if p["state"] == "active"]
     print(f"plan for {plan['model_id']}:")
     sites = []

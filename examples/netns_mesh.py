@@ -7,11 +7,14 @@ Every "host" is a network namespace with one address on a shared bridge; the bri
 its own, so nothing here touches the machine's real network:
 
     PREFIX-br       br0, the bridge (a switch: no address)
-    PREFIX-coord    10.77.0.1    the coordinator: HTTP on :8000, gRPC on :50051
+    PREFIX-coord    10.77.0.1    the coordinator: HTTP on :8000, gRPC (mTLS) on :50051, enrollment on :50052
     PREFIX-client   10.77.0.2    an application host that calls the API
     PREFIX-h1 ...   10.77.0.11 ...  one agent each
 
-The hosts share this machine's CPUs, files and hostname; only their networks are apart. On real hosts run
+Each agent enrolls with a join token made by `stratamesh token create`, and from then on every gRPC
+call between the hosts is mutual TLS; the client host sends an API key (made in the coordinator's registry)
+with every call to the HTTP API. The hosts share this machine's CPUs, files and hostname; only their
+networks are apart. On real hosts run
 the same commands without `ip netns exec`. Everything is torn down at the end, also on Ctrl-C or an error.
 """
 
@@ -30,11 +33,13 @@ from pathlib import Path
 
 import httpx
 
+from stratamesh.coordinator.access import AccessStore
+from stratamesh.coordinator.registry import Registry
 from stratamesh.sdk.local import builtin_model_dir
 
 SKIP = 77                  # exit status when this machine cannot run the example (the automake "skipped" code)
 SUBNET = "10.77.0"
-HTTP_PORT, GRPC_PORT = 8000, 50051   # fixed ports are fine: each namespace has its own
+HTTP_PORT, GRPC_PORT, ENROLL_PORT = 8000, 50051, 50052   # fixed ports are fine: each namespace has its own
 COORDINATOR = f"{SUBNET}.1"
 
 
@@ -90,11 +95,11 @@ class Processes:
         self.log_dir = log_dir
         self.running: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, ns: str, args: list[str]) -> None:
+    def start(self, name: str, ns: str, args: list[str], env: dict[str, str] | None = None) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.running[name] = subprocess.Popen(
                 ["ip", "netns", "exec", ns, sys.executable, "-m", "stratamesh.cli", *args],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
 
     def check_alive(self) -> None:
         for name, process in self.running.items():
@@ -139,23 +144,30 @@ def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: P
     network.create()
     coordinator_ns = network.add_host("coord", COORDINATOR)
     client_ns = network.add_host("client", f"{SUBNET}.2")
+    db = str(daemons.log_dir / "registry.db")
+    # On the coordinator's box, before it starts: this makes the mesh's CA and a join token for the agents.
+    token = subprocess.run([sys.executable, "-m", "stratamesh.cli", "token", "create", "--db", db, "--mesh", prefix,
+                            "--expires", "1h"], check=True, capture_output=True, text=True).stdout.split()[0]
+    api_key = create_api_key(db)
     # Each daemon listens on, advertises and runs zeroconf on its own host's address.
     daemons.start("coordinator", coordinator_ns, [
-        "coordinator", "--mesh", prefix, "--db", str(daemons.log_dir / "registry.db"),
-        "--host", COORDINATOR, "--interface", COORDINATOR, "--http-port", str(HTTP_PORT),
-        "--grpc-port", str(GRPC_PORT), "--model", builtin_model_dir(), "--stages", str(args.agents)])
+        "coordinator", "--mesh", prefix, "--db", db, "--host", COORDINATOR, "--interface", COORDINATOR,
+        "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT), "--enroll-port", str(ENROLL_PORT),
+        "--model", builtin_model_dir(), "--stages", str(args.agents)])
     for index in range(1, args.agents + 1):
         address = f"{SUBNET}.{10 + index}"
-        dial = ["--coordinator", f"{COORDINATOR}:{GRPC_PORT}"] if args.no_zeroconf else []
+        dial = (["--coordinator", f"{COORDINATOR}:{GRPC_PORT}", "--enroll", f"{COORDINATOR}:{ENROLL_PORT}"]
+                if args.no_zeroconf else [])
         daemons.start(f"agent-h{index}", network.add_host(f"h{index}", address), [
             "agent", "--mesh", prefix, "--name", f"h{index}", "--host", address, "--interface", address,
-            "--threads", "1", *dial])
+            "--threads", "1", "--state-dir", str(daemons.log_dir / f"h{index}"), *dial],
+            env={"STRATAMESH_JOIN_TOKEN": token})
     print(f"{args.agents + 2} hosts on {SUBNET}.0/24; daemons starting (logs in {daemons.log_dir}) ...", flush=True)
 
     # The client runs this same file on the client host; it reaches only the coordinator's address.
     client = subprocess.Popen(["ip", "netns", "exec", client_ns, sys.executable, __file__, "--client-of",
                                f"http://{COORDINATOR}:{HTTP_PORT}", "--agents", str(args.agents),
-                               "--timeout", str(args.timeout)])
+                               "--timeout", str(args.timeout)], env={**os.environ, "STRATAMESH_API_KEY": api_key})
     try:
         while client.poll() is None:
             daemons.check_alive()
@@ -167,8 +179,19 @@ def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: P
     return client.returncode
 
 
+def create_api_key(db: str) -> str:
+    """A key for the client host, made in the coordinator's registry (as `stratamesh key create` would). It reads
+    the plan from the admin API, so it is a viewer's: a "client" key opens only /v1."""
+    registry = Registry(db)
+    try:
+        return AccessStore(registry).create_key("viewer", "netns example", time.time())[0]
+    finally:
+        registry.close()
+
+
 def run_client(url: str, num_agents: int, timeout_s: float) -> int:
     """On the client host: waits for the mesh, prints where each stage runs, and completes a prompt."""
+    headers = {"Authorization": f"Bearer {os.environ['STRATAMESH_API_KEY']}"}   # /health needs none
     deadline = time.monotonic() + timeout_s
     health: dict = {}
     while not (health.get("status") == "ok" and health.get("num_agents") == num_agents):
@@ -180,8 +203,9 @@ def run_client(url: str, num_agents: int, timeout_s: float) -> int:
             health = httpx.get(f"{url}/health", timeout=5).json()
         except httpx.HTTPError:
             pass   # the coordinator is still starting
-    agents = {a["agent_id"]: a for a in httpx.get(f"{url}/admin/api/agents").json()["agents"]}
-    (plan,) = [p for p in httpx.get(f"{url}/admin/api/plans").json()["plans"] if p["state"] == "active"]
+    agents = {a["agent_id"]: a for a in httpx.get(f"{url}/admin/api/agents", headers=headers).json()["agents"]}
+    plans = httpx.get(f"{url}/admin/api/plans", headers=headers).json()["plans"]
+    (plan,) = [p for p in plans if p["state"] == "active"]
     stages = sorted(plan["stages"], key=lambda s: s["start_layer"])
     hosts = {agents[s["agent_id"]]["address"].rsplit(":", 1)[0] for s in stages}
     print(f"plan: {len(stages)} stages on {len(hosts)} hosts")
@@ -189,9 +213,9 @@ def run_client(url: str, num_agents: int, timeout_s: float) -> int:
         agent = agents[stage["agent_id"]]
         print(f"  stage {index}: layers [{stage['start_layer']}, {stage['end_layer']}) on {agent['name']} "
               f"at {agent['address']}")
-    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
     body = {"model": model, "prompt": "Across the bridge", "max_tokens": 16, "temperature": 0}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
     response.raise_for_status()
     # The built-in model has random weights: the text is gibberish, but it crossed every host.
     print(f"completion: {response.json()['choices'][0]['text']!r}")

@@ -2,12 +2,15 @@
 
     .venv/bin/python examples/openai_client.py                              # starts a small mesh here
     .venv/bin/python examples/openai_client.py --url http://127.0.0.1:8000  # or uses one from `stratamesh up`
+
+With --url, the client sends the API key of --api-key, else of $STRATAMESH_API_KEY (`stratamesh up` prints one).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterator
 
 import openai
@@ -17,11 +20,11 @@ from stratamesh import Mesh
 
 
 @contextlib.contextmanager
-def local_mesh(num_agents: int) -> Iterator[str]:
-    """A coordinator and num_agents agents on loopback serving the built-in tiny Llama; yields the URL."""
+def local_mesh(num_agents: int) -> Iterator[tuple[str, str]]:
+    """A coordinator and num_agents agents on loopback serving the built-in tiny Llama; yields its URL and key."""
     print(f"starting a coordinator and {num_agents} agents (each imports torch: a few seconds) ...", flush=True)
     with Mesh.local(agents=num_agents) as mesh:   # the SDK starts (and at the end stops) the processes
-        yield mesh.url
+        yield mesh.url, mesh.local_mesh.api_key   # an operator API key the launcher made
 
 
 def demo(client: OpenAI, max_tokens: int) -> None:
@@ -57,13 +60,16 @@ def demo(client: OpenAI, max_tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running mesh, e.g. http://127.0.0.1:8000/v1; default: start one here")
+    parser.add_argument("--api-key", default=os.environ.get("STRATAMESH_API_KEY", ""),
+                        help="the running mesh's API key (default: $STRATAMESH_API_KEY)")
     parser.add_argument("--agents", type=int, default=2, help="agents of the mesh started here")
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_mesh(args.agents))
-        # OpenAI clients take the API root with /v1; the mesh needs no key, but the client insists on one.
-        client = OpenAI(base_url=url.rstrip("/").removesuffix("/v1") + "/v1", api_key="unused")
+        url, api_key = (args.url, args.api_key) if args.url else stack.enter_context(local_mesh(args.agents))
+        # OpenAI clients take the API root with /v1 and send api_key as the bearer token the mesh asks for
+        # (a mesh started with --insecure asks for none, but the client insists on one).
+        client = OpenAI(base_url=url.rstrip("/").removesuffix("/v1") + "/v1", api_key=api_key or "unused")
         try:
             demo(client, args.max_tokens)
         except openai.APIConnectionError:

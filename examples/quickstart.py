@@ -2,6 +2,8 @@
 
     .venv/bin/python examples/quickstart.py
     .venv/bin/python examples/quickstart.py --url http://127.0.0.1:8000   # a mesh already up (`stratamesh up`)
+
+With --url, the SDK sends the API key of --api-key, else of $STRATAMESH_API_KEY (`stratamesh up` prints one).
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def tour(mesh: Mesh) -> None:
         print(f"unknown model -> NotFoundError: {exc.message}")
 
 
-async def async_tour(url: str) -> None:
+async def async_tour(url: str, api_key: str | None) -> None:
     """AsyncMesh has the same calls, awaited: here four prompts at once, batched by the stages."""
-    async with AsyncMesh(url) as mesh:
+    async with AsyncMesh(url, api_key=api_key) as mesh:
         prompts = [f"Request {i}:" for i in range(4)]
         completions = await asyncio.gather(*(mesh.generate(p, max_tokens=8) for p in prompts))
         print(f"async: {len(completions)} completions, {sum(c.usage.completion_tokens for c in completions)} tokens")
@@ -57,19 +59,23 @@ async def async_tour(url: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running mesh; default: start one here")
+    parser.add_argument("--api-key", help="the running mesh's API key (default: $STRATAMESH_API_KEY)")
     parser.add_argument("--agents", type=int, default=3, help="agents of the mesh started here")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         if args.url:
-            mesh = stack.enter_context(Mesh(args.url))
+            mesh = stack.enter_context(Mesh(args.url, api_key=args.api_key))   # None: $STRATAMESH_API_KEY
+            api_key = args.api_key
         else:
             # A coordinator and N agents as processes on loopback, serving a built-in tiny Llama split into N
-            # pipeline stages; all of them stop when the block ends, also on an exception.
+            # pipeline stages; all of them stop when the block ends, also on an exception. The SDK's client
+            # sends the operator API key the launcher made; a second client needs it too.
             print(f"starting a coordinator and {args.agents} agents ...", flush=True)
             mesh = stack.enter_context(Mesh.local(agents=args.agents))
+            api_key = mesh.local_mesh.api_key
         try:
             tour(mesh)
-            asyncio.run(async_tour(mesh.url))
+            asyncio.run(async_tour(mesh.url, api_key))
         except stratamesh.MeshConnectionError as exc:
             raise SystemExit(f"no mesh answers: {exc}") from None
     print("done")

@@ -64,14 +64,32 @@ def parse_record(type_: str, name: str, addresses: Sequence[str], port: int | No
 
 
 def _decode_txt(txt: Mapping[bytes, bytes | None]) -> dict[str, str]:
-    """TXT entries as text; a key without '=' reads as an empty value."""
+    """TXT entries as text, within RFC 6763's sizes, the keys we read checked; a key without '=' reads as ""."""
+    if len(txt) > _MAX_TXT_ENTRIES:
+        raise InvalidInput(f"TXT record has {len(txt)} entries; at most {_MAX_TXT_ENTRIES} are read")
     out: dict[str, str] = {}
     for key, value in txt.items():
+        if not 0 < len(key) + len(value or b"") + 1 <= _MAX_TXT_STRING_BYTES:
+            raise InvalidInput(f"TXT entry {key[:32]!r} is over {_MAX_TXT_STRING_BYTES} bytes or has no key")
         try:
-            out[key.decode("utf-8")] = (value or b"").decode("utf-8")
+            out[key.decode("ascii")] = (value or b"").decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InvalidInput(f"TXT entry {key!r} is not UTF-8: {exc}") from None
+            raise InvalidInput(f"TXT entry {key[:32]!r} is not an ASCII key with a UTF-8 value: {exc}") from None
+    for key, check in _TXT_CHECKS.items():
+        if key in out and not check(out[key]):
+            raise InvalidInput(f"TXT entry {key}={out[key][:64]!r} is malformed")
     return out
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
+
+
+_MAX_TXT_ENTRIES = 32
+_MAX_TXT_STRING_BYTES = 255        # one TXT character-string (RFC 6763 6.1)
+_TXT_CHECKS = {"http": _is_port, "enroll": _is_port, "grpc": _is_port,
+               "mesh": lambda v: 0 < len(v) <= 63 and v.isprintable(),
+               "agent_id": lambda v: re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", v) is not None}
 
 
 def _pick_address(name: str, addresses: Sequence[str]) -> str:

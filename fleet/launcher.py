@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import json
 import logging
 import os
@@ -19,11 +21,15 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.wire.channels import MeshTls, make_channel
+from stratamesh.fleet.wire.enroll import enroll
 
 log = logging.getLogger(__name__)
 
-_COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+)")
+_COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+) enroll=(\S+)")
 _AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+) metrics=(\S+)")
 
 
@@ -45,6 +51,7 @@ class LocalMesh:
     keep_logs: bool = True              # False: stop() deletes that folder (not a log_dir the caller gave)
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
+    insecure: bool = False              # True: plaintext, no CA, no enrollment (development only)
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
@@ -56,7 +63,11 @@ class LocalMesh:
     agent_ids: list[str] = field(default_factory=list)       # stable per index: a restarted agent keeps its id
     url: str = ""
     grpc_address: str = ""
+    enroll_address: str = ""            # "-" when insecure
+    join_token: str = ""                # what every agent of this mesh enrolls with
+    api_key: str = ""                   # an operator key for the HTTP API ("" when insecure: none is needed)
     _own_logs: str = field(default="", repr=False)   # the log folder this mesh made itself
+    _client_tls: MeshTls | None = field(default=None, repr=False)
 
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
         """Starts every process and waits until /health says the model is ready."""
@@ -70,12 +81,64 @@ class LocalMesh:
 
     def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
         """Starts the coordinator; deploy=False relies on the registry to remember the model."""
-        db = self.db or str(Path(self._logs(), "registry.db"))
+        db = self.registry_path()
         args = ["coordinator", "--mesh", self.mesh, "--db", db, "--http-port", str(self.http_port)]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
+        args += ["--insecure"] if self.insecure else ["--bootstrap-file", str(Path(self._logs(), "bootstrap.json"))]
         self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args])
-        self.url, self.grpc_address = self._await_line(self.coordinator, _COORDINATOR_LINE, timeout_s)
+        self.url, self.grpc_address, self.enroll_address = self._await_line(
+            self.coordinator, _COORDINATOR_LINE, timeout_s)
+        if not self.insecure:   # what the coordinator wrote at start: a join token and an operator key
+            bootstrap = json.loads(Path(self._logs(), "bootstrap.json").read_text())
+            self.join_token = self.join_token or bootstrap["join_token"]
+            self.api_key = self.api_key or bootstrap["api_key"]
+
+    def registry_path(self) -> str:
+        """The coordinator's SQLite registry; its CA lies beside it."""
+        return self.db or str(Path(self._logs(), "registry.db"))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What an HTTP call to this mesh's API sends to be let in."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def create_api_key(self, role: str, name: str) -> str:
+        """A new API key (`stratamesh key create`): client (/v1), viewer or operator (/admin/api too)."""
+        return self._command("key", "create", "--role", role, "--name", name).split()[0]
+
+    def create_token(self, ttl: str = "24h") -> str:
+        """A new join token (`stratamesh token create`)."""
+        return self._command("token", "create", "--expires", ttl, "--mesh", self.mesh).split()[0]
+
+    def add_user(self, username: str, password: str, role: str) -> None:
+        """Adds an admin UI user, viewer or operator (`stratamesh user add`)."""
+        self._command("user", "add", username, "--role", role, "--password-stdin", stdin=password + "\n")
+
+    def client_tls(self) -> MeshTls | None:
+        """Credentials for this process to call the mesh's gRPC services (None when insecure): it enrolls
+        once with the mesh's join token, as an agent does."""
+        if self.insecure:
+            return None
+        if self._client_tls is None:
+            enrolling = lambda: asyncio.run(enroll(self.enroll_address, self.join_token, self.mesh,  # noqa: E731
+                                                   f"{self.mesh}-launcher"))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:   # callers may be inside an event loop
+                self._client_tls = pool.submit(enrolling).result()
+        return self._client_tls
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A gRPC channel from this process to a mesh process (an agent's Stage service, the coordinator)."""
+        return make_channel(address, tls=self.client_tls())
+
+    def _command(self, *args: str, stdin: str | None = None) -> str:
+        """Runs a `stratamesh` credentials command on this mesh's registry; returns what it printed."""
+        result = subprocess.run([sys.executable, "-m", "stratamesh.cli", "--log-level", "warning", *args,
+                                 "--db", self.registry_path()], input=stdin, capture_output=True, text=True,
+                                timeout=60)
+        if result.returncode != 0:
+            raise LaunchError(f"stratamesh {' '.join(args[:2])} failed: {result.stdout}{result.stderr}")
+        return result.stdout
 
     def start_agent(self, index: int, timeout_s: float = 60.0) -> subprocess.Popen:
         """Starts agent number index (a new one, or one that was killed, under its old id); waits until it listens."""
@@ -115,8 +178,11 @@ class LocalMesh:
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--agent-id", self.agent_ids[index],
                 "--threads", str(threads)]
         if not self.use_zeroconf:
-            args += ["--coordinator", self.grpc_address]
-        process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])])
+            args += ["--coordinator", self.grpc_address, "--enroll", self.enroll_address]
+        args += ["--insecure"] if self.insecure else ["--state-dir", str(Path(self._logs(), self.agent_ids[index]))]
+        env = {"STRATAMESH_JOIN_TOKEN": self.join_token} if self.join_token else {}
+        process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])],
+                              env)
         if index < len(self.agents):
             self.agents[index] = process
         else:
@@ -180,9 +246,9 @@ class LocalMesh:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         return self.log_dir
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log_file = open(Path(self._logs(), f"{name}.log"), "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **(env or {})}
         process = subprocess.Popen(
             [sys.executable, "-m", "stratamesh.cli", *args], env=env,
             stdout=subprocess.PIPE, stderr=log_file, start_new_session=True)

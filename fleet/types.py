@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -97,6 +98,8 @@ class StageSpec:
                 f"[0, {self.num_layers})")
         if self.dtype not in DTYPES:
             raise InvalidInput(f"stage dtype {self.dtype!r} is not one of {DTYPES}")
+        if not re.fullmatch(r"cpu|cuda(:\d{1,2})?", self.device):
+            raise InvalidInput(f"stage device {self.device!r} is not cpu, cuda or cuda:N")
 
     @property
     def is_first(self) -> bool:

@@ -1,4 +1,4 @@
-"""The `stratamesh` command: up, coordinator, agent, drain, model tiny, plan, bench serve and chaos."""
+"""The `stratamesh` command: up, coordinator, agent, token, key, user, revoke, drain, model tiny, plan, bench."""
 
 from __future__ import annotations
 
@@ -12,12 +12,18 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stratamesh.bench.options import add_serve_arguments
 from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, run_plan
+from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
+                                          add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.logs import configure_logging, set_process_fields
+
+if TYPE_CHECKING:
+    from stratamesh.fleet.launcher import LocalMesh
 
 log = logging.getLogger("stratamesh")
 
@@ -44,10 +50,25 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--agents", type=int, default=3)
     up.add_argument("--model", help="a Hugging Face folder; default: a built-in tiny Llama")
     up.add_argument("--http-port", type=int, default=8000)
+    _add_insecure_argument(up)
     up.set_defaults(func=_up)
 
     coordinator = commands.add_parser("coordinator", help="run the coordinator")
     coordinator.add_argument("--db", default="stratamesh.db", help="SQLite registry file")
+    coordinator.add_argument("--pki-dir", default="", help="the mesh's CA, made on first start (default: <db>.pki)")
+    coordinator.add_argument("--enroll-port", type=int, default=0,
+                             help="where agents present join tokens (0: any free port; advertised on zeroconf)")
+    _add_insecure_argument(coordinator)
+    coordinator.add_argument("--bootstrap-file", default="", metavar="FILE",
+                             help="write a fresh join token and operator API key to FILE (JSON, mode 0600)")
+    coordinator.add_argument("--max-requests", type=int, default=256, metavar="N",
+                             help="generations and embeddings in flight; more get 429 with Retry-After")
+    coordinator.add_argument("--max-requests-per-key", type=int, default=64, metavar="N",
+                             help="... per API key or admin user")
+    coordinator.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                             help="longest prompt taken (0: the model's context)")
+    coordinator.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                             help="largest max_tokens taken, and the default (0: the context's room)")
     coordinator.add_argument("--host", default="127.0.0.1")
     coordinator.add_argument("--grpc-port", type=int, default=0)
     coordinator.add_argument("--http-port", type=int, default=8000)
@@ -78,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--port", type=int, default=0)
     agent.add_argument("--advertise-host")
     agent.add_argument("--coordinator", help="host:port of the coordinator; default: zeroconf")
+    agent.add_argument("--join-token", default=os.environ.get("STRATAMESH_JOIN_TOKEN", ""),
+                       help="from `stratamesh token create`: enrolls the agent if it holds no certificate "
+                       "(default: $STRATAMESH_JOIN_TOKEN)")
+    agent.add_argument("--state-dir", default="", help="the agent's key and certificate "
+                       "(default: ~/.local/state/stratamesh/agent-<mesh>)")
+    agent.add_argument("--enroll", metavar="HOST:PORT",
+                       help="the coordinator's enrollment endpoint; default: zeroconf (needed with --coordinator)")
+    _add_insecure_argument(agent)
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
     agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -100,6 +129,22 @@ def _parser() -> argparse.ArgumentParser:
                                 "to other agents, then let it exit")
     add_drain_arguments(drain)
     drain.set_defaults(func=lambda args: sys.exit(run_drain(args)))
+
+    token = commands.add_parser("token", help="join tokens for new agents (run on the coordinator's box)")
+    add_token_arguments(token)
+    token.set_defaults(func=lambda args: sys.exit(run_token(args)))
+
+    key = commands.add_parser("key", help="API keys for /v1 and /admin/api (run on the coordinator's box)")
+    add_key_arguments(key)
+    key.set_defaults(func=lambda args: sys.exit(run_key(args)))
+
+    user = commands.add_parser("user", help="admin UI users and their roles (run on the coordinator's box)")
+    add_user_arguments(user)
+    user.set_defaults(func=lambda args: sys.exit(run_user(args)))
+
+    revoke = commands.add_parser("revoke", help="revoke an agent's certificate: the mesh cuts it off at once")
+    add_revoke_arguments(revoke)
+    revoke.set_defaults(func=lambda args: sys.exit(run_revoke(args)))
 
     model = commands.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(metavar="ACTION")
@@ -159,6 +204,11 @@ def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         raise SystemExit(1) from None
 
 
+def _add_insecure_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--insecure", action="store_true",
+                        help="DEVELOPMENT ONLY: plaintext gRPC, no certificates, no join tokens")
+
+
 def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces-json", default="", metavar="FILE",
                         help="append every span to FILE as OpenTelemetry JSON, one per line")
@@ -167,6 +217,7 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _coordinator(args: argparse.Namespace) -> None:
+    from stratamesh.coordinator.api.admission import Limits
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins
@@ -178,7 +229,10 @@ def _coordinator(args: argparse.Namespace) -> None:
         advertise_host=args.advertise_host, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), models=models,
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease))
+        otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
+        insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
+        limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
+                      max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
@@ -197,10 +251,13 @@ def _num_ranks(text: str) -> int:
 
 
 def _agent(args: argparse.Namespace) -> None:
+    from stratamesh.agent.credentials import default_state_dir, stored_agent_id
     from stratamesh.agent.daemon import AgentOptions, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig
 
-    overrides = {k: v for k, v in (("name", args.name), ("agent_id", args.agent_id)) if v}
+    state_dir = args.state_dir or default_state_dir(args.mesh)
+    agent_id = args.agent_id or (stored_agent_id(state_dir) if not args.insecure else "")   # keep its name
+    overrides = {k: v for k, v in (("name", args.name), ("agent_id", agent_id)) if v}
     options = AgentOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
@@ -209,7 +266,8 @@ def _agent(args: argparse.Namespace) -> None:
         engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
                             args.max_batch_seqs, not args.no_prefix_cache),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, **overrides)
+        otlp_traces_endpoint=args.otlp_traces_endpoint, insecure=args.insecure, join_token=args.join_token,
+        state_dir=state_dir, enroll=args.enroll, **overrides)
     set_process_fields(component="agent", agent_id=options.agent_id)
     _run_daemon(lambda stop: run_agent(options, stop))
 
@@ -259,7 +317,7 @@ def _up(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
 
     model_dir = args.model or builtin_model_dir()
-    mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port)
+    mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port, insecure=args.insecure)
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"starting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
@@ -269,8 +327,9 @@ def _up(args: argparse.Namespace) -> None:
         print(f"\nstratamesh is up: {args.agents} agents serving '{model_id}'\n"
               f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
               f"  admin   {mesh.url}/admin/  (web UI)\n"
-              f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n\n"
-              f"{_example_call(mesh.url, model_dir, model_id)}\n\n"
+              f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n"
+              f"{_security_line(mesh)}\n\n"
+              f"{_example_call(mesh.url, model_dir, model_id, mesh.api_key)}\n\n"
               "Ctrl-C stops every process.", flush=True)
         # an agent that exits cleanly was drained; anything else ends the mesh
         while mesh.coordinator.poll() is None and all(p.poll() in (None, 0) for p in mesh.agents):
@@ -282,14 +341,26 @@ def _up(args: argparse.Namespace) -> None:
         mesh.stop()
 
 
-def _example_call(url: str, model_dir: str, model_id: str) -> str:
+def _security_line(mesh: LocalMesh) -> str:
+    if mesh.insecure:
+        return (f"\n{'!' * 78}\n  INSECURE DEVELOPMENT MODE: plaintext gRPC, no certificates, no join tokens.\n"
+                f"  Anyone who reaches these ports can join this mesh or read its traffic.\n{'!' * 78}")
+    return (f"  API key {mesh.api_key}  (operator; export STRATAMESH_API_KEY=... for the SDK and CLI)\n"
+            f"  mTLS    every agent enrolled with a join token; the mesh's CA is beside {mesh.registry_path()}\n"
+            f"          another agent: stratamesh agent --mesh {mesh.mesh} --join-token {mesh.join_token} "
+            f"--state-dir DIR\n"
+            f"          an admin UI login: stratamesh user add NAME --role operator --db {mesh.registry_path()}")
+
+
+def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") -> str:
     """A curl command that uses the model: a completion, or an embedding for an embedding model."""
     from stratamesh.fleet.types import model_task
 
     config = json.loads(Path(model_dir, "config.json").read_text())
     endpoint, body = (("embeddings", '"input": ["The mesh", "Edge boxes"]') if model_task(config) == "embed"
                       else ("completions", '"prompt": "The mesh", "max_tokens": 16'))
-    return (f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json' \\\n"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{auth} \\\n"
             f"    -d '{{\"model\": \"{model_id}\", {body}}}'")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -15,16 +16,23 @@ POLL_S = 0.2
 
 def add_drain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("agent_id", metavar="AGENT", help="the agent's id (see /admin/api/agents)")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's HTTP API")
+    add_api_arguments(parser)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to follow the drain")
     parser.add_argument("--no-wait", action="store_true", help="start the drain and return")
+
+
+def add_api_arguments(parser: argparse.ArgumentParser) -> None:
+    """--url and --api-key of a command that calls the coordinator's admin API."""
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's HTTP API")
+    parser.add_argument("--api-key", default=os.environ.get("STRATAMESH_API_KEY", ""),
+                        help="an operator's API key (default: $STRATAMESH_API_KEY)")
 
 
 def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     """Starts the drain and reports each change of state; the exit code is 0 once the agent is drained."""
     path = f"{args.url.rstrip('/')}/admin/api/agents/{args.agent_id}/drain"
     try:
-        drain = _call(path, "POST")["drain"]
+        drain = admin_call(path, "POST", args.api_key)["drain"]
         say(_describe(drain))
         deadline = time.monotonic() + args.timeout
         while not args.no_wait and drain["state"] not in ("drained", "failed"):
@@ -32,7 +40,7 @@ def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> i
                 say(f"still {drain['state']} after {args.timeout:.0f} s; the coordinator carries on")
                 return 1
             time.sleep(POLL_S)
-            state, drain = drain["state"], _call(path, "GET")["drain"]
+            state, drain = drain["state"], admin_call(path, "GET", args.api_key)["drain"]
             if drain["state"] != state:
                 say(_describe(drain))
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -41,8 +49,10 @@ def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> i
     return 0 if args.no_wait or drain["state"] == "drained" else 1
 
 
-def _call(url: str, method: str) -> dict[str, Any]:
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def admin_call(url: str, method: str, api_key: str = "") -> dict[str, Any]:
+    """One admin API call; ValueError carries the error message the API answered."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())

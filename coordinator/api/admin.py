@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from stratamesh.coordinator.api import admin_schemas as schemas
-from stratamesh.coordinator.api.errors import ApiError, error_response
+from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses
 from stratamesh.coordinator.api.sse import SSEResponse, sse_event
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
@@ -53,12 +53,14 @@ class Admin(Protocol):
 
     def drain_status(self, agent_id: str) -> dict[str, Any]: ...
 
+    def revoke(self, agent_id: str) -> dict[str, Any]: ...  # LookupError: never enrolled; MeshError: insecure
+
 
 def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
     router = APIRouter(prefix="/admin/api", tags=["admin"], responses={
         400: {"description": "a malformed request (OpenAI's error shape)"},
-        404: {"description": "no such agent, model or request"}})
+        404: {"description": "no such agent, model or request"}, **error_responses(401, 403)})
 
     @router.get("/agents", response_model=schemas.Agents)
     async def agents() -> dict[str, Any]:
@@ -134,6 +136,18 @@ def admin_router(admin: Admin) -> APIRouter:
             return {"drain": admin.drain_status(agent_id)}
         except LookupError as exc:
             return error_response(ApiError(404, str(exc), code="drain_not_found"))
+
+    @router.post("/agents/{agent_id}/revoke", response_model=schemas.Revocation,
+                 responses={409: {"description": "the mesh runs --insecure: there are no certificates"}})
+    async def revoke(agent_id: str) -> Any:
+        """Revokes the agent's certificates: its calls are cut at once, and neither the coordinator nor any
+        agent takes one from it again. Its stages are re-planned onto the others."""
+        try:
+            return {"revocation": admin.revoke(agent_id)}
+        except LookupError as exc:
+            return error_response(ApiError(404, str(exc), code="agent_not_found"))
+        except MeshError as exc:
+            return error_response(ApiError(409, str(exc), code="revoke_refused"))
 
     @router.get("/links", response_model=schemas.Links)
     async def links() -> dict[str, Any]:

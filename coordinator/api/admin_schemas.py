@@ -167,3 +167,12 @@ class DrainView(BaseModel):
 
 class Drain(BaseModel):
     drain: DrainView
+
+
+class RevocationView(BaseModel):
+    agent_id: str
+    revoked_serials: list[str]
+
+
+class Revocation(BaseModel):
+    revocation: RevocationView

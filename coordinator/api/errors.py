@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,7 +49,9 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _ERROR_MEANINGS = {400: "a malformed request, or one the model cannot serve", 401: "no valid API key",
+                   403: "the API key's or user's role may not do this",
                    404: "no such model (or route)", 409: "a conflict with the mesh's state",
+                   413: "the request body is over the limit",
                    429: "over a limit: retry after Retry-After seconds", 499: "the client went away",
                    502: "a pipeline stage failed", 503: "the model is loading or recovering: retry after Retry-After"}
 
@@ -88,6 +92,16 @@ def error_response(exc: BaseException) -> JSONResponse:
         log.debug("request rejected with %d: %s", err.status, err.message)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def send_error(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], error: ApiError,
+                     headers: dict[str, str] | None = None) -> None:
+    """Answers with error straight on an ASGI send: for middleware, which answers before any route runs."""
+    body = json.dumps(error.body()).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:

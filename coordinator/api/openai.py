@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -25,6 +26,7 @@ from stratamesh.coordinator.api.errors import (
     to_api_error,
     validation_error,
 )
+from stratamesh.coordinator.api.admission import Limits
 from stratamesh.coordinator.api.embeddings import check_context, embed_all, embedding_body
 from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
@@ -70,19 +72,21 @@ class Generator(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
-def create_app(generator: Generator, metrics: ApiMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible API over generator, counting into metrics (a fresh one if None)."""
+def create_app(generator: Generator, metrics: ApiMetrics | None = None, limits: Limits = Limits()) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over generator, counting into metrics (a fresh one if None),
+    holding prompts and completions to limits' token caps."""
     app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
-    api = OpenAIApi(generator, metrics if metrics is not None else ApiMetrics())
-    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    api = OpenAIApi(generator, metrics if metrics is not None else ApiMetrics(), limits)
+    app.add_api_route("/v1/models", api.models, methods=["GET"], responses=error_responses(401))
     generated = {200: {"description": "the answer, or with stream: true server-sent events ending in [DONE]",
                        "content": {"application/json": {}, "text/event-stream": {}}},
-                 **error_responses(400, 404, 499, 502, 503)}
+                 **error_responses(400, 401, 404, 413, 429, 499, 502, 503)}
     app.add_api_route("/v1/completions", api.completions, methods=["POST"], responses=generated,
                       openapi_extra=json_body(CompletionRequest))
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"], responses=generated,
                       openapi_extra=json_body(ChatCompletionRequest))
-    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"], responses=error_responses(400, 404, 502, 503),
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"],
+                      responses=error_responses(400, 401, 404, 413, 429, 502, 503),
                       openapi_extra=json_body(EmbeddingRequest))
     app.add_api_route("/health", api.health, methods=["GET"],
                       responses={503: {"description": "the mesh does not serve (yet)"}})
@@ -110,9 +114,10 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 class OpenAIApi:
     """The endpoints; every error becomes an OpenAI error body and never reaches the server."""
 
-    def __init__(self, generator: Generator, metrics: ApiMetrics) -> None:
+    def __init__(self, generator: Generator, metrics: ApiMetrics, limits: Limits = Limits()) -> None:
         self._generator = generator
         self._metrics = metrics
+        self._limits = limits
 
     async def models(self) -> Response:
         """GET /v1/models."""
@@ -172,6 +177,8 @@ class OpenAIApi:
             req = await parse_body(request, EmbeddingRequest)
             card, codec = self._model(req.model, task="embed")
             prompts = [_prompt_ids(codec, text_or_ids, "input") for text_or_ids in req.input]
+            for prompt in prompts:
+                self._check_prompt(prompt, "input")
             check_context(prompts, card.max_context)
             request_id = f"embd-{uuid.uuid4().hex}"
             vectors = await _unless_gone(request, request_id, embed_all(
@@ -199,7 +206,14 @@ class OpenAIApi:
 
     async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, codec: TextCodec,
                    prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float) -> Response:
+        self._check_prompt(prompt_ids, "prompt" if isinstance(fmt, CompletionFormat) else "messages")
+        cap = self._limits.max_tokens
+        if cap and max_tokens is not None and max_tokens > cap:
+            raise ApiError(400, f"max_tokens is {max_tokens}; this mesh allows at most {cap}", param="max_tokens",
+                           code="max_tokens_over_limit")
         job = _make_job(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
+        if cap and job.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
+            job = dataclasses.replace(job, max_tokens=cap)
         run = self._launch(job, codec, arrival_s)
         try:
             await run.start()
@@ -216,6 +230,12 @@ class OpenAIApi:
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(fmt.whole(*result, _usage(run), run.token_ids))
+
+    def _check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        cap = self._limits.max_prompt_tokens
+        if cap and len(prompt_ids) > cap:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this mesh takes at most {cap}", param=param,
+                           code="prompt_over_limit")
 
     def _launch(self, job: Job, codec: TextCodec, arrival_s: float) -> GenerationRun:
         """Hands job to the Generator; the run is timed from arrival_s and counted as running."""

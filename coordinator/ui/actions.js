@@ -1,6 +1,7 @@
 "use strict";
 // What an operator can do: deploy a model, re-plan one, drain an agent. Results and errors show as
-// toasts; the drain asks first, in a dialog that says what will happen.
+// toasts (a 403 too: its message says which role was needed); the drain asks first, in a dialog that says
+// what will happen. A viewer gets none of these controls: the panels ask canOperate before drawing them.
 
 import { postJson, seg } from "./api.js";
 import { agentLabel, el, stateClass } from "./dom.js";
@@ -14,6 +15,19 @@ export class Actions {
     this.onChange = onChange;   // after an action: refresh the state now
     this.view = null;           // the newest view, set by the app on every render
     this.noteDrain = () => {};  // the app records a drain it started, until the snapshot carries it
+    this.role = null;           // the signed-in user's role
+    this.canOperate = false;    // an operator's controls are drawn only when true
+  }
+
+  setRole(role) {
+    this.role = role;
+    this.canOperate = role === "operator";
+  }
+
+  /** An action failed: say why, unless it was a 401 (then the login form is back, and says so). */
+  failed(prefix, err) {
+    if (err.status === 401) return;
+    this.toast(`${prefix}: ${err.message}`, "error");
   }
 
   toast(message, kind = "info") {
@@ -55,7 +69,7 @@ export class Actions {
       this.toast(`Draining ${name}: ${drain.state.replace("_", " ")}`, "info");
       this.onChange();
     } catch (err) {
-      this.toast(`Drain of ${name} refused: ${err.message}`, "error");
+      this.failed(`Drain of ${name} refused`, err);
     }
   }
 
@@ -67,7 +81,7 @@ export class Actions {
       this.toast(`Re-plan of ${modelId}: ${replan.outcome}${gist ? ` — ${gist}` : ""}`, kind);
       this.onChange();
     } catch (err) {
-      this.toast(`Re-plan of ${modelId} failed: ${err.message}`, "error");
+      this.failed(`Re-plan of ${modelId} failed`, err);
     }
   }
 
@@ -86,7 +100,7 @@ export class Actions {
         form.reset();
         this.onChange();
       } catch (err) {
-        this.toast(`Deploy failed: ${err.message}`, "error");
+        this.failed("Deploy failed", err);
       } finally {
         button.disabled = false;
       }
@@ -94,7 +108,7 @@ export class Actions {
   }
 }
 
-/** Deployed models with their state and a Re-plan button each. */
+/** Deployed models with their state, and a Re-plan button each for an operator. */
 export class ModelsTable {
   constructor(tbody, actions) {
     this.tbody = tbody;
@@ -104,11 +118,11 @@ export class ModelsTable {
 
   update(view) {
     const models = modelRows(view);
-    const signature = JSON.stringify(models);
+    const signature = JSON.stringify([this.actions.canOperate, models]);
     if (signature === this.signature) return;
     this.signature = signature;
-    const empty = el("tr", { class: "empty-row" },
-      el("td", { colspan: 7, text: "No model deployed yet: use the form below." }));
+    const empty = el("tr", { class: "empty-row" }, el("td", { colspan: 7,
+      text: this.actions.canOperate ? "No model deployed yet: use the form below." : "No model deployed yet." }));
     this.tbody.replaceChildren(...(models.length ? models.map((m) => this.row(m)) : [empty]));
   }
 
@@ -125,9 +139,10 @@ export class ModelsTable {
       el("td", { class: "small" }, m.plans.map((p) => el("div", {},
         el("span", { class: `badge ${stateClass(p.state)}`, text: p.state }),
         el("span", { class: "mono muted", text: ` ${p.plan_id}` })))),
-      el("td", { class: "actions" }, el("button", { class: "btn small", type: "button", "data-testid": "replan-button",
-        "data-model-id": m.model_id, title: "weigh the serving plan against the best plan for the agents now",
-        onclick: () => this.actions.replan(m.model_id) }, "Re-plan")));
+      el("td", { class: "actions" }, this.actions.canOperate ? el("button", { class: "btn small", type: "button",
+        "data-testid": "replan-button", "data-model-id": m.model_id,
+        title: "weigh the serving plan against the best plan for the agents now",
+        onclick: () => this.actions.replan(m.model_id) }, "Re-plan") : null));
   }
 }
 

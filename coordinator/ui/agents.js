@@ -1,6 +1,7 @@
 "use strict";
-// The agents table: one row per agent with its devices, live load and a Drain action. Rows and cells
-// are kept and only changed cells rebuilt, so a button under the pointer survives the next snapshot.
+// The agents table: one row per agent with its devices, live load and, for an operator, a Drain action.
+// Rows and cells are kept and only changed cells rebuilt, so a button under the pointer survives the next
+// snapshot.
 
 import { agentColour, agentLabel, el, fmtAgo, fmtBytes, fmtNumber, stateClass, DOWN_STATES } from "./dom.js";
 import { deviceSummary } from "./topology.js";
@@ -183,8 +184,9 @@ function drainCell({ agent, view, actions }) {
   const why = busy ? "a drain is under way" : DOWN_STATES.has(agent.state) ? `agent is ${agent.state}`
     : !serving ? "serves no stage" : "move its stages and sessions to spares, then let it exit";
   const status = drain ? drainText(drain) : "";
-  return { sig: `${disabled}|${why}|${status}`, cls: "actions", make: () => [
-    el("button", { class: "btn small danger-outline", type: "button", "data-testid": "drain-button",
+  const button = actions.canOperate;    // a viewer sees how a drain goes, not a button to start one
+  return { sig: `${button}|${disabled}|${why}|${status}`, cls: "actions", make: () => [
+    button && el("button", { class: "btn small danger-outline", type: "button", "data-testid": "drain-button",
       "data-agent-id": agent.agent_id, disabled, title: why, onclick: () => actions.drain(agent.agent_id) }, "Drain"),
     status ? el("div", { class: `small drain-${drain.state}`, "data-testid": "drain-status",
       "data-drain-state": drain.state, title: drain.error || "", text: status }) : null] };

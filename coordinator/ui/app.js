@@ -1,6 +1,6 @@
 "use strict";
-// The admin UI's entry point: holds the state, keeps it live (server-sent snapshots, polling when the
-// stream is down) and hands each update to the panels.
+// The admin UI's entry point: signs the user in (login.js), then holds the state, keeps it live (server-sent
+// snapshots, polling when the stream is down) and hands each update to the panels. Signed out, nothing runs.
 
 import { API, getJson, seg } from "./api.js";
 import { assignColours, el, fmtNumber, fmtSeconds } from "./dom.js";
@@ -12,6 +12,7 @@ import { AgentsTable } from "./agents.js";
 import { RequestsPanel } from "./trace.js";
 import { Actions, ModelsTable } from "./actions.js";
 import { EventsLog } from "./events.js";
+import { Auth } from "./login.js";
 
 const STREAM_FRESH_MS = 4000;   // a stream that sent nothing for this long is treated as down
 const POLL_EVERY_MS = 2000;
@@ -87,11 +88,25 @@ class Feed {
     this.lastPollAt = 0;
     this.streamOpenedAt = 0;
     this.polling = false;
+    this.running = false;
+    this.timer = 0;
   }
 
   start() {
+    this.stop();
+    this.running = true;
+    this.lastStreamAt = this.lastPollOkAt = this.lastPollAt = 0;
     this.openStream();
-    setInterval(() => this.tick(), 1000);
+    this.timer = setInterval(() => this.tick(), 1000);
+    this.show();
+  }
+
+  /** Closes the stream and stops polling (signed out: every call would get a 401). */
+  stop() {
+    this.running = false;
+    clearInterval(this.timer);
+    if (this.source) this.source.close();
+    this.source = null;
   }
 
   openStream() {
@@ -99,6 +114,7 @@ class Feed {
     this.streamOpenedAt = Date.now();
     this.source = new EventSource(`${API}/stream`);
     this.source.addEventListener("snapshot", (event) => {
+      if (!this.running) return;
       this.lastStreamAt = Date.now();
       this.show();
       try {
@@ -108,7 +124,9 @@ class Feed {
       }
     });
     this.source.onerror = () => {
-      if (this.source.readyState === EventSource.CLOSED) this.poll();   // refused outright: poll at once
+      if (!this.running) return;
+      // Refused outright: poll at once. EventSource cannot say why; a 401 from the poll ends the session.
+      if (this.source.readyState === EventSource.CLOSED) this.poll();
       this.show();
     };
   }
@@ -129,11 +147,13 @@ class Feed {
   }
 
   async poll() {
-    if (this.polling) return;
+    if (this.polling || !this.running) return;
     this.polling = true;
     this.lastPollAt = Date.now();
     try {
-      this.onData(await pollSnapshot());
+      const snapshot = await pollSnapshot();
+      if (!this.running) return;
+      this.onData(snapshot);
       this.lastPollOkAt = Date.now();
     } catch (err) {
       console.warn("poll failed:", err.message);
@@ -177,6 +197,7 @@ async function pollSnapshot() {
 async function loadStatsHistory() {
   try {
     const data = await getJson(`/stats?seconds=${STATS_WINDOW_S}`);
+    if (!feed.running) return;
     const now = data.points.length ? data.points[data.points.length - 1].t : Date.now() / 1000;   // coordinator clock
     // Points that arrived on the stream meanwhile are newer: keep them after the history.
     const newer = state.stats.filter((p) => !data.points.length || p.t > data.points[data.points.length - 1].t);
@@ -200,11 +221,42 @@ function setUpTheme() {
 }
 
 const feed = new Feed(onSnapshot, $("conn"));
+const dashboard = ["dashboard", "jump", "summary", "conn"].map($);
+let requestsTimer = 0;
+
+/** Signed in: show the panels (and the operator's controls to an operator only) and keep them live. */
+function startDashboard(user) {
+  actions.setRole(user.role);
+  $("deploy-form").hidden = !actions.canOperate;
+  for (const node of dashboard) node.hidden = false;
+  render();
+  feed.start();
+  loadStatsHistory();
+  requests.refresh();
+  clearInterval(requestsTimer);
+  requestsTimer = setInterval(() => { if (!document.hidden) requests.refresh(); }, REQUESTS_EVERY_MS);
+}
+
+/** Signed out: stop every call and forget what was shown. */
+function stopDashboard() {
+  feed.stop();
+  clearInterval(requestsTimer);
+  for (const node of dashboard) node.hidden = true;
+  if ($("confirm").open) $("confirm").close("cancel");
+  state.snapshot = emptySnapshot();
+  state.stats.length = 0;
+  state.drains.clear();
+  actions.setRole(null);
+  render();
+  requests.clear();
+}
+
+const auth = new Auth({
+  panel: $("login"), form: $("login-form"), note: $("login-note"), error: $("login-error"), who: $("who"),
+  name: $("who-name"), role: $("who-role"), logout: $("logout"), banner: $("insecure-banner"),
+}, { onSignIn: startDashboard, onSignOut: stopDashboard, onError: (message) => actions.toast(message, "error") });
+
 setUpTheme();
 actions.mountDeployForm($("deploy-form"));
-render();
-feed.start();
-loadStatsHistory();
-requests.refresh();
-setInterval(() => { if (!document.hidden) requests.refresh(); }, REQUESTS_EVERY_MS);
-window.addEventListener("resize", () => render());
+window.addEventListener("resize", () => { if (auth.state === "in") render(); });
+auth.start();

@@ -24,6 +24,15 @@ export class RequestsPanel {
     this.view = view;
   }
 
+  /** Signed out: no rows, no trace. */
+  clear() {
+    this.selected = null;
+    this.selectedRunning = false;
+    this.timeline = null;
+    this.tbody.replaceChildren();
+    this.traceRoot.replaceChildren(el("p", { class: "empty", text: "Pick a request to see its timeline." }));
+  }
+
   async refresh() {
     let requests;
     try {

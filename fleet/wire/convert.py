@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterable
 
+from stratamesh.fleet.enrollment import EnrollReply, EnrollRequest
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
     MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
@@ -19,6 +22,9 @@ StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
 
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_SERIAL = re.compile(r"[0-9a-f]{1,40}")
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_TOKEN_ID = re.compile(r"[0-9a-f]{8}")
 
 
 # GpuInfo readings NVML may not give: None on our side, an unset proto3 optional on the wire.
@@ -72,6 +78,7 @@ def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
+    """A stage's spec; StageSpec checks its layer range, dtype, device, block size and tensor-parallel degree."""
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
                      msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1)
 
@@ -148,8 +155,8 @@ def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
 
 
 def _require_session_id(session_id: str, where: str) -> None:
-    if not session_id or len(session_id) > 128:
-        raise InvalidInput(f"{where}.session_id must be 1..128 characters")
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidInput(f"{where}.session_id must be 1..128 printable ASCII characters without spaces")
 
 
 def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
@@ -459,3 +466,38 @@ def kv_chunk_from_pb(msg: pb.KvChunk) -> KvHeader | KvPiece:
 
 def shutdown_to_pb(reason: str) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(shutdown=pb.Shutdown(reason=reason))
+
+
+def revocations_to_pb(serials: Iterable[str]) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(revocations=pb.Revocations(serials=sorted(serials)))
+
+
+def revocations_from_pb(msg: pb.Revocations) -> frozenset[str]:
+    if any(not _SERIAL.fullmatch(s) for s in msg.serials):
+        raise InvalidInput("revocations.serials must be hex certificate serials")
+    return frozenset(msg.serials)
+
+
+def enroll_request_to_pb(request: EnrollRequest) -> pb.EnrollRequest:
+    return pb.EnrollRequest(mesh=request.mesh, token_id=request.token_id, agent_id=request.agent_id,
+                            csr_pem=request.csr_pem, mac=request.mac)
+
+
+def enroll_request_from_pb(msg: pb.EnrollRequest) -> EnrollRequest:
+    check_name(msg.agent_id)
+    if not _TOKEN_ID.fullmatch(msg.token_id):
+        raise InvalidInput("enroll.token_id must be 8 hex digits")
+    if not 0 < len(msg.csr_pem) <= MAX_PEM_BYTES or len(msg.mac) != 32:
+        raise InvalidInput(f"enroll: csr_pem must be 1..{MAX_PEM_BYTES} bytes and mac 32 bytes")
+    return EnrollRequest(msg.mesh, msg.token_id, msg.agent_id, msg.csr_pem, msg.mac)
+
+
+def enroll_reply_to_pb(reply: EnrollReply) -> pb.EnrollReply:
+    return pb.EnrollReply(cert_pem=reply.cert_pem, ca_pem=reply.ca_pem, mac=reply.mac)
+
+
+def enroll_reply_from_pb(msg: pb.EnrollReply) -> EnrollReply:
+    if not (0 < len(msg.cert_pem) <= MAX_PEM_BYTES and 0 < len(msg.ca_pem) <= MAX_PEM_BYTES
+            and len(msg.mac) == 32):
+        raise InvalidInput("enroll reply: cert_pem and ca_pem must be PEM and mac 32 bytes")
+    return EnrollReply(msg.cert_pem, msg.ca_pem, msg.mac)

@@ -276,18 +276,50 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "release", "probe_links", "shutdown")
+    __slots__ = ("welcome", "assign", "release", "probe_links", "shutdown", "revocations")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PROBE_LINKS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assignment
     release: Release
     probe_links: ProbeLinks
     shutdown: Shutdown
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    revocations: Revocations
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ...) -> None: ...
+
+class Revocations(_message.Message):
+    __slots__ = ("serials",)
+    SERIALS_FIELD_NUMBER: _ClassVar[int]
+    serials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serials: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EnrollRequest(_message.Message):
+    __slots__ = ("mesh", "token_id", "agent_id", "csr_pem", "mac")
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    mesh: str
+    token_id: str
+    agent_id: str
+    csr_pem: bytes
+    mac: bytes
+    def __init__(self, mesh: _Optional[str] = ..., token_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class EnrollReply(_message.Message):
+    __slots__ = ("cert_pem", "ca_pem", "mac")
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    cert_pem: bytes
+    ca_pem: bytes
+    mac: bytes
+    def __init__(self, cert_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from")

@@ -25,6 +25,78 @@ if _version_not_supported:
     )
 
 
+class EnrollStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/stratamesh.v1.Enroll/Join',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollRequest.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollReply.FromString,
+                _registered_method=True)
+
+
+class EnrollServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EnrollServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollRequest.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stratamesh.v1.Enroll', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stratamesh.v1.Enroll', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Enroll:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratamesh.v1.Enroll/Join',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollRequest.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EnrollReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ControlStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,37 +88,59 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json model_type {arch!r} is not supported; supported: {ARCHS}")
     _reject_unsupported(raw)
     try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        num_layers = int(raw["num_hidden_layers"])
-        rope_theta, rope_scaling = _parse_rope(raw)
-        sliding_window, layer_types = _parse_window(raw, arch, num_layers)
-        return ModelConfig(
-            arch=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_proj_bias=arch == "llama" and bool(raw.get("attention_bias", False)),
-            sliding_window=sliding_window,
-            layer_types=layer_types,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_as_ids(raw.get("eos_token_id")),
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            task=model_task(raw),
-        )
+        return _check_sizes(_build(raw, arch))
     except KeyError as e:
         raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:   # a field of the wrong type or value
         raise CheckpointError(f"config.json has a malformed field: {e}") from None
+
+
+def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """The ModelConfig a config.json describes, before its sizes are checked."""
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    num_layers = int(raw["num_hidden_layers"])
+    rope_theta, rope_scaling = _parse_rope(raw)
+    sliding_window, layer_types = _parse_window(raw, arch, num_layers)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_proj_bias=arch == "llama" and bool(raw.get("attention_bias", False)),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_as_ids(raw.get("eos_token_id")),
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        task=model_task(raw),
+    )
+
+
+def _check_sizes(config: ModelConfig) -> ModelConfig:
+    """Sizes a model can have: positive, heads that group, finite epsilon and theta."""
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "max_position_embeddings")
+    for name in sizes:
+        if getattr(config, name) < 1:
+            raise CheckpointError(f"config.json {name} must be positive, got {getattr(config, name)}")
+    if config.num_heads % config.num_kv_heads:
+        raise CheckpointError(f"config.json num_attention_heads {config.num_heads} is not a multiple of "
+                              f"num_key_value_heads {config.num_kv_heads}")
+    if not (0 < config.rms_norm_eps < 1 and 0 < config.rope_theta < math.inf):
+        raise CheckpointError("config.json rms_norm_eps must lie in (0, 1) and rope_theta be positive and finite")
+    if config.sliding_window is not None and config.sliding_window < 1:
+        raise CheckpointError(f"config.json sliding_window must be positive, got {config.sliding_window}")
+    return config
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:

@@ -92,10 +92,11 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
 
 async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],
                       during: Callable[[list[StreamOutcome]], Awaitable[None]] | None = None,
-                      timeout_s: float = 300.0) -> list[StreamOutcome]:
-    """Streams every job at once; during(outcomes), if given, runs alongside and sees them fill in."""
+                      timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> list[StreamOutcome]:
+    """Streams every job at once (sending headers: the API key); during(outcomes), if given, runs alongside
+    and sees them fill in."""
     outcomes = [StreamOutcome() for _ in jobs]
-    async with _client(timeout_s) as client:
+    async with _client(timeout_s, headers) as client:
         streams = asyncio.gather(*(stream(client, url, model, j, o) for j, o in zip(jobs, outcomes)))
         if during is not None:
             await asyncio.gather(streams, during(outcomes))
@@ -104,9 +105,9 @@ async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],
     return outcomes
 
 
-def _client(timeout_s: float) -> httpx.AsyncClient:
+def _client(timeout_s: float, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
     """One client for many concurrent streams: no cap on its connections."""
-    return httpx.AsyncClient(timeout=timeout_s,
+    return httpx.AsyncClient(timeout=timeout_s, headers=headers,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
@@ -189,7 +190,8 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
         agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
         command = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "STRATAMESH_API_KEY": mesh.api_key})
         run.drain_output = (await command.communicate())[0].decode(errors="replace")
         run.drain_exit = command.returncode
 
@@ -201,17 +203,17 @@ async def _disturb_stage_mid_stream(
         disturb: Callable[[FailoverRun, list[StreamOutcome]], Awaitable[None]]) -> FailoverRun:
     """The jobs undisturbed, then again with disturb() done to the agent of `stage` (run.killed_address) once
     every stream has after_tokens tokens; the running routes are read when disturb() returns."""
-    run = FailoverRun(await run_streams(mesh.url, model, jobs), [])
+    run = FailoverRun(await run_streams(mesh.url, model, jobs, headers=mesh.headers), [])
 
     async def during(outcomes: list[StreamOutcome]) -> None:
         await wait_for_tokens(outcomes, after_tokens)
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
             run.killed_address = (await running_routes(client, mesh.url))[0][stage]
             run.kill_s = time.monotonic()
             await disturb(run, outcomes)
             run.routes_after = await running_routes(client, mesh.url)
 
-    run.outcomes = await run_streams(mesh.url, model, jobs, during=during)
+    run.outcomes = await run_streams(mesh.url, model, jobs, during=during, headers=mesh.headers)
     return run
 
 
@@ -241,10 +243,10 @@ async def run_chaos(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], dura
                     num_clients: int, kill_every_s: float, seed: int = 0) -> ChaosReport:
     """num_clients stream jobs back to back for duration_s while a random agent is killed (SIGKILL) every
     kill_every_s and started again; each output is checked against an undisturbed run of the same job."""
-    references = [o.tokens for o in await run_streams(mesh.url, model, jobs)]
+    references = [o.tokens for o in await run_streams(mesh.url, model, jobs, headers=mesh.headers)]
     rng, report = random.Random(seed), ChaosReport(duration_s, num_clients)
     start = time.monotonic()
-    async with _client(300.0) as client:
+    async with _client(300.0, mesh.headers) as client:
 
         async def client_loop(first: int) -> None:
             n = first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 
 from stratamesh.bench.datasets import DATASETS
@@ -30,6 +31,7 @@ class ServeOptions:
     goodput_ms: dict[str, float] = field(default_factory=dict)
     warmup: int = 0                        # requests sent (and not counted) before the run
     timeout_s: float = 600.0
+    api_key: str = field(default="", repr=False)   # sent as "Authorization: Bearer KEY"; "" sends none
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -48,6 +50,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the flags of `bench serve`, vLLM's names where vLLM has one."""
     d = ServeOptions(vocab_size=1)
     parser.add_argument("--url", default=d.url, help="the server's base URL")
+    parser.add_argument("--api-key", help="the API key sent as a bearer token (default: $STRATAMESH_API_KEY)")
     parser.add_argument("--model", default=d.model, help="served model id; default: the first listed")
     parser.add_argument("--tokenizer", help="a Hugging Face folder: prompts use its regular token ids")
     parser.add_argument("--vocab-size", type=int, help="without --tokenizer: ids in [0, N)")
@@ -71,7 +74,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """ServeOptions from parsed flags; BenchError names a bad one."""
     return ServeOptions(
-        url=args.url.rstrip("/"), model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        url=args.url.rstrip("/"),
+        api_key=args.api_key if args.api_key is not None else os.environ.get("STRATAMESH_API_KEY", ""),
+        model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
         prefix_len=args.prefix_len, range_ratio=args.random_range_ratio, seed=args.seed,

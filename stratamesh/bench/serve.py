@@ -51,6 +51,11 @@ def arrival_offsets_s(num_requests: int, request_rate: float, seed: int) -> list
     return offsets
 
 
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The bearer header that carries api_key; none for an empty key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def request_body(model: str, request: BenchRequest) -> dict[str, Any]:
     """The /v1/completions body: token-id prompt, exact length, greedy, streamed with token ids."""
     return {"model": model, "prompt": list(request.prompt_ids), "max_tokens": request.output_len,
@@ -120,12 +125,12 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
 
 async def run_requests(url: str, model: str, requests: list[BenchRequest], request_rate: float,
                        max_concurrency: int | None, seed: int,
-                       timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+                       timeout_s: float = 600.0, api_key: str = "") -> tuple[list[RequestRecord], float]:
     """Sends requests on a Poisson schedule, at most max_concurrency in flight; (records, duration_s)."""
     offsets = arrival_offsets_s(len(requests), request_rate, seed)
     in_flight = asyncio.Semaphore(max_concurrency or len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=auth_headers(api_key)) as client:
         start = time.perf_counter()
 
         async def one(offset_s: float, request: BenchRequest) -> RequestRecord:
@@ -137,13 +142,17 @@ async def run_requests(url: str, model: str, requests: list[BenchRequest], reque
         return list(records), time.perf_counter() - start
 
 
-def first_model(url: str) -> str:
+def first_model(url: str, api_key: str = "") -> str:
     """The id of the first model the server lists at /v1/models."""
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=30)
-        response.raise_for_status()
+        response = httpx.get(f"{url}/v1/models", headers=auth_headers(api_key), timeout=30)
     except httpx.HTTPError as exc:
         raise BenchError(f"cannot list the models at {url}: {exc}") from None
+    if response.status_code == 401:
+        raise BenchError(f"{url}/v1/models answered 401: give the server's API key with "
+                         "--api-key or $STRATAMESH_API_KEY")
+    if response.status_code != 200:
+        raise BenchError(f"cannot list the models at {url}: HTTP {response.status_code}: {response.text[:200]}")
     models = response.json().get("data") or []
     if not models:
         raise BenchError(f"{url}/v1/models lists no model")
@@ -162,14 +171,14 @@ def build_requests(options: ServeOptions) -> tuple[list[BenchRequest], list[Benc
 def bench_serve(options: ServeOptions) -> tuple[BenchMetrics, list[RequestRecord]]:
     """Runs the warm-up, then the measured requests; (metrics, each measured request's record)."""
     if not options.model:
-        options = replace(options, model=first_model(options.url))
+        options = replace(options, model=first_model(options.url, options.api_key))
     warmup, measured = build_requests(options)
     if warmup:
         asyncio.run(run_requests(options.url, options.model, warmup, math.inf, options.max_concurrency,
-                                 options.seed, options.timeout_s))
+                                 options.seed, options.timeout_s, options.api_key))
     records, duration_s = asyncio.run(run_requests(
         options.url, options.model, measured, options.request_rate, options.max_concurrency, options.seed,
-        options.timeout_s))
+        options.timeout_s, options.api_key))
     return compute_metrics(records, duration_s, options.goodput_ms or None), records
 
 
@@ -177,7 +186,7 @@ def main(options: ServeOptions, as_json: bool) -> None:
     """The `bench serve` command: runs the benchmark, prints the table (or JSON); exit 1 if nothing completed."""
     logging.getLogger("httpx").setLevel(logging.WARNING)   # it logs every request at info
     if not options.model:
-        options = replace(options, model=first_model(options.url))
+        options = replace(options, model=first_model(options.url, options.api_key))
     metrics, records = bench_serve(options)
     print(format_json(metrics, options, records) if as_json else format_report(metrics, options), flush=True)
     if metrics.completed == 0:

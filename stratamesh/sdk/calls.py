@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +53,8 @@ def api_root(url: str) -> str:
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header of api_key, or of $STRATAMESH_API_KEY when api_key is None."""
+    api_key = api_key if api_key is not None else os.environ.get("STRATAMESH_API_KEY", "")
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 

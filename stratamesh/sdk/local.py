@@ -49,7 +49,7 @@ def local_mesh(model: str | os.PathLike[str] | None = None, agents: int = 3, sta
     processes = launcher(model, agents, stages, **kwargs)
     try:
         processes.start()
-        with Mesh(processes.url) as mesh:
+        with Mesh(processes.url, api_key=processes.api_key or None) as mesh:
             mesh.local_mesh = processes
             yield mesh
     finally:
@@ -64,7 +64,7 @@ async def async_local_mesh(model: str | os.PathLike[str] | None = None, agents: 
     start = asyncio.ensure_future(asyncio.to_thread(processes.start))
     try:
         await asyncio.shield(start)
-        async with AsyncMesh(processes.url) as mesh:
+        async with AsyncMesh(processes.url, api_key=processes.api_key or None) as mesh:
             mesh.local_mesh = processes
             yield mesh
     finally:

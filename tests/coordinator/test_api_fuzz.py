@@ -4,6 +4,7 @@ lists): no 5xx, and every status, content type and body as the document says."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
+from stratamesh.coordinator.access import AccessStore
+from stratamesh.coordinator.api.admin import admin_router
+from stratamesh.coordinator.api.auth import install_access
+from stratamesh.coordinator.api.errors import install_error_handlers
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.text import TextCodec
 from tests.coordinator.test_admin_api import mesh  # noqa: F401 (a fixture)
@@ -27,7 +32,7 @@ CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_cod
           schemathesis.checks.content_type_conformance, schemathesis.checks.response_schema_conformance]
 
 
-def fuzz_app(app: FastAPI, skip: tuple[str, ...] = ()) -> dict[str, int]:
+def fuzz_app(app: FastAPI, skip: tuple[str, ...] = (), headers: dict[str, str] | None = None) -> dict[str, int]:
     """Fuzzes every documented operation of the app, valid and invalid requests; the cases run per operation."""
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     counts: dict[str, int] = {}
@@ -41,7 +46,7 @@ def fuzz_app(app: FastAPI, skip: tuple[str, ...] = ()) -> dict[str, int]:
                       suppress_health_check=list(HealthCheck))
             def fuzz(case) -> None:
                 counts[operation.label] = counts.get(operation.label, 0) + 1
-                case.call_and_validate(checks=CHECKS)
+                case.call_and_validate(checks=CHECKS, headers=headers)
 
             try:
                 fuzz()
@@ -63,3 +68,18 @@ def test_the_admin_api_answers_any_request_as_documented(mesh, model_dir: Path) 
     counts = fuzz_app(app, skip=("GET /admin/api/stream",))
     for label in ("POST /admin/api/models", "POST /admin/api/models/{model_id}/replan", "GET /admin/api/stats"):
         assert counts[label] >= CASES_PER_OPERATION, (label, counts)
+
+
+def test_the_admin_api_behind_access_control_answers_as_documented(mesh, model_dir: Path) -> None:  # noqa: F811
+    """The same with the login routes and access control in front, as the coordinator serves it, as an operator."""
+    registry, admin = mesh[0], mesh[4]
+    access = AccessStore(registry)
+    access.add_user("ada", "correct horse", "viewer", time.time())
+    app = FastAPI()
+    app.include_router(admin_router(admin))
+    install_access(app, access)
+    install_error_handlers(app)
+    key, _ = access.create_key("operator", "fuzzer", time.time())
+    counts = fuzz_app(app, skip=("GET /admin/api/stream",), headers={"Authorization": f"Bearer {key}"})
+    for label in ("POST /admin/api/login", "POST /admin/api/agents/{agent_id}/revoke", "GET /admin/api/whoami"):
+        assert counts[label] >= 1, (label, counts)

@@ -1,12 +1,15 @@
 """The admin UI in a real browser (Debian's chromium through Playwright): over a real mesh of 3 agents, 2 stages
-and a spare, drain the agent of stage 0 from the UI and watch its stage land on the spare; and over fixed JSON
-for a larger mesh, check the layout, GPU columns and that names from the network stay text.
-Screenshots go to .artifacts/admin-ui/."""
+and a spare, log in as an operator through the login form, drain the agent of stage 0 from the UI and watch its
+stage land on the spare; log in as a viewer, who sees the mesh but no operator controls and whose POSTs get 403;
+and over fixed JSON for a larger mesh (insecure mode), check the layout, GPU columns and that names from the
+network stay text. Screenshots go to .artifacts/admin-ui/."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Iterator
 from itertools import permutations
 from pathlib import Path
 from urllib.parse import urlparse
@@ -25,6 +28,9 @@ ARTIFACTS = REPO / ".artifacts" / "admin-ui"
 UI_DIR = REPO / "coordinator" / "ui"
 MODEL = "tiny-llama"
 EVIL = '<img src=x onerror="window.__pwned=1">'     # an agent name from the network, to be shown, not run
+OPERATOR = ("ops", "operator-password-1")
+VIEWER = ("val", "viewer-password-1")
+INSECURE_USER = {"name": "insecure development mode", "role": "operator", "kind": "insecure"}
 
 
 needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(),
@@ -36,34 +42,87 @@ def launch(playwright, **context):
     return browser, browser.new_page(viewport={"width": 1440, "height": 1000}, **context)
 
 
-def collect_errors(page) -> list[str]:
+def collect_errors(page, expected_statuses: tuple[int, ...] = ()) -> list[str]:
+    """Console errors and uncaught exceptions; chromium's "Failed to load resource" line for an HTTP status the
+    test expects (401 before login, 403 for a viewer's POST) is left out."""
+    expected = re.compile(rf"status of ({'|'.join(map(str, expected_statuses))}) ") if expected_statuses else None
     errors: list[str] = []
-    page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+
+    def on_console(message) -> None:
+        if message.type == "error" and not (expected and expected.search(message.text)):
+            errors.append(f"console: {message.text}")
+
+    page.on("console", on_console)
     page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
     return errors
+
+
+def log_in(page, username: str, password: str) -> None:
+    """Fills the login form and submits it."""
+    page.get_by_test_id("login-username").fill(username)
+    page.get_by_test_id("login-password").fill(password)
+    page.get_by_test_id("login-submit").click()
+
+
+def shoot(page, name: str) -> Path:
+    """A full-page screenshot from the top (the sticky header at the top of the shot)."""
+    path = ARTIFACTS / name
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def set_theme(page, theme: str) -> None:
+    """Light or dark through the header's toggle (the choice is kept in localStorage)."""
+    if page.evaluate("document.documentElement.dataset.theme") != theme:
+        page.locator("#theme-toggle").click()
+    assert page.evaluate("document.documentElement.dataset.theme") == theme
 
 
 def active_segment(page, stage: int):
     return page.locator(f'[data-testid="placement-segment"][data-plan-state="active"][data-stage="{stage}"]')
 
 
+@pytest.fixture(scope="module")
+def mesh(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    """3 agents, 2 stages and a spare, secure (as by default), with an operator and a viewer user for the UI.
+    The drain test moves a stage; the viewer test changes nothing, so either may run first."""
+    tmp = tmp_path_factory.mktemp("admin-ui")
+    with LocalMesh(str(tiny_models["llama"]), num_agents=3, num_stages=2, log_dir=str(tmp / "logs"),
+                   db=str(tmp / "registry.db")) as mesh:
+        mesh.add_user(*OPERATOR, "operator")
+        mesh.add_user(*VIEWER, "viewer")
+        for _ in range(3):    # something for the charts and the requests table
+            httpx.post(f"{mesh.url}/v1/completions", timeout=30, headers=mesh.headers,
+                       json={"model": MODEL, "prompt": "The mesh", "max_tokens": 12}).raise_for_status()
+        yield mesh
+
+
 @needs_chromium
-def test_the_ui_shows_the_mesh_and_a_drain_from_it_moves_the_stage(tiny_models: dict[str, Path],
-                                                                  tmp_path: Path) -> None:
-    """The acceptance test of the admin UI: 3 agents and the placement bars, then a drain from the UI."""
+def test_the_ui_shows_the_mesh_and_a_drain_from_it_moves_the_stage(mesh: LocalMesh) -> None:
+    """The acceptance test of the admin UI: the login form, 3 agents and the placement bars, then a drain."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
     expect = sync_api.expect
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with LocalMesh(str(tiny_models["llama"]), num_agents=3, num_stages=2, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db")) as mesh, sync_api.sync_playwright() as playwright:
-        for _ in range(3):    # something for the charts and the requests table
-            httpx.post(f"{mesh.url}/v1/completions", timeout=30,
-                       json={"model": MODEL, "prompt": "The mesh", "max_tokens": 12}).raise_for_status()
-        browser, page = launch(playwright)
-        errors = collect_errors(page)
+    with sync_api.sync_playwright() as playwright:
+        browser, page = launch(playwright, color_scheme="light")
+        errors = collect_errors(page, expected_statuses=(401,))    # /whoami before login
         page.goto(f"{mesh.url}/admin/")
 
+        expect(page.get_by_test_id("login-form")).to_be_visible()
+        expect(page.get_by_test_id("dashboard")).to_be_hidden()
+        expect(page.get_by_test_id("logout-button")).to_be_hidden()
+        login = shoot(page, "login.png")
+        log_in(page, *OPERATOR)
+
         expect(page.get_by_test_id("agent-row")).to_have_count(3, timeout=15_000)
+        expect(page.get_by_test_id("login-form")).to_be_hidden()
+        expect(page.get_by_test_id("user-name")).to_have_text(OPERATOR[0])
+        expect(page.get_by_test_id("user-role")).to_have_text("operator")
+        expect(page.get_by_test_id("logout-button")).to_be_visible()
+        expect(page.get_by_test_id("insecure-banner")).to_be_hidden()
+        expect(page.get_by_test_id("deploy-form")).to_be_visible()
+        expect(page.get_by_test_id("replan-button")).to_have_count(1)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="active"]')).to_have_count(2)
         expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live", timeout=10_000)
         expect(page.get_by_test_id("topology-node")).to_have_count(3)
@@ -74,9 +133,7 @@ def test_the_ui_shows_the_mesh_and_a_drain_from_it_moves_the_stage(tiny_models: 
 
         page.get_by_test_id("request-row").first.click()      # the trace timeline of a request
         expect(page.locator('[data-testid="trace-timeline"] rect.span-compute').first).to_be_attached()
-        before = ARTIFACTS / "before-drain.png"
-        page.evaluate("window.scrollTo(0, 0)")      # the sticky header at the top of a full-page shot
-        page.screenshot(path=str(before), full_page=True)
+        before = shoot(page, "before-drain.png")
 
         page.locator(f'[data-testid="drain-button"][data-agent-id="{drained}"]').click()
         expect(page.get_by_test_id("confirm-dialog")).to_be_visible()
@@ -88,15 +145,85 @@ def test_the_ui_shows_the_mesh_and_a_drain_from_it_moves_the_stage(tiny_models: 
         expect(row.get_by_test_id("agent-state")).to_have_text("drained", timeout=30_000)
         expect(row.get_by_test_id("drain-status")).to_have_attribute("data-drain-state", "drained")
         expect(page.locator(f'[data-testid="placement-segment"][data-agent-id="{drained}"]')).to_have_count(0)
-        after = ARTIFACTS / "after-drain.png"
-        page.evaluate("window.scrollTo(0, 0)")
-        page.screenshot(path=str(after), full_page=True)
+        after = shoot(page, "after-drain.png")
         browser.close()
-        plans = httpx.get(f"{mesh.url}/admin/api/plans").json()["plans"]
-    print(f"\nadmin UI screenshots: {before} {after}")
+    plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).raise_for_status().json()["plans"]
+    print(f"\nadmin UI screenshots: {login} {before} {after}")
     assert errors == [], errors
     active = next(p for p in plans if p["state"] == "active")
     assert {s["agent_id"] for s in active["stages"]} == {spare} | (serving - {drained})   # what the UI showed
+
+
+POST_FROM_PAGE = """async (path) => {
+    const response = await fetch(path, { method: "POST" });
+    return { status: response.status, body: await response.json() };
+}"""
+
+
+@needs_chromium
+def test_a_viewer_sees_the_mesh_but_no_operator_controls(mesh: LocalMesh) -> None:
+    """A wrong password shows an error and no dashboard (and starts no stream); the viewer then sees the agents
+    but no Drain, Re-plan or deploy form, and a drain POSTed with their session gets 403. A session that ends
+    (the password was reset) brings the login form back; Log out does too."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
+    expect = sync_api.expect
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as playwright:
+        browser, page = launch(playwright, color_scheme="dark")
+        errors = collect_errors(page, expected_statuses=(401, 403))
+        calls: list[str] = []
+        page.on("request", lambda r: calls.append(urlparse(r.url).path) if "/admin/api/" in r.url else None)
+        page.goto(f"{mesh.url}/admin/")
+
+        log_in(page, VIEWER[0], "not-the-password")
+        expect(page.get_by_test_id("login-error")).to_have_text("Wrong username or password.")
+        expect(page.get_by_test_id("login-form")).to_be_visible()
+        expect(page.get_by_test_id("dashboard")).to_be_hidden()
+        expect(page.get_by_test_id("connection")).to_be_hidden()
+        expect(page.get_by_test_id("user-name")).to_be_hidden()
+        expect(page.get_by_test_id("agent-row")).to_have_count(0)
+        page.wait_for_timeout(1500)                 # long enough for a stream or a poll to have started
+        assert set(calls) == {"/admin/api/whoami", "/admin/api/login"}, calls
+        set_theme(page, "dark")
+        login_error = shoot(page, "login-error-dark.png")
+
+        log_in(page, *VIEWER)
+        expect(page.get_by_test_id("agent-row")).to_have_count(3, timeout=15_000)
+        expect(page.get_by_test_id("login-form")).to_be_hidden()
+        expect(page.get_by_test_id("user-name")).to_have_text(VIEWER[0])
+        expect(page.get_by_test_id("user-role")).to_have_text("viewer")
+        expect(page.get_by_test_id("logout-button")).to_be_visible()
+        expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live", timeout=10_000)
+        expect(page.locator('[data-testid="placement-segment"][data-plan-state="active"]')).to_have_count(2)
+        expect(page.get_by_test_id("model-row")).to_have_count(1)
+        expect(page.get_by_test_id("drain-button")).to_have_count(0)       # hidden, not merely disabled
+        expect(page.get_by_test_id("replan-button")).to_have_count(0)
+        expect(page.get_by_test_id("deploy-form")).to_be_hidden()
+
+        refused = page.evaluate(POST_FROM_PAGE, f"/admin/api/agents/{mesh.agent_ids[0]}/drain")
+        assert refused["status"] == 403, refused
+        assert refused["body"]["error"]["code"] == "insufficient_role", refused
+        viewer_dark = shoot(page, "viewer-dark.png")
+        set_theme(page, "light")
+        viewer_light = shoot(page, "viewer-light.png")
+
+        mesh.add_user(*VIEWER, "viewer")         # a new password ends the user's sessions: the next call gets 401
+        expect(page.get_by_test_id("login-form")).to_be_visible(timeout=10_000)
+        expect(page.get_by_test_id("login-note")).to_contain_text("session has ended")
+        expect(page.get_by_test_id("dashboard")).to_be_hidden()
+        expect(page.get_by_test_id("user-name")).to_be_hidden()
+
+        log_in(page, *VIEWER)                   # back in; then out through the header's button
+        expect(page.get_by_test_id("agent-row")).to_have_count(3, timeout=15_000)
+        page.get_by_test_id("logout-button").click()
+        expect(page.get_by_test_id("login-form")).to_be_visible()
+        expect(page.get_by_test_id("login-note")).to_contain_text("logged out")
+        expect(page.get_by_test_id("dashboard")).to_be_hidden()
+        whoami = page.evaluate("fetch('/admin/api/whoami').then((r) => r.status)")
+        browser.close()
+    print(f"\nadmin UI screenshots: {login_error} {viewer_dark} {viewer_light}")
+    assert whoami == 401
+    assert errors == [], errors
 
 
 # ---- a larger mesh from fixed JSON: layout at 12 agents on 3 sites, GPUs, hostile names, the dark theme ----
@@ -160,9 +287,15 @@ def fixture_snapshot(now: float) -> dict:
             "stats": stats, "events": events}
 
 
-def fixture_api(route, snapshot: dict) -> None:
-    """Serves the UI's files and the admin API's answers from fixed data, as the coordinator would."""
+def fixture_api(route, snapshot: dict, user: dict = INSECURE_USER, refuse: str = "") -> None:
+    """Serves the UI's files and the admin API's answers from fixed data, as the coordinator would: /whoami
+    names user (the insecure development mode's by default); refuse: every POST gets 403 with this message."""
     path = urlparse(route.request.url).path
+    if path == "/admin/api/whoami":
+        return route.fulfill(status=200, content_type="application/json", body=json.dumps({"user": user}))
+    if refuse and route.request.method == "POST":
+        return route.fulfill(status=403, content_type="application/json", body=json.dumps(
+            {"error": {"message": refuse, "type": "permission_error", "param": None, "code": "insufficient_role"}}))
     if path == "/admin/" or path.startswith("/admin/static/"):
         static = "index.html" if path == "/admin/" else path.removeprefix("/admin/static/")
         kind = {"html": "text/html", "js": "text/javascript", "css": "text/css"}[static.rsplit(".", 1)[1]]
@@ -181,7 +314,8 @@ def fixture_api(route, snapshot: dict) -> None:
 
 @needs_chromium
 def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
-    """12 agents on 3 sites, a standby plan, 8-GPU boxes, a hostile agent name; any 404 shows as a console error."""
+    """12 agents on 3 sites, a standby plan, 8-GPU boxes, a hostile agent name; any 404 shows as a console error.
+    The mesh runs --insecure: a red banner says so, everyone is an operator, there is no Log out."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
     expect = sync_api.expect
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -192,6 +326,11 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         page.route("http://mesh.test/**", lambda route: fixture_api(route, snapshot))
         page.goto("http://mesh.test/admin/")
         expect(page.get_by_test_id("agent-row")).to_have_count(12, timeout=10_000)
+        expect(page.get_by_test_id("insecure-banner")).to_be_visible()
+        expect(page.get_by_test_id("insecure-banner")).to_contain_text("INSECURE DEVELOPMENT MODE: no authentication")
+        expect(page.get_by_test_id("user-role")).to_have_text("operator")
+        expect(page.get_by_test_id("logout-button")).to_be_hidden()
+        expect(page.get_by_test_id("login-form")).to_be_hidden()
         expect(page.get_by_test_id("topology-node")).to_have_count(12)
         expect(page.get_by_test_id("topology-site")).to_have_count(3)
         expect(page.get_by_test_id("placement-segment")).to_have_count(8)
@@ -212,4 +351,35 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         browser.close()
     print(f"\nadmin UI screenshot: {shot}")
     assert pwned is None and injected == 0
+    assert errors == [], errors
+
+
+@needs_chromium
+def test_an_action_refused_with_403_says_why_in_a_toast() -> None:
+    """An operator's session whose POSTs get 403 (say, the user was made a viewer since): the toast shows the
+    coordinator's message, and the dashboard stays."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
+    expect = sync_api.expect
+    snapshot = fixture_snapshot(time.time())
+    message = "ops has the viewer role; this needs operator"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as playwright:
+        browser, page = launch(playwright, color_scheme="light")
+        errors = collect_errors(page, expected_statuses=(403,))
+        user = {"name": "ops", "role": "operator", "kind": "user"}
+        page.route("http://mesh.test/**", lambda route: fixture_api(route, snapshot, user=user, refuse=message))
+        page.goto("http://mesh.test/admin/")
+        expect(page.get_by_test_id("insecure-banner")).to_be_hidden()
+        expect(page.get_by_test_id("logout-button")).to_be_visible()
+        page.locator('[data-testid="replan-button"][data-model-id="llama-8b"]').click()
+        toast = page.locator('[data-testid="toast"][data-kind="error"]')
+        expect(toast).to_contain_text(f"Re-plan of llama-8b failed: {message}")
+        page.locator('[data-testid="drain-button"][data-agent-id="c1"]').click()
+        page.get_by_test_id("confirm-accept").click()
+        expect(toast.nth(1)).to_contain_text(f"refused: {message}")
+        expect(page.get_by_test_id("agent-row")).to_have_count(12)
+        expect(page.get_by_test_id("login-form")).to_be_hidden()
+        shot = ARTIFACTS / "refused-403.png"
+        page.screenshot(path=str(shot))
+        browser.close()
     assert errors == [], errors

@@ -26,9 +26,9 @@ async def _complete(client: httpx.AsyncClient, url: str, model: str, prompt: lis
     return response.json()
 
 
-async def _complete_all(url: str, model: str, jobs: list[tuple[list[int], int]]) -> list[dict]:
-    async with httpx.AsyncClient() as client:
-        return await asyncio.gather(*(_complete(client, url, model, p, n) for p, n in jobs))
+async def _complete_all(mesh: LocalMesh, model: str, jobs: list[tuple[list[int], int]]) -> list[dict]:
+    async with httpx.AsyncClient(headers=mesh.headers) as client:
+        return await asyncio.gather(*(_complete(client, mesh.url, model, p, n) for p, n in jobs))
 
 
 def _jobs(model_dir: Path, num: int) -> list[tuple[list[int], int]]:
@@ -39,7 +39,7 @@ def _jobs(model_dir: Path, num: int) -> list[tuple[list[int], int]]:
 def test_sixteen_concurrent_requests_each_equal_their_own_reference(llama_mesh: LocalMesh, tiny_models) -> None:
     model_dir = tiny_models["llama"]
     jobs = _jobs(model_dir, 16)
-    results = asyncio.run(_complete_all(llama_mesh.url, model_dir.name, jobs))
+    results = asyncio.run(_complete_all(llama_mesh, model_dir.name, jobs))
     for (prompt, max_tokens), result in zip(jobs, results, strict=True):
         assert result["choices"][0]["token_ids"] == greedy_tokens(model_dir, prompt, max_tokens)
 
@@ -47,7 +47,7 @@ def test_sixteen_concurrent_requests_each_equal_their_own_reference(llama_mesh: 
 def test_a_repeated_prefix_is_served_from_the_cache_and_reported(llama_mesh: LocalMesh, tiny_models) -> None:
     model_dir = tiny_models["llama"]
     prefix = encode(model_dir, TEXT * 3)[:100]
-    first, second = (asyncio.run(_complete_all(llama_mesh.url, model_dir.name, [(prefix + tail, 8)]))[0]
+    first, second = (asyncio.run(_complete_all(llama_mesh, model_dir.name, [(prefix + tail, 8)]))[0]
                      for tail in ([11, 12, 13], [21, 22]))
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96     # 6 whole blocks of 16
@@ -61,7 +61,7 @@ def test_preempted_sessions_are_replayed_and_stay_exact(tiny_models, tmp_path: P
                      agent_args=["--kv-cache-gib", str(160 / (1 << 20))])
     jobs = [(encode(model_dir, TEXT)[i:i + 20], 24) for i in range(6)]    # 6 x 44 tokens > 80 slots
     with mesh:
-        results = asyncio.run(_complete_all(mesh.url, model_dir.name, jobs))
+        results = asyncio.run(_complete_all(mesh, model_dir.name, jobs))
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("agent*.log"))
     for (prompt, max_tokens), result in zip(jobs, results, strict=True):
         assert result["choices"][0]["token_ids"] == greedy_tokens(model_dir, prompt, max_tokens)

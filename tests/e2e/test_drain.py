@@ -40,7 +40,8 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(drain_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8}).json()["requests"]
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
+                            headers=mesh.headers).json()["requests"]
         drained = mesh.agent_index(run.killed_address)
         assert mesh.agents[drained].wait(timeout=30) == 0, "the drained agent exits by itself, cleanly"
         spare_address = run.routes_after[0][1]
@@ -48,7 +49,8 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
         drained_id = mesh.agent_ids[drained]
         on_spare = samples(f"http://{mesh.agent_metrics[spare]}")
         coordinator = samples(mesh.url)
-        states = {a["agent_id"]: a["state"] for a in httpx.get(f"{mesh.url}/admin/api/agents").json()["agents"]}
+        agents = httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]
+        states = {a["agent_id"]: a["state"] for a in agents}
     assert run.drain_exit == 0 and "drained" in run.drain_output, run.drain_output
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # identical, none lost

@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -59,19 +58,20 @@ def assert_close_to(got: list[list[float]], expected: torch.Tensor) -> None:
     assert float(cosine.min()) > MIN_COSINE and max_diff < MAX_ABS_DIFF
 
 
-def stage_infos(addresses: list[str]) -> list[pb.StageInfo]:
+def stage_infos(mesh: LocalMesh) -> list[pb.StageInfo]:
     async def info(address: str) -> pb.StageInfo:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with mesh.channel(address) as channel:
             return await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=10)
 
-    return [asyncio.run(info(a)) for a in addresses]
+    return [asyncio.run(info(a)) for a in mesh.agent_addresses]
 
 
 def test_embeddings_over_two_stages_equal_transformers(mesh: LocalMesh, tiny_embedding_model: Path) -> None:
     expected, counts = reference(tiny_embedding_model, TEXTS)
     assert counts[2] > 512     # the long one is prefilled in two chunks
     model = tiny_embedding_model.name
-    response = httpx.post(f"{mesh.url}/v1/embeddings", json={"model": model, "input": TEXTS}, timeout=120)
+    response = httpx.post(f"{mesh.url}/v1/embeddings", json={"model": model, "input": TEXTS}, timeout=120,
+                          headers=mesh.headers)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "list" and body["model"] == model
@@ -80,14 +80,14 @@ def test_embeddings_over_two_stages_equal_transformers(mesh: LocalMesh, tiny_emb
     assert_close_to([d["embedding"] for d in body["data"]], expected)
     assert float(expected[0] @ expected[1]) < 0.9     # the texts' vectors differ: a mix-up would show
 
-    with Mesh(mesh.url) as sdk:                        # the mesh serves one model: model= may be left out
+    with Mesh(mesh.url, api_key=mesh.api_key) as sdk:      # the mesh serves one model: model= may be left out
         assert [m.task for m in sdk.models()] == ["embed"]
         assert_close_to(sdk.embed(TEXTS), expected)
-    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused")    # it asks for base64
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key)    # it asks for base64
     assert_close_to([d.embedding for d in client.embeddings.create(model=model, input=TEXTS).data], expected)
-    models = httpx.get(f"{mesh.url}/v1/models", timeout=30).json()["data"]
+    models = httpx.get(f"{mesh.url}/v1/models", timeout=30, headers=mesh.headers).json()["data"]
     assert [(m["id"], m["task"]) for m in models] == [(model, "embed")]
-    infos = stage_infos(mesh.agent_addresses)
+    infos = stage_infos(mesh)
     ranges = sorted((i.assignments[0].stage.start_layer, i.assignments[0].stage.end_layer) for i in infos)
     assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 6
     assert [i.num_sessions for i in infos] == [0, 0]      # every session ended on both stages
@@ -106,10 +106,10 @@ def test_bad_input_gets_a_400_and_the_mesh_serves_on(mesh: LocalMesh, tiny_embed
          "model_not_generative"),
     ]
     for path, body, param, code in cases:
-        response = httpx.post(f"{url}{path}", json=body, timeout=30)
+        response = httpx.post(f"{url}{path}", json=body, timeout=30, headers=mesh.headers)
         assert response.status_code == 400, (body, response.text)
         error = response.json()["error"]
         assert (error["param"], error["code"]) == (param, code), error
     expected, _ = reference(tiny_embedding_model, TEXTS[:1])
-    with Mesh(url) as sdk:
+    with Mesh(url, api_key=mesh.api_key) as sdk:
         assert_close_to(sdk.embed(TEXTS[0], model=model), expected)

@@ -7,7 +7,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 
@@ -30,7 +29,8 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8}).json()["requests"]
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
+                            headers=mesh.headers).json()["requests"]
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # none repeated, none missing
     assert len(run.routes_after) == 8 and all(run.killed_address not in r for r in run.routes_after)
@@ -40,11 +40,11 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
           f"max {max(run.stalls) * 1e3:.0f} ms over {len(run.stalls)} streams")
 
 
-async def num_sessions(addresses: list[str]) -> list[int]:
+async def num_sessions(mesh: LocalMesh) -> list[int]:
     """Open sessions on each agent, by its Stage.Info."""
     out = []
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
+    for address in mesh.agent_addresses:
+        async with mesh.channel(address) as channel:
             out.append((await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=10)).num_sessions)
     return out
 
@@ -59,18 +59,19 @@ def test_a_coordinator_crash_cuts_its_streams_frees_the_stages_and_a_restart_ser
 
         async def crash(outcomes: list[StreamOutcome]) -> None:
             await wait_for_tokens(outcomes, 8)
-            assert sum(await num_sessions(mesh.agent_addresses)) == 2 * 3
+            assert sum(await num_sessions(mesh)) == 2 * 3
             mesh.kill_coordinator()
 
-        cut = asyncio.run(run_streams(mesh.url, MODEL, jobs, during=crash))
+        cut = asyncio.run(run_streams(mesh.url, MODEL, jobs, during=crash, headers=mesh.headers))
         assert all(o.error and 8 <= len(o.tokens) < 400 for o in cut)
         deadline = time.monotonic() + 10
-        while sum(left := asyncio.run(num_sessions(mesh.agent_addresses))) and time.monotonic() < deadline:
+        while sum(left := asyncio.run(num_sessions(mesh))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert left == [0, 0, 0]
         mesh.start_coordinator(deploy=False)        # the model and its plan come from the registry
         mesh.wait_ready(60)
-        again = asyncio.run(run_streams(mesh.url, MODEL, [replace(j, max_tokens=8) for j in jobs]))
+        again = asyncio.run(run_streams(mesh.url, MODEL, [replace(j, max_tokens=8) for j in jobs],
+                                        headers=mesh.headers))
     assert [o.tokens for o in again] == [o.tokens[:8] for o in cut]
 
 
@@ -81,20 +82,21 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
     long_jobs = make_jobs(8, vocab, prompt_len=20, max_tokens=240, seed=7)
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
-        reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs))
+        reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, headers=mesh.headers))
         joined: dict[str, int] = {}
 
         async def join(outcomes: list[StreamOutcome]) -> None:
             await wait_for_tokens(outcomes, 8)
             await asyncio.to_thread(mesh.start_agent, 3)
-            async with httpx.AsyncClient(timeout=10) as client:
+            async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
                 while len([a for a in (await client.get(f"{mesh.url}/admin/api/agents")).json()["agents"]
                            if a["state"] == "connected"]) < 4:
                     await asyncio.sleep(0.05)
             joined["tokens"] = min(len(o.tokens) for o in outcomes)
 
-        during_join = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, during=join))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8}).json()["requests"]
+        during_join = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, during=join, headers=mesh.headers))
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
+                            headers=mesh.headers).json()["requests"]
         assert joined["tokens"] < 240                                     # it joined while they streamed
         assert [o.tokens for o in during_join] == [o.tokens for o in reference]
         assert [r["num_failovers"] for r in records] == [0] * 8          # nobody was moved

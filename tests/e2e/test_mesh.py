@@ -6,7 +6,6 @@ import asyncio
 import threading
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -27,7 +26,7 @@ PROMPT = "The mesh carries every layer of the model from the edge to the cloud a
 def complete_ids(mesh: LocalMesh, model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
     body = {"model": model_dir.name, "prompt": prompt_ids, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120, headers=mesh.headers)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length"
@@ -49,7 +48,7 @@ def test_greedy_generation_equals_transformers(arch: str, tiny_models: dict[str,
 
 
 def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_models) -> None:
-    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key)
     model = tiny_models["llama"].name
     messages = [{"role": "user", "content": "Where do the layers of the model live?"}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
@@ -66,13 +65,13 @@ def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
-async def _stage_info(address: str) -> pb.StageInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _stage_info(mesh: LocalMesh, address: str) -> pb.StageInfo:
+    async with mesh.channel(address) as channel:
         return await pb_grpc.StageStub(channel).Info(pb.StageInfoRequest(), timeout=10)
 
 
 def test_each_stage_holds_only_its_own_layers(llama_mesh: LocalMesh) -> None:
-    infos = [asyncio.run(_stage_info(a)) for a in llama_mesh.agent_addresses]
+    infos = [asyncio.run(_stage_info(llama_mesh, a)) for a in llama_mesh.agent_addresses]
     ranges = []
     for info in infos:
         (assignment,) = info.assignments
@@ -110,11 +109,11 @@ def test_bad_requests_get_4xx_while_a_generation_completes(llama_mesh: LocalMesh
         ({**good, "temperature": -1}, 400),
     ]
     for body, status in cases:
-        response = httpx.post(url, json=body, timeout=30)
+        response = httpx.post(url, json=body, timeout=30, headers=llama_mesh.headers)
         assert response.status_code == status, (body, response.text)
         _error(response)
     malformed = httpx.post(url, content=b'{"model": "x", "prompt": ', timeout=30,
-                           headers={"Content-Type": "application/json"})
+                           headers={"Content-Type": "application/json", **llama_mesh.headers})
     assert malformed.status_code == 400
     _error(malformed)
     runner.join(timeout=120)
@@ -145,7 +144,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_still_matches(llama_mesh: Loca
 
 
 def _completion(mesh: LocalMesh, body: dict) -> dict:
-    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120)
+    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120, headers=mesh.headers)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
 

@@ -37,7 +37,7 @@ def completion(mesh: LocalMesh) -> tuple[dict, float]:
     body = {"model": "tiny-llama", "prompt": "The mesh", "max_tokens": NUM_TOKENS, "temperature": 0,
             "ignore_eos": True}
     # One client, warmed: a new httpx client costs tens of milliseconds before it sends anything.
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=mesh.headers) as client:
         client.post(f"{mesh.url}/v1/completions", json={**body, "max_tokens": 2}).raise_for_status()
         start = time.perf_counter()
         response = client.post(f"{mesh.url}/v1/completions", json=body)
@@ -58,7 +58,7 @@ def _value(family, suffix: str = "", **labels: str) -> float:
 
 def test_a_three_stage_trace_has_a_span_per_stage_per_step_summing_to_the_latency(mesh, completion) -> None:
     answer, latency_s = completion
-    trace = httpx.get(f"{mesh.url}/admin/api/requests/{answer['id']}/trace", timeout=10).json()
+    trace = httpx.get(f"{mesh.url}/admin/api/requests/{answer['id']}/trace", timeout=10, headers=mesh.headers).json()
     assert trace["state"] == "finished" and trace["unreachable"] == [] and len(trace["route"]) == 3
     by_step: dict[int, dict[tuple, float]] = defaultdict(dict)
     for span in trace["spans"]:
@@ -111,7 +111,7 @@ def test_every_agent_serves_metrics_with_per_stage_compute_and_per_hop_transfer(
 def test_heartbeat_telemetry_is_kept_per_agent(mesh, completion) -> None:
     deadline = time.monotonic() + 10
     while True:
-        agents = httpx.get(f"{mesh.url}/admin/api/agents", timeout=10).json()["agents"]
+        agents = httpx.get(f"{mesh.url}/admin/api/agents", timeout=10, headers=mesh.headers).json()["agents"]
         if all(a["telemetry"] and a["telemetry"]["stages"] for a in agents) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -119,13 +119,15 @@ def test_heartbeat_telemetry_is_kept_per_agent(mesh, completion) -> None:
     for agent in agents:
         (stage,) = agent["telemetry"]["stages"]
         assert stage["kv_blocks_total"] > 0 and agent["metrics_address"] in mesh.agent_metrics
-        history = httpx.get(f"{mesh.url}/admin/api/agents/{agent['agent_id']}/telemetry", timeout=10).json()
+        history = httpx.get(f"{mesh.url}/admin/api/agents/{agent['agent_id']}/telemetry", timeout=10,
+                            headers=mesh.headers).json()
         assert len(history["telemetry"]) >= 1
 
 
 def test_agent_logs_are_json_with_agent_and_trace_ids(mesh, completion) -> None:
     answer, _ = completion
-    trace_id = httpx.get(f"{mesh.url}/admin/api/requests/{answer['id']}", timeout=10).json()["trace_id"]
+    trace_id = httpx.get(f"{mesh.url}/admin/api/requests/{answer['id']}", timeout=10,
+                         headers=mesh.headers).json()["trace_id"]
     records = [json.loads(line) for index in range(3)
                for line in Path(mesh.log_dir, f"agent{index}.log").read_text().splitlines() if line.startswith("{")]
     assert records and all(r.get("agent_id") for r in records)
@@ -134,5 +136,5 @@ def test_agent_logs_are_json_with_agent_and_trace_ids(mesh, completion) -> None:
 
 
 def test_an_unknown_request_trace_is_a_404(mesh) -> None:
-    response = httpx.get(f"{mesh.url}/admin/api/requests/cmpl-nope/trace", timeout=10)
+    response = httpx.get(f"{mesh.url}/admin/api/requests/cmpl-nope/trace", timeout=10, headers=mesh.headers)
     assert response.status_code == 404 and "cmpl-nope" in response.json()["error"]["message"]

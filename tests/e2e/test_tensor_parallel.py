@@ -28,7 +28,8 @@ CLOUD = ["--ranks", "2", "--tier", "cloud"]
 
 
 def active_plan(mesh: LocalMesh) -> dict:
-    (plan,) = [p for p in httpx.get(f"{mesh.url}/admin/api/plans").json()["plans"] if p["state"] == "active"]
+    plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
+    (plan,) = [p for p in plans if p["state"] == "active"]
     return plan
 
 
@@ -76,7 +77,8 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
         rank_pids = mesh.rank_pids(group_agent)
         run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, jobs, stage=index, rank=1))
         exit_code = mesh.agents[group_agent].wait(timeout=30)
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 6}).json()["requests"]
+        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 6},
+                            headers=mesh.headers).json()["requests"]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and stage["agent_id"] in str(active_plan(mesh)["stages"]):
             time.sleep(0.2)

@@ -125,6 +125,9 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
     (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1], start_pos=-1)), "start_pos"),
     (pb.StageMessage(chunk=pb.StepChunk(session_id="s")), "token_ids is empty"),
     (pb.StageMessage(chunk=pb.StepChunk(token_ids=[1])), "session_id"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="a b", token_ids=[1])), "session_id"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s" * 129, token_ids=[1])), "session_id"),
+    (pb.StageMessage(close=pb.SessionClose(session_id="s\x00")), "session_id"),
     (pb.StageMessage(batch=pb.StepBatch(chunks=[pb.StepChunk(session_id="s", token_ids=[1])],
                                         hidden=pb.Tensor(dtype="float32", shape=[-1, 4]))), "negative"),
     (pb.StageMessage(batch=pb.StepBatch(chunks=[pb.StepChunk(session_id="s", token_ids=[1, 2])],
@@ -150,6 +153,12 @@ def test_bad_stage_messages_name_the_field(message: pb.StageMessage, field: str)
     (pb.Register(agent_id="a", stage_address="h:70000"), "stage_address"),
     (pb.Register(agent_id="a", stage_address="h:1", held=[pb.Assignment(
         assignment_id="x", stage=pb.StageSpec(start_layer=3, end_layer=2, num_layers=4))]), "layer range"),
+    (pb.Register(agent_id="a", stage_address="h:1", held=[pb.Assignment(
+        assignment_id="x", stage=pb.StageSpec(start_layer=0, end_layer=2, num_layers=4, device="tpu:0"))]),
+     "device"),
+    (pb.Register(agent_id="a", stage_address="h:1", held=[pb.Assignment(
+        assignment_id="x", stage=pb.StageSpec(start_layer=0, end_layer=2, num_layers=4, dtype="float64"))]),
+     "dtype"),
 ])
 def test_bad_registrations_name_the_field(register: pb.Register, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -26,10 +27,11 @@ from stratamesh.bench.metrics import (
     parse_goodput,
     percentile,
 )
-from stratamesh.bench.options import ServeOptions
+from stratamesh.bench.options import ServeOptions, add_serve_arguments, options_from_args
 from stratamesh.bench.report import format_json, format_report
 from stratamesh.bench.serve import (
     arrival_offsets_s,
+    auth_headers,
     parse_sse_line,
     record_from_stream,
     request_body,
@@ -226,6 +228,22 @@ def test_bad_options_are_named_errors(kwargs: dict) -> None:
         ServeOptions(**{"vocab_size": 10, **kwargs})
 
 
+def _parse(*argv: str) -> ServeOptions:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return options_from_args(parser.parse_args(["--vocab-size", "10", *argv]))
+
+
+def test_api_key_comes_from_the_flag_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STRATAMESH_API_KEY", raising=False)
+    assert _parse().api_key == "" and auth_headers("") == {}
+    monkeypatch.setenv("STRATAMESH_API_KEY", "from-env")
+    assert _parse().api_key == "from-env"
+    options = _parse("--api-key", "from-flag")
+    assert options.api_key == "from-flag" and "from-flag" not in repr(options)
+    assert auth_headers(options.api_key) == {"Authorization": "Bearer from-flag"}
+
+
 # ------------------------------------------------------------------ end to end
 @pytest.mark.slow
 def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
@@ -235,8 +253,8 @@ def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
     with LocalMesh(str(folder), num_agents=2, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         result = subprocess.run(
-            [sys.executable, "-m", "stratamesh.cli", "bench", "serve", "--url", mesh.url, "--tokenizer",
-             str(folder), "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "12",
+            [sys.executable, "-m", "stratamesh.cli", "bench", "serve", "--url", mesh.url, "--api-key", mesh.api_key,
+             "--tokenizer", str(folder), "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "12",
              "--output-len", "5", "--goodput", "ttft:60000", "--json"],
             check=False, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -54,23 +54,34 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("insecure", [False, True])
+def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path, insecure: bool) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", "2", "--http-port", "0"],
+    up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", "2", "--http-port", "0",
+                           *(["--insecure"] if insecure else [])],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        url, lines = None, []
+        lines: list[str] = []
         deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            lines.append(line)
-            match = re.search(r"API\s+(http://\S+)/v1", line)
-            url = match.group(1) if match else None
-        assert url, "".join(lines)
+        while not lines or "Ctrl-C stops" not in lines[-1] and time.monotonic() < deadline and up.poll() is None:
+            lines.append(up.stdout.readline())
+        text = "".join(lines)
+        url = re.search(r"API\s+(http://\S+)/v1", text)
+        assert url, text
+        url = url.group(1)
         children = _children(up.pid)
         assert len(children) == 3                         # a coordinator and 2 agents
         body = {"model": "tiny-llama", "prompt": "The mesh", "max_tokens": 8}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        if insecure:
+            assert "INSECURE DEVELOPMENT MODE" in text and "API key" not in text
+            headers = {}
+        else:
+            key = re.search(r"API key (sk-sm-\S+)", text)
+            assert key and "--join-token smj1." in text, text
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+            headers = {"Authorization": f"Bearer {key.group(1)}"}
+            assert f"Authorization: Bearer {key.group(1)}" in text       # the printed curl works as printed
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
@@ -95,5 +106,7 @@ def test_up_shows_a_call_the_model_serves(tmp_path: Path, architecture: str, end
     from stratamesh.cli import _example_call
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
-    call = _example_call("http://127.0.0.1:8000", str(tmp_path), "m")
+    call = _example_call("http://127.0.0.1:8000", str(tmp_path), "m", "sk-sm-0a1b2c3d-secret")
     assert f"http://127.0.0.1:8000{endpoint}" in call and field in call and '"model": "m"' in call
+    assert "Authorization: Bearer sk-sm-0a1b2c3d-secret" in call
+    assert "Authorization" not in _example_call("http://127.0.0.1:8000", str(tmp_path), "m")   # --insecure

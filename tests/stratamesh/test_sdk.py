@@ -41,6 +41,12 @@ def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield mesh
 
 
+def api_key(mesh: Mesh) -> str:
+    """The operator key of the mesh Mesh.local started, for a second client of it."""
+    assert mesh.local_mesh is not None
+    return mesh.local_mesh.api_key
+
+
 def num_running(mesh: Mesh) -> float:
     """The coordinator's vllm:num_requests_running gauge."""
     text = httpx.get(f"{mesh.url}/metrics", timeout=10).text
@@ -108,7 +114,7 @@ def test_messages_may_be_dataclasses(mesh: Mesh) -> None:
 
 async def test_async_client_gives_the_same_answers(mesh: Mesh) -> None:
     expected = mesh.chat(QUESTION, max_tokens=20).content
-    async with AsyncMesh(mesh.url) as client:
+    async with AsyncMesh(mesh.url, api_key=api_key(mesh)) as client:
         whole = await client.chat(QUESTION, max_tokens=20)
         stream = await client.chat(QUESTION, max_tokens=20, stream=True)
         async with stream:
@@ -164,7 +170,7 @@ def test_embed_raises_a_clear_error(mesh: Mesh, model_dir: Path) -> None:
 
 
 async def test_async_errors(mesh: Mesh) -> None:
-    async with AsyncMesh(mesh.url) as client:
+    async with AsyncMesh(mesh.url, api_key=api_key(mesh)) as client:
         with pytest.raises(NotFoundError, match="does not exist"):
             await client.generate(PROMPT, model="no-such-model", stream=True)
         with pytest.raises(BadRequestError):
@@ -186,7 +192,7 @@ def test_leaving_a_stream_early_stops_the_generation(mesh: Mesh) -> None:
 
 
 async def test_leaving_an_async_stream_early_stops_the_generation(mesh: Mesh) -> None:
-    async with AsyncMesh(mesh.url) as client:
+    async with AsyncMesh(mesh.url, api_key=api_key(mesh)) as client:
         async with await client.chat(QUESTION, max_tokens=1500, stream=True) as stream:
             async for chunk in stream:
                 if chunk.content:
@@ -212,13 +218,13 @@ def test_local_mesh_stops_its_processes_on_an_exception(model_dir: Path, tmp_pat
     with pytest.raises(RuntimeError, match="boom"), Mesh.local(model_dir, agents=1, log_dir=str(tmp_path)) as mesh:
         assert mesh.local_mesh is not None and mesh.local_mesh.coordinator is not None
         pids = [mesh.local_mesh.coordinator.pid, *(p.pid for p in mesh.local_mesh.agents)]
-        url = mesh.url
+        url, key = mesh.url, api_key(mesh)
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         assert mesh.generate(PROMPT, max_tokens=3).usage.completion_tokens == 3
         raise RuntimeError("boom")
     assert not any(_alive(pid) for pid in pids)
     assert (tmp_path / "coordinator.log").exists()        # a log folder the caller gave is kept
-    with Mesh(url) as client, pytest.raises(MeshConnectionError):
+    with Mesh(url, api_key=key) as client, pytest.raises(MeshConnectionError):
         client.models()
 
 

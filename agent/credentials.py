@@ -1,0 +1,85 @@
+"""An agent's mesh identity: its key and certificate on disk, and the enrollment that obtains them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from stratamesh.fleet import pki
+from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.wire.channels import MeshTls
+from stratamesh.fleet.wire.enroll import enroll
+
+__all__ = ["NotEnrolled", "default_state_dir", "enroll", "load_credentials", "obtain_credentials",
+           "save_credentials", "stored_agent_id"]
+
+log = logging.getLogger(__name__)
+
+_FILES = ("key.pem", "cert.pem", "ca.pem")
+
+
+class NotEnrolled(MeshError):
+    """The agent holds no usable mesh certificate and was given no join token to get one."""
+
+
+def default_state_dir(mesh: str) -> str:
+    return os.path.expanduser(f"~/.local/state/stratamesh/agent-{mesh}")
+
+
+def stored_agent_id(state_dir: str) -> str:
+    """The agent id in the certificate kept in state_dir, or "" if there is none."""
+    path = Path(state_dir, "cert.pem")
+    try:
+        return pki.cert_info(path.read_bytes()).name
+    except (OSError, InvalidInput):
+        return ""
+
+
+def load_credentials(state_dir: str, agent_id: str, now: float) -> MeshTls | None:
+    """The credentials in state_dir if they are whole, ours, signed by their CA and unexpired; else None."""
+    try:
+        key_pem, cert_pem, ca_pem = (Path(state_dir, name).read_bytes() for name in _FILES)
+        info = pki.cert_info(cert_pem)
+    except (OSError, InvalidInput):
+        return None
+    problems = [why for bad, why in (
+        (info.name != agent_id, f"it names {info.name!r}, not {agent_id!r}"),
+        (info.not_after <= now, "it expired"),
+        (not pki.signed_by(cert_pem, ca_pem), "its CA did not sign it"),
+        (not pki.key_matches(key_pem, cert_pem), "the key is not its key"))
+        if bad]
+    if problems:
+        log.warning("not using the certificate in %s: %s", state_dir, "; ".join(problems))
+        return None
+    return MeshTls(ca_pem, cert_pem, key_pem)
+
+
+def save_credentials(state_dir: str, tls: MeshTls) -> None:
+    """Writes key, certificate and CA into state_dir (the key readable by its owner only)."""
+    directory = Path(state_dir)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, data in zip(_FILES, (tls.key_pem, tls.cert_pem, tls.ca_pem)):
+        tmp = directory / f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        tmp.replace(directory / name)
+
+
+async def obtain_credentials(state_dir: str, agent_id: str, mesh: str, join_token: str,
+                             find_enroll_address: Callable[[], Awaitable[str]]) -> MeshTls:
+    """The credentials kept in state_dir, or new ones from enrolling with join_token (then kept there)."""
+    tls = load_credentials(state_dir, agent_id, time.time())
+    if tls is not None:
+        return tls
+    if not join_token:
+        raise NotEnrolled(f"agent {agent_id} holds no mesh certificate in {state_dir}: start it with "
+                          "--join-token (from `stratamesh token create` on the coordinator), or run the "
+                          "whole mesh with --insecure for development")
+    tls = await enroll(await find_enroll_address(), join_token, mesh, agent_id)
+    save_credentials(state_dir, tls)
+    log.info("enrolled in mesh %s as %s; certificate kept in %s", mesh, agent_id, state_dir)
+    return tls

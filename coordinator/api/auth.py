@@ -1,0 +1,165 @@
+"""Who may call what over HTTP: an ASGI layer in front of every route, and the admin login routes.
+
+/v1 needs an API key of any role (`Authorization: Bearer sk-sm-...`); /admin/api needs a viewer to read and an
+operator to act, by API key or by the session cookie the admin UI logs in for. /health, /metrics (as in vLLM,
+for scrapers and load balancers), the UI's static files and the OpenAPI document are open.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from stratamesh.coordinator.access import Principal
+from stratamesh.coordinator.api.admission import Admission, Gate, Limits
+from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses, send_error
+
+SESSION_COOKIE = "stratamesh_session"
+INSECURE = Principal("insecure development mode", "operator", "insecure")
+_OPEN_ADMIN = {"/admin/api/login", "/admin/api/logout"}
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class Access(Protocol):
+    """What the HTTP layer asks of the access store; the coordinator's AccessStore implements it."""
+
+    def check_key(self, text: str, now: float) -> Principal | None: ...
+
+    def check_session(self, token: str, now: float) -> Principal | None: ...
+
+    def login(self, username: str, password: str, now: float) -> str | None: ...
+
+    def logout(self, token: str) -> None: ...
+
+
+def required_role(method: str, path: str) -> str | None:
+    """The least role a request needs, or None for an open route."""
+    if path == "/v1" or path.startswith("/v1/"):
+        return "client"
+    if path.startswith("/admin/api/") and path not in _OPEN_ADMIN:
+        return "viewer" if method in ("GET", "HEAD") else "operator"
+    return None
+
+
+class AccessControl:
+    """ASGI middleware: answers 401 without a valid credential and 403 for too small a role; otherwise
+    passes the request on with its principal in scope["state"]["principal"]."""
+
+    def __init__(self, app: Callable, access: Access | None, clock: Callable[[], float] = time.time) -> None:
+        self._app = app
+        self._access = access          # None: insecure development mode, everyone is an operator
+        self._clock = clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        need = required_role(scope["method"], scope["path"])
+        principal = self.principal(_headers(scope))
+        scope.setdefault("state", {})["principal"] = principal
+        if need is not None and principal is None:
+            return await send_error(send, ApiError(401, "a valid API key is required: Authorization: Bearer sk-sm-... "
+                                                   "(see `stratamesh key create`), or log in to the admin UI",
+                                              code="invalid_api_key"), {"www-authenticate": "Bearer"})
+        if need is not None and not principal.may(need):
+            return await send_error(send, ApiError(403, f"{principal.name} has the {principal.role} role; "
+                                                   f"this needs {need}", type_="permission_error",
+                                              code="insufficient_role"))
+        await self._app(scope, receive, send)
+
+    def principal(self, headers: dict[str, str]) -> Principal | None:
+        """Who sent these headers: a bearer key, else a session cookie; None if neither is valid."""
+        if self._access is None:
+            return INSECURE
+        now = self._clock()
+        scheme, _, credential = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and credential:
+            return self._access.check_key(credential.strip(), now)
+        token = _cookie(headers.get("cookie", ""), SESSION_COOKIE)
+        return self._access.check_session(token, now) if token else None
+
+
+class Login(BaseModel):
+    username: str = Field(min_length=1, max_length=64)
+    password: str = Field(min_length=1, max_length=1024)
+
+
+class UserView(BaseModel):
+    name: str
+    role: str
+    kind: str
+
+
+class WhoAmI(BaseModel):
+    user: UserView
+
+
+def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
+                secure_cookie: bool = False) -> APIRouter:
+    """POST /admin/api/login and /logout, GET /admin/api/whoami."""
+    router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+    @router.post("/login", response_model=WhoAmI, responses=error_responses(400, 401, 409))
+    async def login(body: Login) -> Any:
+        """Checks a user's password and sets the session cookie the admin UI then sends with every call."""
+        if access is None:
+            return error_response(ApiError(409, "this mesh runs --insecure: there is nothing to log in to",
+                                           code="insecure_mode"))
+        token = access.login(body.username, body.password, clock())
+        if token is None:
+            return error_response(ApiError(401, "wrong username or password", code="invalid_login"))
+        principal = access.check_session(token, clock())
+        response = JSONResponse({"user": _view(principal)})
+        response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict", secure=secure_cookie,
+                            path="/", max_age=12 * 3600)
+        return response
+
+    @router.post("/logout", status_code=204)
+    async def logout(request: Request) -> Response:
+        token = request.cookies.get(SESSION_COOKIE, "")
+        if access is not None and token:
+            access.logout(token)
+        response = Response(status_code=204)
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
+
+    @router.get("/whoami", response_model=WhoAmI, responses=error_responses(401))
+    async def whoami(request: Request) -> Any:
+        """Who this request is from: the UI asks it first, and shows the login form on 401."""
+        return {"user": _view(request.scope["state"]["principal"])}
+
+    return router
+
+
+def install_access(app: FastAPI, access: Access | None, clock: Callable[[], float] = time.time,
+                   limits: Limits = Limits()) -> Gate:
+    """Puts access control, then admission (limits per caller), in front of every route of app, and adds the
+    login routes. Returns the admission gate (its counts are the requests in flight)."""
+    gate = Gate(limits)
+    app.include_router(auth_router(access, clock))
+    app.add_middleware(Admission, gate=gate)                        # inner: it reads the principal ...
+    app.add_middleware(AccessControl, access=access, clock=clock)   # ... that this outer layer sets
+    return gate
+
+
+def _view(principal: Principal) -> dict[str, str]:
+    return {"name": principal.name, "role": principal.role, "kind": principal.kind}
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def _cookie(header: str, name: str) -> str:
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return ""

@@ -1,0 +1,192 @@
+"""The mesh's CA on disk, join tokens, and the Enroll service that turns a token into a certificate."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from stratamesh.coordinator.credentials import CredentialStore, TokenRecord
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet import pki
+from stratamesh.fleet.enrollment import (EnrollmentRefused, EnrollReply, EnrollRequest, JoinToken, check_mac,
+                                         new_token_id, reply_mac, request_mac, token_for)
+from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.wire import convert
+from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire.channels import MeshTls
+
+log = logging.getLogger(__name__)
+
+AGENT_CERT_VALID_S = 365 * 86400
+COORDINATOR_CERT_VALID_S = 30 * 86400    # re-issued at every start
+DEFAULT_TOKEN_TTL_S = 24 * 3600
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+@dataclass(frozen=True, slots=True)
+class MeshCa:
+    """The CA's key and certificate, and the key join-token secrets derive from (all PEM / bytes)."""
+
+    key_pem: bytes
+    cert_pem: bytes
+    token_key: bytes
+
+    @classmethod
+    def load_or_create(cls, directory: str | Path, mesh: str, now: float) -> MeshCa:
+        """Reads the CA from directory, creating it there (keys readable by the owner only) on first start."""
+        directory = Path(directory)
+        paths = [directory / name for name in ("ca.key", "ca.pem", "token.key")]
+        if not paths[0].exists():
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            key_pem, cert_pem = pki.create_ca(mesh, now)
+            for path, data in zip(paths, (key_pem, cert_pem, secrets.token_bytes(32))):
+                _write_private(path, data)
+            log.info("created the CA of mesh %s in %s", mesh, directory)
+        return cls(*(path.read_bytes() for path in paths))
+
+    def issue(self, csr_pem: bytes, serial: int, now: float, valid_s: float) -> bytes:
+        return pki.issue(self.key_pem, self.cert_pem, csr_pem, serial, now, valid_s)
+
+    def coordinator_tls(self, now: float) -> MeshTls:
+        """Fresh credentials for the coordinator itself, signed by this CA."""
+        key_pem = pki.new_key()
+        cert_pem = self.issue(pki.make_csr(key_pem, pki.COORDINATOR_NAME), pki.random_serial(), now,
+                              COORDINATOR_CERT_VALID_S)
+        return MeshTls(self.cert_pem, cert_pem, key_pem)
+
+
+class Enroller:
+    """Checks a join token's proof and issues the agent's certificate; creates and revokes tokens."""
+
+    def __init__(self, store: CredentialStore, ca: MeshCa, mesh: str, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._ca = ca
+        self._mesh = mesh
+        self._clock = clock
+
+    def create_token(self, ttl_s: float | None, description: str = "") -> tuple[JoinToken, TokenRecord]:
+        record = self._store.add_token(new_token_id(), self._clock(), ttl_s, description)
+        return token_for(self._ca.token_key, record.token_id), record
+
+    def tokens(self) -> list[TokenRecord]:
+        return self._store.tokens()
+
+    def revoke_token(self, token_id: str) -> None:
+        self._store.revoke_token(token_id, self._clock())
+
+    def join(self, request: EnrollRequest) -> EnrollReply:
+        """A certificate for request.agent_id; EnrollmentRefused (or InvalidInput) says why not."""
+        now = self._clock()
+        record = self._store.token(request.token_id)
+        if record is None:
+            raise EnrollmentRefused(f"unknown join token {request.token_id}")
+        if refusal := record.refusal(now):
+            raise EnrollmentRefused(refusal)
+        if request.mesh != self._mesh:
+            raise EnrollmentRefused(f"this coordinator serves mesh {self._mesh!r}, not {request.mesh!r}")
+        token = token_for(self._ca.token_key, request.token_id)
+        check_mac(request_mac(token.secret, request.mesh, request.token_id, request.agent_id, request.csr_pem),
+                  request.mac, "the request")
+        if pki.csr_name(request.csr_pem) != request.agent_id:
+            raise InvalidInput(f"the csr names {pki.csr_name(request.csr_pem)!r}, not agent {request.agent_id!r}")
+        if request.agent_id == pki.COORDINATOR_NAME:
+            raise InvalidInput(f"an agent cannot be called {pki.COORDINATOR_NAME!r}")
+        cert_pem = self._issue(request.csr_pem, request.agent_id, request.token_id, now)
+        log.info("enrolled agent %s with token %s", request.agent_id, request.token_id)
+        return EnrollReply(cert_pem, self._ca.cert_pem,
+                           reply_mac(token.secret, request.mac, cert_pem, self._ca.cert_pem))
+
+    def issue_local(self, name: str) -> MeshTls:
+        """Credentials for a process on the coordinator's own box that holds its CA files (the launcher, a test
+        client): no token needed, and the certificate is recorded, so it can be revoked like any other."""
+        key_pem = pki.new_key()
+        cert_pem = self._issue(pki.make_csr(key_pem, name), name, "", self._clock())
+        return MeshTls(self._ca.cert_pem, cert_pem, key_pem)
+
+    def _issue(self, csr_pem: bytes, name: str, token_id: str, now: float) -> bytes:
+        cert_pem = self._ca.issue(csr_pem, pki.random_serial(), now, AGENT_CERT_VALID_S)
+        info = pki.cert_info(cert_pem)
+        self._store.add_certificate(info.serial, name, token_id, now, info.not_after)
+        return cert_pem
+
+
+class EnrollService(pb_grpc.EnrollServicer):
+    """The plaintext endpoint an agent calls once, with its join token, for its certificate."""
+
+    def __init__(self, enroller: Enroller, on_enrolled: Callable[[str], None] = lambda agent_id: None) -> None:
+        self._enroller = enroller
+        self._on_enrolled = on_enrolled
+
+    async def Join(self, request: pb.EnrollRequest, context: grpc.aio.ServicerContext) -> pb.EnrollReply:
+        try:
+            parsed = convert.enroll_request_from_pb(request)
+            reply = self._enroller.join(parsed)
+        except EnrollmentRefused as exc:
+            log.warning("refused an enrollment from %s: %s", context.peer(), exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._on_enrolled(parsed.agent_id)
+        return convert.enroll_reply_to_pb(reply)
+
+
+def default_pki_dir(db: str) -> str:
+    """Where a coordinator keeps its CA when not told: beside its registry file."""
+    return f"{db}.pki"
+
+
+def open_enroller(db: str, pki_dir: str, mesh: str, clock: Callable[[], float]) -> tuple[Enroller, Registry]:
+    """An Enroller over a coordinator's files, for `stratamesh token` and the launcher; close the registry."""
+    registry = Registry(db)
+    return Enroller(CredentialStore(registry), MeshCa.load_or_create(pki_dir, mesh, clock()), mesh, clock), registry
+
+
+def parse_duration(text: str) -> float | None:
+    """'90s', '30m', '24h', '7d' -> seconds; 'never' -> None."""
+    if text == "never":
+        return None
+    match = _DURATION.match(text.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise InvalidInput(f"a duration looks like 90s, 30m, 24h, 7d or never; got {text!r}")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+class UnknownAgentCertificate(MeshError, LookupError):
+    """The mesh's CA never issued a certificate to this agent."""
+
+
+class Revoker:
+    """Revokes agents' certificates and hands the whole revoked list to whoever must refuse them."""
+
+    def __init__(self, store: CredentialStore, clock: Callable[[], float],
+                 publish: Callable[[frozenset[str]], None]) -> None:
+        self._store = store
+        self._clock = clock
+        self._publish = publish     # sets this process's list and sends it to every connected agent
+
+    def current(self) -> frozenset[str]:
+        return frozenset(self._store.revoked_serials(self._clock()))
+
+    def revoke_agent(self, agent_id: str) -> list[str]:
+        """Revokes every certificate of agent_id; its calls in flight are cut, its reconnects refused."""
+        if not self._store.certificates(agent_id):
+            raise UnknownAgentCertificate(f"no certificate was issued to agent {agent_id!r}")
+        serials = self._store.revoke_agent(agent_id, self._clock())
+        self._publish(self.current())
+        log.warning("revoked agent %s (certificates %s)", agent_id, ", ".join(serials) or "already revoked")
+        return serials
