@@ -105,13 +105,6 @@ class Enroller:
         return EnrollReply(cert_pem, self._ca.cert_pem,
                            reply_mac(token.secret, request.mac, cert_pem, self._ca.cert_pem))
 
-    def issue_local(self, name: str) -> MeshTls:
-        """Credentials for a process on the coordinator's own box that holds its CA files (the launcher, a test
-        client): no token needed, and the certificate is recorded, so it can be revoked like any other."""
-        key_pem = pki.new_key()
-        cert_pem = self._issue(pki.make_csr(key_pem, name), name, "", self._clock())
-        return MeshTls(self._ca.cert_pem, cert_pem, key_pem)
-
     def _issue(self, csr_pem: bytes, name: str, token_id: str, now: float) -> bytes:
         cert_pem = self._ca.issue(csr_pem, pki.random_serial(), now, AGENT_CERT_VALID_S)
         info = pki.cert_info(cert_pem)

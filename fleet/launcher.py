@@ -107,10 +107,6 @@ class LocalMesh:
         """A new API key (`stratamesh key create`): client (/v1), viewer or operator (/admin/api too)."""
         return self._command("key", "create", "--role", role, "--name", name).split()[0]
 
-    def create_token(self, ttl: str = "24h") -> str:
-        """A new join token (`stratamesh token create`)."""
-        return self._command("token", "create", "--expires", ttl, "--mesh", self.mesh).split()[0]
-
     def add_user(self, username: str, password: str, role: str) -> None:
         """Adds an admin UI user, viewer or operator (`stratamesh user add`)."""
         self._command("user", "add", username, "--role", role, "--password-stdin", stdin=password + "\n")

@@ -9,11 +9,12 @@ development mode) servers and channels are plaintext, as every caller's code is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -71,9 +72,6 @@ class Revocations:
                 log.warning("cutting off a call from revoked certificate %s", serial)
                 task.cancel()
 
-    def add(self, serial: str) -> None:
-        self.replace(self._serials | {serial})
-
     @property
     def serials(self) -> frozenset[str]:
         return self._serials
@@ -107,11 +105,6 @@ def warn_insecure(component: str) -> None:
               "Never run a mesh like this outside a development machine.")
     log.warning("%s", banner)
     print(f"\n{'!' * 100}\n{banner}\n{'!' * 100}\n", file=sys.stderr, flush=True)
-
-
-def process_tls() -> MeshTls | None:
-    """This process's mesh credentials, or None in insecure mode."""
-    return _tls
 
 
 def make_server(tls: MeshTls | None | _Process = PROCESS) -> grpc.aio.Server:
@@ -189,31 +182,30 @@ class _Boundary(grpc.aio.ServerInterceptor):
 def _guarded(behavior: Callable, tls: bool) -> Callable:
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202
-            peer, forget = await _admit(context, tls)
-            try:
+            async with _boundary(context, tls):
                 async for response in behavior(request, context):
                     yield response
-            except DecodeError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message does not parse: {exc}")
-            except asyncio.CancelledError:
-                await _abort_if_revoked(peer, context)
-                raise
-            finally:
-                forget()
         return stream
 
     async def call(request: object, context: grpc.aio.ServicerContext) -> object:
-        peer, forget = await _admit(context, tls)
-        try:
+        async with _boundary(context, tls):
             return await behavior(request, context)
-        except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message does not parse: {exc}")
-        except asyncio.CancelledError:
-            await _abort_if_revoked(peer, context)
-            raise
-        finally:
-            forget()
     return call
+
+
+@contextlib.asynccontextmanager
+async def _boundary(context: grpc.aio.ServicerContext, tls: bool) -> AsyncIterator[None]:
+    """Admits the caller, and turns what goes wrong at the boundary into the status the caller should see."""
+    peer, forget = await _admit(context, tls)
+    try:
+        yield
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message does not parse: {exc}")
+    except asyncio.CancelledError:
+        await _abort_if_revoked(peer, context)
+        raise
+    finally:
+        forget()
 
 
 async def _admit(context: grpc.aio.ServicerContext, tls: bool) -> tuple[CertInfo | None, Callable[[], None]]:
