@@ -26,7 +26,7 @@ from stratamesh.fleet.wire.channels import MeshTls
 log = logging.getLogger(__name__)
 
 AGENT_CERT_VALID_S = 365 * 86400
-COORDINATOR_CERT_VALID_S = 30 * 86400    # re-issued at every start
+COORDINATOR_CERT_VALID_S = 365 * 86400   # re-issued at every start; a coordinator up for months keeps a valid one
 DEFAULT_TOKEN_TTL_S = 24 * 3600
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
