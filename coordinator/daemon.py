@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class CoordinatorOptions:
     bootstrap_file: str = ""             # write a fresh join token and operator API key here (for `stratamesh up`)
 
 
+BOOTSTRAP_ADMIN = "admin"
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
 LIVENESS_CHECK_S = 0.1
 
@@ -142,13 +144,17 @@ class _Enrollment:
 
 
 def _write_bootstrap(path: str, enrollment: _Enrollment, access: AccessStore) -> None:
-    """A join token (24 h) and an operator API key, as JSON readable by the owner only: what a launcher on this
-    box needs to enroll its agents and call the API, without running a command per credential."""
+    """A join token (24 h), an operator API key and the password of an operator "admin" for the UI, as JSON
+    readable by the owner only: what a launcher on this box needs to enroll its agents and hand its user the
+    API and the UI, without running a command per credential."""
     token, _ = enrollment.enroller.create_token(24 * 3600, "bootstrap")
     key, _ = access.create_key("operator", "bootstrap", time.time())
+    password = secrets.token_urlsafe(12)
+    access.add_user(BOOTSTRAP_ADMIN, password, "operator", time.time())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump({"join_token": str(token), "api_key": key}, out)
+        json.dump({"join_token": str(token), "api_key": key, "admin_user": BOOTSTRAP_ADMIN,
+                   "admin_password": password}, out)
 
 
 def _mesh_tls(options: CoordinatorOptions) -> MeshCa | None:

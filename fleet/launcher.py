@@ -66,6 +66,7 @@ class LocalMesh:
     enroll_address: str = ""            # "-" when insecure
     join_token: str = ""                # what every agent of this mesh enrolls with
     api_key: str = ""                   # an operator key for the HTTP API ("" when insecure: none is needed)
+    admin_login: tuple[str, str] = ("", "")   # an operator's user name and password for the admin UI
     _own_logs: str = field(default="", repr=False)   # the log folder this mesh made itself
     _client_tls: MeshTls | None = field(default=None, repr=False)
 
@@ -93,6 +94,7 @@ class LocalMesh:
             bootstrap = json.loads(Path(self._logs(), "bootstrap.json").read_text())
             self.join_token = self.join_token or bootstrap["join_token"]
             self.api_key = self.api_key or bootstrap["api_key"]
+            self.admin_login = (bootstrap["admin_user"], bootstrap["admin_password"])
 
     def registry_path(self) -> str:
         """The coordinator's SQLite registry; its CA lies beside it."""

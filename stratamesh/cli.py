@@ -349,7 +349,8 @@ def _security_line(mesh: LocalMesh) -> str:
             f"  mTLS    every agent enrolled with a join token; the mesh's CA is beside {mesh.registry_path()}\n"
             f"          another agent: stratamesh agent --mesh {mesh.mesh} --join-token {mesh.join_token} "
             f"--state-dir DIR\n"
-            f"          an admin UI login: stratamesh user add NAME --role operator --db {mesh.registry_path()}")
+            f"  UI      log in as {mesh.admin_login[0]} / {mesh.admin_login[1]}  (more users: stratamesh user add "
+            f"NAME --role viewer --db {mesh.registry_path()})")
 
 
 def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") -> str:

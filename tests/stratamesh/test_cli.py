@@ -81,6 +81,10 @@ def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path,
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
             headers = {"Authorization": f"Bearer {key.group(1)}"}
             assert f"Authorization: Bearer {key.group(1)}" in text       # the printed curl works as printed
+            login = re.search(r"log in as (\S+) / (\S+)", text)
+            assert login, text
+            answer = httpx.post(f"{url}/admin/api/login", json={"username": login[1], "password": login[2]})
+            assert answer.status_code == 200 and answer.json()["user"]["role"] == "operator"
         response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
         up.send_signal(signal.SIGINT)
