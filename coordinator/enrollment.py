@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import grpc
 
 from stratamesh.coordinator.credentials import CredentialStore, TokenRecord
 from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.throttle import FailureThrottle
 from stratamesh.fleet import pki
 from stratamesh.fleet.enrollment import (EnrollmentRefused, EnrollReply, EnrollRequest, JoinToken, check_mac,
                                          new_token_id, reply_mac, request_mac, token_for)
@@ -113,18 +115,27 @@ class Enroller:
 
 
 class EnrollService(pb_grpc.EnrollServicer):
-    """The plaintext endpoint an agent calls once, with its join token, for its certificate."""
+    """The plaintext endpoint an agent calls once, with its join token, for its certificate. An address that
+    keeps presenting bad tokens waits (RESOURCE_EXHAUSTED) before it may try again."""
 
-    def __init__(self, enroller: Enroller, on_enrolled: Callable[[str], None] = lambda agent_id: None) -> None:
+    def __init__(self, enroller: Enroller, on_enrolled: Callable[[str], None] = lambda agent_id: None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._enroller = enroller
         self._on_enrolled = on_enrolled
+        self._clock = clock
+        self._throttle = FailureThrottle(max_failures=10)
 
     async def Join(self, request: pb.EnrollRequest, context: grpc.aio.ServicerContext) -> pb.EnrollReply:
+        address = context.peer().rsplit(":", 1)[0]      # "ipv4:10.0.0.5:41234" -> the host, not the port
+        if (wait_s := self._throttle.wait_s(address, self._clock())) > 0:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many refused enrollments from this address; try again in {wait_s:.0f} s")
         try:
             parsed = convert.enroll_request_from_pb(request)
             reply = self._enroller.join(parsed)
         except EnrollmentRefused as exc:
             log.warning("refused an enrollment from %s: %s", context.peer(), exc)
+            self._throttle.failed(address, self._clock())
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except InvalidInput as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

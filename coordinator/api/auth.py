@@ -7,6 +7,7 @@ for scrapers and load balancers), the UI's static files and the OpenAPI document
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from pydantic import BaseModel, Field
 from stratamesh.coordinator.access import Principal
 from stratamesh.coordinator.api.admission import Admission, Gate, Limits
 from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses, send_error
+from stratamesh.coordinator.throttle import FailureThrottle
 
 SESSION_COOKIE = "stratamesh_session"
 INSECURE = Principal("insecure development mode", "operator", "insecure")
@@ -106,15 +108,28 @@ def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
     """POST /admin/api/login and /logout, GET /admin/api/whoami."""
     router = APIRouter(prefix="/admin/api", tags=["admin"])
 
-    @router.post("/login", response_model=WhoAmI, responses=error_responses(400, 401, 409))
-    async def login(body: Login) -> Any:
+    # Guessing slows down: 5 wrong passwords for a user, or 20 from one address, in 5 minutes, and it waits.
+    by_user, by_address = FailureThrottle(max_failures=5), FailureThrottle(max_failures=20)
+
+    @router.post("/login", response_model=WhoAmI, responses=error_responses(400, 401, 409, 429))
+    async def login(body: Login, request: Request) -> Any:
         """Checks a user's password and sets the session cookie the admin UI then sends with every call."""
         if access is None:
             return error_response(ApiError(409, "this mesh runs --insecure: there is nothing to log in to",
                                            code="insecure_mode"))
-        token = access.login(body.username, body.password, clock())
+        user, address = body.username, request.client.host if request.client else ""
+        wait_s = max(by_user.wait_s(user, clock()), by_address.wait_s(address, clock()))
+        if wait_s > 0:
+            response = error_response(ApiError(429, f"too many failed logins; try again in {wait_s:.0f} s",
+                                               "rate_limit_error", code="too_many_logins"))
+            response.headers["Retry-After"] = str(max(1, round(wait_s)))
+            return response
+        token = await asyncio.to_thread(access.login, user, body.password, clock())   # scrypt: ~30 ms
         if token is None:
+            by_user.failed(user, clock())
+            by_address.failed(address, clock())
             return error_response(ApiError(401, "wrong username or password", code="invalid_login"))
+        by_user.succeeded(user)
         principal = access.check_session(token, clock())
         response = JSONResponse({"user": _view(principal)})
         response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict", secure=secure_cookie,

@@ -27,7 +27,8 @@ async def enroll(address: str, token_text: str, mesh: str, agent_id: str) -> Mes
             message = await pb_grpc.EnrollStub(channel).Join(convert.enroll_request_to_pb(request),
                                                              timeout=ENROLL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise EnrollmentRefused(f"the coordinator at {address} refused to enroll {agent_id}: "
                                         f"{exc.details()}") from None
             raise MeshError(f"could not reach the coordinator's enrollment endpoint {address}: "

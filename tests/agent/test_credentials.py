@@ -136,3 +136,13 @@ def test_stored_credentials_are_checked_when_read(tmp_path: Path) -> None:
     assert load_credentials(str(tmp_path / "missing"), "edge-1", now) is None
     Path(tmp_path, "good", "cert.pem").write_bytes(b"garbage")
     assert load_credentials(str(tmp_path / "good"), "edge-1", now) is None
+
+
+async def test_an_address_that_keeps_presenting_bad_tokens_waits(coordinator: Coordinator) -> None:
+    token, _ = coordinator.enroller.create_token(3600)
+    forged = f"smj1.{token.token_id}.{'0' * 32}"
+    for _ in range(10):
+        with pytest.raises(EnrollmentRefused, match="secret"):
+            await enroll(coordinator.address, forged, "m", "edge-1")
+    with pytest.raises(EnrollmentRefused, match="too many"):
+        await enroll(coordinator.address, str(token), "m", "edge-1")    # even the right token waits now

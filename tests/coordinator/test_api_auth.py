@@ -151,3 +151,17 @@ async def test_a_malformed_login_is_a_400(access: AccessStore, body: object) -> 
     async with client(app) as http:
         response = await http.post("/admin/api/login", json=body)
     assert response.status_code == 400 and "error" in response.json()
+
+
+async def test_failed_logins_make_the_guesser_wait(access: AccessStore) -> None:
+    access.add_user("ada", "correct horse", "operator", NOW)
+    access.add_user("bob", "battery staple", "viewer", NOW)
+    async with client(app_with(access)) as http:
+        for _ in range(5):
+            wrong = await http.post("/admin/api/login", json={"username": "ada", "password": "wrong horse"})
+            assert wrong.status_code == 401
+        refused = await http.post("/admin/api/login", json={"username": "ada", "password": "correct horse"})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_logins"
+        assert int(refused.headers["retry-after"]) == 300
+        other = await http.post("/admin/api/login", json={"username": "bob", "password": "battery staple"})
+        assert other.status_code == 200, "another user of the same address still logs in"
