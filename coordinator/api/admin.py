@@ -60,7 +60,7 @@ def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
     router = APIRouter(prefix="/admin/api", tags=["admin"], responses={
         400: {"description": "a malformed request (OpenAI's error shape)"},
-        404: {"description": "no such agent, model or request"}, **error_responses(401, 403)})
+        404: {"description": "no such agent, model or request"}, **error_responses(401, 403, 413)})
 
     @router.get("/agents", response_model=schemas.Agents)
     async def agents() -> dict[str, Any]:

@@ -71,22 +71,25 @@ class Gate:
 
 
 class Admission:
-    """ASGI middleware in front of /v1's POSTs: refuses a body over the limit with 413 and a request over a
-    concurrency limit with 429 and Retry-After; counts each admitted request until its response has ended
-    (a stream included). Runs after access control, which names the caller in scope["state"]["principal"]."""
+    """ASGI middleware: refuses any request body over the limit with 413 (the admin login's too), and a /v1
+    request over a concurrency limit with 429 and Retry-After; counts each admitted /v1 request until its
+    response has ended (a stream included). Runs after access control, which names the caller in
+    scope["state"]["principal"]."""
 
     def __init__(self, app: Callable, gate: Gate) -> None:
         self._app = app
         self._gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self._app(scope, receive, send)
         limits = self._gate.limits
         body = await _read_body(receive, limits.max_body_bytes)
         if body is None:
             return await send_error(send, ApiError(413, f"the request body is over {limits.max_body_bytes} bytes",
                                                    code="request_too_large"))
+        if not scope["path"].startswith("/v1/"):      # the admin API's bodies are capped, not counted
+            return await self._app(scope, _replay(body, receive), send)
         caller = _caller(scope)
         if refusal := self._gate.refusal(caller):
             return await send_error(send, refusal, {"retry-after": str(limits.retry_after_s)})

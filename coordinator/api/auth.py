@@ -111,7 +111,7 @@ def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
     # Guessing slows down: 5 wrong passwords for a user, or 20 from one address, in 5 minutes, and it waits.
     by_user, by_address = FailureThrottle(max_failures=5), FailureThrottle(max_failures=20)
 
-    @router.post("/login", response_model=WhoAmI, responses=error_responses(400, 401, 409, 429))
+    @router.post("/login", response_model=WhoAmI, responses=error_responses(400, 401, 409, 413, 429))
     async def login(body: Login, request: Request) -> Any:
         """Checks a user's password and sets the session cookie the admin UI then sends with every call."""
         if access is None:

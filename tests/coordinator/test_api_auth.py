@@ -165,3 +165,10 @@ async def test_failed_logins_make_the_guesser_wait(access: AccessStore) -> None:
         assert int(refused.headers["retry-after"]) == 300
         other = await http.post("/admin/api/login", json={"username": "bob", "password": "battery staple"})
         assert other.status_code == 200, "another user of the same address still logs in"
+
+
+async def test_a_huge_login_body_is_refused_before_it_is_read_whole(access: AccessStore) -> None:
+    async with client(app_with(access)) as http:
+        response = await http.post("/admin/api/login", content=b"{" + b" " * (9 << 20) + b"}",
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
