@@ -230,6 +230,20 @@ class LocalMesh:
         self.agent_metrics.clear()
         if not self.keep_logs and self._own_logs:
             shutil.rmtree(self._own_logs, ignore_errors=True)
+        elif self.log_dir:
+            self._forget_secrets()
+
+    def _forget_secrets(self) -> None:
+        """Deletes the credentials this mesh kept in its log folder (the CA when its registry is there too, the
+        agents' keys, the bootstrap key and password): the logs stay for reading, the keys die with the mesh."""
+        logs = Path(self.log_dir).resolve()
+        secrets = [logs / "bootstrap.json", *(logs / agent_id for agent_id in self.agent_ids),
+                   Path(f"{self.registry_path()}.pki").resolve()]
+        for path in secrets:
+            if path.is_relative_to(logs) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_relative_to(logs):
+                path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalMesh:
         return self if self.coordinator is not None else self.start()

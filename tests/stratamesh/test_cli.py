@@ -92,6 +92,10 @@ def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path,
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+        logs = Path(re.search(r"logs\s+(\S+)", text).group(1))
+        assert (logs / "coordinator.log").exists(), "the logs stay for reading"
+        kept = [p.name for p in logs.rglob("*") if p.name.endswith((".key", ".pem")) or p.name == "bootstrap.json"]
+        assert kept == [], "keys and passwords do not outlive the mesh"
     finally:
         if up.poll() is None:
             up.kill()
