@@ -27,9 +27,8 @@ from stratamesh.fleet.wire.channels import MeshTls
 
 log = logging.getLogger(__name__)
 
-AGENT_CERT_VALID_S = 365 * 86400
-COORDINATOR_CERT_VALID_S = 365 * 86400   # re-issued at every start; a coordinator up for months keeps a valid one
-DEFAULT_TOKEN_TTL_S = 24 * 3600
+# An agent's certificate, and the coordinator's (issued afresh at every start: one up for months keeps a valid one).
+CERT_VALID_S = 365 * 86400
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -62,7 +61,7 @@ class MeshCa:
         """Fresh credentials for the coordinator itself, signed by this CA."""
         key_pem = pki.new_key()
         cert_pem = self.issue(pki.make_csr(key_pem, pki.COORDINATOR_NAME), pki.random_serial(), now,
-                              COORDINATOR_CERT_VALID_S)
+                              CERT_VALID_S)
         return MeshTls(self.cert_pem, cert_pem, key_pem)
 
 
@@ -98,20 +97,16 @@ class Enroller:
         token = token_for(self._ca.token_key, request.token_id)
         check_mac(request_mac(token.secret, request.mesh, request.token_id, request.agent_id, request.csr_pem),
                   request.mac, "the request")
-        if pki.csr_name(request.csr_pem) != request.agent_id:
-            raise InvalidInput(f"the csr names {pki.csr_name(request.csr_pem)!r}, not agent {request.agent_id!r}")
+        if (named := pki.csr_name(request.csr_pem)) != request.agent_id:
+            raise InvalidInput(f"the csr names {named!r}, not agent {request.agent_id!r}")
         if request.agent_id == pki.COORDINATOR_NAME:
             raise InvalidInput(f"an agent cannot be called {pki.COORDINATOR_NAME!r}")
-        cert_pem = self._issue(request.csr_pem, request.agent_id, request.token_id, now)
+        cert_pem = self._ca.issue(request.csr_pem, pki.random_serial(), now, CERT_VALID_S)
+        info = pki.cert_info(cert_pem)
+        self._store.add_certificate(info.serial, request.agent_id, request.token_id, now, info.not_after)
         log.info("enrolled agent %s with token %s", request.agent_id, request.token_id)
         return EnrollReply(cert_pem, self._ca.cert_pem,
                            reply_mac(token.secret, request.mac, cert_pem, self._ca.cert_pem))
-
-    def _issue(self, csr_pem: bytes, name: str, token_id: str, now: float) -> bytes:
-        cert_pem = self._ca.issue(csr_pem, pki.random_serial(), now, AGENT_CERT_VALID_S)
-        info = pki.cert_info(cert_pem)
-        self._store.add_certificate(info.serial, name, token_id, now, info.not_after)
-        return cert_pem
 
 
 class EnrollService(pb_grpc.EnrollServicer):

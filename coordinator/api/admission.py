@@ -4,17 +4,12 @@ completion lengths. Over a cap the answer is at once: 413, or 429 with Retry-Aft
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
-from stratamesh.coordinator.api.errors import ApiError, send_error
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stratamesh.coordinator.api.errors import ApiError, error_response
 from stratamesh.fleet.errors import InvalidInput
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +18,7 @@ class Limits:
 
     max_requests: int = 256            # generations and embeddings in flight, all callers together
     max_requests_per_caller: int = 64  # ... per API key or user
-    max_body_bytes: int = 8 << 20      # a /v1 request body
+    max_body_bytes: int = 8 << 20      # any request body
     max_prompt_tokens: int = 0
     max_tokens: int = 0                # a completion's max_tokens (and its default)
     retry_after_s: int = 1
@@ -76,7 +71,7 @@ class Admission:
     response has ended (a stream included). Runs after access control, which names the caller in
     scope["state"]["principal"]."""
 
-    def __init__(self, app: Callable, gate: Gate) -> None:
+    def __init__(self, app: ASGIApp, gate: Gate) -> None:
         self._app = app
         self._gate = gate
 
@@ -86,13 +81,13 @@ class Admission:
         limits = self._gate.limits
         body = await _read_body(receive, limits.max_body_bytes)
         if body is None:
-            return await send_error(send, ApiError(413, f"the request body is over {limits.max_body_bytes} bytes",
-                                                   code="request_too_large"))
+            error = ApiError(413, f"the request body is over {limits.max_body_bytes} bytes", code="request_too_large")
+            return await error_response(error)(scope, receive, send)
         if not scope["path"].startswith("/v1/"):      # the admin API's bodies are capped, not counted
             return await self._app(scope, _replay(body, receive), send)
         caller = _caller(scope)
         if refusal := self._gate.refusal(caller):
-            return await send_error(send, refusal, {"retry-after": str(limits.retry_after_s)})
+            return await error_response(refusal, {"Retry-After": str(limits.retry_after_s)})(scope, receive, send)
         self._gate.enter(caller)
         try:
             await self._app(scope, _replay(body, receive), send)

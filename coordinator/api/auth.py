@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stratamesh.coordinator.access import Principal
+from stratamesh.coordinator.access import SESSION_TTL_S, Principal
 from stratamesh.coordinator.api.admission import Admission, Gate, Limits
-from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses, send_error
+from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses
 from stratamesh.coordinator.throttle import FailureThrottle
 
 SESSION_COOKIE = "stratamesh_session"
 INSECURE = Principal("insecure development mode", "operator", "insecure")
 _OPEN_ADMIN = {"/admin/api/login", "/admin/api/logout"}
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class Access(Protocol):
@@ -55,7 +54,7 @@ class AccessControl:
     """ASGI middleware: answers 401 without a valid credential and 403 for too small a role; otherwise
     passes the request on with its principal in scope["state"]["principal"]."""
 
-    def __init__(self, app: Callable, access: Access | None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, app: ASGIApp, access: Access | None, clock: Callable[[], float] = time.time) -> None:
         self._app = app
         self._access = access          # None: insecure development mode, everyone is an operator
         self._clock = clock
@@ -64,19 +63,20 @@ class AccessControl:
         if scope["type"] != "http":
             return await self._app(scope, receive, send)
         need = required_role(scope["method"], scope["path"])
-        principal = self.principal(_headers(scope))
+        # Open routes (health, metrics, the UI's files) cost no credential lookup.
+        principal = self.principal(Headers(scope=scope)) if need is not None else None
         scope.setdefault("state", {})["principal"] = principal
         if need is not None and principal is None:
-            return await send_error(send, ApiError(401, "a valid API key is required: Authorization: Bearer sk-sm-... "
-                                                   "(see `stratamesh key create`), or log in to the admin UI",
-                                              code="invalid_api_key"), {"www-authenticate": "Bearer"})
+            error = ApiError(401, "a valid API key is required: Authorization: Bearer sk-sm-... (see `stratamesh "
+                                  "key create`), or log in to the admin UI", code="invalid_api_key")
+            return await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         if need is not None and not principal.may(need):
-            return await send_error(send, ApiError(403, f"{principal.name} has the {principal.role} role; "
-                                                   f"this needs {need}", type_="permission_error",
-                                              code="insufficient_role"))
+            error = ApiError(403, f"{principal.name} has the {principal.role} role; this needs {need}",
+                             type_="permission_error", code="insufficient_role")
+            return await error_response(error)(scope, receive, send)
         await self._app(scope, receive, send)
 
-    def principal(self, headers: dict[str, str]) -> Principal | None:
+    def principal(self, headers: Headers) -> Principal | None:
         """Who sent these headers: a bearer key, else a session cookie; None if neither is valid."""
         if self._access is None:
             return INSECURE
@@ -84,7 +84,7 @@ class AccessControl:
         scheme, _, credential = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and credential:
             return self._access.check_key(credential.strip(), now)
-        token = _cookie(headers.get("cookie", ""), SESSION_COOKIE)
+        token = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE, "")
         return self._access.check_session(token, now) if token else None
 
 
@@ -103,8 +103,7 @@ class WhoAmI(BaseModel):
     user: UserView
 
 
-def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
-                secure_cookie: bool = False) -> APIRouter:
+def auth_router(access: Access | None, clock: Callable[[], float] = time.time) -> APIRouter:
     """POST /admin/api/login and /logout, GET /admin/api/whoami."""
     router = APIRouter(prefix="/admin/api", tags=["admin"])
 
@@ -120,10 +119,9 @@ def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
         user, address = body.username, request.client.host if request.client else ""
         wait_s = max(by_user.wait_s(user, clock()), by_address.wait_s(address, clock()))
         if wait_s > 0:
-            response = error_response(ApiError(429, f"too many failed logins; try again in {wait_s:.0f} s",
-                                               "rate_limit_error", code="too_many_logins"))
-            response.headers["Retry-After"] = str(max(1, round(wait_s)))
-            return response
+            return error_response(ApiError(429, f"too many failed logins; try again in {wait_s:.0f} s",
+                                           "rate_limit_error", code="too_many_logins"),
+                                  {"Retry-After": str(max(1, round(wait_s)))})
         token = await asyncio.to_thread(access.login, user, body.password, clock())   # scrypt: ~30 ms
         if token is None:
             by_user.failed(user, clock())
@@ -132,8 +130,10 @@ def auth_router(access: Access | None, clock: Callable[[], float] = time.time,
         by_user.succeeded(user)
         principal = access.check_session(token, clock())
         response = JSONResponse({"user": _view(principal)})
-        response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict", secure=secure_cookie,
-                            path="/", max_age=12 * 3600)
+        # secure=False: the coordinator serves plain HTTP (on loopback for `stratamesh up`); SameSite=Strict and
+        # HttpOnly still keep the cookie from other sites and from scripts.
+        response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict", path="/",
+                            max_age=SESSION_TTL_S)
         return response
 
     @router.post("/logout", status_code=204)
@@ -166,15 +166,3 @@ def install_access(app: FastAPI, access: Access | None, clock: Callable[[], floa
 
 def _view(principal: Principal) -> dict[str, str]:
     return {"name": principal.name, "role": principal.role, "kind": principal.kind}
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-
-
-def _cookie(header: str, name: str) -> str:
-    for part in header.split(";"):
-        key, _, value = part.strip().partition("=")
-        if key == name:
-            return value
-    return ""

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -83,25 +81,16 @@ def to_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error ({type(exc).__name__})", "server_error", code="internal_error")
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The JSON response for an exception raised while serving a request."""
+def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON response for an exception raised while serving a request (also an ASGI app: middleware answers
+    with it before any route runs)."""
     err = to_api_error(exc)
     if err.status >= 500:
         log.warning("request failed with %d: %s", err.status, err.message)
     else:
         log.debug("request rejected with %d: %s", err.status, err.message)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-async def send_error(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], error: ApiError,
-                     headers: dict[str, str] | None = None) -> None:
-    """Answers with error straight on an ASGI send: for middleware, which answers before any route runs."""
-    body = json.dumps(error.body()).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else {}
+    return JSONResponse(err.body(), status_code=err.status, headers={**retry, **(headers or {})})
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
