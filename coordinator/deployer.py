@@ -184,7 +184,7 @@ class Deployer:
         plan = self._registry.active_plan(model_id)
         if plan is None or not all(self._serving(s) for s in plan.stages):
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
-        hops = [Hop(self._links[s.agent_id].stage_address, s.assignment_id) for s in plan.stages]
+        hops = [Hop(self._links[s.agent_id].stage_address, s.assignment_id, s.spec.dtype) for s in plan.stages]
         if any(hop.address in avoid for hop in hops):
             raise ModelNotReady(f"the model '{model_id}' is recovering: its route lost a stage")
         return hops, plan.stages[0].spec.kv_block_size

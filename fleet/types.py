@@ -64,6 +64,8 @@ class Capabilities:
     site: str = ""              # where the box is (a building, a cloud region): the operator says
     tier: str = "edge"          # "edge" or "cloud"
     num_ranks: int = 1          # the most ranks a tensor-parallel stage here may have (its GPUs, or CPU ranks)
+    dtype: str = ""             # the operator's choice for this agent's stages (--dtype); "" lets the planner pick
+    cpu_bf16: bool = False      # the CPU computes bfloat16 natively (AMX or AVX512-BF16)
 
     @property
     def usable_mem_bytes(self) -> int:
@@ -153,10 +155,12 @@ class TensorBlob:
 
 @dataclass(frozen=True, slots=True)
 class Hop:
-    """One stage of a route: where it listens and which assignment serves it there."""
+    """One stage of a route: where it listens, which assignment serves it there, and the dtype it computes in
+    (activations for it travel in that dtype; "" when unknown: the sender's own)."""
 
     address: str
     assignment_id: str
+    dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)

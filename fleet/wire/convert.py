@@ -11,7 +11,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
+    DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
     KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
     SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
@@ -50,6 +50,7 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
         gpus=[gpu_to_pb(g) for g in caps.gpus],
         backends=list(caps.backends), site=caps.site, tier=caps.tier, num_ranks=caps.num_ranks,
+        dtype=caps.dtype, cpu_bf16=caps.cpu_bf16,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth)
                 for s in caps.speeds])
 
@@ -63,11 +64,18 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
         raise InvalidInput(f"capabilities: tier {msg.tier!r} is not edge or cloud")
     if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
         raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
+    _require_dtype(msg.dtype, "capabilities.dtype")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",
-                        msg.num_ranks or 1)
+                        msg.num_ranks or 1, msg.dtype, msg.cpu_bf16)
+
+
+def _require_dtype(dtype: str, where: str) -> None:
+    """InvalidInput unless dtype is one a stage computes in, or "" (not said)."""
+    if dtype and dtype not in DTYPES:
+        raise InvalidInput(f"{where} {dtype!r} is not one of {DTYPES}")
 
 
 def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
@@ -125,6 +133,7 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 session_id=message.session_id, assignment_id=message.assignment_id,
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
+                route_dtypes=[h.dtype for h in message.route],
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
                 traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
                 max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from))
@@ -163,6 +172,10 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     _require_session_id(msg.session_id, "open")
     if len(msg.route) != len(msg.route_assignments):
         raise InvalidInput("open.route and open.route_assignments differ in length")
+    if msg.route_dtypes and len(msg.route_dtypes) != len(msg.route):
+        raise InvalidInput("open.route_dtypes must be empty or as long as open.route")
+    for dtype in msg.route_dtypes:
+        _require_dtype(dtype, "open.route_dtypes[]")
     if not msg.origin:
         raise InvalidInput("open.origin is empty")
     if msg.max_cached_tokens < 0 or msg.max_cached_tokens > len(msg.prompt_token_ids):
@@ -171,7 +184,8 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.traceparent is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     if msg.resume_from:
         _require_session_id(msg.resume_from, "open.resume_from")
-    route = tuple(Hop(a, s) for a, s in zip(msg.route, msg.route_assignments, strict=True))
+    dtypes = msg.route_dtypes or [""] * len(msg.route)
+    route = tuple(Hop(a, s, d) for a, s, d in zip(msg.route, msg.route_assignments, dtypes, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens, msg.resume_from)

@@ -46,7 +46,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ..., compute_capability: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks")
+    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks", "dtype", "cpu_bf16")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class Capabilities(_message.Message):
     SITE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BF16_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_model: str
     num_cpus: int
@@ -69,7 +71,9 @@ class Capabilities(_message.Message):
     site: str
     tier: str
     num_ranks: int
-    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ...) -> None: ...
+    dtype: str
+    cpu_bf16: bool
+    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ...) -> None: ...
 
 class Speed(_message.Message):
     __slots__ = ("backend", "dtype", "flops", "mem_bandwidth")
@@ -322,7 +326,7 @@ class EnrollReply(_message.Message):
     def __init__(self, cert_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +337,7 @@ class SessionOpen(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -343,7 +348,8 @@ class SessionOpen(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_cached_tokens: int
     resume_from: str
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
+    route_dtypes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")

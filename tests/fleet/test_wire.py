@@ -34,6 +34,8 @@ STAGE_MESSAGES = [
     SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2"), Hop("10.0.0.3:5000", "a3")), "10.0.0.1:1",
                 SamplingParams(0.7, 40, 0.9, seed=11), TRACEPARENT, (5, 6, 7, 8), 3),
     SessionOpen("s1", "a1", (), "o:1", SamplingParams()),
+    SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2", "bfloat16"), Hop("10.0.0.3:5000", "a3", "float32")),
+                "o:1", SamplingParams()),
     SessionOpen("s1.1", "b1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6, 7), max_cached_tokens=2,
                 resume_from="s1.0"),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
@@ -54,7 +56,7 @@ def test_stage_messages_round_trip(message) -> None:
 
 def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
     for caps in (Capabilities("b", "c", 1, 1, 1, speeds=(SpeedInfo("torch-cpu", "float32", 0.0, 1e9),)),
-                 Capabilities("b", "c", 1, 1, 1, tier="orbit")):
+                 Capabilities("b", "c", 1, 1, 1, tier="orbit"), Capabilities("b", "c", 1, 1, 1, dtype="int4")):
         with pytest.raises(InvalidInput):
             convert.capabilities_from_pb(convert.capabilities_to_pb(caps))
 
@@ -62,7 +64,7 @@ def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
                         ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),),
-                        site="eu-west", tier="cloud")
+                        site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True)
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",
                        metrics_address="127.0.0.1:9100")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
@@ -137,6 +139,10 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", prompt_token_ids=[1],
                                          max_cached_tokens=2)), "max_cached_tokens"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], origin="o:1")), "route"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], route_assignments=["x"],
+                                         route_dtypes=["float64"], origin="o:1")), "route_dtypes"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], route_assignments=["x"],
+                                         route_dtypes=["float32", "float32"], origin="o:1")), "route_dtypes"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
                                          sampling=pb.SamplingParams(temperature=-1))), "temperature"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
