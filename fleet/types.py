@@ -16,6 +16,15 @@ MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
 
 
+def wire_dtype(sender: str, receiver: str) -> str:
+    """The dtype activations travel in from a stage computing in sender to one computing in receiver: the
+    receiver's, so it converts nothing, except that a float32 receiver gets the sender's narrower dtype (the
+    upcast it does then is exact, and the link carries half the bytes). "" (unknown) on either side: sender's."""
+    if not receiver or not sender or receiver == "float32":
+        return sender or receiver or "float32"
+    return receiver
+
+
 def model_task(config: Mapping[str, Any]) -> str:
     """"embed" for a config.json dict whose architectures[0] is a base model without an LM head, else "generate"."""
     architectures = config.get("architectures")
