@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stratamesh.fleet.types import MAX_TP_DEGREE, Capabilities, GpuInfo
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import DTYPES, MAX_TP_DEGREE, Capabilities, GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,38 @@ def parse_cpu_model(text: str) -> str:
     return platform.processor() or platform.machine()
 
 
+CPU_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})   # /proc/cpuinfo flags of native bfloat16 matmuls
+
+
+def parse_cpu_bf16(cpuinfo_text: str) -> bool:
+    """Whether /proc/cpuinfo's flags line names a native bfloat16 instruction set (AMX-BF16 or AVX512-BF16)."""
+    for line in cpuinfo_text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return not CPU_BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
+def check_dtype(dtype: str, gpus: Sequence[GpuInfo]) -> None:
+    """InvalidInput unless dtype is "" (the planner picks) or one a stage computes in, and bfloat16 only where
+    some GPU computes it (every GPU's compute capability known and below 8.0 refuses it)."""
+    if dtype and dtype not in DTYPES:
+        raise InvalidInput(f"--dtype {dtype!r} is not one of {DTYPES} (or auto)")
+    if dtype == "bfloat16" and gpus and all(_before_ampere(g) for g in gpus):
+        names = ", ".join(f"{g.name} ({g.compute_capability})" for g in gpus)
+        raise InvalidInput(f"--dtype bfloat16: this box's GPUs predate bfloat16 (compute capability 8.0): {names}; "
+                           f"use --dtype float16 or auto")
+
+
+def _before_ampere(gpu: GpuInfo) -> bool:
+    """Whether the GPU's compute capability is known and below 8.0."""
+    major, _, minor = gpu.compute_capability.partition(".")
+    try:
+        return (int(major), int(minor or 0)) < (8, 0)
+    except ValueError:
+        return False
+
+
 def parse_gpu(raw: RawGpu) -> GpuInfo:
     """NVML's raw values in our units: str names, "major.minor", watts."""
     def text(value: str | bytes | None) -> str:
@@ -165,20 +198,25 @@ def ranks_for(num_ranks: int, num_gpus: int) -> int:
 
 
 def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False,
-          num_ranks: int = 0) -> Capabilities:
+          num_ranks: int = 0, dtype: str = "") -> Capabilities:
     """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed);
-    num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for)."""
+    num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for); dtype: the
+    operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it)."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()]
-    hostname, cpu_model = socket.gethostname(), parse_cpu_model(read_cpuinfo())
+    check_dtype(dtype, gpus)
+    cpuinfo = read_cpuinfo()
+    hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
     import torch
 
-    from stratamesh.agent.speed import DEFAULT_MAX_AGE_S, box_fingerprint, cached_speeds
+    from stratamesh.agent.speed import DEFAULT_MAX_AGE_S, box_fingerprint, cached_speeds, measure_speeds
 
     speeds = cached_speeds(max_age_s=0.0 if remeasure else DEFAULT_MAX_AGE_S,
+                           measure=lambda: measure_speeds(cpu_bf16=cpu_bf16),
                            fingerprint=box_fingerprint(hostname, cpu_model, gpus)) if measure else ()
     return Capabilities(
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
         backends=backends_for(gpus, torch.cuda.is_available(), read_onnx_providers()),
-        speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)))
+        speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)), dtype=dtype,
+        cpu_bf16=cpu_bf16)

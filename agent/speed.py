@@ -25,11 +25,14 @@ CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
+MEASURES_VERSION = 2                # bumped when measure_speeds measures more (2: the CPU's native bfloat16)
 
 
-def measure_speeds(reps: int = 3) -> tuple[SpeedInfo, ...]:
-    """float32 on the CPU, and float32, bfloat16 and float16 on the first CUDA device if there is one."""
-    speeds = [_measure("torch-cpu", "cpu", torch.float32, CPU_MATMUL_N, CPU_COPY_BYTES, reps)]
+def measure_speeds(reps: int = 3, cpu_bf16: bool = False) -> tuple[SpeedInfo, ...]:
+    """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), and float32, bfloat16 and float16
+    on the first CUDA device if there is one."""
+    cpu_dtypes = (torch.float32, torch.bfloat16) if cpu_bf16 else (torch.float32,)
+    speeds = [_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps) for dtype in cpu_dtypes]
     if torch.cuda.is_available():
         free_bytes, _ = torch.cuda.mem_get_info()
         copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
@@ -75,8 +78,8 @@ def default_cache_path() -> Path:
 
 
 def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo]) -> str:
-    """Changes when what was measured may have: the host, its CPU, its GPUs or the torch build."""
-    box = [hostname, cpu_model, [[g.name, g.uuid] for g in gpus], torch.__version__]
+    """Changes when what was measured may have: the host, its CPU, its GPUs, the torch build or what is measured."""
+    box = [hostname, cpu_model, [[g.name, g.uuid] for g in gpus], torch.__version__, MEASURES_VERSION]
     return hashlib.sha256(json.dumps(box).encode()).hexdigest()[:16]
 
 

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
-from stratamesh.fleet.types import Capabilities, StageSpec
+from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, StageSpec
+from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config
+from stratamesh.partitioner.replan import stay_close
 
 # A placement as the registry keeps it: (agent id, start layer, end layer, tp degree) per stage, in pipeline order.
 Placement = Sequence[tuple[str, int, int, int]]
 
-STAGE_DTYPE = "float32"          # what the CPU stages run today, whatever the checkpoint stores
-# An agent too old to measure its speed is planned as a modest CPU box.
-UNMEASURED = Speed("torch-cpu", STAGE_DTYPE, flops=50e9, mem_bandwidth=10e9)
+log = logging.getLogger(__name__)
+
+# An agent too old to measure its speed is planned as a modest float32 CPU box.
+UNMEASURED = Speed("torch-cpu", "float32", flops=50e9, mem_bandwidth=10e9)
+BF16_COMPUTE_CAPABILITY = (8, 0)   # Ampere: the first GPUs that compute bfloat16
 KV_CONTEXT_TOKENS = 4096         # the KV reserve a stage must hold: this context ...
 KV_SEQUENCES = 8                 # ... for this many sequences
 
@@ -33,13 +38,42 @@ class SitePins:
     last: str = ""
 
 
-def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = ()) -> FleetSnapshot:
-    """One device per rank of each agent (rank_ids), the agent its node; measured links between agents apply
-    to all their devices, and agents of one host that never measured theirs talk over loopback (NODE_LINK).
+def checkpoint_dtype(config: Mapping[str, Any]) -> str:
+    """The dtype a checkpoint stores, from its config.json (dtype, else torch_dtype); float32 when it names none a
+    stage computes in."""
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return dtype if dtype in DTYPES else "float32"
 
-    A rank of a GPU agent has its GPU's free memory and the measured speed; a rank of a CPU agent a share of
-    the RAM and of the speed (the ranks split the cores). Agents on one host share its best speed: their
-    probes overlapped."""
+
+def stage_dtype(checkpoint: str, caps: Capabilities, gpu: GpuInfo | None) -> str:
+    """The dtype an agent's GPU (None: its CPU) computes a model stored in checkpoint in: the operator's --dtype
+    when set; on a GPU the checkpoint's, but float16 for bfloat16 before Ampere; on a CPU float32, but bfloat16
+    for a bfloat16 checkpoint where the CPU computes it natively."""
+    if caps.dtype:
+        return caps.dtype
+    if gpu is not None:
+        return "float16" if checkpoint == "bfloat16" and not _has_bf16(gpu) else checkpoint
+    return "bfloat16" if checkpoint == "bfloat16" and caps.cpu_bf16 else "float32"
+
+
+def _has_bf16(gpu: GpuInfo) -> bool:
+    """Whether the GPU computes bfloat16 (compute capability 8.0 or later); an unknown capability is taken to."""
+    major, _, minor = gpu.compute_capability.partition(".")
+    try:
+        return (int(major), int(minor or 0)) >= BF16_COMPUTE_CAPABILITY
+    except ValueError:
+        return True
+
+
+def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (),
+             checkpoint: str = "float32") -> FleetSnapshot:
+    """One device per rank of each agent (rank_ids), the agent its node, computing in stage_dtype for a model
+    stored in checkpoint; measured links between agents apply to all their devices, and agents of one host that
+    never measured theirs talk over loopback (NODE_LINK).
+
+    A GPU agent (one whose host measured torch-cuda) runs rank r on its GPU r: that GPU's free memory and the
+    host's torch-cuda speeds. A rank of any other agent has a share of the RAM and of the torch-cpu speeds (the
+    ranks split the cores). Agents on one host share its best speeds: their probes overlapped."""
     best: dict[tuple[str, str, str], Speed] = {}
     for caps in agents.values():
         for s in caps.speeds:
@@ -48,8 +82,8 @@ def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (
                 best[key] = Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth)
     devices = []
     for agent_id, caps in agents.items():
-        speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname) or (UNMEASURED,)
-        devices += _rank_devices(agent_id, caps, speeds)
+        speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname)
+        devices += _rank_devices(agent_id, caps, speeds, checkpoint)
     return FleetSnapshot(tuple(devices), _links(agents, links))
 
 
@@ -63,15 +97,38 @@ def rank_ids(agent_id: str, ranks: int) -> list[str]:
     return [agent_id] if ranks == 1 else [f"{agent_id}#{rank}" for rank in range(ranks)]
 
 
-def _rank_devices(agent_id: str, caps: Capabilities, speeds: tuple[Speed, ...]) -> list[Device]:
+def _on_gpus(caps: Capabilities, speeds: Sequence[Speed]) -> bool:
+    """Whether the agent's stages run on its GPUs: it has some, and its host measured torch-cuda."""
+    return bool(caps.gpus) and any(s.backend == "torch-cuda" for s in speeds)
+
+
+def _rank_devices(agent_id: str, caps: Capabilities, speeds: tuple[Speed, ...], checkpoint: str) -> list[Device]:
     ranks = num_ranks(caps)
-    if ranks > 1 and caps.gpus:
-        memory = [g.mem_free_bytes for g in caps.gpus[:ranks]]
-    else:
-        memory = [caps.usable_mem_bytes // ranks] * ranks
-        speeds = tuple(Speed(s.backend, s.dtype, s.flops / ranks, s.mem_bandwidth / ranks) for s in speeds)
-    return [Device(device_id, mem, speeds, caps.tier or "edge", caps.site, node=agent_id)
-            for device_id, mem in zip(rank_ids(agent_id, ranks), memory, strict=True)]
+    ids = rank_ids(agent_id, ranks)
+    if _on_gpus(caps, speeds):
+        gpus = caps.gpus[:ranks]
+        dtypes = [stage_dtype(checkpoint, caps, gpu) for gpu in gpus]
+        return [Device(i, gpu.mem_free_bytes, _speeds_for(i, speeds, "torch-cuda", dtype), caps.tier or "edge",
+                       caps.site, node=agent_id, dtype=dtype)
+                for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
+    dtype = stage_dtype(checkpoint, caps, None)
+    cpu = tuple(Speed(s.backend, s.dtype, s.flops / ranks, s.mem_bandwidth / ranks)
+                for s in speeds if s.backend == "torch-cpu") or (UNMEASURED,)
+    return [Device(i, caps.ram_available_bytes // ranks, _speeds_for(i, cpu, "torch-cpu", dtype), caps.tier or "edge",
+                   caps.site, node=agent_id, dtype=dtype) for i in ids]
+
+
+def _speeds_for(device_id: str, speeds: Sequence[Speed], backend: str, dtype: str) -> tuple[Speed, ...]:
+    """The backend's speeds, with its float32 speed standing in for dtype where it measured none for it."""
+    own = tuple(s for s in speeds if s.backend == backend)
+    if any(s.dtype == dtype for s in own):
+        return own
+    float32 = next((s for s in own if s.dtype == "float32"), None)
+    if float32 is None:
+        log.info("%s measured no %s speed for %s or float32: it is not planned on", device_id, backend, dtype)
+        return own
+    log.info("%s measured no %s speed for %s: planned at its float32 speed", device_id, backend, dtype)
+    return (*own, Speed(backend, dtype, float32.flops, float32.mem_bandwidth))
 
 
 def _links(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord]) -> tuple[Link, ...]:
@@ -103,28 +160,49 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better."""
     profile, request = _profile(model_id, config), _request(config, num_stages, pins)
-    fleet = fleet_of(agents, links)
-    previous_plan = _as_plan(profile, fleet, request, previous, _ranks(agents))
-    plan = plan_pipeline(profile, fleet, request, previous=previous_plan)
-    return plan, stage_specs(plan, fleet, model_id, model_path, profile.num_layers)
+    fleet, ranks = fleet_of(agents, links, profile.dtype), _ranks(agents)
+    plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
+    previous_plan = _as_plan(profile, fleet, request, previous, ranks)
+    if previous_plan is not None:
+        plan = stay_close(plan, previous_plan, profile, fleet, request)
+    return plan, stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
 
 
-def repair_stages(model_id: str, config: dict[str, Any], agents: Mapping[str, Capabilities], placement: Placement,
-                  links: Sequence[LinkRecord] = (), pins: SitePins = SitePins()) -> list[str]:
-    """The agent of each stage after the stages of agents not among these go to the spares that price best,
-    layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV);
-    PlacementError if none fit."""
-    fleet = fleet_of(agents, links)
-    plan = _as_plan(_profile(model_id, config), fleet, _request(config, len(placement), pins), placement,
-                    _ranks(agents))
+def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,
+                   ranks: Mapping[str, int]) -> Plan:
+    """The plan with each agent's stages on its ranks in pipeline order where that prices no worse: how a stored
+    placement is read back (_on_ranks), so that keeping it keeps each stage's GPUs."""
+    (pipeline,) = plan.pipelines
+    placement = [(_agent_of(fleet, s), s.start_layer, s.end_layer, s.tp_degree) for s in pipeline.stages]
+    try:
+        ordered = evaluate(profile, fleet, request, _on_ranks(placement, ranks))
+    except (PlacementError, InvalidInput):
+        return plan
+    goal = request.objective
+    if ordered.devices == pipeline.devices or ordered.objective_s(goal) > pipeline.objective_s(goal):
+        return plan
+    ordered_plan = replace(plan, pipelines=(ordered,), tokens_per_s=ordered.tokens_per_s)
+    return replace(ordered_plan, reason=describe.reason(ordered_plan, request))
+
+
+def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
+                  placement: Placement, links: Sequence[LinkRecord] = (),
+                  pins: SitePins = SitePins()) -> list[tuple[str, StageSpec]]:
+    """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
+    layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
+    has its own device and dtype. PlacementError if none fit."""
+    profile = _profile(model_id, config)
+    fleet = fleet_of(agents, links, profile.dtype)
+    plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))
     if plan is None:
         missing = [f"[{start}, {end})" for agent, start, end, _ in placement if agent not in agents]
         raise PlacementError(f"no spare agent can take the stages {', '.join(missing)} of {model_id}")
-    return [_agent_of(fleet, stage) for stage in plan.pipelines[0].stages]
+    return stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
 
 
 def _profile(model_id: str, config: dict[str, Any]) -> ModelProfile:
-    return profile_from_hf_config(config, dtype=STAGE_DTYPE, name=model_id)
+    """The model's profile in the checkpoint's dtype (each device prices it in its own: fleet_of)."""
+    return profile_from_hf_config(config, dtype=checkpoint_dtype(config), name=model_id)
 
 
 def _request(config: dict[str, Any], num_stages: int, pins: SitePins) -> PlanRequest:
@@ -207,9 +285,26 @@ def _agent_of(fleet: FleetSnapshot, stage: PlannedStage) -> str:
     return agents[0]
 
 
-def stage_specs(plan: Plan, fleet: FleetSnapshot, model_id: str, model_path: str,
-                num_layers: int) -> list[tuple[str, StageSpec]]:
-    """(agent id, spec) of each stage of the plan's first pipeline, in order; tp_degree: the stage's ranks."""
-    return [(_agent_of(fleet, s), StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype,
-                                            tp_degree=len(s.devices)))
-            for s in plan.pipelines[0].stages]
+def stage_specs(plan: Plan, fleet: FleetSnapshot, agents: Mapping[str, Capabilities], model_id: str,
+                model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
+    """(agent id, spec) of each stage of the plan's first pipeline, in order, as the plan chose it: its dtype, its
+    device (stage_device) and tp_degree its ranks."""
+    out = []
+    for s in plan.pipelines[0].stages:
+        agent = _agent_of(fleet, s)
+        out.append((agent, StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype,
+                                     stage_device(s, agent, agents[agent]), tp_degree=len(s.devices))))
+    return out
+
+
+def stage_device(stage: PlannedStage, agent_id: str, caps: Capabilities) -> str:
+    """Where the agent runs the stage: "cuda:N", N the index of its rank 0's GPU, for a torch-cuda stage (the
+    agent puts rank r on cuda:N+r), else "cpu". PlacementError if its ranks' GPUs are not consecutive."""
+    if stage.backend != "torch-cuda":
+        return "cpu"
+    ids = rank_ids(agent_id, num_ranks(caps))
+    indices = [caps.gpus[ids.index(d)].index for d in stage.devices]
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        raise PlacementError(f"stage [{stage.start_layer}, {stage.end_layer}) on {agent_id} would run on GPUs "
+                             f"{indices}, but a tensor-parallel group runs on consecutive GPUs")
+    return f"cuda:{indices[0]}"

@@ -1,33 +1,37 @@
 """The cost model: how long a unit (a device or a tensor-parallel group) takes for a layer range, and links.
 
 A stage's step is roofline-bound: max(bytes read / memory bandwidth, FLOPs / FLOP/s), plus a fixed per-step
-overhead and, in a tensor-parallel group, two all-reduces of the step's activations per layer. Tables are
-numpy arrays over (start, end) layer pairs so the planner's dynamic programmes are array operations.
+overhead and, in a tensor-parallel group, two all-reduces of the step's activations per layer. Rank 0 of a group
+computes the whole LM head alone, so a group's head is a roofline of its own at rank 0's speed. Every unit
+computes in its own dtype: its weights, KV and activations cost that dtype's bytes. Tables are numpy arrays over
+(start, end) layer pairs so the planner's dynamic programmes are array operations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from stratamesh.fleet.types import wire_dtype
 from stratamesh.partitioner.fleet import Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import PlanRequest
-from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile
+from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile
 
-TP_EFFICIENCY = 0.9        # of a group's summed FLOP/s and bandwidth, after the shards' imbalance
+TP_EFFICIENCY = 0.9        # of degree x the slowest rank's FLOP/s and bandwidth, after the shards' imbalance
 TP_MIN_BANDWIDTH = 20e9    # bytes/s: slower intra-node links are not worth sharding a layer over
 
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """What serves one stage: one device, or a tensor-parallel group of devices on one node."""
+    """What serves one stage: one device, or a tensor-parallel group of devices on one node (rank 0 first)."""
 
     devices: tuple[Device, ...]
-    speed: Speed                   # effective: the group's summed FLOP/s and bandwidth
-    memory_bytes: int              # the group's: degree x its smallest device
+    speed: Speed                   # effective for the layers: a group's slowest FLOP/s and slowest bandwidth, scaled
+    head_speed: Speed              # rank 0's own: it alone computes the LM head
+    memory_bytes: int              # per rank: the smallest device's
     overhead_s: float
     allreduce_s: float             # per layer per step (0 for one device)
 
@@ -43,13 +47,21 @@ class Unit:
     def degree(self) -> int:
         return len(self.devices)
 
+    @property
+    def dtype(self) -> str:
+        return self.speed.dtype
+
+    @property
+    def total_memory_bytes(self) -> int:
+        return self.degree * self.memory_bytes
+
 
 def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
-    """The device alone, or None if it measured nothing for the profile's dtype."""
-    speed = device.speed(profile.dtype)
+    """The device alone in its dtype (the profile's when it names none), or None if it measured nothing for it."""
+    speed = device.speed(device.dtype or profile.dtype)
     if speed is None:
         return None
-    return Unit((device,), speed, device.memory_bytes, device.step_overhead_s, 0.0)
+    return Unit((device,), speed, speed, device.memory_bytes, device.step_overhead_s, 0.0)
 
 
 def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
@@ -59,83 +71,124 @@ def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
 
 
 def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, request: PlanRequest) -> Unit | None:
-    """Single units (single_unit) as one tensor-parallel group over its weakest link (group_link), or None:
-    the degree must divide the heads and the KV heads, and the link be fast enough."""
-    degree = len(members)
+    """Single units (single_unit) as one tensor-parallel group over its weakest link (group_link), or None: the
+    degree must divide the heads and the KV heads, the link be fast enough, and every rank compute on one
+    backend in one dtype. The layers run at the lowest FLOP/s and the lowest bandwidth of any rank (each its own
+    minimum) times degree x TP_EFFICIENCY; rank 0 computes the LM head alone, at its own speed."""
+    degree, lead = len(members), members[0]
     if profile.num_heads % degree or profile.num_kv_heads % degree or link.bandwidth < TP_MIN_BANDWIDTH:
         return None
-    slowest = min((m.speed for m in members), key=lambda s: (s.flops, s.mem_bandwidth))
-    speed = Speed(slowest.backend, profile.dtype, degree * slowest.flops * TP_EFFICIENCY,
-                  degree * slowest.mem_bandwidth * TP_EFFICIENCY)
+    if len({(m.speed.backend, m.dtype) for m in members}) > 1:
+        return None
+    scale = degree * TP_EFFICIENCY
+    speed = Speed(lead.speed.backend, lead.dtype, scale * min(m.speed.flops for m in members),
+                  scale * min(m.speed.mem_bandwidth for m in members))
     # ring all-reduce of the step's activations, twice per layer (after attention and after the MLP)
-    payload = request.step_tokens * profile.activation_bytes_per_token
+    payload = request.step_tokens * profile.hidden_size * DTYPE_BYTES[lead.dtype]
     one = 2 * (degree - 1) / degree * payload / link.bandwidth + 2 * (degree - 1) * link.rtt_s / 2
-    memory = degree * min(m.memory_bytes for m in members)
-    return Unit(tuple(m.lead for m in members), speed, memory, max(m.overhead_s for m in members), 2 * one)
+    return Unit(tuple(m.lead for m in members), speed, lead.head_speed, min(m.memory_bytes for m in members),
+                max(m.overhead_s for m in members), 2 * one)
+
+
+class Rates(NamedTuple):
+    """What prices one unit's step, as scalars or as arrays over units."""
+
+    bytes_per_param: Any
+    bandwidth: Any            # the layers' bytes/s and FLOP/s
+    flop_rate: Any
+    head_bandwidth: Any       # rank 0's, for a group's LM head
+    head_flop_rate: Any
+    overhead_s: Any
+    allreduce_s: Any          # per layer
+    grouped: Any              # a tensor-parallel group: its head is priced apart, on rank 0
+
+
+def _rates(unit: Unit) -> Rates:
+    return Rates(DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth, unit.speed.flops, unit.head_speed.mem_bandwidth,
+                 unit.head_speed.flops, unit.overhead_s, unit.allreduce_s, unit.degree > 1)
 
 
 class StageTables:
-    """Per unit, over layer ranges [a, b): predicted step time (inf where it does not fit) and memory."""
+    """Per unit, over layer ranges [a, b): predicted step time (inf where it does not fit) and memory per rank.
+
+    Weights and KV are counted in values (parameters, K and V entries) and priced in each unit's dtype; the
+    memory table of each (dtype, degree) is built when first asked for (a fleet has few)."""
 
     def __init__(self, profile: ModelProfile, request: PlanRequest) -> None:
         self.profile, self.request = profile, request
-        bpp, num = profile.bytes_per_param, profile.num_layers
-        self.param_bytes = _prefix([p * bpp for p in profile.layer_params])
-        self.kv_bytes = _prefix(profile.layer_kv_bytes_per_token)
-        flops = [f + request.mean_context * a
-                 for f, a in zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)]
-        self.flops = _prefix(flops)
+        num = profile.num_layers
         a, b = np.meshgrid(np.arange(num + 1), np.arange(num + 1), indexing="ij")   # a: start, b: end
         self.starts, self.ends, self.valid = a, b, b > a
-        self.memory = self._memory()                                                    # [L+1, L+1] bytes
+        self.last = b == num
+        params = _prefix(profile.layer_params)
+        self.kv_values = _prefix([k // profile.bytes_per_param for k in profile.layer_kv_bytes_per_token])
+        flops = _prefix([f + request.mean_context * c for f, c in
+                         zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)])
+        self.read_values = self._span(params) + request.step_tokens * request.mean_context * self._span(self.kv_values)
+        self.flops = self._span(flops)                                                   # per token
+        # Memory in values: what a group's ranks share (weights and KV of the layers) and what each holds whole
+        kv_reserve = request.concurrency * request.context_len * self._span(self.kv_values)
+        self._shared_values = self._span(params) + kv_reserve
+        first = a == 0
+        head = np.where(first & profile.tied_embeddings, profile.head_params - profile.embed_params,
+                        profile.head_params)
+        self._whole_values = first * profile.embed_params + self.last * head
+        self._memory: dict[tuple[str, int], np.ndarray] = {}
 
     def _span(self, prefix: np.ndarray) -> np.ndarray:
         """prefix summed over every range [a, b): [L+1, L+1]."""
         return prefix[self.ends] - prefix[self.starts]
 
-    def _memory(self) -> np.ndarray:
-        p, req, span = self.profile, self.request, self._span
-        kv_reserve = req.concurrency * req.context_len * span(self.kv_bytes)
-        first, last = self.starts == 0, self.ends == p.num_layers
-        head = np.where(first & p.tied_embeddings, p.head_bytes - p.embed_bytes, p.head_bytes)
-        return span(self.param_bytes) + kv_reserve + first * p.embed_bytes + last * head
+    def memory_at(self, dtype: str, degree: int = 1) -> np.ndarray:
+        """Bytes [L+1, L+1] one rank of a degree-way group in dtype holds for [a, b): its share of the layers'
+        weights and KV reserve, and the whole embedding (first stage) and final norm + LM head (last stage)."""
+        key = (dtype, degree)
+        if key not in self._memory:
+            bpp = DTYPE_BYTES[dtype]
+            self._memory[key] = np.ceil(bpp * self._shared_values / degree) + bpp * self._whole_values
+        return self._memory[key]
 
-    def kv_reserve(self, start: int, end: int) -> int:
+    def memory_of(self, unit: Unit) -> np.ndarray:
+        """Bytes [L+1, L+1] each rank of unit holds for [a, b) (memory_at)."""
+        return self.memory_at(unit.dtype, unit.degree)
+
+    def kv_reserve(self, unit: Unit, start: int, end: int) -> int:
+        """Bytes of KV each rank of unit reserves for [start, end): concurrency x context_len tokens, its share
+        of the KV heads."""
         req = self.request
-        return int(req.concurrency * req.context_len * (self.kv_bytes[end] - self.kv_bytes[start]))
+        values = req.concurrency * req.context_len * round(self.kv_values[end] - self.kv_values[start])
+        return -(-values * DTYPE_BYTES[unit.dtype] // unit.degree)
 
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
-        between = lambda prefix: prefix[end] - prefix[start]   # noqa: E731
-        return float(self._roofline(_rates(unit), between, end == self.profile.num_layers, end - start))
+        return float(self._roofline(_rates(unit), self.read_values[start, end], self.flops[start, end],
+                                    end == self.profile.num_layers, end - start))
 
     def times(self, unit: Unit) -> np.ndarray:
         """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
-        t = self._roofline(_rates(unit), self._span, self.ends == self.profile.num_layers, self.ends - self.starts)
-        fits = self.valid & (self.memory <= unit.memory_bytes)
+        t = self._roofline(_rates(unit), self.read_values, self.flops, self.last, self.ends - self.starts)
+        fits = self.valid & (self.memory_of(unit) <= unit.memory_bytes)
         return np.where(fits, t, np.inf)
 
     def times_of(self, units: Sequence[Unit], start: int, end: int) -> np.ndarray:
         """Step time of each unit serving [start, end), ignoring memory: one array operation for many units."""
-        rates = np.array([_rates(u) for u in units], dtype=np.float64).reshape(-1, 4).T
-        between = lambda prefix: prefix[end] - prefix[start]   # noqa: E731
-        return self._roofline(tuple(rates), between, end == self.profile.num_layers, end - start)
+        rates = Rates(*np.array([_rates(u) for u in units], dtype=np.float64).reshape(-1, len(Rates._fields)).T)
+        return self._roofline(rates, self.read_values[start, end], self.flops[start, end],
+                              end == self.profile.num_layers, end - start)
 
-    def _roofline(self, rates: tuple[Any, Any, Any, Any], span: Callable[[np.ndarray], Any], last: Any,
-                  layers: Any) -> Any:
+    def _roofline(self, rates: Rates, read_values: Any, flops: Any, last: Any, layers: Any) -> Any:
         """max(bytes read / bandwidth, FLOPs / FLOP/s) + overhead + all-reduces, over scalars or arrays alike.
 
-        rates: (bandwidth, FLOP/s, overhead, all-reduce per layer) of one unit, or arrays over units;
-        span(prefix) sums a per-layer prefix over the range(s); last: the range ends at the last layer."""
-        bandwidth, flop_rate, overhead, allreduce = rates
+        read_values: weights and KV one step reads over the range(s), in values; flops: per token; last: the
+        range ends at the last layer, whose LM head one device prices in one roofline with its layers and a
+        group prices apart, at rank 0's speed."""
         p, tokens = self.profile, self.request.step_tokens
-        read = span(self.param_bytes) + tokens * self.request.mean_context * span(self.kv_bytes) + last * p.head_bytes
-        flops = tokens * (span(self.flops) + last * p.head_flops_per_token)
-        return np.maximum(read / bandwidth, flops / flop_rate) + overhead + layers * allreduce
-
-
-def _rates(unit: Unit) -> tuple[float, float, float, float]:
-    return unit.speed.mem_bandwidth, unit.speed.flops, unit.overhead_s, unit.allreduce_s
+        read, work = rates.bytes_per_param * read_values, tokens * flops
+        head_read, head_work = last * rates.bytes_per_param * p.head_params, last * tokens * p.head_flops_per_token
+        together = np.maximum((read + head_read) / rates.bandwidth, (work + head_work) / rates.flop_rate)
+        apart = (np.maximum(read / rates.bandwidth, work / rates.flop_rate)
+                 + np.maximum(head_read / rates.head_bandwidth, head_work / rates.head_flop_rate))
+        return np.where(rates.grouped, apart, together) + rates.overhead_s + layers * rates.allreduce_s
 
 
 def hop_s(link: Link, payload_bytes: float) -> float:
@@ -148,13 +201,14 @@ class LinkCosts:
 
     def __init__(self, fleet: FleetSnapshot, profile: ModelProfile, request: PlanRequest) -> None:
         self.fleet = fleet
-        self.activation_bytes = request.step_tokens * profile.activation_bytes_per_token
+        self.activation_values = request.step_tokens * profile.hidden_size
         self.token_bytes = request.step_tokens * TOKEN_ID_BYTES
 
     def between(self, a: Unit, b: Unit) -> tuple[float, float]:
-        """(transfer s, hop s) of activations from a's rank 0 to b's."""
+        """(transfer s, hop s) of activations from a's rank 0 to b's, in the dtype they travel in (wire_dtype)."""
         link = self.fleet.link(a.lead, b.lead)
-        return self.activation_bytes / link.bandwidth, hop_s(link, self.activation_bytes)
+        payload = self.activation_values * DTYPE_BYTES[wire_dtype(a.dtype, b.dtype)]
+        return payload / link.bandwidth, hop_s(link, payload)
 
     def origin(self, unit: Unit) -> tuple[float, float]:
         """(transfer s, hop s) of token ids between the origin and unit."""
@@ -162,5 +216,5 @@ class LinkCosts:
         return self.token_bytes / link.bandwidth, hop_s(link, self.token_bytes)
 
 
-def _prefix(values: list[float] | tuple[float, ...]) -> np.ndarray:
+def _prefix(values: Sequence[float]) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from stratamesh.partitioner.fleet import FleetSnapshot
 from stratamesh.partitioner.plan import Plan, PlanRequest
-from stratamesh.partitioner.profile import ModelProfile
+from stratamesh.partitioner.profile import DTYPE_BYTES, ModelProfile
 
 if TYPE_CHECKING:
     from stratamesh.partitioner.cost import StageTables
@@ -44,24 +44,28 @@ def reason(plan: Plan, request: PlanRequest) -> str:
 
 
 def infeasible(profile: ModelProfile, fleet: FleetSnapshot, tables: StageTables, request: PlanRequest) -> str:
-    """What is missing when no plan fits: memory, a pinned site, or too few stages allowed."""
-    usable = [d for d in fleet.devices if d.speed(profile.dtype) is not None]
+    """What is missing when no plan fits: memory, a pinned site, or too few stages allowed. Memory is counted in
+    the narrowest dtype any usable device computes in (what is missing at least)."""
+    usable = [d for d in fleet.devices if d.speed(d.dtype or profile.dtype) is not None]
     if not usable:
-        return f"no device measured a speed for {profile.dtype} (of {len(fleet.devices)} not excluded)"
+        dtypes = ", ".join(sorted({d.dtype or profile.dtype for d in fleet.devices} or {profile.dtype}))
+        return f"no device measured a speed for {dtypes} (of {len(fleet.devices)} not excluded)"
     for pin, site in (("first", request.first_site), ("last", request.last_site)):
         if site is not None and not any(d.site == site for d in usable):
             return f"the {pin} stage is pinned to site {site!r}, which has no usable device"
     if request.num_stages is not None and request.num_stages > min(len(usable), profile.num_layers):
         return (f"exactly {request.num_stages} stages were asked for, but there are only {len(usable)} usable "
                 f"device(s) and {profile.num_layers} layer(s)")
-    need = float(tables.memory[0, profile.num_layers])
+    dtype = min({d.dtype or profile.dtype for d in usable}, key=lambda t: (DTYPE_BYTES[t], t))
+    memory = tables.memory_at(dtype)
+    need = float(memory[0, profile.num_layers])
     have = sum(d.memory_bytes for d in usable)
     if need > have:
         return (f"{profile.name} needs {size(need)} (weights + KV for {request.concurrency} x "
-                f"{request.context_len} tokens) but the usable devices have {size(have)}: needs "
+                f"{request.context_len} tokens in {dtype}) but the usable devices have {size(have)}: needs "
                 f"{size(need - have)} more memory")
     largest = max(d.memory_bytes for d in usable)
-    one_layer = float(tables.memory[1, 2]) if profile.num_layers > 2 else need
+    one_layer = float(memory[1, 2]) if profile.num_layers > 2 else need
     if one_layer > largest:
         return (f"one layer with its KV needs {size(one_layer)} but the largest device has {size(largest)}: needs "
                 f"{size(one_layer - largest)} more memory on one device (or tensor parallelism)")

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.partitioner.profile import DTYPE_BYTES
 
 ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)
 TIERS = ("edge", "cloud")
@@ -34,6 +35,7 @@ class Device:
     site: str = ""            # a building or a cloud region: links inside one are fast
     node: str = ""            # a machine: GPUs on one node may form a tensor-parallel group; "" = id
     step_overhead_s: float = 0.0   # fixed cost of one step (framework, kernel launches)
+    dtype: str = ""           # the dtype it computes this model in; "" = the profile's
 
     @property
     def node_id(self) -> str:
@@ -109,9 +111,17 @@ class FleetSnapshot:
         return FleetSnapshot(tuple(d for d in self.devices if d.id not in device_ids), self.links, self.origin_site)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form fleet_from_dict reads; a device's dtype only where it names one (it is optional)."""
         return {"origin_site": self.origin_site,
-                "devices": [{**asdict(d), "speeds": [asdict(s) for s in d.speeds]} for d in self.devices],
+                "devices": [_device_dict(d) for d in self.devices],
                 "links": [asdict(link) for link in self.links]}
+
+
+def _device_dict(device: Device) -> dict[str, Any]:
+    out = {**asdict(device), "speeds": [asdict(s) for s in device.speeds]}
+    if not device.dtype:
+        del out["dtype"]
+    return out
 
 
 def _key(a: str, b: str) -> tuple[str, str]:
@@ -131,9 +141,13 @@ def _device(raw: Mapping[str, Any], where: str) -> Device:
     speeds = tuple(_speed(s, f"{where}.speeds[{k}]") for k, s in enumerate(_items(raw, "speeds", where)))
     device = Device(_field(raw, "id", str, where), _field(raw, "memory_bytes", int, where), speeds,
                     _field(raw, "tier", str, where, "edge"), _field(raw, "site", str, where, ""),
-                    _field(raw, "node", str, where, ""), _field(raw, "step_overhead_s", float, where, 0.0))
+                    _field(raw, "node", str, where, ""), _field(raw, "step_overhead_s", float, where, 0.0),
+                    _field(raw, "dtype", str, where, ""))
     if device.tier not in TIERS:
         raise InvalidInput(f"device {device.id!r}: tier {device.tier!r} is not one of {TIERS}")
+    if device.dtype and device.dtype not in DTYPE_BYTES:
+        raise InvalidInput(f"device {device.id!r}: dtype {device.dtype!r} is not one of {sorted(DTYPE_BYTES)} "
+                           f"(or \"\" for the model's)")
     if device.memory_bytes < 0 or not 0 <= device.step_overhead_s < math.inf:
         raise InvalidInput(f"device {device.id!r}: memory_bytes and step_overhead_s must be finite and not "
                            f"negative")

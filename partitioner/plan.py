@@ -67,9 +67,9 @@ class PlannedStage:
     dtype: str
     compute_s: float                # predicted time of one step
     send_s: float                   # predicted transfer of its output to the next stage (or the origin)
-    memory_bytes: int               # weights + KV reserve, per device
+    memory_bytes: int               # per rank: its share of the weights and KV reserve, the embedding and head whole
     headroom_bytes: int             # usable memory left on the tightest device of the group
-    kv_budget_bytes: int            # the KV reserve inside memory_bytes
+    kv_budget_bytes: int            # the KV reserve inside memory_bytes (per rank)
 
     @property
     def num_layers(self) -> int:

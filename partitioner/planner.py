@@ -78,17 +78,19 @@ def evaluate(profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,
         unit = (None if None in alone else alone[0] if len(alone) == 1
                 else group_unit(alone, group_link(fleet, devices), profile, request))
         if unit is None:
-            raise PlacementError(f"{'+'.join(ids)} cannot serve {profile.dtype} (no speed measured, or a "
-                                 f"group that does not divide the heads)")
+            dtypes = "/".join(sorted({d.dtype or profile.dtype for d in devices}))
+            raise PlacementError(f"{'+'.join(ids)} cannot serve {dtypes} (no speed measured, or a group that "
+                                 f"does not divide the heads or mixes backends or dtypes)")
         units.append(unit)
     ranges = [(a, b) for _, a, b in placement]
     if ranges[0][0] != 0 or ranges[-1][1] != profile.num_layers or any(
             r[1] != s[0] for r, s in zip(ranges, ranges[1:])):
         raise PlacementError(f"ranges {ranges} do not tile [0, {profile.num_layers})")
     for unit, (a, b) in zip(units, ranges, strict=True):
-        if tables.memory[a, b] > unit.memory_bytes:
+        need = tables.memory_of(unit)[a, b]
+        if need > unit.memory_bytes:
             raise PlacementError(f"{unit.id} cannot hold layers [{a}, {b}): needs "
-                                 f"{describe.size(tables.memory[a, b] - unit.memory_bytes)} more memory")
+                                 f"{describe.size(need - unit.memory_bytes)} more memory")
     return _pipeline(units, ranges, tables, LinkCosts(fleet, profile, request))
 
 
@@ -218,13 +220,12 @@ def _candidates(units: list[Unit], tables: StageTables, request: PlanRequest,
     within a site: all of them in a fleet of at most MAX_CANDIDATES units, else the UNITS_PER_SITE fastest of
     each. Units that cannot hold one layer are left out."""
     middle = max(1, tables.profile.num_layers // 2)
-    one_layer = float(tables.memory[middle - 1, middle])
     by_site: dict[str, list[Unit]] = {}
     for u in units:
-        if u.memory_bytes >= one_layer:
+        if tables.memory_of(u)[middle - 1, middle] <= u.memory_bytes:
             by_site.setdefault(u.lead.site, []).append(u)
     cap = UNITS_PER_SITE if len(units) > MAX_CANDIDATES else len(units)   # a small fleet keeps every unit
-    kept = {site: heapq.nsmallest(cap, members, key=lambda u: (per_layer[id(u)], -u.memory_bytes, u.lead.id))
+    kept = {site: heapq.nsmallest(cap, members, key=lambda u: (per_layer[id(u)], -u.total_memory_bytes, u.lead.id))
             for site, members in by_site.items()}
 
     def strength(site: str) -> float:   # layers per second the site's kept units could serve
@@ -302,12 +303,11 @@ def _pipeline(units: list[Unit], ranges: list[tuple[int, int]], tables: StageTab
     for k, (unit, (a, b)) in enumerate(zip(units, ranges, strict=True)):
         compute = tables.time_of(unit, a, b)
         transfer, hop = links.between(unit, units[k + 1]) if k + 1 < len(units) else links.origin(unit)
-        memory = int(tables.memory[a, b])
+        memory = int(tables.memory_of(unit)[a, b])       # per rank
         stages.append(PlannedStage(
             devices=tuple(d.id for d in unit.devices), start_layer=a, end_layer=b, backend=unit.speed.backend,
-            dtype=unit.speed.dtype, compute_s=compute, send_s=transfer,
-            memory_bytes=memory // unit.degree, headroom_bytes=min(d.memory_bytes for d in unit.devices)
-            - memory // unit.degree, kv_budget_bytes=tables.kv_reserve(a, b) // unit.degree))
+            dtype=unit.dtype, compute_s=compute, send_s=transfer, memory_bytes=memory,
+            headroom_bytes=unit.memory_bytes - memory, kv_budget_bytes=tables.kv_reserve(unit, a, b)))
         step += compute + hop
         where = f"stage {k} ({unit.id}, layers {a}-{b})"
         slowest = max(slowest, (compute, f"compute of {where}"),

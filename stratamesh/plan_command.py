@@ -16,9 +16,11 @@ from stratamesh.partitioner.profile import DTYPE_BYTES, profile_from_hf_config
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     d = PlanRequest()
     parser.add_argument("--model", required=True, help="a Hugging Face folder, or its config.json")
-    parser.add_argument("--fleet", required=True, help="fleet JSON: {devices: [...], links: [...], origin_site}")
+    parser.add_argument("--fleet", required=True, help="fleet JSON: {devices: [...], links: [...], origin_site}; "
+                        "a device may name the dtype it computes in (dtype)")
     parser.add_argument("--objective", choices=OBJECTIVES, default=d.objective)
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+                        help="what devices whose entry names no dtype compute in; default: the config's")
     parser.add_argument("--context-len", type=int, default=d.context_len, help="KV reserved per sequence")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="sequences per step")
     parser.add_argument("--first-site", help="pin the first stage to this site")

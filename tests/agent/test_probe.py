@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from stratamesh.agent import probe as probe_module
 from stratamesh.agent.probe import (
-    RawGpu, backends_for, onnx_backend, parse_cpu_model, parse_gpu, parse_meminfo, probe, ranks_for, read_nvml,
-    read_onnx_providers,
+    RawGpu, backends_for, check_dtype, onnx_backend, parse_cpu_bf16, parse_cpu_model, parse_gpu, parse_meminfo,
+    probe, ranks_for, read_cpuinfo, read_nvml, read_onnx_providers,
 )
+from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import GpuInfo
 
 MEMINFO = "MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
@@ -204,3 +206,61 @@ def test_probe_on_this_box() -> None:
 ])
 def test_the_ranks_an_agent_offers(asked: int, num_gpus: int, ranks: int) -> None:
     assert ranks_for(asked, num_gpus) == ranks
+
+
+SAPPHIRE_RAPIDS = ("processor\t: 0\nmodel name\t: Intel Xeon Platinum 8480+\n"
+                   "flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+                   "vmx flags\t: vnmi preemption_timer\n")
+
+
+@pytest.mark.parametrize("text, native", [
+    (SAPPHIRE_RAPIDS, True),
+    ("flags\t\t: fpu avx2 avx512f avx512_bf16\n", True),                    # Cooper Lake, Zen 4
+    ("flags\t\t: fpu avx2 amx_bf16 amx_tile\n", True),
+    ("flags\t\t: fpu avx2 avx512f avx512_vnni\n", False),                  # AVX-512 without BF16
+    ("flags\t\t: fpu avx2\nvmx flags\t: avx512_bf16\n", False),           # only the flags line counts
+    ("flags\t\t: fpu avx2 xavx512_bf16\n", False),                         # whole flags, not substrings
+    ("processor\t: 0\nFeatures\t: fp asimd bf16\n", False),               # an Arm box: no flags line
+    ("", False),
+])
+def test_parse_cpu_bf16(text: str, native: bool) -> None:
+    assert parse_cpu_bf16(text) is native
+
+
+def _gpu(capability: str) -> GpuInfo:
+    return GpuInfo(0, "GPU", 16 << 30, 15 << 30, "", capability)
+
+
+@pytest.mark.parametrize("dtype, gpus", [
+    ("", [_gpu("7.5")]), ("float16", [_gpu("7.5")]), ("float32", [_gpu("6.1")]),
+    ("bfloat16", [_gpu("8.0")]), ("bfloat16", [_gpu("7.5"), _gpu("9.0")]),
+    ("bfloat16", [_gpu("7.5"), _gpu("")]),      # a GPU whose capability is unknown may compute it
+    ("bfloat16", []),                           # a CPU box: torch computes bfloat16 on any CPU
+])
+def test_check_dtype_accepts(dtype: str, gpus: list[GpuInfo]) -> None:
+    check_dtype(dtype, gpus)
+
+
+@pytest.mark.parametrize("dtype, gpus, match", [
+    ("bfloat16", [_gpu("7.5")], r"--dtype bfloat16: .*predate bfloat16.*GPU \(7.5\)"),
+    ("bfloat16", [_gpu("7.0"), _gpu("6.1")], "predate bfloat16"),
+    ("int8", [], "'int8' is not one of"),
+    ("fp16", [_gpu("9.0")], "'fp16' is not one of"),
+])
+def test_check_dtype_refuses(dtype: str, gpus: list[GpuInfo], match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        check_dtype(dtype, gpus)
+
+
+def test_probe_reports_the_operators_dtype_and_native_bf16() -> None:
+    caps = probe(measure=False, dtype="float16")
+    assert (caps.dtype, caps.cpu_bf16) == ("float16", parse_cpu_bf16(read_cpuinfo()))
+    assert probe(measure=False).dtype == ""
+
+
+def test_probe_refuses_bf16_on_a_box_of_pre_ampere_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    turing = RawGpu(0, "Tesla T4", 16 << 30, 15 << 30, "GPU-t", (7, 5))
+    monkeypatch.setattr(probe_module, "read_nvml", lambda: [turing])
+    with pytest.raises(InvalidInput, match="predate bfloat16"):
+        probe(measure=False, dtype="bfloat16")
+    assert probe(measure=False, dtype="float16").gpus[0].compute_capability == "7.5"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stratamesh.agent import speed as speed_module
 from stratamesh.agent.speed import box_fingerprint, cached_speeds, default_cache_path, measure_speeds
 from stratamesh.fleet.types import GpuInfo, SpeedInfo
 
@@ -22,6 +23,20 @@ def test_measures_cpu_float32_matmul_and_copy() -> None:
     assert 1e8 < cpu.flops < 1e14            # between a slow core and far beyond any CPU here
     assert 1e8 < cpu.mem_bandwidth < 1e13
     assert all(s.backend == "torch-cuda" for s in gpu)
+
+
+def test_measures_cpu_bfloat16_where_the_cpu_computes_it_natively() -> None:
+    speeds = {(s.backend, s.dtype): s for s in measure_speeds(reps=1, cpu_bf16=True)}
+    assert {("torch-cpu", "float32"), ("torch-cpu", "bfloat16")} <= set(speeds)
+    assert 1e8 < speeds["torch-cpu", "bfloat16"].flops < 1e15
+    assert speeds["torch-cpu", "bfloat16"].mem_bandwidth > 1e8
+
+
+def test_what_is_measured_is_part_of_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache from before the CPU's bfloat16 was measured does not hide that measurement."""
+    before = box_fingerprint("host", "EPYC", [])
+    monkeypatch.setattr(speed_module, "MEASURES_VERSION", speed_module.MEASURES_VERSION + 1)
+    assert box_fingerprint("host", "EPYC", []) != before
 
 
 @pytest.mark.gpu

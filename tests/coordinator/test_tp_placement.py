@@ -43,8 +43,9 @@ def edge_cloud_edge() -> dict[str, Capabilities]:
 def test_a_cpu_agent_with_two_ranks_is_two_devices_sharing_its_memory_and_speed() -> None:
     fleet = fleet_of({"a": cpu_box(2)})
     half = Speed("torch-cpu", "float32", CPU_SPEED.flops / 2, CPU_SPEED.mem_bandwidth / 2)
-    assert fleet.devices == (Device("a#0", 4 * GiB, (half,), "edge", "", node="a"),
-                             Device("a#1", 4 * GiB, (half,), "edge", "", node="a"))
+    # each rank now says the dtype it computes in: float32 on a CPU
+    assert fleet.devices == (Device("a#0", 4 * GiB, (half,), "edge", "", node="a", dtype="float32"),
+                             Device("a#1", 4 * GiB, (half,), "edge", "", node="a", dtype="float32"))
 
 
 def test_a_gpu_agent_rank_has_its_gpus_free_memory_and_the_measured_speed() -> None:
@@ -60,8 +61,9 @@ def test_a_gpu_agent_has_no_more_ranks_than_gpus() -> None:
 
 def test_a_single_rank_agent_is_one_device_named_after_it() -> None:
     fleet = fleet_of({"a": cpu_box(), "g": gpu_box((20, 16), ranks=1)})
+    # one rank runs on GPU 0 alone: its memory, not both GPUs' (what the agent loads onto cuda:0)
     assert [(d.id, d.memory_bytes, d.speeds[0].flops, d.node) for d in fleet.devices] == [
-        ("a", 8 * GiB, CPU_SPEED.flops, "a"), ("g", 36 * GiB, CUDA_SPEED.flops, "g")]
+        ("a", 8 * GiB, CPU_SPEED.flops, "a"), ("g", 20 * GiB, CUDA_SPEED.flops, "g")]
 
 
 def test_measured_links_reach_every_rank_and_agents_of_one_host_default_to_loopback() -> None:
@@ -118,15 +120,17 @@ def test_a_tp_stage_whose_agent_left_goes_to_a_spare_with_enough_ranks() -> None
     placement = [(a, s.start_layer, s.end_layer, s.tp_degree) for a, s in specs]
     del agents["cloud"]
     agents |= {"small": cpu_box(), "big": cpu_box(2)}
-    assert repair_stages("m", CONFIG, agents, placement) == [("big" if a == "cloud" else a) for a, _ in specs]
+    assert [a for a, _ in repair_stages("m", "/m", CONFIG, agents, placement)] == [
+        ("big" if a == "cloud" else a) for a, _ in specs]
     del agents["big"]
     with pytest.raises(PlacementError, match=r"no spare agent can take the stages \[2, 4\) of m"):
-        repair_stages("m", CONFIG, agents, placement)     # one rank is not a group of two
+        repair_stages("m", "/m", CONFIG, agents, placement)     # one rank is not a group of two
 
 
 def test_a_single_rank_stage_may_go_to_one_rank_of_a_multi_rank_spare() -> None:
     placement = [("e1", 0, 3, 1), ("e2", 3, 6, 1)]
-    assert repair_stages("m", CONFIG, {"e1": cpu_box(), "big": cpu_box(2)}, placement) == ["e1", "big"]
+    assert [a for a, _ in repair_stages("m", "/m", CONFIG, {"e1": cpu_box(), "big": cpu_box(2)}, placement)] == [
+        "e1", "big"]
 
 
 def test_a_drain_moves_a_tp_stage_to_a_spare_as_a_group_of_the_same_degree(tmp_path: Path) -> None:

@@ -61,10 +61,11 @@ def random_request(rng: random.Random, sites: list[str], device_ids: list[str], 
 
 
 def random_case(seed: int, max_devices: int = 8, max_layers: int = 16, tensor_parallel: bool = True,
-                constrained: bool = True, multi_gpu: bool = False) -> Case:
+                constrained: bool = True, multi_gpu: bool = False, device_dtypes: bool = False) -> Case:
     """2..max_devices devices on 1..3 sites and nodes, random explicit links, and a model of n..max_layers layers.
 
-    multi_gpu: most devices share a node per site, small memory, KV heads that 2 and 4 divide: TP groups."""
+    multi_gpu: most devices share a node per site, small memory, KV heads that 2 and 4 divide: TP groups.
+    device_dtypes: the same case, but devices compute in dtypes of their own (with_device_dtypes)."""
     rng = random.Random(seed)
     n = rng.randint(2, max_devices)
     config = random_config(rng, rng.randint(n, max_layers), (2, 4) if multi_gpu else (1, 2, 4))
@@ -75,7 +76,21 @@ def random_case(seed: int, max_devices: int = 8, max_layers: int = 16, tensor_pa
     need = need_bytes(profile, request)
     devices = [_random_device(rng, i, sites, profile.dtype, need, multi_gpu) for i in ids]
     links = _random_links(rng, devices, multi_gpu)
-    return Case(profile, FleetSnapshot(tuple(devices), tuple(links), rng.choice(sites + [""])), request)
+    fleet = FleetSnapshot(tuple(devices), tuple(links), rng.choice(sites + [""]))
+    return Case(profile, with_device_dtypes(fleet, seed) if device_dtypes else fleet, request)
+
+
+def with_device_dtypes(fleet: FleetSnapshot, seed: int) -> FleetSnapshot:
+    """The fleet with each device computing in a dtype of its own ("" now and then: the model's), mostly one per
+    node (a node's GPUs may still form groups), its first speed relabelled to that dtype."""
+    rng = random.Random(f"dtypes-{seed}")
+    per_node = {d.node_id: rng.choice(DTYPES) for d in fleet.devices}
+    devices = []
+    for d in fleet.devices:
+        dtype = per_node[d.node_id] if rng.random() < 0.8 else rng.choice((*DTYPES, ""))
+        speeds = tuple(replace(s, dtype=dtype) if k == 0 and dtype else s for k, s in enumerate(d.speeds))
+        devices.append(replace(d, speeds=speeds, dtype=dtype))
+    return FleetSnapshot(tuple(devices), fleet.links, fleet.origin_site)
 
 
 def _random_device(rng: random.Random, device_id: str, sites: list[str], dtype: str, need: int,

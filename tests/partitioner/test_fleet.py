@@ -17,7 +17,7 @@ GOOD = {
     "origin_site": "home",
     "devices": [
         {"id": "laptop", "memory_bytes": 8_000_000_000, "tier": "edge", "site": "home", "node": "",
-         "step_overhead_s": 0.002,
+         "step_overhead_s": 0.002, "dtype": "float32",
          "speeds": [{"backend": "torch-cpu", "dtype": "float32", "flops": 2e11, "mem_bandwidth": 5e10}]},
         {"id": "gpu0", "memory_bytes": 80_000_000_000, "tier": "cloud", "site": "dc", "node": "box",
          "speeds": [{"backend": "torch-cuda", "dtype": "bfloat16", "flops": 9e14, "mem_bandwidth": 3e12},
@@ -32,8 +32,9 @@ def test_from_dict_reads_every_field() -> None:
     laptop, gpu = fleet.devices
     assert fleet.origin_site == "home"
     assert laptop == Device("laptop", 8_000_000_000, (Speed("torch-cpu", "float32", 2e11, 5e10),), "edge",
-                            "home", "", 0.002)
-    assert (gpu.tier, gpu.site, gpu.node, gpu.step_overhead_s, len(gpu.speeds)) == ("cloud", "dc", "box", 0.0, 2)
+                            "home", "", 0.002, "float32")
+    assert (gpu.tier, gpu.site, gpu.node, gpu.step_overhead_s, len(gpu.speeds), gpu.dtype) == (
+        "cloud", "dc", "box", 0.0, 2, "")                      # no dtype: the model's
     assert fleet.links == (Link("laptop", "gpu0", 1e7, 0.03),)
 
 
@@ -44,7 +45,7 @@ def test_optional_fields_default() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_round_trip_through_json(seed: int) -> None:
-    fleet = random_case(seed).fleet
+    fleet = random_case(seed, device_dtypes=seed % 2 == 1).fleet
     raw = json.loads(json.dumps(fleet.to_dict()))
     assert fleet_from_dict(raw) == fleet
     assert fleet_from_dict(raw).to_dict() == raw
@@ -98,6 +99,8 @@ DELETE = object()
     (("devices", 0, "memory_bytes"), True, "memory_bytes"),
     (("devices", 0), "laptop", "devices\\[0\\]"),
     (("links",), {"a": "x"}, "links"),
+    (("devices", 0, "dtype"), "float64", "dtype 'float64' is not one of"),
+    (("devices", 0, "dtype"), "fp16", "dtype 'fp16' is not one of"),
 ])
 def test_bad_fields_name_the_field(path, value, match) -> None:
     with pytest.raises(InvalidInput, match=match):

@@ -14,13 +14,14 @@ import pytest
 
 from stratamesh.fleet import sim
 from stratamesh.fleet.errors import PlacementError
+from stratamesh.fleet.types import wire_dtype
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH
 from stratamesh.partitioner.fleet import (
     NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
 )
 from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
-from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config
+from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config
 from tests.partitioner.random_fleets import Case, random_case, shuffled, speed_of
 
 INF = math.inf
@@ -36,33 +37,39 @@ class Reference:
     weights + KV reserve for concurrency x context_len tokens + embedding on the first + head on the last (a
     tied head held with the embedding only once). Links: transfer = payload / bandwidth; a hop adds half the
     round trip. Bottleneck = max of stage times and transfers; step = sum of stage times and hops, origin
-    hops at both ends included."""
+    hops at both ends included. Every device computes in its own dtype (the model's when it names none):
+    weights and KV cost its bytes, and activations travel in wire_dtype(sender's, receiver's)."""
 
     def __init__(self, case: Case) -> None:
         self.p, self.fleet, self.req = case.profile, case.fleet, case.request
         self.measured = {frozenset((link.a, link.b)): link for link in case.fleet.links}
 
-    def stage_memory(self, a: int, b: int) -> int:
-        p, r = self.p, self.req
-        memory = (sum(p.layer_params[a:b]) * p.bytes_per_param
-                  + r.concurrency * r.context_len * sum(p.layer_kv_bytes_per_token[a:b]))
+    def dtype_of(self, device: Device) -> str:
+        return device.dtype or self.p.dtype
+
+    def kv_values(self, a: int, b: int) -> int:
+        """K and V entries one token costs in layers [a, b)."""
+        return sum(k // self.p.bytes_per_param for k in self.p.layer_kv_bytes_per_token[a:b])
+
+    def stage_memory(self, device: Device, a: int, b: int) -> int:
+        p, r, bpp = self.p, self.req, DTYPE_BYTES[self.dtype_of(device)]
+        memory = (sum(p.layer_params[a:b]) + r.concurrency * r.context_len * self.kv_values(a, b)) * bpp
         if a == 0:
-            memory += p.embed_params * p.bytes_per_param
+            memory += p.embed_params * bpp
         if b == p.num_layers:
             shared = p.embed_params if a == 0 and p.tied_embeddings else 0
-            memory += (p.head_params - shared) * p.bytes_per_param
+            memory += (p.head_params - shared) * bpp
         return memory
 
     def stage_time(self, device: Device, a: int, b: int) -> float:
-        """inf if the device cannot run the dtype or hold the layers."""
-        p, r = self.p, self.req
-        speed = speed_of(device, p.dtype)
-        if speed is None or self.stage_memory(a, b) > device.memory_bytes:
+        """inf if the device cannot run its dtype or hold the layers."""
+        p, r, bpp = self.p, self.req, DTYPE_BYTES[self.dtype_of(device)]
+        speed = speed_of(device, self.dtype_of(device))
+        if speed is None or self.stage_memory(device, a, b) > device.memory_bytes:
             return INF
         flops_s, bandwidth = speed
         context, tokens, last = r.context_len / 2, r.concurrency, b == p.num_layers
-        read = ((sum(p.layer_params[a:b]) + last * p.head_params) * p.bytes_per_param
-                + tokens * context * sum(p.layer_kv_bytes_per_token[a:b]))
+        read = (sum(p.layer_params[a:b]) + last * p.head_params + tokens * context * self.kv_values(a, b)) * bpp
         flops = tokens * (sum(p.layer_flops_per_token[i] + context * p.layer_attn_flops_per_ctx[i]
                               for i in range(a, b)) + last * p.head_flops_per_token)
         return max(read / bandwidth, flops / flops_s) + device.step_overhead_s
@@ -79,7 +86,8 @@ class Reference:
             link = NODE_LINK
         else:
             link = SITE_LINK if x.site == y.site else WAN_LINK
-        per_token = TOKEN_ID_BYTES if x is None or y is None else self.p.hidden_size * self.p.bytes_per_param
+        per_token = (TOKEN_ID_BYTES if x is None or y is None
+                     else self.p.hidden_size * DTYPE_BYTES[wire_dtype(self.dtype_of(x), self.dtype_of(y))])
         transfer = self.req.concurrency * per_token / link.bandwidth
         return transfer, link.rtt_s / 2 + transfer
 
@@ -93,7 +101,7 @@ class Reference:
 
     def usable(self) -> list[Device]:
         return [d for d in self.fleet.devices
-                if d.id not in self.req.exclude and speed_of(d, self.p.dtype) is not None]
+                if d.id not in self.req.exclude and speed_of(d, self.dtype_of(d)) is not None]
 
 
 def brute_force(ref: Reference, objective: str, cap: float = INF) -> float:
@@ -168,15 +176,16 @@ def _placement(plan: Plan, replica: int = 0) -> list[tuple[tuple[str, ...], int,
 
 
 # ------------------------------------------------------------------ the reference itself
-@pytest.mark.parametrize("seed", range(40))
-def test_reference_cost_matches_evaluate(seed: int) -> None:
+@pytest.mark.parametrize("seed, device_dtypes", [(seed, mixed) for seed in range(40) for mixed in (False, True)])
+def test_reference_cost_matches_evaluate(seed: int, device_dtypes: bool) -> None:
     """Random placements (one device per stage) priced by Reference and by evaluate() agree; on the case's
-    fleet some do not fit, on the same fleet with ample memory all do."""
-    case = random_case(seed, tensor_parallel=False)
+    fleet some do not fit, on the same fleet with ample memory all do. device_dtypes: devices compute in dtypes
+    of their own."""
+    case = random_case(seed, tensor_parallel=False, device_dtypes=device_dtypes)
     roomy = FleetSnapshot(tuple(replace(d, memory_bytes=10**15) for d in case.fleet.devices), case.fleet.links,
                           case.fleet.origin_site)
     rng, p = random.Random(seed), case.profile
-    runnable = [d.id for d in case.fleet.devices if speed_of(d, p.dtype) is not None]
+    runnable = [d.id for d in case.fleet.devices if speed_of(d, d.dtype or p.dtype) is not None]
     if not runnable:
         return
     for fleet in (case.fleet, roomy):
@@ -191,7 +200,7 @@ def test_reference_cost_matches_evaluate(seed: int) -> None:
 def _check_evaluate(ref: Reference, placement: list[tuple[str, int, int]]) -> None:
     p, r, fleet = ref.p, ref.req, ref.fleet
     args = (p, fleet, r, [((i,), a, b) for i, a, b in placement])
-    if any(ref.stage_memory(a, b) > fleet.device(i).memory_bytes for i, a, b in placement):
+    if any(ref.stage_memory(fleet.device(i), a, b) > fleet.device(i).memory_bytes for i, a, b in placement):
         with pytest.raises(PlacementError, match=r"cannot hold layers .* needs [\d.]+ [KMGT]?B more memory"):
             evaluate(*args)
         return
@@ -203,9 +212,11 @@ def _check_evaluate(ref: Reference, placement: list[tuple[str, int, int]]) -> No
         device = fleet.device(i)
         assert (stage.devices, stage.start_layer, stage.end_layer) == ((i,), a, b)
         assert stage.compute_s == pytest.approx(ref.stage_time(device, a, b), rel=REL)
-        assert stage.memory_bytes == ref.stage_memory(a, b)
+        assert stage.memory_bytes == ref.stage_memory(device, a, b)
         assert stage.headroom_bytes == device.memory_bytes - stage.memory_bytes
-        assert stage.kv_budget_bytes == r.concurrency * r.context_len * sum(p.layer_kv_bytes_per_token[a:b])
+        assert stage.kv_budget_bytes == (r.concurrency * r.context_len * ref.kv_values(a, b)
+                                         * DTYPE_BYTES[ref.dtype_of(device)])
+        assert stage.dtype == ref.dtype_of(device)
     ends = [fleet.device(i) for i, _, _ in placement] + [None]
     sends = [ref.transfer_hop(x, y)[0] for x, y in itertools.pairwise(ends)]
     assert [s.send_s for s in pipeline.stages] == pytest.approx(sends, rel=REL)
@@ -224,10 +235,10 @@ def test_evaluate_rejects_bad_placements() -> None:
         evaluate(case.profile, fleet, case.request, [(("mute",), 0, num)])
 
 
-@pytest.mark.parametrize("seed", range(25))
-def test_brute_force_equals_literal_enumeration(seed: int) -> None:
+@pytest.mark.parametrize("seed, device_dtypes", [(seed, mixed) for seed in range(25) for mixed in (False, True)])
+def test_brute_force_equals_literal_enumeration(seed: int, device_dtypes: bool) -> None:
     """The brute force's pruned walk against pricing every placement one by one (tiny cases)."""
-    case = random_case(seed, max_devices=4, max_layers=6, tensor_parallel=False)
+    case = random_case(seed, max_devices=4, max_layers=6, tensor_parallel=False, device_dtypes=device_dtypes)
     ref = Reference(case)
     for objective in ("throughput", "latency"):
         assert brute_force(ref, objective) == pytest.approx(_literal_optimum(ref, objective), rel=1e-12)
@@ -235,12 +246,14 @@ def test_brute_force_equals_literal_enumeration(seed: int) -> None:
 
 # ------------------------------------------------------------------ optimality
 NUM_OPTIMALITY_CASES = 200
+NUM_DTYPE_CASES = 100         # ... of which these also run with devices computing in dtypes of their own
 
 
-@pytest.mark.parametrize("seed", range(NUM_OPTIMALITY_CASES))
-def test_objective_equals_brute_force_optimum(seed: int) -> None:
+@pytest.mark.parametrize("seed, device_dtypes", [(seed, False) for seed in range(NUM_OPTIMALITY_CASES)]
+                         + [(seed, True) for seed in range(NUM_DTYPE_CASES)])
+def test_objective_equals_brute_force_optimum(seed: int, device_dtypes: bool) -> None:
     """Up to 8 devices and 16 layers, with random pins, exclusions and stage limits."""
-    case = random_case(seed, tensor_parallel=False)
+    case = random_case(seed, tensor_parallel=False, device_dtypes=device_dtypes)
     ref = Reference(case)
     optimum = brute_force(ref, case.request.objective)
     plan = _plan_or_none(case)
@@ -306,7 +319,7 @@ def _check_plan(case: Case, plan: Plan) -> None:
             assert stage.memory_bytes <= min(d.memory_bytes for d in members)
             assert stage.headroom_bytes == min(d.memory_bytes for d in members) - stage.memory_bytes >= 0
             assert not set(stage.devices) & r.exclude
-            assert stage.dtype == p.dtype
+            assert {d.dtype or p.dtype for d in members} == {stage.dtype}      # a group computes in one dtype
             if stage.tp_degree > 1:
                 assert r.tensor_parallel and stage.tp_degree in (2, 4, 8)
                 assert p.num_heads % stage.tp_degree == 0 and p.num_kv_heads % stage.tp_degree == 0
@@ -341,9 +354,10 @@ def _property_cases() -> list[tuple[int, bool]]:
     return [(seed, multi_gpu) for seed in range(60) for multi_gpu in (False, True)]
 
 
+@pytest.mark.parametrize("device_dtypes", [False, True])
 @pytest.mark.parametrize("seed, multi_gpu", _property_cases())
-def test_plan_properties(seed: int, multi_gpu: bool) -> None:
-    case = random_case(seed, multi_gpu=multi_gpu)
+def test_plan_properties(seed: int, multi_gpu: bool, device_dtypes: bool) -> None:
+    case = random_case(seed, multi_gpu=multi_gpu, device_dtypes=device_dtypes)
     try:
         plan = plan_pipeline(case.profile, case.fleet, case.request)
     except PlacementError as e:     # whether it is right to fail is the brute force's business (above)
@@ -362,13 +376,17 @@ def test_plan_properties(seed: int, multi_gpu: bool) -> None:
         assert heuristic.objective_s >= plan.objective_s * (1 - REL)
 
 
-def test_random_fleets_do_form_tp_groups() -> None:
-    """The multi-GPU cases above are not vacuous: some of their plans use groups of 2 and of 4."""
-    degrees = set()
+@pytest.mark.parametrize("device_dtypes", [False, True])
+def test_random_fleets_do_form_tp_groups(device_dtypes: bool) -> None:
+    """The multi-GPU cases above are not vacuous: some of their plans use groups of 2 and of 4 (and with device
+    dtypes, plans mix dtypes)."""
+    degrees, mixes = set(), set()
     for seed in {seed for seed, multi_gpu in _property_cases() if multi_gpu}:
-        plan = _plan_or_none(random_case(seed, multi_gpu=True))
+        plan = _plan_or_none(random_case(seed, multi_gpu=True, device_dtypes=device_dtypes))
         degrees |= {s.tp_degree for s in plan.pipelines[0].stages} if plan else set()
-    assert {1, 2, 4} <= degrees
+        mixes.add(len({s.dtype for s in plan.pipelines[0].stages}) if plan else 0)
+    assert ({1, 2} if device_dtypes else {1, 2, 4}) <= degrees     # groups of 4 are rare (1 in 60) even unmixed
+    assert (max(mixes) > 1) == device_dtypes
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -537,8 +555,9 @@ def _tp_case(heads: int, kv_heads: int, node_bandwidth: float | None, slow_pair:
     profile = profile_from_hf_config({**TP_CONFIG, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
     r = TP_REQUEST
     layer = profile.layer_param_bytes(0) + r.concurrency * r.context_len * profile.layer_kv_bytes_per_token[0]
+    # every rank holds a quarter of the layers and the embedding and head whole (the TP memory model)
     whole = 3 * layer + profile.embed_bytes + profile.head_bytes
-    memory = whole // 4 + 1
+    memory = -(-3 * layer // 4) + profile.embed_bytes + profile.head_bytes
     assert layer > memory                # one GPU holds no layer, so a pair never holds two
     gpus = [_gpu(f"g{k}", memory, node="box", flops=1e13, bandwidth=1e11) for k in range(4)]
     cpu = Device("cpu", 10 * whole, (Speed("torch-cpu", "bfloat16", 1e11, 1e9),), "cloud", "dc")

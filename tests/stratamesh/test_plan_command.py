@@ -69,3 +69,17 @@ def test_the_command_line_exits_1_with_the_message(files) -> None:
     result = subprocess.run([sys.executable, "-m", "stratamesh.cli", "plan", "--model", str(model), "--fleet",
                              str(fleet), "--first-site", "mars"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "pinned to site 'mars'" in result.stderr
+
+
+def test_a_device_in_the_fleet_file_may_say_the_dtype_it_computes_in(files, tmp_path: Path) -> None:
+    model, _ = files
+    stages = {}
+    for dtype in ("", "float32"):
+        device = gpu("a", 16, 20, "home")
+        device["speeds"] += [{**device["speeds"][0], "dtype": "float32"}]
+        path = tmp_path / f"fleet-{dtype or 'model'}.json"
+        path.write_text(json.dumps({"devices": [{**device, "dtype": dtype}]}))
+        (stages[dtype],) = json.loads(run_plan(args("--model", str(model), "--fleet", str(path), "--json"))
+                                      )["pipelines"][0]["stages"]
+    assert (stages[""]["dtype"], stages["float32"]["dtype"]) == ("bfloat16", "float32")
+    assert stages["float32"]["memory_bytes"] == 2 * stages[""]["memory_bytes"]    # every value in 4 bytes, not 2
