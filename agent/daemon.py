@@ -6,7 +6,6 @@ import asyncio
 import logging
 import socket
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +47,7 @@ class AgentOptions:
     tier: str = "edge"
     remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
     num_ranks: int = 0                  # ranks a tensor-parallel stage here may have; 0: one per GPU, else 1
+    dtype: str = ""                     # what every stage here computes in (--dtype); "" lets the planner pick
     metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
     traces_json: str = ""               # append every span as OpenTelemetry JSON to this file
     otlp_traces_endpoint: str = ""      # export spans over OTLP/HTTP to this collector
@@ -86,7 +86,6 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
     use_tls(await _mesh_tls(options))   # before anything listens or dials
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-runner")
     loop, group_failures = asyncio.get_running_loop(), []
 
     def group_down(reason: str) -> None:
@@ -94,7 +93,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         stop.set()
     # A tensor-parallel stage whose group went down cannot serve again: the agent exits, the coordinator sees it
     # gone (its sessions fail over, its stages are re-planned), and whatever supervises the agent restarts it.
-    host = StageHost(executor, options.engine, lambda reason: loop.call_soon_threadsafe(group_down, reason))
+    host = StageHost(options.engine, lambda reason: loop.call_soon_threadsafe(group_down, reason))
     metrics = AgentMetrics()
     spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
     service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans))
@@ -123,7 +122,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     if options.metrics_port is not None:
         metrics_server, metrics_port = metrics.serve(options.host, options.metrics_port)
         metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
-    capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks)
+    capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks,
+                         dtype=options.dtype)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
     sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
 
@@ -147,7 +147,6 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         await browser.close()
         await service.close()
         await server.stop(grace=1.0)
-        executor.shutdown(wait=False, cancel_futures=True)
         host.close()
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -5,22 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import replace
 from typing import Any
 
 import grpc
+import torch
 
 from stratamesh.agent import kv_transfer
 from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import Outbox, StageEngine
+from stratamesh.agent.engine.stage_runner import StepOutput
 from stratamesh.agent.engine.tp_group import GroupFailed
 from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
 from stratamesh.fleet.logs import trace_context
 from stratamesh.fleet.tracing import parse_traceparent
-from stratamesh.fleet.types import SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
+from stratamesh.fleet.types import (SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
+                                    TokenEvent)
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -29,10 +32,11 @@ from stratamesh.kernels import codec
 
 log = logging.getLogger(__name__)
 
-# Steps of at most this many tokens run on the event loop: a thread hand-off would cost a good part
-# of a single-session decode step. Bigger steps run on the runner thread, so the loop keeps sending
-# the previous step's results while the next one computes.
-INLINE_MAX_TOKENS = 1
+# Every step runs on the event loop's thread: torch's CPU kernels run about a quarter slower when a second
+# Python thread drives them (each calling thread gets an OpenMP pool of its own, and the loop's thread would
+# also take the GIL from the runner). A step that runs longer than this lets the loop serve its other work
+# (messages arriving, heartbeats, KV moves) between two layers.
+YIELD_EVERY_S = 0.02
 
 
 class _Poison:
@@ -60,7 +64,7 @@ class _Call:
             self.done.set_exception(exc)
 
 
-Inbound = SessionOpen | StepChunk | StepBatch | SessionClose | _Poison | _Call
+Inbound = SessionOpen | StepChunk | StepChunks | StepBatch | SessionClose | SessionHold | _Poison | _Call
 Arrival = tuple[Inbound, int]   # a message and when it arrived (Unix ns)
 
 
@@ -176,13 +180,17 @@ class StageService(pb_grpc.StageServicer):
 
     # ------------------------------------------------------------ worker
     async def _work(self) -> None:
-        while True:
-            self._apply(*await self._inbox.get())
+        # Inference mode for as long as the worker runs (it is a thread's state, so other tasks of the loop run in it
+        # too: nothing in an agent computes gradients), not re-entered for every step, or every layer of one.
+        with torch.inference_mode():
             while True:
-                self._drain()
-                await self._coalesce()
-                if not await self._step():
-                    break
+                self._apply(*await self._inbox.get())
+                while True:
+                    self._drain()
+                    await self._coalesce()
+                    if not await self._step():
+                        break
+                    await asyncio.sleep(0)      # the loop sends the step's results and takes what arrived
 
     def _drain(self) -> None:
         while not self._inbox.empty():
@@ -217,15 +225,19 @@ class StageService(pb_grpc.StageServicer):
                         log.debug("session %s opened on %s (%d prompt tokens)", message.session_id,
                                   message.assignment_id, len(message.prompt_token_ids))
                 case StepChunk():
-                    engine = self._engine_of(message.session_id)
-                    engine.add(message, None, arrived_ns)
-                    self.observer.arrived(engine, message, arrived_ns, message.sent_unix_ns)
+                    self._add_chunk(message, arrived_ns)
+                case StepChunks():
+                    self._add_chunks(message, arrived_ns)
                 case StepBatch():
                     self._add_batch(message, arrived_ns)
                 case SessionClose():
                     engine = self._host.engine_of(message.session_id)
                     if engine is not None:
                         engine.close(message.session_id, outbox)
+                case SessionHold():
+                    engine = self._host.engine_of(message.session_id)
+                    if engine is not None:
+                        engine.hold(message.session_id, outbox)
                 case _Poison():
                     self._fail(message.session_id, message.exc, outbox, message.unreachable)
         except MeshError as exc:
@@ -234,6 +246,21 @@ class StageService(pb_grpc.StageServicer):
             else:
                 self._fail(_session_of(message), exc, outbox)
         self._send(outbox)
+
+    def _add_chunk(self, chunk: StepChunk, arrived_ns: int) -> None:
+        engine = self._engine_of(chunk.session_id)
+        engine.add(chunk, None, arrived_ns)
+        self.observer.arrived(engine, chunk, arrived_ns, chunk.sent_unix_ns)
+
+    def _add_chunks(self, message: StepChunks, arrived_ns: int) -> None:
+        """Each chunk on its own: a bad one fails its session, not the others."""
+        for chunk in message.chunks:
+            try:
+                self._add_chunk(chunk, arrived_ns)
+            except MeshError as exc:
+                outbox = Outbox()
+                self._fail(chunk.session_id, exc, outbox)
+                self._send(outbox)
 
     def _add_batch(self, batch: StepBatch, arrived_ns: int) -> None:
         try:
@@ -288,9 +315,7 @@ class StageService(pb_grpc.StageServicer):
 
     async def _run(self, engine: StageEngine, batch: Batch):
         try:
-            if sum(c.end - c.begin for c in batch.chunks) <= INLINE_MAX_TOKENS:
-                return engine.run(batch)
-            return await asyncio.get_running_loop().run_in_executor(self._host.executor, engine.run, batch)
+            return await _between_layers(engine.run_steps(batch))
         except Exception as exc:  # a failed step fails its sessions; only a group's failure fails the stage
             log.exception("a step of %s failed", engine.assignment.assignment_id)
             lost = self.address if isinstance(exc, GroupFailed) else ""
@@ -307,6 +332,9 @@ class StageService(pb_grpc.StageServicer):
         for address, message in outbox.stage_messages:
             if sent_ns and isinstance(message, StepBatch):
                 message = replace(message, sent_unix_ns=sent_ns)
+            if address == self.address:     # the next step of a pipeline whose first stage is here too
+                self._inbox.put_nowait((message, time.time_ns()))
+                continue
             self._send_to(self._next_stages, address, convert.stage_message_to_pb(message))
         by_origin: dict[str, list[TokenEvent]] = {}
         for origin, event in outbox.events:
@@ -327,8 +355,8 @@ class StageService(pb_grpc.StageServicer):
         """Ends the session here and downstream, and tells its origin why (and which hop was lost, if one was)."""
         engine = self._host.engine_of(session_id) if session_id else None
         message = engine.close(session_id, outbox) if engine is not None else None
-        if message is None:
-            log.info("dropped a message for unknown session %s: %s", session_id, exc)
+        if message is None:   # it ended here (closed, or preempted) while a step of it was on its way
+            log.debug("dropped a message for unknown session %s: %s", session_id, exc)
             return
         with trace_context(parse_traceparent(message.traceparent)[0]):
             log.warning("session %s failed on %s: %s", session_id, self._agent_id, exc)
@@ -343,9 +371,11 @@ class StageService(pb_grpc.StageServicer):
                                                          error_stage=self._agent_id)))
 
     def _next_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
-        """Fails, in order, every session whose next hop was on the broken stream."""
+        """Fails, in order, every session whose next hop (or, on the last stage, the first stage its decode loop
+        feeds) was on the broken stream."""
         for session_id, message in self._open_sessions():
-            if message.route and message.route[0].address == stream.address:
+            next_hop = message.route[0] if message.route else message.feed
+            if next_hop is not None and next_hop.address == stream.address:
                 self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0))
 
     def _origin_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
@@ -360,8 +390,8 @@ class StageService(pb_grpc.StageServicer):
 
     def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "batch":
-            session_ids = [c.session_id for c in message.batch.chunks]
+        if kind in ("batch", "chunks"):
+            session_ids = [c.session_id for c in getattr(message, kind).chunks]
         else:
             session_ids = [getattr(message, kind).session_id] if kind else []
         known = [s for s in session_ids if s and self._host.engine_of(s) is not None]
@@ -371,5 +401,19 @@ class StageService(pb_grpc.StageServicer):
             log.info("rejected a stage message: %s", exc)
 
 
+async def _between_layers(steps: Generator[None, None, StepOutput]) -> StepOutput:
+    """Runs a step's layers on this thread, letting the event loop run whenever YIELD_EVERY_S has passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + YIELD_EVERY_S
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if loop.time() >= deadline:
+            await asyncio.sleep(0)
+            deadline = loop.time() + YIELD_EVERY_S
+
+
 def _session_of(message: Inbound) -> str:
-    return "" if isinstance(message, StepBatch) else message.session_id
+    return "" if isinstance(message, StepBatch | StepChunks) else message.session_id

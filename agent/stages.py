@@ -6,7 +6,8 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor
+import threading
+from typing import TypeVar
 
 from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
@@ -16,14 +17,37 @@ from stratamesh.fleet.types import Assignment
 log = logging.getLogger(__name__)
 
 RELEASED_KEEP_S = 10.0
+T = TypeVar("T")
+
+
+async def in_own_thread(fn: Callable[[], T]) -> T:
+    """fn's result, computed on a new thread that ends when fn returns."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if not done.done():     # nobody waits any more if the caller was cancelled
+            done.set_exception(exc) if exc is not None else done.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001  handed to the awaiting caller
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, name="stage-loader", daemon=True).start()
+    return await done
 
 
 class StageHost:
-    """Loaded stages by assignment id, and which stage each open session lives on."""
+    """Loaded stages by assignment id, and which stage each open session lives on.
 
-    def __init__(self, executor: Executor, config: EngineConfig,
-                 on_group_failure: Callable[[str], None] | None = None):
-        self.executor = executor
+    Stages compute on the event loop's thread (agent.dataplane); a load runs on a thread of its own that ends with
+    it, because a thread that ran torch's CPU kernels keeps an OpenMP pool that slows the loop's kernels after."""
+
+    def __init__(self, config: EngineConfig, on_group_failure: Callable[[str], None] | None = None):
         self.config = config
         # told (from any thread) when a tensor-parallel stage's group went down: the agent cannot serve it again
         self.on_group_failure = on_group_failure
@@ -54,10 +78,10 @@ class StageHost:
             runner.close()
             runner = None
         if runner is None:
-            loop = asyncio.get_running_loop()
-            load = functools.partial(StageRunner.load, assignment.stage, self.config.kv_cache_bytes,
-                                     self._group_failed)
-            runner = await loop.run_in_executor(self.executor, load)
+            config = self.config
+            runner = await in_own_thread(functools.partial(
+                StageRunner.load, assignment.stage, config.kv_cache_bytes, self._group_failed,
+                config.gpu_memory_utilization, config.max_batch_tokens))
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
         return engine
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from prometheus_client import generate_latest
@@ -38,7 +37,7 @@ def busy_telemetry(busy_s: float = 2.0) -> None:
     worker = threading.Thread(target=load, daemon=True)
     worker.start()
     time.sleep(busy_s)
-    sampler = TelemetrySampler(StageHost(ThreadPoolExecutor(1), EngineConfig()), lambda: 0, has_gpus=True)
+    sampler = TelemetrySampler(StageHost(EngineConfig()), lambda: 0, has_gpus=True)
     telemetry = asyncio.run(sampler.sample())
     stop.set()
     worker.join()

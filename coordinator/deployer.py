@@ -511,11 +511,12 @@ class Deployer:
             plan = self._registry.active_plan(model.model_id)
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
-            chosen = repair_stages(model.model_id, model.config, agents, _placement(plan), self._registry.links(),
-                                   _pins(model))
+            chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
+                                   self._registry.links(), _pins(model))
+            # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
             pairs += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
-                                      spare, s.spec, "assigned"))
-                      for s, spare in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
+                                      spare, replace(s.spec, device=spec.device, dtype=spec.dtype), "assigned"))
+                      for s, (spare, spec) in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
         self._draining.add(agent_id)
         self.drain_failures.pop(agent_id, None)
         for old, new in pairs:

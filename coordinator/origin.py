@@ -17,7 +17,7 @@ import grpc
 from stratamesh.coordinator.kv_moves import move_kv
 from stratamesh.fleet.errors import MeshError, StageFailed
 from stratamesh.fleet.tracing import SpanStore, new_span_id, new_trace_id, traceparent
-from stratamesh.fleet.types import Hop, SamplingParams, SessionClose, SessionOpen, StepChunk, TokenEvent
+from stratamesh.fleet.types import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepChunk, TokenEvent
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -86,8 +86,9 @@ class _Live:
     parent_span_id: str = ""
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     movable: bool = True        # a generation; an embedding ends after its prompt and is never moved
-    leaving: str = ""           # a Stage address being drained: move off it at the next token
+    leaving: str = ""           # a Stage address being drained: the session holds, then moves off it
     moved: bool = False         # it moved: the stages keep the session for its next route to adopt
+    stream: OutboundStream | None = None    # to its first stage
 
     def runs_through(self, address: str) -> bool:
         return any(hop.address == address for hop in self.route)
@@ -170,17 +171,23 @@ class _Request:
                                        "stratamesh.tokens": str(num_tokens)}, span_id=self._span_id)
 
     async def _open(self, live: _Live, stream: OutboundStream, session_id: str, route: Sequence[Hop],
-                    block_size: int, token_ids: list[int], first: bool, resume_from: str = "") -> int:
+                    block_size: int, token_ids: list[int], first: bool, resume_from: str = "",
+                    decode: tuple[int, tuple[int, ...]] | None = None) -> int:
         """Opens the session on the route (resuming a moved session's KV); returns the leading tokens of token_ids
-        every stage holds already, from which the prefill starts."""
+        every stage holds already, from which the prefill starts.
+
+        decode: (max new tokens, 0 for no limit; stop token ids) of a generation, whose last stage then feeds
+        each token it samples to the first stage; None (an embedding): it samples once."""
         record, origin = self.record, self._origin
         cacheable = bool(resume_from) or len(token_ids) > block_size
         opened_ns = time.time_ns()
+        max_new_tokens, stop_ids = decode or (0, ())
         stream.send(convert.stage_message_to_pb(SessionOpen(
             session_id, route[0].assignment_id, tuple(route[1:]), origin.address,
             self._params, traceparent(record.trace_id, self._span_id) if record.trace_id else "",
             prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0,
-            resume_from=resume_from)))
+            resume_from=resume_from, feed=Hop(route[0].address, route[0].assignment_id) if decode else None,
+            max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)))
         cached = 0
         if cacheable:
             cached = (await origin.next_event(live, session_id, opened=True)).cached_tokens
@@ -210,11 +217,14 @@ class Generation(_Request):
 
     It keeps the prompt and every token it emitted. When a stage of its route is lost it prefills them on
     a new route and goes on from there: sampling is keyed by position, so the continuation is the one an
-    uninterrupted run gives, and the caller sees no token twice and none missing."""
+    uninterrupted run gives, and the caller sees no token twice and none missing. It ends by itself after
+    max_tokens tokens or a token of stop_token_ids (None and empty: it runs until the caller closes it)."""
 
     def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int],
-                 params: SamplingParams, request_id: str, hidden_size: int):
+                 params: SamplingParams, request_id: str, hidden_size: int, max_tokens: int | None = None,
+                 stop_token_ids: frozenset[int] = frozenset()):
         super().__init__(origin, routes, prompt_ids, params, request_id, hidden_size)
+        self._max_tokens, self._stop_token_ids = max_tokens, stop_token_ids
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -238,7 +248,8 @@ class Generation(_Request):
                     stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
                 record.route = tuple(route)
                 try:
-                    attempt = self._attempt(route, block_size, self._prompt + emitted, not emitted, resume_from)
+                    left = None if self._max_tokens is None else self._max_tokens - len(emitted)
+                    attempt = self._attempt(route, block_size, self._prompt + emitted, left, resume_from)
                     resume_from = ""
                     async with aclosing(attempt) as tokens:
                         async for token in tokens:
@@ -259,26 +270,28 @@ class Generation(_Request):
             self._origin.moving.pop(left, None)
             self._finish(len(emitted))
 
-    async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], first: bool,
+    async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], tokens_left: int | None,
                        resume_from: str = "") -> AsyncIterator[int]:
         """One pass over the route: open (resuming a moved session's KV), prefill token_ids from what the
-        stages hold, then decode."""
+        stages hold, then take the tokens the pipeline's decode loop samples (its last stage feeds each to its
+        first; this origin only hands them out)."""
         session_id, trace_id = self._session_id(), self.record.trace_id
+        first = len(token_ids) == len(self._prompt)
+        decode = (tokens_left or 0, tuple(sorted(self._stop_token_ids)))
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
-            cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from)
-            step = self._send_prefill(stream, session_id, token_ids, cached, trace_id)
-            position = len(token_ids)
+            cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from,
+                                      decode)
+            self._send_prefill(stream, session_id, token_ids, cached, trace_id)
             while True:
-                token = (await self._origin.next_event(live, session_id)).token_id
-                if live.leaving:
-                    yield token
+                event = await self._origin.next_event(live, session_id)
+                yield event.token_id
+                if tokens_left is not None:
+                    tokens_left -= 1
+                if tokens_left == 0 or event.token_id in self._stop_token_ids:
+                    return                  # its last token: the last stage fed it nowhere
+                if event.held:              # quiet on every stage now: it moves, KV and all
                     live.moved = True
                     raise _Moving(session_id)
-                # Send the next step before handing the token out: the pipeline works meanwhile.
-                stream.send(convert.stage_message_to_pb(
-                    StepChunk(session_id, step, position, (token,), True, trace_id, time.time_ns())))
-                step, position = step + 1, position + 1
-                yield token
 
 
 class Embedding(_Request):
@@ -369,9 +382,12 @@ class Origin:
         return len(self._sessions)
 
     def generate(self, routes: RouteSource, prompt_ids: Sequence[int], params: SamplingParams,
-                 request_id: str, hidden_size: int) -> Generation:
-        """A generation over the routes the source gives; iterate it for token ids, aclose() it to stop."""
-        generation = Generation(self, routes, prompt_ids, params, request_id, hidden_size)
+                 request_id: str, hidden_size: int, max_tokens: int | None = None,
+                 stop_token_ids: frozenset[int] = frozenset()) -> Generation:
+        """A generation over the routes the source gives; iterate it for token ids, aclose() it to stop (it stops by
+        itself after max_tokens, or at a stop token)."""
+        generation = Generation(self, routes, prompt_ids, params, request_id, hidden_size, max_tokens,
+                                stop_token_ids)
         self.remember(generation.record)
         return generation
 
@@ -382,17 +398,26 @@ class Origin:
         return embedding
 
     def deliver(self, event: TokenEvent, arrived_ns: int = 0) -> None:
-        """Hands a token (or a stage's answer or error) to the generation waiting for it."""
-        live = self._sessions.get(event.session_id)
-        if live is None:
-            log.debug("event for finished session %s dropped", event.session_id)
-            return
+        """deliver_batch of one event."""
+        self.deliver_batch([event], arrived_ns)
+
+    def deliver_batch(self, events: Sequence[TokenEvent], arrived_ns: int = 0) -> None:
+        """Hands tokens (and stages' answers and errors) to the generations waiting for them."""
+        for event in events:
+            live = self._sessions.get(event.session_id)
+            if live is None:
+                log.debug("event for finished session %s dropped", event.session_id)
+                continue
+            self._timed(live, event, arrived_ns)
+            live.events.put_nowait(event)
+
+    def _timed(self, live: _Live, event: TokenEvent, arrived_ns: int) -> None:
+        """Records the last hop of a token (or embedding): the metric, and a span if its session is traced."""
         if event.sent_unix_ns and arrived_ns and (event.token_id >= 0 or event.embedding):
             if self._on_hop is not None:
                 self._on_hop(max(arrived_ns - event.sent_unix_ns, 0) / 1e9)
             self.span(live, "send", event.sent_unix_ns, arrived_ns, event.session_id,
                       {"stratamesh.to": "origin", "stratamesh.step": str(event.step)})
-        live.events.put_nowait(event)
 
     @contextmanager
     def session(self, session_id: str, route: Sequence[Hop], trace_id: str = "", parent_span_id: str = "",
@@ -401,7 +426,7 @@ class Origin:
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
         live = self._sessions[session_id] = _Live(tuple(route), trace_id, parent_span_id, movable=movable)
-        stream = self._streams.get(route[0].address)
+        stream = live.stream = self._streams.get(route[0].address)
         try:
             yield live, stream
         finally:
@@ -439,9 +464,11 @@ class Origin:
         """Asks every live session routed through this Stage address to move, KV and all, to the route it gets
         next (at its next token: it is quiet then); returns how many were asked now."""
         asked = 0
-        for live in self._sessions.values():
+        for session_id, live in self._sessions.items():
             if live.movable and live.runs_through(address) and not live.leaving:
                 live.leaving = address
+                if live.stream is not None and live.stream.alive:
+                    live.stream.send(convert.stage_message_to_pb(SessionHold(session_id)))
                 asked += 1
         return asked
 
@@ -473,11 +500,12 @@ class OriginService(pb_grpc.OriginServicer):
                       context: grpc.aio.ServicerContext) -> pb.DeliverSummary:
         num_events = 0
         async for batch in request_iterator:
-            arrived_ns = time.time_ns()
+            arrived_ns, events = time.time_ns(), []
             for message in batch.events:
                 num_events += 1
                 try:
-                    self._origin.deliver(convert.token_event_from_pb(message), arrived_ns)
+                    events.append(convert.token_event_from_pb(message))
                 except MeshError as exc:
                     log.info("dropped a token event: %s", exc)
+            self._origin.deliver_batch(events, arrived_ns)
         return pb.DeliverSummary(num_events=num_events)

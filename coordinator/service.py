@@ -35,11 +35,12 @@ class MeshGenerator:
             self._codecs[key] = TextCodec.from_dir(model.path)
         return self._codecs[key]
 
-    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> Generation:
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()) -> Generation:
         model = self._deployer.model(model_id)
         routes = partial(self._deployer.wait_route, model_id, self._route_wait_s)
-        generation = self._origin.generate(routes, prompt_ids, params, request_id, model.hidden_size)
+        generation = self._origin.generate(routes, prompt_ids, params, request_id, model.hidden_size, max_tokens,
+                                           stop_token_ids)
         trace_id_var.set(generation.record.trace_id)   # the rest of this request's log records carry it
         return generation
 

@@ -185,6 +185,11 @@ class SessionOpen:
     prompt_token_ids: tuple[int, ...] = ()
     max_cached_tokens: int = 0   # the fewest prompt tokens any stage so far holds in its prefix cache
     resume_from: str = ""        # a moving session: stages that hold it under this id keep its KV
+    # The decode loop: the last stage feeds each sampled token to this first stage (None: to nobody) until
+    # max_new_tokens are sampled (0: no limit) or one of stop_token_ids is.
+    feed: Hop | None = None
+    max_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def forwarded(self, cached_tokens: int) -> SessionOpen:
         """The open as the next hop must receive it, carrying this stage's cached-token count."""
@@ -216,7 +221,21 @@ class StepBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class StepChunks:
+    """The next decode step of several sessions, token ids only, fed by the last stage to the first in one message."""
+
+    chunks: tuple[StepChunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SessionClose:
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHold:
+    """Stops a session's decode loop after the token the pipeline is on (to move it while it is quiet)."""
+
     session_id: str
 
 
@@ -304,6 +323,7 @@ class TokenEvent:
     sent_unix_ns: int = 0       # when the last stage finished the step that produced it
     unreachable: str = ""       # with error: the address of the hop a stage lost (the origin replays)
     embedding: tuple[float, ...] = ()   # instead of a token (embedding models): the prompt's normalized vector
+    held: bool = False          # the last token before a hold: the session is quiet on every stage now
 
 
 STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")

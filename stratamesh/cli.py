@@ -110,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
     agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    agent.add_argument("--kv-cache-gib", type=float, default=0.5, help="paged KV cache per stage")
+    agent.add_argument("--kv-cache-gib", type=float, default=0.5, help="paged KV cache per CPU stage")
+    agent.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                       help="share of a GPU its stage may fill (weights, workspace, then the KV cache: what is "
+                            "left), as vLLM's; agents sharing a GPU split it")
     agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
     agent.add_argument("--max-batch-seqs", type=int, default=64)
     agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
@@ -118,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
     agent.add_argument("--ranks", type=_num_ranks, default=0, metavar="N",
                        help="ranks a tensor-parallel stage here may have; default: the number of GPUs, else 1")
+    agent.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                       help="what this agent's stages compute in; auto: the planner picks per device (a GPU: the "
+                            "checkpoint's dtype, float16 for bfloat16 before Ampere; a CPU: float32, bfloat16 for a "
+                            "bfloat16 checkpoint where the CPU has native bf16)")
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.add_argument("--metrics-port", type=int, default=0,
@@ -162,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--embedding", action="store_true",
                       help="an embedding model (the base model without an LM head), served on /v1/embeddings")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="the dtype the weights are stored in")
     tiny.set_defaults(func=_model_tiny)
 
     plan = commands.add_parser("plan", help="plan a model's stages over a fleet file (no daemon needed)")
@@ -237,6 +246,17 @@ def _coordinator(args: argparse.Namespace) -> None:
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def _num_ranks(text: str) -> int:
     """--ranks: an integer in 1..MAX_TP_DEGREE."""
     from stratamesh.fleet.types import MAX_TP_DEGREE
@@ -263,8 +283,11 @@ def _agent(args: argparse.Namespace) -> None:
         coordinator=args.coordinator, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
-        engine=EngineConfig(int(args.kv_cache_gib * (1 << 30)), args.max_batch_tokens,
-                            args.max_batch_seqs, not args.no_prefix_cache),
+        dtype="" if args.dtype == "auto" else args.dtype,
+        engine=EngineConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
+                            enable_prefix_cache=not args.no_prefix_cache),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, insecure=args.insecure, join_token=args.join_token,
         state_dir=state_dir, enroll=args.enroll, **overrides)
@@ -287,7 +310,7 @@ def _model_tiny(args: argparse.Namespace) -> None:
         args.out, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
         intermediate_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
         vocab_size=args.vocab, max_position_embeddings=args.context,
-        tie_word_embeddings=args.tie_embeddings, seed=args.seed, embedding=args.embedding)
+        tie_word_embeddings=args.tie_embeddings, seed=args.seed, embedding=args.embedding, dtype=args.dtype)
     print(path)
 
 

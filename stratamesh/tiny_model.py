@@ -24,6 +24,7 @@ _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistra
 _BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel"}   # no LM head: embeddings
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0}
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int = 6, hidden_size: int = 256,
@@ -31,26 +32,32 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
                      vocab_size: int = 1024, max_position_embeddings: int = 2048,
                      tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
                      rope_spelling: str = "classic", shard_size_bytes: int | None = None,
-                     seed: int = 0, sliding_window: int | None = None, embedding: bool = False) -> Path:
+                     seed: int = 0, sliding_window: int | None = None, embedding: bool = False,
+                     dtype: str = "float32") -> Path:
     """Write config, generation config, safetensors weights and a ChatML BPE tokenizer to out_dir.
 
     rope_spelling "classic" writes rope_theta + rope_scaling (transformers 4), "parameters" writes
     rope_parameters (transformers 5). sliding_window applies to mistral only (default 32). embedding writes
     an embedding model instead: the base model (LlamaModel, ...) without an LM head nor a generation config,
-    its tensors named as transformers' save_pretrained names them ("layers.0...", no "model." prefix)."""
+    its tensors named as transformers' save_pretrained names them ("layers.0...", no "model." prefix). dtype is
+    how the weights are stored (config.json says so too): "float32", "bfloat16" or "float16"."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {TINY_ARCHS}")
     if embedding and tie_word_embeddings:
         raise ValueError("an embedding model has no LM head to tie to its embeddings")
     if rope_spelling not in ("classic", "parameters"):
         raise ValueError(f"rope_spelling {rope_spelling!r} is not 'classic' or 'parameters'")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
-    weights = _random_weights(config, seed, num_text_tokens=tokenizer.get_vocab_size())
+    config["dtype"] = dtype
+    weights = {name: t.to(_DTYPES[dtype]) for name, t in
+               _random_weights(config, seed, num_text_tokens=tokenizer.get_vocab_size()).items()}
     if embedding:
         config["architectures"] = [_BASE_CLASS[arch]]
         del weights["lm_head.weight"]

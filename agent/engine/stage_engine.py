@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -11,8 +13,10 @@ from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment, KvLayout, SessionClose, SessionOpen, StepBatch, StepChunk, TokenEvent
+from stratamesh.fleet.types import (Assignment, Hop, KvLayout, SessionClose, SessionHold, SessionOpen, StepBatch,
+                                    StepChunk, StepChunks, TokenEvent, wire_dtype)
 from stratamesh.kernels import codec
+from stratamesh.kernels.models.decoder import run_through
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +25,8 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     """How a stage batches: the KV cache budget, the per-step limits, prefix caching."""
 
-    kv_cache_bytes: int = 512 << 20
+    kv_cache_bytes: int = 512 << 20         # a CPU stage's KV cache
+    gpu_memory_utilization: float = 0.9     # a GPU stage's weights, workspace and KV cache take this share of it
     max_batch_tokens: int = 512
     max_batch_seqs: int = 64
     enable_prefix_cache: bool = True
@@ -29,13 +34,41 @@ class EngineConfig:
     # arriving one message per session from the origin still run as one batch.
     coalesce_s: float = 0.004
 
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidInput(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
 
 @dataclass(slots=True)
 class Outbox:
     """What a step or a message asks the data plane to send, in order."""
 
-    stage_messages: list[tuple[str, StepBatch | SessionOpen | SessionClose]] = field(default_factory=list)
+    stage_messages: list[tuple[str, StepBatch | StepChunks | SessionOpen | SessionClose | SessionHold]] = field(
+        default_factory=list)
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DecodeLoop:
+    """A generation's decode loop as its last stage runs it: each sampled token goes on to the first stage (feed)
+    as the next step, until the generation's last token or a hold."""
+
+    feed: Hop
+    tokens_left: int | None             # tokens it may still sample; None: no limit
+    stop_token_ids: frozenset[int]
+    held: bool = False                  # the origin asked for a hold: the next token is the last one fed nowhere
+
+    @classmethod
+    def of(cls, message: SessionOpen) -> DecodeLoop | None:
+        if message.feed is None:
+            return None
+        return cls(message.feed, message.max_new_tokens or None, frozenset(message.stop_token_ids))
+
+    def sampled(self, token: int) -> bool:
+        """Counts a sampled token; whether the loop goes on with it (the loop is over otherwise)."""
+        if self.tokens_left is not None:
+            self.tokens_left -= 1
+        return not (self.held or self.tokens_left == 0 or token in self.stop_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +93,7 @@ class StageEngine:
         self.scheduler = Scheduler(block_manager, config.max_batch_tokens, config.max_batch_seqs)
         self.sessions: dict[str, SessionOpen] = {}
         self.parked: set[str] = set()   # imported sessions waiting for the SessionOpen that resumes them
+        self.loops: dict[str, DecodeLoop] = {}   # last stage: the decode loop of each generating session
 
     @property
     def is_first(self) -> bool:
@@ -82,6 +116,9 @@ class StageEngine:
             cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
                                          message.max_cached_tokens)
         self.sessions[message.session_id] = message
+        loop = DecodeLoop.of(message) if self.is_last and self.runner.model.config.has_lm_head else None
+        if loop is not None:
+            self.loops[message.session_id] = loop
         if self.is_first:
             self.scheduler.pipeline_depth = len(message.route) + 1
         if message.route:
@@ -106,16 +143,28 @@ class StageEngine:
         message = self.sessions.pop(session_id, None)
         if message is None:
             return None
+        self.loops.pop(session_id, None)
         self.scheduler.close(session_id)
         if message.route:
             outbox.stage_messages.append((message.route[0].address, SessionClose(session_id)))
         return message
+
+    def hold(self, session_id: str, outbox: Outbox) -> None:
+        """Passes a hold on to the last stage, which feeds the first stage no further token of the session."""
+        message = self.sessions.get(session_id)
+        if message is None:
+            return                      # it ended already: nothing to hold
+        if message.route:
+            outbox.stage_messages.append((message.route[0].address, SessionHold(session_id)))
+        elif session_id in self.loops:
+            self.loops[session_id].held = True
 
     def _resume(self, message: SessionOpen) -> int | None:
         """Adopts the session the open resumes, if it is here (live or imported); its cached tokens, else None."""
         old = message.resume_from
         if old in self.sessions:       # (open() refused a session_id that is open already)
             del self.sessions[old]
+            self.loops.pop(old, None)
         elif old in self.parked:
             self.parked.discard(old)
         else:
@@ -141,6 +190,7 @@ class StageEngine:
     def drop(self, session_id: str) -> None:
         """Forgets a session that moved away; unlike close(), nothing is sent on."""
         if self.sessions.pop(session_id, None) is not None:
+            self.loops.pop(session_id, None)
             self.scheduler.close(session_id)
 
     def import_session(self, kv: SessionKv) -> None:
@@ -174,12 +224,17 @@ class StageEngine:
     def schedule(self) -> Batch | None:
         return self.scheduler.schedule() if self.scheduler.has_work else None
 
+    @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
-        """The forward pass (the only call that touches the device; safe on a worker thread)."""
+        """The forward pass (the only call that touches the device)."""
+        return run_through(self.run_steps(batch))
+
+    def run_steps(self, batch: Batch) -> Generator[None, None, StepOutput]:
+        """run(), suspended after each layer (StageRunner.run_steps; run it under torch.inference_mode())."""
         payloads = [c.item.payload[c.begin:c.end] if c.item.payload is not None else None
                     for c in batch.chunks]
         sampling = {c.session_id: self.sessions[c.session_id].sampling for c in batch.chunks if c.sample}
-        return self.runner.run(batch, payloads, sampling)
+        return (yield from self.runner.run_steps(batch, payloads, sampling))
 
     def postprocess(self, batch: Batch, output: StepOutput | None, outbox: Outbox) -> None:
         """Advances the scheduler and turns the step's output into messages for the next hops."""
@@ -196,24 +251,44 @@ class StageEngine:
                 outbox.events.append((message.origin, TokenEvent(session_id, -1, preempted=True)))
 
     def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
+        """Each sampled token to its origin and, while its decode loop goes on, as the next step to the first stage
+        (one message per first stage)."""
+        feeds: dict[str, list[StepChunk]] = {}
+        sent_ns = time.time_ns()
         for chunk in batch.chunks:
-            if chunk.sample:
-                outbox.events.append((self.sessions[chunk.session_id].origin, _event(chunk, output)))
+            if not chunk.sample:
+                continue
+            event = _event(chunk, output)
+            loop = self.loops.get(chunk.session_id)
+            if loop is not None and loop.sampled(event.token_id):
+                position = chunk.start_pos + chunk.num_tokens          # of the token just sampled
+                feeds.setdefault(loop.feed.address, []).append(StepChunk(
+                    chunk.session_id, chunk.item.step + 1, position, (event.token_id,), True, chunk.item.trace_id,
+                    sent_ns))
+            elif loop is not None:                                      # over: its last token, or held
+                event = replace(event, held=loop.held)
+                del self.loops[chunk.session_id]
+            outbox.events.append((self.sessions[chunk.session_id].origin, event))
+        for address, chunks in feeds.items():
+            outbox.stage_messages.append((address, StepChunks(tuple(chunks))))
 
     def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
-        groups: dict[str, tuple[list[StepChunk], list[torch.Tensor]]] = {}
+        """The step's hidden rows to each session's next stage, one message per next stage, in the dtype that stage
+        computes in (wire_dtype: cast here, on this stage's device, before the copy to the host)."""
+        groups: dict[Hop, tuple[list[StepChunk], list[torch.Tensor]]] = {}
         row = 0
         for chunk in batch.chunks:
             length = chunk.end - chunk.begin
-            address = self.sessions[chunk.session_id].route[0].address
-            chunks, rows = groups.setdefault(address, ([], []))
+            chunks, rows = groups.setdefault(self.sessions[chunk.session_id].route[0], ([], []))
             chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
                                     chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id))
             rows.append(output.hidden[row:row + length])
             row += length
-        for address, (chunks, rows) in groups.items():
-            hidden = codec.encode(rows[0] if len(rows) == 1 else torch.cat(rows))
-            outbox.stage_messages.append((address, StepBatch(tuple(chunks), hidden)))
+        for hop, (chunks, rows) in groups.items():
+            hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
+            travels = codec.TORCH_DTYPES[wire_dtype(self.assignment.stage.dtype, hop.dtype)]
+            hidden = codec.encode(hidden if hidden.dtype == travels else hidden.to(travels))
+            outbox.stage_messages.append((hop.address, StepBatch(tuple(chunks), hidden)))
 
 
 def _event(chunk: ScheduledChunk, output: StepOutput) -> TokenEvent:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from stratamesh.agent.engine.scheduler import Batch
-from stratamesh.agent.engine.tp_group import RankGroup
+from stratamesh.agent.engine.memory import gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
+from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.types import SamplingParams, StageSpec
-from stratamesh.kernels.models.config import read_config
-from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage
+from stratamesh.kernels.models.config import ModelConfig, read_config
+from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.sampler import sample
@@ -43,15 +44,18 @@ class StageRunner:
         self.ranks = ranks
 
     @classmethod
-    def load(cls, spec: StageSpec, kv_cache_bytes: int,
-             on_group_failure: Callable[[str], None] | None = None) -> StageRunner:
-        """Loads the stage's own tensors and a KV cache of about kv_cache_bytes (per rank, for a TP stage, whose
-        other ranks it launches; on_group_failure hears, from any thread, that the group went down)."""
+    def load(cls, spec: StageSpec, kv_cache_bytes: int, on_group_failure: Callable[[str], None] | None = None,
+             gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512) -> StageRunner:
+        """Loads the stage's own tensors and its paged KV cache (per rank, for a TP stage, whose other ranks it
+        launches; on_group_failure hears, from any thread, that the group went down).
+
+        The KV cache holds kv_cache_bytes on a CPU; on a GPU, what gpu_memory_utilization of the GPU leaves after
+        the weights and a workspace for steps of max_batch_tokens (agent.engine.memory)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
-        num_blocks = max(2, PagedKVCache.blocks_for_bytes(
-            kv_cache_bytes, spec.end_layer - spec.start_layer, spec.kv_block_size,
-            config.num_kv_heads // spec.tp_degree, config.head_dim, TORCH_DTYPES[spec.dtype]))
+        if spec.device.startswith("cuda"):
+            return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens)
+        num_blocks = _num_blocks(spec, config, kv_cache_bytes)
         ranks = None
         if spec.tp_degree > 1:   # the other ranks load their shards while this one loads its own
             threads = max(1, torch.get_num_threads() // spec.tp_degree)
@@ -64,10 +68,31 @@ class StageRunner:
             if ranks is not None:
                 ranks.close()
             raise
-        runner = cls(model, num_blocks, 0, ranks)
-        log.info("stage [%d, %d) of %s on %d rank(s): %.1f MB of weights, %d KV blocks of %d tokens (%.1f MB) "
-                 "per rank", spec.start_layer, spec.end_layer, spec.model_id, spec.tp_degree,
-                 model.param_bytes / 1e6, num_blocks, spec.kv_block_size, runner.cache.nbytes / 1e6)
+        return cls._loaded(model, num_blocks, ranks)
+
+    @classmethod
+    def _load_on_gpu(cls, spec: StageSpec, config: ModelConfig, on_group_failure: Callable[[str], None] | None,
+                     utilization: float, max_batch_tokens: int) -> StageRunner:
+        """On a GPU the weights come first (rank 0's shard, then the others'): the KV cache gets what is left."""
+        torch.cuda.set_device(spec.device)
+        group: list[Collectives] = []      # bound once the other ranks are in
+        model = load_stage(spec, config)
+        if spec.tp_degree > 1:
+            model = apply_tp(model, 0, spec.tp_degree, lambda t: group[0].all_reduce(t))
+        workspace = step_workspace_bytes(config, max_batch_tokens, model.dtype.itemsize, spec.is_last, spec.tp_degree)
+        num_blocks = _num_blocks(spec, config, gpu_kv_bytes(read_gpu_memory(spec.device), utilization, workspace))
+        ranks = None
+        if spec.tp_degree > 1:
+            ranks = RankGroup(spec, num_blocks, 1, on_group_failure)
+            group.append(ranks.start())
+        return cls._loaded(model, num_blocks, ranks)
+
+    @classmethod
+    def _loaded(cls, model: StageModel, num_blocks: int, ranks: RankGroup | None) -> StageRunner:
+        runner, spec = cls(model, num_blocks, 0, ranks), model.spec
+        log.info("stage [%d, %d) of %s on %s in %s, %d rank(s): %.1f MB of weights, %d KV blocks of %d tokens "
+                 "(%.1f MB) per rank", spec.start_layer, spec.end_layer, spec.model_id, spec.device, spec.dtype,
+                 spec.tp_degree, model.param_bytes / 1e6, num_blocks, spec.kv_block_size, runner.cache.nbytes / 1e6)
         return runner
 
     def close(self) -> None:
@@ -75,16 +100,22 @@ class StageRunner:
         if self.ranks is not None:
             self.ranks.close()
 
+    @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, seqs: list[SeqSlice]) -> torch.Tensor:
         """The stage's layers over a step's chunks: hidden [N, hidden]; rank 0 of a group runs it on every rank."""
+        return run_through(self.forward_steps(inputs, seqs))
+
+    def forward_steps(self, inputs: torch.Tensor, seqs: list[SeqSlice]) -> Generator[None, None, torch.Tensor]:
+        """forward(), suspended after each layer (see StageModel.forward_layers; run it under inference mode)."""
         attn = PagedBatch(self.cache, seqs)
-        if self.ranks is None:
-            return self.model.forward(inputs, attn.positions, attn)
-        # a bad input found on rank 0 alone would leave the others waiting in an all-reduce: check it first
+        # checked once here: on rank 0 of a group before the other ranks start (a bad input found on rank 0 alone
+        # would leave them waiting in an all-reduce), and the positions are the batch's own
         self.model.check_inputs(inputs, attn.positions, attn)
+        if self.ranks is None:
+            return (yield from self.model.forward_layers(inputs, attn.positions, attn, checked=True))
         self.ranks.forward(inputs, tuple(seqs))
         try:
-            return self.model.forward(inputs, attn.positions, attn)
+            return (yield from self.model.forward_layers(inputs, attn.positions, attn, checked=True))
         except Exception as exc:   # the ranks are out of step now
             raise self.ranks.fail(f"{type(exc).__name__}: {exc}") from exc
 
@@ -120,9 +151,16 @@ class StageRunner:
             cache.k[layer][ids] = padded[0, layer]
             cache.v[layer][ids] = padded[1, layer]
 
+    @torch.inference_mode()
     def run(self, batch: Batch, payloads: list[torch.Tensor | None],
             sampling: Mapping[str, SamplingParams]) -> StepOutput:
         """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows."""
+        return run_through(self.run_steps(batch, payloads, sampling))
+
+    def run_steps(self, batch: Batch, payloads: list[torch.Tensor | None],
+                  sampling: Mapping[str, SamplingParams]) -> Generator[None, None, StepOutput]:
+        """run(), suspended after each layer: the caller may serve other work between layers of a long step (run it
+        under torch.inference_mode())."""
         model, seqs, q_start = self.model, [], 0
         for chunk in batch.chunks:
             length = chunk.end - chunk.begin
@@ -132,19 +170,30 @@ class StageRunner:
             inputs = torch.tensor([t for c in batch.chunks for t in c.item.token_ids[c.begin:c.end]])
         else:
             inputs = torch.cat(payloads)                           # [N, hidden]
-        with torch.inference_mode():
-            hidden = self.forward(inputs, seqs)
-            if not model.spec.is_last:
-                return StepOutput(hidden=hidden)
-            rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
-            sampled = [c for c in batch.chunks if c.sample]
-            if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
-                vectors = model.pool(hidden[rows]) if rows else None   # [num sampled, hidden]
-                return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
-            logits = model.logits(hidden[rows]) if rows else None  # [num sampled, vocab]
+        hidden = yield from self.forward_steps(inputs, seqs)
+        if not model.spec.is_last:
+            return StepOutput(hidden=hidden)
+        return self._last_stage_output(batch, seqs, hidden, sampling)
+
+    def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], hidden: torch.Tensor,
+                           sampling: Mapping[str, SamplingParams]) -> StepOutput:
+        """What the last stage makes of the chunks that asked for it: sampled tokens, or pooled embeddings."""
+        model = self.model
+        rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
+        sampled = [c for c in batch.chunks if c.sample]
+        if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
+            vectors = model.pool(hidden[rows]) if rows else None   # [num sampled, hidden]
+            return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
+        logits = model.logits(hidden[rows]) if rows else None      # [num sampled, vocab]
         tokens = {}
         for i, chunk in enumerate(sampled):
             position = chunk.start_pos + chunk.end - chunk.begin    # the position of the new token
             tokens[chunk.session_id] = sample(logits[i], sampling[chunk.session_id], position)
         return StepOutput(tokens=tokens)
 
+
+def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
+    """KV blocks (of spec.kv_block_size tokens, this rank's KV heads) in kv_bytes; at least 2."""
+    return max(2, PagedKVCache.blocks_for_bytes(kv_bytes, spec.end_layer - spec.start_layer, spec.kv_block_size,
+                                                config.num_kv_heads // spec.tp_degree, config.head_dim,
+                                                TORCH_DTYPES[spec.dtype]))

@@ -63,8 +63,9 @@ class Generator(Protocol):
 
     def text(self, model_id: str) -> TextCodec: ...  # raises ModelNotFound
 
-    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[int]: ...  # unbounded; the API stops it with aclose()
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()
+                 ) -> AsyncIterator[int]: ...  # ends after max_tokens or a stop token; the API may stop it sooner
 
     async def embed(self, model_id: str, prompt_ids: list[int],
                     request_id: str) -> Sequence[float]: ...  # an embed model's normalized vector of the prompt
@@ -241,7 +242,8 @@ class OpenAIApi:
         """Hands job to the Generator; the run is timed from arrival_s and counted as running."""
         clock = self._metrics.clock
         scheduled_s = clock()
-        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id)
+        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id,
+                                          job.max_tokens, job.stop_token_ids)
         run = GenerationRun(job, tokens, IncrementalDetokenizer(codec, job.stop, job.prompt_ids),
                             Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
         self._metrics.request_started(run)

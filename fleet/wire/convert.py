@@ -13,12 +13,13 @@ from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 from stratamesh.fleet.types import (
     DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
     KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
-    SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
+    SessionHold, SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, StepChunks,
+    Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
-StageMessage = SessionOpen | StepChunk | SessionClose | StepBatch
+StageMessage = SessionOpen | StepChunk | StepChunks | SessionClose | SessionHold | StepBatch
 
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
@@ -136,15 +137,22 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 route_dtypes=[h.dtype for h in message.route],
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
                 traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
-                max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from))
+                max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from,
+                feed_address=message.feed.address if message.feed else "",
+                feed_assignment=message.feed.assignment_id if message.feed else "",
+                max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids)))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
+        case StepChunks():
+            return pb.StageMessage(chunks=pb.StepChunks(chunks=[_chunk_to_pb(c) for c in message.chunks]))
         case StepBatch():
             return pb.StageMessage(batch=pb.StepBatch(chunks=[_chunk_to_pb(c) for c in message.chunks],
                                                       hidden=tensor_to_pb(message.hidden),
                                                       sent_unix_ns=message.sent_unix_ns))
         case SessionClose():
             return pb.StageMessage(close=pb.SessionClose(session_id=message.session_id))
+        case SessionHold():
+            return pb.StageMessage(hold=pb.SessionHold(session_id=message.session_id))
     raise TypeError(f"not a stage message: {type(message).__name__}")
 
 
@@ -157,9 +165,16 @@ def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
         return _chunk_from_pb(msg.chunk)
     if kind == "batch":
         return _batch_from_pb(msg.batch)
+    if kind == "chunks":
+        if not msg.chunks.chunks:
+            raise InvalidInput("chunks.chunks is empty")
+        return StepChunks(tuple(_chunk_from_pb(c) for c in msg.chunks.chunks))
     if kind == "close":
         _require_session_id(msg.close.session_id, "close")
         return SessionClose(msg.close.session_id)
+    if kind == "hold":
+        _require_session_id(msg.hold.session_id, "hold")
+        return SessionHold(msg.hold.session_id)
     raise InvalidInput("stage message has no kind set")
 
 
@@ -188,7 +203,18 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     route = tuple(Hop(a, s, d) for a, s, d in zip(msg.route, msg.route_assignments, dtypes, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
-                       msg.max_cached_tokens, msg.resume_from)
+                       msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
+                       tuple(msg.stop_token_ids))
+
+
+def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:
+    """The first stage a last stage feeds tokens to, with the open's limits checked; None without one."""
+    if msg.max_new_tokens < 0 or any(t < 0 for t in msg.stop_token_ids):
+        raise InvalidInput("open.max_new_tokens and open.stop_token_ids must be >= 0")
+    if not msg.feed_address:
+        return None
+    _require_address(msg.feed_address, "open.feed_address")
+    return Hop(msg.feed_address, msg.feed_assignment)
 
 
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
@@ -233,7 +259,7 @@ def token_batch_to_pb(events: list[TokenEvent]) -> pb.TokenBatch:
 def _token_event_to_pb(e: TokenEvent) -> pb.TokenEvent:
     msg = pb.TokenEvent(session_id=e.session_id, step=e.step, token_id=e.token_id, error=e.error,
                         error_stage=e.error_stage, opened=e.opened, cached_tokens=e.cached_tokens,
-                        preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable)
+                        preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable, held=e.held)
     if e.embedding:
         msg.embedding.CopyFrom(vector_to_pb(e.embedding))
     return msg
@@ -245,7 +271,8 @@ def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
         raise InvalidInput("token_event.cached_tokens and token_event.sent_unix_ns must be >= 0")
     embedding = vector_from_pb(msg.embedding, "token_event.embedding") if msg.HasField("embedding") else ()
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
-                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable, embedding)
+                      msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable, embedding,
+                      msg.held)
 
 
 def vector_to_pb(vector: tuple[float, ...]) -> pb.Tensor:

@@ -326,7 +326,7 @@ class EnrollReply(_message.Message):
     def __init__(self, cert_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,10 @@ class SessionOpen(_message.Message):
     MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     ROUTE_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    FEED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FEED_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -349,7 +353,11 @@ class SessionOpen(_message.Message):
     max_cached_tokens: int
     resume_from: str
     route_dtypes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ...) -> None: ...
+    feed_address: str
+    feed_assignment: str
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")
@@ -379,23 +387,39 @@ class StepBatch(_message.Message):
     sent_unix_ns: int
     def __init__(self, chunks: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
+class StepChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[StepChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ...) -> None: ...
+
 class SessionClose(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
+class SessionHold(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
 class StageMessage(_message.Message):
-    __slots__ = ("open", "chunk", "close", "batch")
+    __slots__ = ("open", "chunk", "close", "batch", "chunks", "hold")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: StepChunk
     close: SessionClose
     batch: StepBatch
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ...) -> None: ...
+    chunks: StepChunks
+    hold: SessionHold
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ..., chunks: _Optional[_Union[StepChunks, _Mapping]] = ..., hold: _Optional[_Union[SessionHold, _Mapping]] = ...) -> None: ...
 
 class PushSummary(_message.Message):
     __slots__ = ("num_messages",)
@@ -567,7 +591,7 @@ class BulkSummary(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable", "embedding")
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable", "embedding", "held")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -579,6 +603,7 @@ class TokenEvent(_message.Message):
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     token_id: int
@@ -590,7 +615,8 @@ class TokenEvent(_message.Message):
     sent_unix_ns: int
     unreachable: str
     embedding: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., unreachable: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    held: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., unreachable: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("events",)

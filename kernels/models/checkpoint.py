@@ -40,8 +40,12 @@ class Checkpoint:
     def tensor_names(self) -> list[str]:
         return sorted(self._stored)
 
-    def load(self, names: Iterable[str], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """The named tensors as owned copies in dtype; CheckpointError naming any missing one."""
+    def load(self, names: Iterable[str], dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The named tensors as owned copies in dtype on device; CheckpointError naming any missing one.
+
+        Each tensor is read onto the device and cast there, one at a time: a stage for a GPU never sits whole in
+        RAM, and a tensor stored in dtype is never converted."""
         by_file: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for name in names:
             if name not in self._stored:
@@ -53,10 +57,11 @@ class Checkpoint:
             path = self.model_dir / file_name
             if not path.exists():
                 raise CheckpointError(f"checkpoint shard {path} is missing")
-            with safe_open(str(path), framework="pt") as f:
+            on_cpu = torch.device(device).type == "cpu"
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name, stored_name in file_names:
-                    # copy=True so nothing keeps the file's memory map alive
-                    out[name] = f.get_tensor(stored_name).to(dtype=dtype, copy=True)
+                    # on the CPU copy=True, so nothing keeps the file's memory map alive
+                    out[name] = f.get_tensor(stored_name).to(dtype=dtype, copy=on_cpu)
         return out
 
     def _read_weight_map(self) -> dict[str, str]:

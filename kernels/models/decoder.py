@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,35 +28,52 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+T = TypeVar("T")
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """Runs a suspendable computation (a generator that yields between its parts) to its end; returns its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer's tensors; weights are [out, in] as in the checkpoint."""
+    """One decoder layer's tensors, fused for fewer kernels per step: q, k and v as one [q + 2 kv, hidden] matrix,
+    the MLP's gate and up as one [2 inter, hidden]; weights are [out, in] as in the checkpoint."""
 
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor
     o: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
+    gate_up: torch.Tensor
     down: torch.Tensor
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LayerWeights:
+    def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LayerWeights:
+        """The layer's weights from its checkpoint tensors; t's q, k, v, gate and up entries become views of the
+        fused matrices (so the separate copies are freed, and t still names every tensor)."""
         p = f"model.layers.{layer_idx}."
-        a = p + "self_attn."
-        return cls(
-            input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
-            q=t[a + "q_proj.weight"], k=t[a + "k_proj.weight"], v=t[a + "v_proj.weight"], o=t[a + "o_proj.weight"],
-            gate=t[p + "mlp.gate_proj.weight"], up=t[p + "mlp.up_proj.weight"], down=t[p + "mlp.down_proj.weight"],
-            q_bias=t.get(a + "q_proj.bias"), k_bias=t.get(a + "k_proj.bias"), v_bias=t.get(a + "v_proj.bias"),
-            o_bias=t.get(a + "o_proj.bias"),
-        )
+        a, m = p + "self_attn.", p + "mlp."
+        qkv = _fuse(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        return cls(input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
+                   qkv=qkv, o=t[a + "o_proj.weight"], gate_up=_fuse(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                   down=t[m + "down_proj.weight"], qkv_bias=_fuse(t, biases) if biases[0] in t else None,
+                   o_bias=t.get(a + "o_proj.bias"))
+
+
+def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The named tensors concatenated along their first dimension; each name then holds a view of its rows."""
+    fused = torch.cat([t[name] for name in names])
+    for name, view in zip(names, fused.split([t[name].shape[0] for name in names]), strict=True):
+        t[name] = view
+    return fused
 
 
 class StageModel:
@@ -93,9 +111,10 @@ class StageModel:
         self.num_heads, self.num_kv_heads, self.reduce = num_heads, num_kv_heads, reduce
 
     def _take(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Takes over tensors (their q, k, v, gate and up become views of fused matrices: see LayerWeights.fuse)."""
         spec = self.spec
         self._tensors = tensors
-        self._layers = [LayerWeights.from_tensors(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
+        self._layers = [LayerWeights.fuse(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
         self._embed = tensors.get(EMBED) if spec.is_first else None
         self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
@@ -117,16 +136,26 @@ class StageModel:
 
         inputs: token ids [N] on the first stage, else the previous stage's hidden [N, hidden].
         attn: a KVCache (one sequence, positions consecutive from at most its num_tokens) or a PagedBatch."""
-        self.check_inputs(inputs, positions, attn)
+        return run_through(self.forward_layers(inputs, positions, attn))
+
+    def forward_layers(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                       checked: bool = False) -> Generator[None, None, torch.Tensor]:
+        """forward(), suspended after each layer (so that one thread can serve other work between layers); the
+        generator returns the hidden states. Run it under torch.inference_mode(). checked: the caller already
+        made sure check_inputs() passes (a stage engine validates what arrives), so it is not done again."""
+        if not checked:
+            self.check_inputs(inputs, positions, attn)
         x = self._embed_inputs(inputs)                          # x: [N, hidden]
-        positions = positions.to(self.spec.device, torch.long)
+        if positions.device != x.device or positions.dtype != torch.long:
+            positions = positions.to(x.device, torch.long)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [N, D]
         cos, sin = cos[:, None], sin[:, None]                   # [N, 1, D]: broadcast over heads
         for local_idx, layer in enumerate(self._layers):
             window = self.config.window_for_layer(self.spec.start_layer + local_idx)
             x = x + self._attention(layer, local_idx, x, cos, sin, positions, window, attn)
             h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
-            x = x + self.reduce(swiglu(h, layer.gate, layer.up, layer.down))
+            x = x + self.reduce(swiglu(h, layer.gate_up, layer.down))
+            yield
         return x
 
     @torch.inference_mode()
@@ -151,10 +180,9 @@ class StageModel:
                    sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:
         c, num_tokens, heads, kv_heads = self.config, x.shape[0], self.num_heads, self.num_kv_heads
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        q = F.linear(h, layer.q, layer.q_bias).view(num_tokens, heads, c.head_dim)
-        k = F.linear(h, layer.k, layer.k_bias).view(num_tokens, kv_heads, c.head_dim)
-        v = F.linear(h, layer.v, layer.v_bias).view(num_tokens, kv_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [N, H, D]  k, v: [N, KV, D]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, c.head_dim)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)     # q's and k's heads rotated at once
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]   # q: [N, H, D]  k, v: [N, KV, D]
         out = attn.attend(local_idx, q, k, v, positions, window)  # [N, H, D]
         out = self.reduce(F.linear(out.reshape(num_tokens, heads * c.head_dim), layer.o))
         return out if layer.o_bias is None else out + layer.o_bias   # the bias once, after the partial sums
@@ -175,8 +203,11 @@ class StageModel:
 
     def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._embed is not None:
-            return F.embedding(inputs.to(self._embed.device), self._embed)
-        return inputs.to(device=self.spec.device, dtype=self.dtype)
+            ids = inputs if inputs.device == self._embed.device else inputs.to(self._embed.device)
+            return F.embedding(ids, self._embed)
+        if inputs.dtype == self.dtype and inputs.device == self._inv_freq.device:
+            return inputs
+        return inputs.to(device=self._inv_freq.device, dtype=self.dtype)
 
     def _check_positions(self, positions: torch.Tensor, num_tokens: int, attn: Attention) -> torch.Tensor:
         positions = positions.to(self.spec.device, torch.long)
@@ -197,9 +228,20 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
         raise CheckpointError(f"{spec.model_path} has {config.num_layers} layers, the stage spec says "
                               f"{spec.num_layers}")
     names = stage_tensor_names(config, spec.start_layer, spec.end_layer)
-    tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype])
-    tensors = {name: t.to(spec.device) for name, t in tensors.items()}
-    return StageModel(config, spec, tensors)
+    check_device(spec.device)
+    return StageModel(config, spec, Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device))
+
+
+def check_device(device: str) -> None:
+    """CheckpointError unless this process can place tensors on device ("cpu", "cuda" or "cuda:N")."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise CheckpointError(f"stage device {device} asked for, but this box has no CUDA device torch can use")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise CheckpointError(f"stage device {device} asked for, but this box has {torch.cuda.device_count()} "
+                              f"CUDA device(s)")
 
 
 def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

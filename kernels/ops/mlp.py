@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for x [N, hidden] and weights [out, in] as in the checkpoint -> [N, hidden]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x [N, hidden]; gate_up [2 * inter, hidden] holds the gate's rows then the up
+    projection's (one matmul for both), down [hidden, inter] as in the checkpoint -> [N, hidden]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)       # [N, inter] each
+    return F.linear(F.silu(gate) * up, down)

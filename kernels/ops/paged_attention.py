@@ -66,52 +66,54 @@ class SeqSlice:
         return self.start_pos + self.q_len
 
 
-def _padded_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Block tables as one tensor [num_tables, max_blocks], short ones padded with block 0."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+def _padded(tables: Sequence[Sequence[int]], width: int) -> list[list[int]]:
+    """The first width blocks of each table, short ones padded with block 0."""
+    return [list(t[:width]) + [0] * (width - len(t[:width])) for t in tables]
 
 
-def _slot_rows(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of every position each block table covers: [num_tables, max_blocks * block_size]."""
-    offsets = torch.arange(block_size, dtype=torch.long, device=tables.device)
-    return (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
+def _slots(table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slots of positions [start, end) of a sequence with this block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 class PagedBatch:
-    """The Attention interface over a PagedKVCache for a batch: decodes in one SDPA call, prefills one each."""
+    """The Attention interface over a PagedKVCache for a batch: decodes in one SDPA call (one Triton kernel on
+    CUDA), prefills one each. Its index tensors are built once per step, from Python lists, in a few copies."""
 
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> None:
         _check_seqs(seqs, cache)
         self.cache, self.seqs = cache, list(seqs)
         dev, bs = cache.device, cache.block_size
         self.num_tokens = sum(s.q_len for s in seqs)
-        self.positions = torch.cat([torch.arange(s.start_pos, s.num_ctx) for s in seqs]).to(dev)   # [N]
-        tables = _padded_tables([s.block_table for s in seqs]).to(dev)         # [num seqs, blocks]
-        slot_rows = _slot_rows(tables, bs)                                      # [num seqs, blocks * bs]
-        self._write_slots = torch.cat([slot_rows[i, s.start_pos:s.num_ctx] for i, s in enumerate(seqs)])
-        decodes = [i for i, s in enumerate(seqs) if s.q_len == 1]
-        self._prefills = [(s, slot_rows[i, :s.num_ctx]) for i, s in enumerate(seqs) if s.q_len > 1]
-        self._decode_rows = torch.tensor([seqs[i].q_start for i in decodes], device=dev, dtype=torch.long)  # [B]
-        self._decode_ctx = max((seqs[i].num_ctx for i in decodes), default=0)
+        self.positions = _long([p for s in seqs for p in range(s.start_pos, s.num_ctx)], dev)     # [N]
+        self._write_slots = _long([x for s in seqs for x in _slots(s.block_table, bs, s.start_pos, s.num_ctx)],
+                                  dev)
+        decodes = [s for s in seqs if s.q_len == 1]
+        self._all_decodes = len(decodes) == len(seqs)
+        self._prefills = [(s, _long(_slots(s.block_table, bs, 0, s.num_ctx), dev)) for s in seqs if s.q_len > 1]
+        self._decode_rows = None if self._all_decodes else _long([s.q_start for s in decodes], dev)   # [B]
+        self._decode_ctx = max((s.num_ctx for s in decodes), default=0)
         # Decodes gather whole blocks (rows of block_size * KV * D values), far fewer copies than slots;
         # positions past a sequence's end read whatever its padded table points at and are masked out.
-        self._decode_blocks = tables[decodes, :-(-self._decode_ctx // bs)]     # [B, blocks]
-        self._decode_pos = torch.tensor([seqs[i].start_pos for i in decodes], device=dev)   # [B]
-        self._decode_lens = self._decode_pos + 1                                             # [B] keys each sees
+        width = -(-self._decode_ctx // bs)
+        self._decode_blocks = _long(_padded([s.block_table for s in decodes], width), dev)        # [B, blocks]
+        self._decode_pos = _long([s.start_pos for s in decodes], dev)                              # [B]
+        self._decode_lens = self._decode_pos + 1                                                   # [B] keys each sees
         self._decode_masks: dict[int | None, torch.Tensor | None] = {}
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """ValueError unless positions [N] are those the batch's sequences imply."""
-        if not torch.equal(positions.to(self.positions.device), self.positions):
+        if positions is not self.positions and not torch.equal(positions.to(self.positions.device), self.positions):
             raise ValueError("positions disagree with the batch's sequences")
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Write k, v [N, KV, D] to their slots, then q [N, H, D] attends over each sequence -> [N, H, D]."""
         k_flat, v_flat = self.cache.flat(layer_idx)                 # [slots, KV, D]
-        k_flat.index_copy_(0, self._write_slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self._write_slots, v.to(v_flat.dtype))
+        k_flat.index_copy_(0, self._write_slots, _as(k, k_flat.dtype))
+        v_flat.index_copy_(0, self._write_slots, _as(v, v_flat.dtype))
+        if self._all_decodes:
+            return self._decode(layer_idx, q, k_flat, v_flat, window)
         out = torch.empty_like(q)
         if self._decode_rows.numel():
             out[self._decode_rows] = self._decode(layer_idx, q[self._decode_rows], k_flat, v_flat, window)
@@ -142,7 +144,7 @@ class PagedBatch:
         bs = self.cache.block_size
         blocks = flat.view(-1, bs, *flat.shape[1:])                            # [num_blocks, bs, KV, D]
         num_seqs, num_blocks = self._decode_blocks.shape
-        picked = blocks.index_select(0, self._decode_blocks.flatten())         # [B * blocks, bs, KV, D]
+        picked = blocks.index_select(0, self._decode_blocks.view(-1))          # [B * blocks, bs, KV, D]
         return picked.view(num_seqs, num_blocks * bs, *flat.shape[1:])
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
@@ -169,6 +171,16 @@ class PagedBatch:
         q = q.transpose(0, 1)                                                  # q: [H, T, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
         return out.transpose(0, 1)
+
+
+def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of values on device, in one copy."""
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, without a dispatch when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
 
     The signed sin is HF's sin with its first half negated: apply_rope then rotates with one roll
     instead of slicing, negating and concatenating (8x faster on a 512-token prefill here)."""
-    freqs = positions[:, None].float() * inv_freq[None, :]   # [T, D/2]
+    freqs = positions[:, None] * inv_freq[None, :]          # [T, D/2] in float32 (positions are int64)
     emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
     sin = emb.sin()
     sin[:, :freqs.shape[1]].neg_()
-    return emb.cos().to(dtype), sin.to(dtype)
+    cos = emb.cos()
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +28,21 @@ from stratamesh.fleet.launcher import LocalMesh
 
 @dataclass(frozen=True, slots=True)
 class StreamJob:
-    """One completion: a token-id prompt, how many tokens, greedy (temperature 0) or seeded sampling."""
+    """One completion: a token-id prompt, how many tokens, greedy (temperature 0) or seeded sampling.
+
+    hold_tokens > max_tokens holds the generation open: the request asks for hold_tokens, and the client ends the
+    stream itself at max_tokens once the run is released (see run_streams), so it cannot end while a test still
+    needs it running. Greedy and seeded outputs are prefixes of each other, so its max_tokens are comparable."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    hold_tokens: int = 0
 
     def body(self, model: str) -> dict[str, Any]:
-        body = {"model": model, "prompt": list(self.prompt_ids), "max_tokens": self.max_tokens,
+        asked = max(self.hold_tokens, self.max_tokens)
+        body = {"model": model, "prompt": list(self.prompt_ids), "max_tokens": asked,
                 "ignore_eos": True, "temperature": self.temperature, "stream": True, "return_token_ids": True}
         return body | ({"seed": self.seed} if self.seed is not None else {})
 
@@ -61,8 +67,9 @@ def make_jobs(num_jobs: int, vocab_ids: Sequence[int], prompt_len: int, max_toke
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob,
-                 outcome: StreamOutcome | None = None) -> StreamOutcome:
-    """Streams one completion into outcome (a new one if None): failures are recorded, never raised."""
+                 outcome: StreamOutcome | None = None, release: asyncio.Event | None = None) -> StreamOutcome:
+    """Streams one completion into outcome (a new one if None): failures are recorded, never raised. A held job
+    (hold_tokens) ends once release is set and it has max_tokens; it keeps those."""
     outcome = outcome if outcome is not None else StreamOutcome()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=job.body(model)) as response:
@@ -82,22 +89,32 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
                     ids, now = choice.get("token_ids") or (), time.monotonic()
                     outcome.tokens += ids
                     outcome.times += [now] * len(ids)
+                if _released(job, outcome, release):
+                    break       # leaving the block closes the response: the mesh ends the generation
     except (httpx.HTTPError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
+    if job.hold_tokens:
+        del outcome.tokens[job.max_tokens:], outcome.times[job.max_tokens:]
     outcome.end_s = time.monotonic()
     if not outcome.error and len(outcome.tokens) != job.max_tokens:
         outcome.error = f"{len(outcome.tokens)} tokens, asked for {job.max_tokens}"
     return outcome
 
 
+def _released(job: StreamJob, outcome: StreamOutcome, release: asyncio.Event | None) -> bool:
+    """Whether a held job's stream may end now: released, with its max_tokens in."""
+    return bool(job.hold_tokens) and (release is None or release.is_set()) and len(outcome.tokens) >= job.max_tokens
+
+
 async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],
                       during: Callable[[list[StreamOutcome]], Awaitable[None]] | None = None,
-                      timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> list[StreamOutcome]:
+                      timeout_s: float = 300.0, headers: dict[str, str] | None = None,
+                      release: asyncio.Event | None = None) -> list[StreamOutcome]:
     """Streams every job at once (sending headers: the API key); during(outcomes), if given, runs alongside
-    and sees them fill in."""
+    and sees them fill in. Held jobs (StreamJob.hold_tokens) run until release is set (by during, say)."""
     outcomes = [StreamOutcome() for _ in jobs]
     async with _client(timeout_s, headers) as client:
-        streams = asyncio.gather(*(stream(client, url, model, j, o) for j, o in zip(jobs, outcomes)))
+        streams = asyncio.gather(*(stream(client, url, model, j, o, release) for j, o in zip(jobs, outcomes)))
         if during is not None:
             await asyncio.gather(streams, during(outcomes))
         else:
@@ -162,7 +179,7 @@ async def running_routes(client: httpx.AsyncClient, url: str) -> list[list[str]]
 async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
                                 after_tokens: int = 16) -> FailoverRun:
     """Runs the jobs undisturbed, then again with a kill -9 of the agent serving `stage` once every stream
-    has after_tokens tokens."""
+    has after_tokens tokens (held jobs run on until the kill's effects are read: see StreamJob)."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
         mesh.kill_agent(mesh.agent_index(run.killed_address))
         await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
@@ -203,17 +220,23 @@ async def _disturb_stage_mid_stream(
         disturb: Callable[[FailoverRun, list[StreamOutcome]], Awaitable[None]]) -> FailoverRun:
     """The jobs undisturbed, then again with disturb() done to the agent of `stage` (run.killed_address) once
     every stream has after_tokens tokens; the running routes are read when disturb() returns."""
-    run = FailoverRun(await run_streams(mesh.url, model, jobs, headers=mesh.headers), [])
+    plain = [replace(j, hold_tokens=0) for j in jobs]      # the reference runs undisturbed, to its end
+    run = FailoverRun(await run_streams(mesh.url, model, plain, headers=mesh.headers), [])
+
+    release = asyncio.Event()
 
     async def during(outcomes: list[StreamOutcome]) -> None:
-        await wait_for_tokens(outcomes, after_tokens)
-        async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
-            run.killed_address = (await running_routes(client, mesh.url))[0][stage]
-            run.kill_s = time.monotonic()
-            await disturb(run, outcomes)
-            run.routes_after = await running_routes(client, mesh.url)
+        try:
+            await wait_for_tokens(outcomes, after_tokens)
+            async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
+                run.killed_address = (await running_routes(client, mesh.url))[0][stage]
+                run.kill_s = time.monotonic()
+                await disturb(run, outcomes)
+                run.routes_after = await running_routes(client, mesh.url)
+        finally:
+            release.set()
 
-    run.outcomes = await run_streams(mesh.url, model, jobs, during=during, headers=mesh.headers)
+    run.outcomes = await run_streams(mesh.url, model, jobs, during=during, headers=mesh.headers, release=release)
     return run
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -45,7 +44,7 @@ async def start_agent(agent_id: str, coordinator: str) -> tuple[asyncio.Task[Non
         return coordinator
 
     client = ControlClient(Identity(agent_id, agent_id, address, "m1", CAPS),
-                           StageHost(ThreadPoolExecutor(1), EngineConfig()), find)
+                           StageHost(EngineConfig()), find)
     return asyncio.create_task(client.run()), server
 
 

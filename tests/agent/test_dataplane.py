@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import pytest
@@ -72,7 +71,7 @@ async def served(tiny_model):
 @asynccontextmanager
 async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
     """An agent serving one stage over real gRPC, its own origin, and the origin's Push stream to it."""
-    host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
+    host = StageHost(EngineConfig(kv_cache_bytes=1 << 20))
     await host.load(Assignment(assignment_id, spec))
     service, origin, server = StageService(host, agent_id), Origin(), make_server()
     pb_grpc.add_StageServicer_to_server(service, server)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Collection
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ async def two_stages(model_dir: Path, kv_cache_bytes: int) -> AsyncIterator[TwoS
     servers, hosts, services, route = [], [], [], []
     for i, (start, end) in enumerate(((0, 3), (3, NUM_LAYERS))):
         spec = StageSpec("emb", str(model_dir), start, end, NUM_LAYERS, kv_block_size=BLOCK_SIZE)
-        host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=kv_cache_bytes, max_batch_tokens=256))
+        host = StageHost(EngineConfig(kv_cache_bytes=kv_cache_bytes, max_batch_tokens=256))
         await host.load(Assignment(f"a{i}", spec))
         service, server = StageService(host, f"agent-{i}"), make_server()
         pb_grpc.add_StageServicer_to_server(service, server)

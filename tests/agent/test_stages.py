@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from stratamesh.tiny_model import write_tiny_model
 
 @pytest.fixture
 def host() -> StageHost:
-    return StageHost(ThreadPoolExecutor(max_workers=1), EngineConfig(kv_cache_bytes=4 << 20))
+    return StageHost(EngineConfig(kv_cache_bytes=4 << 20))
 
 
 async def test_a_released_stage_assigned_again_under_a_new_id_reuses_its_runner(host: StageHost,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client import generate_latest
@@ -41,7 +40,7 @@ def test_tokens_per_s(now: int, then: int, elapsed_s: float, expected: float) ->
 
 async def test_sampler_reports_each_stage_the_gpus_and_the_rate_since_the_last_sample(tiny_model) -> None:
     spec = StageSpec("m", str(tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)), 0, 2, 2)
-    host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
+    host = StageHost(EngineConfig(kv_cache_bytes=1 << 20))
     await host.load(Assignment("p-0", spec))
     clock = iter([100.0, 102.0, 103.0])
     gpus = [RawGpu(0, b"NVIDIA L4", 24 << 30, 20 << 30, b"GPU-1", (8, 9), 55, 61, 40_000, 72_000)]

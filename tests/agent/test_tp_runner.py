@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -98,7 +97,7 @@ async def test_a_dead_rank_takes_its_group_down_and_fails_its_sessions(spec) -> 
 
 
 async def test_a_group_that_cannot_split_the_heads_is_refused_before_any_rank_starts(spec) -> None:
-    host = StageHost(ThreadPoolExecutor(1), EngineConfig(kv_cache_bytes=1 << 20))
+    host = StageHost(EngineConfig(kv_cache_bytes=1 << 20))
     children = set(_children())
     with pytest.raises(InvalidInput, match="cannot split 8 attention heads evenly"):
         await host.load(Assignment("tp", replace(spec, tp_degree=3)))

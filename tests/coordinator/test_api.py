@@ -52,6 +52,7 @@ class FakeGenerator:
                                      ("embedder-warming", 512, False), ("embedder-broken", 512, True)):
             self.cards[name] = ModelCard(name, 1_700_000_000, context, ready, task="embed")
         self.calls: list[tuple[str, list[int], SamplingParams, str]] = []
+        self.limits: list[tuple[int | None, frozenset[int]]] = []   # each call's max_tokens and stop token ids
         self.closed: list[str] = []
         self.embed_calls: list[tuple[str, list[int], str]] = []
         self.embeds_in_flight = self.max_embeds_in_flight = 0
@@ -66,9 +67,11 @@ class FakeGenerator:
             raise ModelNotFound(model_id)
         return self.strict_codec if model_id == "strict" else self.codec
 
-    async def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[int]:
+    async def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()
+                       ) -> AsyncIterator[int]:
         self.calls.append((model_id, prompt_ids, params, request_id))
+        self.limits.append((max_tokens, stop_token_ids))
         try:
             if model_id == "broken":
                 raise StageFailed("stage 1 is unreachable")
@@ -218,6 +221,16 @@ async def test_stop_token_ids(client: httpx.AsyncClient, gen: FakeGenerator) -> 
     assert body["choices"][0] | {"text": None} == {"index": 0, "text": None, "logprobs": None,
                                                    "finish_reason": "stop"}
     assert body["choices"][0]["text"] == gen.expected_text(2)
+
+
+async def test_the_generator_is_told_where_the_generation_ends(client: httpx.AsyncClient,
+                                                                gen: FakeGenerator) -> None:
+    """max_tokens and the stop ids (EOS unless ignored) go to the mesh, so it asks no step past the last token."""
+    eos = gen.codec.eos_token_ids
+    await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 7,
+                                               "stop_token_ids": [gen.story_ids[2]]})
+    await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5, "ignore_eos": True})
+    assert gen.limits == [(7, frozenset({gen.story_ids[2]}) | eos), (5, frozenset())]
 
 
 @pytest.mark.parametrize("stop", ["lazy", ["never", "fox jumps"], ["Café 🙂 d"]])

@@ -57,9 +57,9 @@ class Reported:
 class MeshLikeGenerator(FakeGenerator):
     """FakeGenerator whose streams report cached tokens and preemptions, as the mesh's do."""
 
-    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[int]:
-        return Reported(super().generate(model_id, prompt_ids, params, request_id))
+    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()) -> AsyncIterator[int]:
+        return Reported(super().generate(model_id, prompt_ids, params, request_id, max_tokens, stop_token_ids))
 
 
 class Scrape:

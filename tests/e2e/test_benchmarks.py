@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_decode_latency_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_latency.py"), "--tokens", "6",
-                             "--repeats", "1"], capture_output=True, text=True, timeout=300)
+                             "--rounds", "1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| 3 stages (4 hops per token)" in result.stdout
+    assert "| 3 stages (3 hops per token)" in result.stdout
     assert "per-hop cost" in result.stdout
 
 

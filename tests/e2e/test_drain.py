@@ -14,6 +14,8 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
+from .streams import HOLD_TOKENS, held, settled_requests
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
@@ -34,14 +36,12 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
                                                                      tmp_path: Path) -> None:
     """3 stages and a spare; 8 streams of 256 tokens (greedy and seeded); drain the middle stage's agent."""
     model_dir = tiny_models["llama"]
-    # long enough that every stream still runs when `stratamesh drain` returns, on a busy 2-core box too
-    max_tokens = 256
-    jobs = make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=max_tokens, seed=11)
+    # held open: every stream still runs when `stratamesh drain` returns, however busy the box
+    jobs = held(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=256, seed=11))
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(drain_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
-                            headers=mesh.headers).json()["requests"]
+        records = settled_requests(mesh, 8)
         drained = mesh.agent_index(run.killed_address)
         assert mesh.agents[drained].wait(timeout=30) == 0, "the drained agent exits by itself, cleanly"
         spare_address = run.routes_after[0][1]
@@ -64,7 +64,8 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
     imported = on_spare["stratamesh:kv_migrated_bytes_total{direction=import}"]
     assert coordinator["stratamesh:kv_moved_bytes_total"] == imported > 0
     assert on_spare["stratamesh:stage_prefill_tokens_total"] == 0       # decodes only: no re-prefill
-    assert 0 < on_spare["stratamesh:stage_tokens_total"] <= 8 * max_tokens     # decodes after the move, no more
+    # decodes after the move (the held streams asked for up to HOLD_TOKENS each), none computed again
+    assert 0 < on_spare["stratamesh:stage_tokens_total"] <= 8 * HOLD_TOKENS
     gaps = run.largest_gaps
     print(f"\ndrain of the middle stage: longest token gap after the drain order p50 "
           f"{percentile(gaps, 50) * 1e3:.0f} ms, max {max(gaps) * 1e3:.0f} ms over {len(gaps)} streams; "

@@ -16,6 +16,7 @@ from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from .streams import held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,8 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
     jobs = make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=3)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
-        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
-                            headers=mesh.headers).json()["requests"]
+        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
+        records = settled_requests(mesh, 8)
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # none repeated, none missing
     assert len(run.routes_after) == 8 and all(run.killed_address not in r for r in run.routes_after)
@@ -83,23 +83,27 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, headers=mesh.headers))
-        joined: dict[str, int] = {}
+        joined: dict[str, bool] = {}
+        release = asyncio.Event()
 
         async def join(outcomes: list[StreamOutcome]) -> None:
-            await wait_for_tokens(outcomes, 8)
-            await asyncio.to_thread(mesh.start_agent, 3)
-            async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
-                while len([a for a in (await client.get(f"{mesh.url}/admin/api/agents")).json()["agents"]
-                           if a["state"] == "connected"]) < 4:
-                    await asyncio.sleep(0.05)
-            joined["tokens"] = min(len(o.tokens) for o in outcomes)
+            try:
+                await wait_for_tokens(outcomes, 8)
+                await asyncio.to_thread(mesh.start_agent, 3)
+                async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
+                    while len([a for a in (await client.get(f"{mesh.url}/admin/api/agents")).json()["agents"]
+                               if a["state"] == "connected"]) < 4:
+                        await asyncio.sleep(0.05)
+                joined["while streaming"] = not any(o.end_s for o in outcomes)
+            finally:
+                release.set()       # the held streams end at their 240 tokens from here on
 
-        during_join = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, during=join, headers=mesh.headers))
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 8},
-                            headers=mesh.headers).json()["requests"]
-        assert joined["tokens"] < 240                                     # it joined while they streamed
+        during_join = asyncio.run(run_streams(mesh.url, MODEL, held(long_jobs), during=join,
+                                              headers=mesh.headers, release=release))
+        records = settled_requests(mesh, 8)
+        assert joined["while streaming"]                                  # it joined while they streamed
         assert [o.tokens for o in during_join] == [o.tokens for o in reference]
         assert [r["num_failovers"] for r in records] == [0] * 8          # nobody was moved
-        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, make_jobs(8, vocab, 20, 64, seed=8), stage=1))
+        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(make_jobs(8, vocab, 20, 64, seed=8)), stage=1))
         assert [o.tokens for o in run.outcomes] == [o.tokens for o in run.reference]
         assert all(mesh.agent_addresses[3] in route for route in run.routes_after)   # the newcomer took over

@@ -21,6 +21,8 @@ from stratamesh.fleet.launcher import LocalMesh
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
+from .streams import held, settled_requests
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
@@ -75,10 +77,9 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
         index, stage = tp_stages(plan)[0]
         group_agent = mesh.agent_ids.index(stage["agent_id"])
         rank_pids = mesh.rank_pids(group_agent)
-        run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, jobs, stage=index, rank=1))
+        run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, held(jobs), stage=index, rank=1))
         exit_code = mesh.agents[group_agent].wait(timeout=30)
-        records = httpx.get(f"{mesh.url}/admin/api/requests", params={"limit": 6},
-                            headers=mesh.headers).json()["requests"]
+        records = settled_requests(mesh, 6)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and stage["agent_id"] in str(active_plan(mesh)["stages"]):
             time.sleep(0.2)

@@ -25,6 +25,17 @@ def test_rms_norm():
     torch.testing.assert_close(rms_norm(x, w, 1e-6).double(), rms_norm_reference(x, w, 1e-6), atol=ATOL, rtol=0)
 
 
+def test_rms_norm_in_bfloat16_rounds_before_the_weight_as_transformers_does():
+    """Hugging Face Llama normalizes in float32, casts to the activation dtype, then multiplies by the weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, w = (randn(7, 48, seed=1) * 3).bfloat16(), randn(48, seed=2).bfloat16()
+    hf = LlamaRMSNorm(48, eps=1e-6)
+    hf.weight.data = w
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, w, 1e-6), hf(x))
+
+
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3],
                          ids=["default", "linear", "llama3"])
 def test_rope(scaling):
@@ -62,4 +73,5 @@ def test_llama3_scaling_changes_the_rotation():
 def test_swiglu():
     x, gate, up, down = randn(5, 32, seed=5), randn(64, 32, seed=6), randn(64, 32, seed=7), randn(32, 64, seed=8)
     expected = swiglu_reference(x, gate, up, down)
-    torch.testing.assert_close(swiglu(x, gate, up, down).double(), expected, atol=ATOL * expected.abs().max(), rtol=0)
+    ours = swiglu(x, torch.cat([gate, up]), down)      # the gate's rows, then up's
+    torch.testing.assert_close(ours.double(), expected, atol=ATOL * expected.abs().max(), rtol=0)

@@ -1,0 +1,92 @@
+"""Pipelines whose stages compute in different dtypes, against Hugging Face transformers on the same device (CPU).
+
+Tolerance for bfloat16 stages, and why: bfloat16 keeps 8 significant bits, so every rounding is a relative error of
+up to 2^-9 and a model that runs in it drifts from float32 by an amount that depends on the weights, not on who runs
+it. The yardstick is therefore transformers itself in bfloat16 on the same device: the logits of a pipeline with
+bfloat16 stages must lie no further from transformers' float32 logits (relative L2 distance) than 1.25x the distance
+of transformers' own bfloat16 run. A pipeline that rounds fewer layers in bfloat16 lands well inside it (measured
+here: one of three stages in bf16 is about half the distance, all of them about the same as transformers'), and
+float32 throughout stays exact to rounding (greedy-equal, 1e-5).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stratamesh.fleet.types import StageSpec, wire_dtype
+from stratamesh.kernels import codec
+from stratamesh.kernels.models.decoder import load_stage
+
+RANGES = ((0, 2), (2, 4), (4, 6))
+PROMPT = list(range(40, 104))
+BF16_MARGIN = 1.25
+
+
+@lru_cache(maxsize=8)
+def transformers_logits(model_dir: str, dtype: torch.dtype) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([PROMPT])).logits[0].float()
+
+
+def pipeline_logits(model_dir: Path, dtypes: tuple[str, ...]) -> torch.Tensor:
+    """The prompt through one stage per range, computing in dtypes, each hop's activations encoded in the dtype
+    they travel in (wire_dtype) and decoded as the next stage receives them."""
+    x, positions = torch.tensor(PROMPT), torch.arange(len(PROMPT))
+    for k, ((start, end), dtype) in enumerate(zip(RANGES, dtypes, strict=True)):
+        model = load_stage(StageSpec("m", str(model_dir), start, end, 6, dtype=dtype))
+        hidden = model.forward(x, positions, model.new_cache())
+        if k == len(RANGES) - 1:
+            return model.logits(hidden)
+        travels = wire_dtype(dtype, dtypes[k + 1])
+        blob = codec.encode(hidden.to(codec.TORCH_DTYPES[travels]))
+        assert blob.dtype == travels
+        x = codec.decode(blob)
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model) -> Path:
+    return tiny_model("llama", num_layers=6)
+
+
+def test_a_float32_pipeline_equals_transformers(model_dir: Path) -> None:
+    ours, reference = pipeline_logits(model_dir, ("float32",) * 3), transformers_logits(str(model_dir), torch.float32)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("dtypes", [("float32", "bfloat16", "float32"), ("bfloat16", "float32", "bfloat16"),
+                                    ("bfloat16",) * 3], ids="-".join)
+def test_bfloat16_stages_stay_as_close_to_float32_as_transformers_in_bfloat16(model_dir: Path,
+                                                                             dtypes: tuple[str, ...]) -> None:
+    reference = transformers_logits(str(model_dir), torch.float32)
+    yardstick = relative_distance(transformers_logits(str(model_dir), torch.bfloat16), reference)
+    assert 1e-3 < yardstick < 0.1                     # bfloat16 does round: the yardstick is not vacuous
+    assert relative_distance(pipeline_logits(model_dir, dtypes), reference) <= BF16_MARGIN * yardstick
+
+
+def test_a_bfloat16_checkpoint_loads_without_an_upcast(tiny_model) -> None:
+    fp32_dir, bf16_dir = tiny_model("llama", num_layers=2), tiny_model("llama", num_layers=2, dtype="bfloat16")
+    spec = StageSpec("m", str(bf16_dir), 0, 2, 2, dtype="bfloat16")
+    model = load_stage(spec)
+    assert {t.dtype for t in model.tensors.values()} == {torch.bfloat16}
+    assert 2 * model.param_bytes == load_stage(StageSpec("m", str(fp32_dir), 0, 2, 2)).param_bytes
+    upcast = load_stage(StageSpec("m", str(bf16_dir), 0, 2, 2, dtype="float32"))   # what the spec says, only
+    assert {t.dtype for t in upcast.tensors.values()} == {torch.float32}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this box has CUDA")
+def test_a_gpu_stage_on_a_box_without_cuda_fails_saying_so(model_dir: Path) -> None:
+    from stratamesh.fleet.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no CUDA device"):
+        load_stage(StageSpec("m", str(model_dir), 0, 2, 6, dtype="bfloat16", device="cuda:0"))
