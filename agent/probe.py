@@ -198,12 +198,13 @@ def ranks_for(num_ranks: int, num_gpus: int) -> int:
 
 
 def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False,
-          num_ranks: int = 0, dtype: str = "") -> Capabilities:
+          num_ranks: int = 0, dtype: str = "", use_gpus: bool = True) -> Capabilities:
     """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed);
     num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for); dtype: the
-    operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it)."""
+    operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it);
+    use_gpus=False: the agent serves on the CPU alone, and reports no GPU (`stratamesh agent --no-gpu`)."""
     total, available = parse_meminfo(read_meminfo())
-    gpus = [parse_gpu(raw) for raw in read_nvml()]
+    gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)
     cpuinfo = read_cpuinfo()
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
@@ -212,11 +213,11 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     from stratamesh.agent.speed import DEFAULT_MAX_AGE_S, box_fingerprint, cached_speeds, measure_speeds
 
     speeds = cached_speeds(max_age_s=0.0 if remeasure else DEFAULT_MAX_AGE_S,
-                           measure=lambda: measure_speeds(cpu_bf16=cpu_bf16),
+                           measure=lambda: measure_speeds(cpu_bf16=cpu_bf16, cuda=bool(gpus)),
                            fingerprint=box_fingerprint(hostname, cpu_model, gpus)) if measure else ()
     return Capabilities(
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
-        backends=backends_for(gpus, torch.cuda.is_available(), read_onnx_providers()),
+        backends=backends_for(gpus, use_gpus and torch.cuda.is_available(), read_onnx_providers()),
         speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)), dtype=dtype,
         cpu_bf16=cpu_bf16)

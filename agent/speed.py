@@ -28,12 +28,12 @@ DEFAULT_MAX_AGE_S = 7 * 86400.0
 MEASURES_VERSION = 2                # bumped when measure_speeds measures more (2: the CPU's native bfloat16)
 
 
-def measure_speeds(reps: int = 3, cpu_bf16: bool = False) -> tuple[SpeedInfo, ...]:
+def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[SpeedInfo, ...]:
     """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), and float32, bfloat16 and float16
-    on the first CUDA device if there is one."""
+    on the first CUDA device if there is one (and cuda: the agent uses its GPUs)."""
     cpu_dtypes = (torch.float32, torch.bfloat16) if cpu_bf16 else (torch.float32,)
     speeds = [_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps) for dtype in cpu_dtypes]
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         free_bytes, _ = torch.cuda.mem_get_info()
         copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
         speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]

@@ -81,7 +81,8 @@ class StageHost:
             config = self.config
             runner = await in_own_thread(functools.partial(
                 StageRunner.load, assignment.stage, config.kv_cache_bytes, self._group_failed,
-                config.gpu_memory_utilization, config.max_batch_tokens))
+                config.gpu_memory_utilization, config.max_batch_tokens,
+                config.max_batch_seqs if config.cuda_graphs else 0))
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
         return engine
 

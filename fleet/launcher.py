@@ -33,6 +33,9 @@ _COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+) e
 _AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+) metrics=(\S+)")
 
 
+GPU_MEMORY_UTILIZATION = 0.9     # of a GPU, for all this box's agents together (each gets its share)
+
+
 class LaunchError(MeshError):
     """A process of the local mesh failed to start or the mesh never became ready."""
 
@@ -173,8 +176,11 @@ class LocalMesh:
         threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
         while len(self.agent_ids) <= index:
             self.agent_ids.append(f"{self.mesh}-a{len(self.agent_ids)}")
+        # agents on this box share its GPU, if it has one, as they share its cores (callers' agent_args come last,
+        # and override)
+        share = GPU_MEMORY_UTILIZATION / max(self.num_agents, 1)
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--agent-id", self.agent_ids[index],
-                "--threads", str(threads)]
+                "--threads", str(threads), "--gpu-memory-utilization", f"{share:.4f}"]
         if not self.use_zeroconf:
             args += ["--coordinator", self.grpc_address, "--enroll", self.enroll_address]
         args += ["--insecure"] if self.insecure else ["--state-dir", str(Path(self._logs(), self.agent_ids[index]))]

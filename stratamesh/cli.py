@@ -117,10 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
     agent.add_argument("--max-batch-seqs", type=int, default=64)
     agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
+    agent.add_argument("--enforce-eager", action="store_true",
+                       help="run a GPU stage's decode steps eagerly, not as CUDA graphs (as vLLM's flag)")
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
     agent.add_argument("--ranks", type=_num_ranks, default=0, metavar="N",
                        help="ranks a tensor-parallel stage here may have; default: the number of GPUs, else 1")
+    agent.add_argument("--no-gpu", action="store_true",
+                       help="serve on the CPU only, as if the box had no GPU (it reports none to the planner)")
     agent.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                        help="what this agent's stages compute in; auto: the planner picks per device (a GPU: the "
                             "checkpoint's dtype, float16 for bfloat16 before Ampere; a CPU: float32, bfloat16 for a "
@@ -283,11 +287,11 @@ def _agent(args: argparse.Namespace) -> None:
         coordinator=args.coordinator, mesh=args.mesh,
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
-        dtype="" if args.dtype == "auto" else args.dtype,
+        dtype="" if args.dtype == "auto" else args.dtype, use_gpus=not args.no_gpu,
         engine=EngineConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,
-                            enable_prefix_cache=not args.no_prefix_cache),
+                            enable_prefix_cache=not args.no_prefix_cache, cuda_graphs=not args.enforce_eager),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, insecure=args.insecure, join_token=args.join_token,
         state_dir=state_dir, enroll=args.enroll, **overrides)

@@ -27,6 +27,7 @@ class EngineConfig:
 
     kv_cache_bytes: int = 512 << 20         # a CPU stage's KV cache
     gpu_memory_utilization: float = 0.9     # a GPU stage's weights, workspace and KV cache take this share of it
+    cuda_graphs: bool = True                # a GPU stage replays its decode steps as CUDA graphs (else eager)
     max_batch_tokens: int = 512
     max_batch_seqs: int = 64
     enable_prefix_cache: bool = True

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stratamesh.agent.engine.scheduler import Batch
+from stratamesh.agent.engine.decode_graphs import DecodeGraphs, can_capture
+from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk
 from stratamesh.agent.engine.memory import gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.types import SamplingParams, StageSpec
@@ -36,25 +37,34 @@ class StageRunner:
 
     Rank 0 of a group holds the other ranks (ranks) and hands each step and KV read or write to them."""
 
-    def __init__(self, model: StageModel, num_blocks: int, rank: int = 0, ranks: RankGroup | None = None):
+    def __init__(self, model: StageModel, num_blocks: int, rank: int = 0, ranks: RankGroup | None = None,
+                 graph_batch: int = 0, capture: bool = True):
+        """graph_batch > 0: decode steps of up to that many sessions run as CUDA graphs where can_capture() says they
+        can (capture=False: the same static steps, run eagerly, as tests do off CUDA)."""
         self.model = model
         self.num_blocks = num_blocks
-        self.cache = model.new_paged_cache(num_blocks, model.spec.kv_block_size)
+        block_size = model.spec.kv_block_size
+        graphs = graph_batch > 0 and (not capture or can_capture(model, block_size))
+        # with graphs, one more block than the sessions get: where a graph's padding rows write their KV
+        self.cache = model.new_paged_cache(num_blocks + graphs, block_size)
+        self.graphs = DecodeGraphs(model, self.cache, num_blocks, graph_batch, capture) if graphs else None
         self.kv_heads = head_slice(model.config.num_kv_heads, rank, model.spec.tp_degree)
         self.ranks = ranks
 
     @classmethod
     def load(cls, spec: StageSpec, kv_cache_bytes: int, on_group_failure: Callable[[str], None] | None = None,
-             gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512) -> StageRunner:
+             gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512, graph_batch: int = 0) -> StageRunner:
         """Loads the stage's own tensors and its paged KV cache (per rank, for a TP stage, whose other ranks it
         launches; on_group_failure hears, from any thread, that the group went down).
 
         The KV cache holds kv_cache_bytes on a CPU; on a GPU, what gpu_memory_utilization of the GPU leaves after
-        the weights and a workspace for steps of max_batch_tokens (agent.engine.memory)."""
+        the weights and a workspace for steps of max_batch_tokens (agent.engine.memory). graph_batch > 0: a GPU
+        stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         if spec.device.startswith("cuda"):
-            return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens)
+            return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens,
+                                    graph_batch)
         num_blocks = _num_blocks(spec, config, kv_cache_bytes)
         ranks = None
         if spec.tp_degree > 1:   # the other ranks load their shards while this one loads its own
@@ -72,7 +82,7 @@ class StageRunner:
 
     @classmethod
     def _load_on_gpu(cls, spec: StageSpec, config: ModelConfig, on_group_failure: Callable[[str], None] | None,
-                     utilization: float, max_batch_tokens: int) -> StageRunner:
+                     utilization: float, max_batch_tokens: int, graph_batch: int) -> StageRunner:
         """On a GPU the weights come first (rank 0's shard, then the others'): the KV cache gets what is left."""
         torch.cuda.set_device(spec.device)
         group: list[Collectives] = []      # bound once the other ranks are in
@@ -85,14 +95,17 @@ class StageRunner:
         if spec.tp_degree > 1:
             ranks = RankGroup(spec, num_blocks, 1, on_group_failure)
             group.append(ranks.start())
-        return cls._loaded(model, num_blocks, ranks)
+        return cls._loaded(model, num_blocks, ranks, graph_batch)
 
     @classmethod
-    def _loaded(cls, model: StageModel, num_blocks: int, ranks: RankGroup | None) -> StageRunner:
-        runner, spec = cls(model, num_blocks, 0, ranks), model.spec
+    def _loaded(cls, model: StageModel, num_blocks: int, ranks: RankGroup | None,
+                graph_batch: int = 0) -> StageRunner:
+        runner, spec = cls(model, num_blocks, 0, ranks, graph_batch), model.spec
         log.info("stage [%d, %d) of %s on %s in %s, %d rank(s): %.1f MB of weights, %d KV blocks of %d tokens "
-                 "(%.1f MB) per rank", spec.start_layer, spec.end_layer, spec.model_id, spec.device, spec.dtype,
-                 spec.tp_degree, model.param_bytes / 1e6, num_blocks, spec.kv_block_size, runner.cache.nbytes / 1e6)
+                 "(%.1f MB) per rank; decode steps %s", spec.start_layer, spec.end_layer, spec.model_id, spec.device,
+                 spec.dtype, spec.tp_degree, model.param_bytes / 1e6, num_blocks, spec.kv_block_size,
+                 runner.cache.nbytes / 1e6,
+                 f"as CUDA graphs for {runner.graphs.sizes} sessions" if runner.graphs else "eager")
         return runner
 
     def close(self) -> None:
@@ -170,26 +183,29 @@ class StageRunner:
             inputs = torch.tensor([t for c in batch.chunks for t in c.item.token_ids[c.begin:c.end]])
         else:
             inputs = torch.cat(payloads)                           # [N, hidden]
+        if self.graphs is not None and self.graphs.fits(seqs):   # a decode step: one graph launch
+            out = self.graphs.run(seqs, inputs)                   # hidden, or the last stage's logits
+            return self._last_stage_output(batch, seqs, logits=out, sampling=sampling) if model.spec.is_last \
+                else StepOutput(hidden=out)
         hidden = yield from self.forward_steps(inputs, seqs)
         if not model.spec.is_last:
             return StepOutput(hidden=hidden)
-        return self._last_stage_output(batch, seqs, hidden, sampling)
+        return self._last_stage_output(batch, seqs, hidden=hidden, sampling=sampling)
 
-    def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], hidden: torch.Tensor,
-                           sampling: Mapping[str, SamplingParams]) -> StepOutput:
-        """What the last stage makes of the chunks that asked for it: sampled tokens, or pooled embeddings."""
+    def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], sampling: Mapping[str, SamplingParams],
+                           hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> StepOutput:
+        """What the last stage makes of the chunks that asked for it, from the step's hidden rows or (a graph's)
+        logits of every row: sampled tokens, or pooled embeddings."""
         model = self.model
         rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
         sampled = [c for c in batch.chunks if c.sample]
+        if not rows:
+            return StepOutput(tokens={}) if model.config.has_lm_head else StepOutput(embeddings={})
         if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
-            vectors = model.pool(hidden[rows]) if rows else None   # [num sampled, hidden]
+            vectors = model.pool(hidden[rows])                     # [num sampled, hidden]
             return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
-        logits = model.logits(hidden[rows]) if rows else None      # [num sampled, vocab]
-        tokens = {}
-        for i, chunk in enumerate(sampled):
-            position = chunk.start_pos + chunk.end - chunk.begin    # the position of the new token
-            tokens[chunk.session_id] = sample(logits[i], sampling[chunk.session_id], position)
-        return StepOutput(tokens=tokens)
+        logits = model.logits(hidden[rows]) if logits is None else logits[rows]    # [num sampled, vocab]
+        return StepOutput(tokens=_pick(sampled, logits, sampling))
 
 
 def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
@@ -197,3 +213,18 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
     return max(2, PagedKVCache.blocks_for_bytes(kv_bytes, spec.end_layer - spec.start_layer, spec.kv_block_size,
                                                 config.num_kv_heads // spec.tp_degree, config.head_dim,
                                                 TORCH_DTYPES[spec.dtype]))
+
+
+def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor,
+          sampling: Mapping[str, SamplingParams]) -> dict[str, int]:
+    """Each chunk's next token from its row of logits [num chunks, vocab]: the greedy ones by one argmax where the
+    logits are (one copy to the host for all of them), the others by sample() on the CPU, keyed by (seed, position)
+    so that every device draws the same token."""
+    greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
+    picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
+    tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}
+    for i, chunk in enumerate(chunks):
+        if chunk.session_id not in tokens:
+            position = chunk.start_pos + chunk.end - chunk.begin    # the position of the new token
+            tokens[chunk.session_id] = sample(logits[i].cpu(), sampling[chunk.session_id], position)
+    return tokens

@@ -25,4 +25,4 @@ def test_serve_compare_quick_prints_the_table_and_the_targets() -> None:
         assert row, f"no numbers for {config}:\n{out}"
         assert all(float(v) > 0 for v in row.groups())
     assert "| configuration" in out and "C=1" in out and "C=4" in out
-    assert len(re.findall(r"target >= [\d.]+x\)  (PASS|FAIL)", out)) == 3, out
+    assert len(re.findall(r"target >= [\d.]+x\)  (PASS|FAIL)", out)) == 6, out

@@ -28,21 +28,22 @@ BF16_MARGIN = 1.25
 
 
 @lru_cache(maxsize=8)
-def transformers_logits(model_dir: str, dtype: torch.dtype) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def transformers_logits(model_dir: str, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     with torch.inference_mode():
-        return model(torch.tensor([PROMPT])).logits[0].float()
+        return model(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
 
 
-def pipeline_logits(model_dir: Path, dtypes: tuple[str, ...]) -> torch.Tensor:
-    """The prompt through one stage per range, computing in dtypes, each hop's activations encoded in the dtype
-    they travel in (wire_dtype) and decoded as the next stage receives them."""
+def pipeline_logits(model_dir: Path, dtypes: tuple[str, ...], devices: tuple[str, ...] = ("cpu",) * 3
+                    ) -> torch.Tensor:
+    """The prompt through one stage per range, computing in dtypes on devices, each hop's activations encoded in
+    the dtype they travel in (wire_dtype) and decoded as the next stage receives them."""
     x, positions = torch.tensor(PROMPT), torch.arange(len(PROMPT))
-    for k, ((start, end), dtype) in enumerate(zip(RANGES, dtypes, strict=True)):
-        model = load_stage(StageSpec("m", str(model_dir), start, end, 6, dtype=dtype))
+    for k, ((start, end), dtype, device) in enumerate(zip(RANGES, dtypes, devices, strict=True)):
+        model = load_stage(StageSpec("m", str(model_dir), start, end, 6, dtype=dtype, device=device))
         hidden = model.forward(x, positions, model.new_cache())
         if k == len(RANGES) - 1:
-            return model.logits(hidden)
+            return model.logits(hidden).cpu()
         travels = wire_dtype(dtype, dtypes[k + 1])
         blob = codec.encode(hidden.to(codec.TORCH_DTYPES[travels]))
         assert blob.dtype == travels
@@ -90,3 +91,23 @@ def test_a_gpu_stage_on_a_box_without_cuda_fails_saying_so(model_dir: Path) -> N
 
     with pytest.raises(CheckpointError, match="no CUDA device"):
         load_stage(StageSpec("m", str(model_dir), 0, 2, 6, dtype="bfloat16", device="cuda:0"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cpu_gpu_cpu_float32_pipeline_is_greedy_equal_to_transformers(model_dir: Path) -> None:
+    ours = pipeline_logits(model_dir, ("float32",) * 3, ("cpu", "cuda:0", "cpu"))
+    reference = transformers_logits(str(model_dir), torch.float32)
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    torch.testing.assert_close(ours, reference, atol=1e-3, rtol=1e-3)    # the GPU's float32 matmuls may use TF32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtypes, devices", [(("float32", "bfloat16", "float32"), ("cpu", "cuda:0", "cpu")),
+                                             (("bfloat16",) * 3, ("cuda:0",) * 3)], ids=["cpu-gpu-cpu", "gpu"])
+def test_bfloat16_stages_on_a_gpu_stay_as_close_as_transformers_in_bfloat16_on_it(model_dir: Path, dtypes,
+                                                                                 devices) -> None:
+    reference = transformers_logits(str(model_dir), torch.float32)
+    yardstick = relative_distance(transformers_logits(str(model_dir), torch.bfloat16, "cuda:0"), reference)
+    assert relative_distance(pipeline_logits(model_dir, dtypes, devices), reference) <= BF16_MARGIN * yardstick
