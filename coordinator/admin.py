@@ -66,7 +66,8 @@ class MeshAdmin:
                                 "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
-                                            "tp_degree": s.spec.tp_degree, "state": s.state}
+                                            "tp_degree": s.spec.tp_degree, "device": s.spec.device,
+                                            "dtype": s.spec.dtype, "state": s.state}
                                            for s in plan.stages]})
         return out
 

@@ -66,6 +66,8 @@ class StageView(BaseModel):
     start_layer: int
     end_layer: int
     tp_degree: int
+    device: str = "cpu"          # where it runs: "cpu" or "cuda:N" (a TP group's rank 0)
+    dtype: str = "float32"       # what it computes in
     state: str
 
 

@@ -69,6 +69,8 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         plans = (await client.get("/admin/api/plans")).json()["plans"]
         assert sorted((p["model_id"], p["num_layers"], p["state"]) for p in plans) == [
             ("m", 6, "active"), ("m2", 6, "active")]
+        # where each stage runs and in what precision, as its spec says (these agents are CPU boxes)
+        assert {(s["device"], s["dtype"]) for p in plans for s in p["stages"]} == {("cpu", "float32")}
 
 
 async def test_a_replan_through_the_api_is_kept_moved_or_refused(mesh) -> None:
