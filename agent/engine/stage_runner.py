@@ -121,11 +121,11 @@ class StageRunner:
     def forward_steps(self, inputs: torch.Tensor, seqs: list[SeqSlice]) -> Generator[None, None, torch.Tensor]:
         """forward(), suspended after each layer (see StageModel.forward_layers; run it under inference mode)."""
         attn = PagedBatch(self.cache, seqs)
-        # checked once here: on rank 0 of a group before the other ranks start (a bad input found on rank 0 alone
-        # would leave them waiting in an all-reduce), and the positions are the batch's own
-        self.model.check_inputs(inputs, attn.positions, attn)
-        if self.ranks is None:
+        if self.ranks is None:   # the engine checked the token ids and widths, and the positions are the batch's own
             return (yield from self.model.forward_layers(inputs, attn.positions, attn, checked=True))
+        # rank 0 of a group checks again before the other ranks start: a bad input found on rank 0 alone would leave
+        # them waiting in an all-reduce (on a GPU this costs a host sync a step, on groups only)
+        self.model.check_inputs(inputs, attn.positions, attn)
         self.ranks.forward(inputs, tuple(seqs))
         try:
             return (yield from self.model.forward_layers(inputs, attn.positions, attn, checked=True))

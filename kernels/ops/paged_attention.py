@@ -163,12 +163,15 @@ class PagedBatch:
 
     def _prefill(self, seq: SeqSlice, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                  slots: torch.Tensor, window: int | None) -> torch.Tensor:
-        """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]."""
+        """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]. A chunk with no
+        prefix and no window is plain causal attention, which SDPA runs with its flash kernels (no mask)."""
         k = _gather(k_flat, slots).transpose(0, 1)                             # [KV, S, D]
         v = _gather(v_flat, slots).transpose(0, 1)
+        q = q.transpose(0, 1)                                                  # q: [H, T, D]
+        if seq.start_pos == 0 and (window is None or window >= seq.num_ctx):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_is_gqa(q, k)).transpose(0, 1)
         q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
         mask = causal_mask(q_pos, seq.num_ctx, window)                         # [T, S]
-        q = q.transpose(0, 1)                                                  # q: [H, T, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
         return out.transpose(0, 1)
 
