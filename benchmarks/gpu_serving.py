@@ -228,7 +228,8 @@ def main() -> None:
             ("HBM roofline: weights / bandwidth (ms)", weight_bytes / bandwidth * 1e3),
             ("mesh, 1 agent: time per output token at C=1 (ms)", tpot * 1e3),
             (f"transformers batched generate, batches of {c} (tok/s)", hf_tok_s),
-            (f"mesh, 1 stage, C={c} (tok/s)", one_stage), (f"mesh, 2 stages sharing the GPU, C={c} (tok/s)", two_stages)]
+            (f"mesh, 1 stage, C={c} (tok/s)", one_stage),
+            (f"mesh, 2 stages sharing the GPU, C={c} (tok/s)", two_stages)]
     for name, value in rows:
         print(f"| {name:<58} | {value:12.3f} |")
     stages = [(s["agent_id"], s["device"], s["dtype"]) for p in plan["plans"] for s in p["stages"]]

@@ -64,3 +64,10 @@ def test_gpu_serving_benchmark_runs_quick_on_whatever_device_there_is() -> None:
     assert "| engine batch-1 decode step (ms)" in result.stdout and "HBM roofline" in result.stdout
     assert len([line for line in result.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]) == 5
     assert "mixed pipeline greedy-equal to transformers in float32: PASS" in result.stdout   # exact on any box
+
+
+def test_hop_floor_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hop_floor.py"), "--processes", "2",
+                             "--messages", "50"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| 2 processes, mTLS" in result.stdout and "per hop p50 us" in result.stdout

@@ -1,0 +1,132 @@
+"""What a pipeline hop costs the transport alone: a ring of processes forwarding one activation message over gRPC.
+
+    python benchmarks/hop_floor.py [--processes 2 4] [--messages 3000] [--hidden 256] [--plaintext-too]
+
+Each process runs a real Stage gRPC server (fleet.wire.channels: the mesh's limits, keepalive and mutual TLS with
+certificates of a fresh CA) and forwards every StepBatch it receives to the next process over a persistent
+OutboundStream, as stages do; the first process times each lap. No model runs: per hop = lap / processes is the
+floor a stage-to-stage hop cannot go under with gRPC-Python on this machine, to read beside
+benchmarks/decode_latency.py's per-hop cost (which adds the stages' own work and their contention for the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # before grpc loads: a terminated peer's GOAWAY is expected here
+
+from stratamesh.fleet import pki  # noqa: E402
+from stratamesh.fleet.wire.channels import MeshTls  # noqa: E402
+
+
+def _credentials(ca: tuple[bytes, bytes], index: int) -> MeshTls:
+    key = pki.new_key()
+    cert = pki.issue(ca[0], ca[1], pki.make_csr(key, f"hop-{index}"), 1000 + index, time.time() - 60, 3600)
+    return MeshTls(ca[1], cert, key)
+
+
+def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, hidden: int, messages: int) -> None:
+    """One process of the ring; process 0 starts the message and times each lap into laps (microseconds)."""
+    logging.getLogger("stratamesh").setLevel(logging.ERROR)   # a ring that stops breaks its streams: expected
+    from stratamesh.fleet.wire import mesh_pb2 as pb
+    from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+    from stratamesh.fleet.wire.channels import bind, make_server, use_tls
+    from stratamesh.fleet.wire.stream import StreamPool
+
+    use_tls(_credentials(ca, index) if ca else None)
+    n = len(ports)
+
+    async def main() -> None:
+        done = asyncio.get_running_loop().create_future()
+        pool = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it))
+        lap_us: list[float] = []
+
+        class Forward(pb_grpc.StageServicer):
+            async def Push(self, request_iterator, context):   # noqa: N802
+                async for message in request_iterator:
+                    if index == 0:
+                        lap_us.append((time.perf_counter_ns() - message.batch.sent_unix_ns) / 1e3)
+                        if len(lap_us) >= messages and not done.done():
+                            done.set_result(None)
+                            continue
+                        message.batch.sent_unix_ns = time.perf_counter_ns()
+                    pool.get(f"127.0.0.1:{ports[(index + 1) % n]}").send(message)
+                return pb.PushSummary()
+
+        server = make_server()
+        pb_grpc.add_StageServicer_to_server(Forward(), server)
+        ports[index] = bind(server, "127.0.0.1", 0)
+        await server.start()
+        ready.set()
+        if index != 0:
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)   # until the laps are done
+            await pool.close()
+            await server.stop(None)
+            return
+        while not all(ports):
+            await asyncio.sleep(0.01)
+        message = pb.StageMessage(batch=pb.StepBatch(
+            chunks=[pb.StepChunk(session_id="s", token_ids=[1], sample=True)],
+            hidden=pb.Tensor(dtype="float32", shape=[1, hidden], data=bytes(4 * hidden))))
+        message.batch.sent_unix_ns = time.perf_counter_ns()
+        pool.get(f"127.0.0.1:{ports[1 % n]}").send(message)
+        await done
+        laps.extend(lap_us[len(lap_us) // 10:])    # the first tenth warms the streams up
+        await pool.close()
+        await server.stop(None)
+
+    asyncio.run(main())
+
+
+def ring_per_hop_us(num_processes: int, tls: bool, hidden: int, messages: int) -> list[float]:
+    """Per-hop microseconds of each lap of a ring of num_processes."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Array("i", [0] * num_processes)
+    ca = pki.create_ca("hop-floor", time.time() - 60) if tls else None
+    manager = ctx.Manager()
+    laps = manager.list()
+    events, stop = [ctx.Event() for _ in range(num_processes)], ctx.Event()
+    procs = [ctx.Process(target=node, args=(i, ports, events[i], stop, laps, ca, hidden, messages), daemon=True)
+             for i in range(num_processes)]
+    try:
+        for p in procs[1:]:
+            p.start()
+        for e in events[1:]:
+            e.wait(60)
+        procs[0].start()
+        procs[0].join(300)
+        return [lap / num_processes for lap in laps]
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+        manager.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--messages", type=int, default=3000, help="laps timed per ring")
+    parser.add_argument("--hidden", type=int, default=256, help="floats per message (one token's activations)")
+    parser.add_argument("--plaintext-too", action="store_true", help="also without TLS")
+    args = parser.parse_args()
+    modes = [True, False] if args.plaintext_too else [True]
+    print(f"one [1, {args.hidden}] float32 activation message around a ring of processes, {args.messages} laps\n")
+    print(f"| {'ring':<28} | {'per hop p50 us':>14} | {'p90 us':>7} |\n|{'-' * 30}|{'-' * 16}|{'-' * 9}|")
+    for n in args.processes:
+        for tls in modes:
+            hops = ring_per_hop_us(n, tls, args.hidden, args.messages)
+            name = f"{n} processes, {'mTLS' if tls else 'plaintext'}"
+            print(f"| {name:<28} | {statistics.median(hops):14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
+
+
+if __name__ == "__main__":
+    main()
