@@ -66,11 +66,15 @@ def test_a_three_stage_trace_has_a_span_per_stage_per_step_summing_to_the_latenc
         if span["step"] is not None:
             assert span["attributes"].get("stratamesh.session", "").startswith(answer["id"])
             by_step[span["step"]][(span["stage"], span["name"])] = span["duration_s"]
-    expected = {(stage, name) for stage in range(3) for name in ("queue", "compute", "send")} | {("origin", "send")}
-    # Step i produced token i + 1; the origin sends one more step before the API stops reading.
+    stages = {(stage, name) for stage in range(3) for name in ("queue", "compute", "send")}
+    # Step i produced token i + 1, and the last stage ran no step past the request's max_tokens.
+    assert set(by_step) == set(range(NUM_TOKENS))
     for step in range(NUM_TOKENS):
-        assert set(by_step[step]) == expected, f"step {step}: {sorted(by_step[step], key=str)}"
-    traced_s = sum(sum(by_step[step].values()) for step in range(NUM_TOKENS))
+        assert set(by_step[step]) == stages | {("origin", "send")}, f"step {step}: {sorted(by_step[step], key=str)}"
+    # The decode loop is a ring: each token goes from the last stage to the first (the next step's stage-0 "send")
+    # and, alongside, to the origin; only the last token's trip to the origin is on the request's own path.
+    traced_s = sum(by_step[step][key] for step in range(NUM_TOKENS) for key in stages)
+    traced_s += by_step[NUM_TOKENS - 1][("origin", "send")]
     assert abs(traced_s - latency_s) <= 0.10 * latency_s, (traced_s, latency_s)
     (root,) = [s for s in trace["spans"] if s["name"] == "request"]
     assert root["parent_span_id"] == "" and all(
