@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -28,6 +31,8 @@ from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, bind, make_server, use_tls, warn_insecure
 
 log = logging.getLogger(__name__)
+
+GROUP_FAILURE_EXIT_S = 15.0   # a clean shutdown after a group failure takes ~1.5 s; past this the agent just exits
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,15 @@ async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
     return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token, find_enroll)
 
 
+def exit_now(reason: str) -> None:
+    """Ends the process at once with status 1, after logging why (no interpreter teardown: after a rank died, gloo's
+    threads may still wait on it, and joining them can take the whole collective timeout)."""
+    log.error("%s", reason)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(1)
+
+
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
     if options.num_threads > 0:
@@ -92,9 +106,16 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     def group_down(reason: str) -> None:
         group_failures.append(reason)
         stop.set()
+
+    def group_failed(reason: str) -> None:      # on whichever thread saw it; the loop may be stuck in a collective
+        deadline = threading.Timer(GROUP_FAILURE_EXIT_S, exit_now, (f"{reason}; the agent did not shut down "
+                                                                    f"within {GROUP_FAILURE_EXIT_S:.0f} s",))
+        deadline.daemon = True
+        deadline.start()
+        loop.call_soon_threadsafe(group_down, reason)
     # A tensor-parallel stage whose group went down cannot serve again: the agent exits, the coordinator sees it
     # gone (its sessions fail over, its stages are re-planned), and whatever supervises the agent restarts it.
-    host = StageHost(options.engine, lambda reason: loop.call_soon_threadsafe(group_down, reason))
+    host = StageHost(options.engine, group_failed)
     metrics = AgentMetrics()
     spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
     service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans))

@@ -276,8 +276,9 @@ def _num_ranks(text: str) -> int:
 
 def _agent(args: argparse.Namespace) -> None:
     from stratamesh.agent.credentials import default_state_dir, stored_agent_id
-    from stratamesh.agent.daemon import AgentOptions, run_agent
+    from stratamesh.agent.daemon import AgentOptions, exit_now, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig
+    from stratamesh.agent.engine.tp_group import GroupFailed
 
     state_dir = args.state_dir or default_state_dir(args.mesh)
     agent_id = args.agent_id or (stored_agent_id(state_dir) if not args.insecure else "")   # keep its name
@@ -296,7 +297,14 @@ def _agent(args: argparse.Namespace) -> None:
         otlp_traces_endpoint=args.otlp_traces_endpoint, insecure=args.insecure, join_token=args.join_token,
         state_dir=state_dir, enroll=args.enroll, **overrides)
     set_process_fields(component="agent", agent_id=options.agent_id)
-    _run_daemon(lambda stop: run_agent(options, stop))
+
+    async def serve(stop: asyncio.Event) -> None:
+        try:
+            await run_agent(options, stop)
+        except GroupFailed as exc:    # stopped serving and said goodbye; the rest of the teardown may hang
+            exit_now(str(exc))
+
+    _run_daemon(serve)
 
 
 def _plan(args: argparse.Namespace) -> None:
