@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast
+.PHONY: up test test-busy test-fast
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ $(BROWSER):
 
 test: $(STAMP) $(BROWSER)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra
+
+# The suite as on a shared CI box: another process keeps one core busy all along (`.ci/run --busy`).
+test-busy: $(STAMP) $(BROWSER)
+	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
+	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.errors import MeshError, Refused
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Telemetry
 from stratamesh.fleet.wire import convert
@@ -25,7 +25,7 @@ _CLOSE = object()
 _REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
 
-class ControlRefused(MeshError):
+class ControlRefused(Refused):
     """The coordinator refuses this agent: its certificate was revoked, or is not the one for its id."""
 
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.errors import InvalidInput, Refused
 from stratamesh.fleet.wire.channels import MeshTls
 from stratamesh.fleet.wire.enroll import enroll
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 _FILES = ("key.pem", "cert.pem", "ca.pem")
 
 
-class NotEnrolled(MeshError):
+class NotEnrolled(Refused):
     """The agent holds no usable mesh certificate and was given no join token to get one."""
 
 

@@ -15,13 +15,13 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.errors import InvalidInput, Refused
 
 TOKEN_PREFIX = "smj1"
 _TOKEN = re.compile(rf"^{TOKEN_PREFIX}\.([0-9a-f]{{8}})\.([0-9a-f]{{32}})$")
 
 
-class EnrollmentRefused(MeshError):
+class EnrollmentRefused(Refused):
     """The coordinator would not issue a certificate: no such token, an expired or revoked one, a bad proof."""
 
 

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 
+# A daemon's exit status when the mesh will not have it (a revoked certificate, no usable join token): a supervisor
+# does not start it again, since that cannot help.
+EXIT_REFUSED = 3
+
+
 class MeshError(Exception):
     """Base of every stratamesh error."""
+
+
+class Refused(MeshError):
+    """The mesh will not have this process; its daemon exits with EXIT_REFUSED."""
 
 
 class InvalidInput(MeshError):

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import grpc
 
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
+from stratamesh.fleet.supervisor import Supervisor
 from stratamesh.fleet.wire.enroll import enroll
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class LocalMesh:
     join_token: str = ""                # what every agent of this mesh enrolls with
     api_key: str = ""                   # an operator key for the HTTP API ("" when insecure: none is needed)
     admin_login: tuple[str, str] = ("", "")   # an operator's user name and password for the admin UI
+    supervisor: Supervisor | None = None          # set by supervise()
     _own_logs: str = field(default="", repr=False)   # the log folder this mesh made itself
     _client_tls: MeshTls | None = field(default=None, repr=False)
 
@@ -85,11 +88,24 @@ class LocalMesh:
 
     def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
         """Starts the coordinator; deploy=False relies on the registry to remember the model."""
-        db = self.registry_path()
-        args = ["coordinator", "--mesh", self.mesh, "--db", db, "--http-port", str(self.http_port)]
+        self._start_coordinator(timeout_s, deploy, ["--http-port", str(self.http_port)])
+
+    def restart_coordinator(self, timeout_s: float = 60.0) -> None:
+        """Starts the coordinator again where it was (its HTTP, gRPC and enrollment ports), from its registry alone:
+        the model, its plan and every credential handed out stay as they were."""
+        ports = ["--http-port", self.url.rsplit(":", 1)[1], "--grpc-port", self.grpc_address.rsplit(":", 1)[1]]
+        if not self.insecure:
+            ports += ["--enroll-port", self.enroll_address.rsplit(":", 1)[1]]
+        self._start_coordinator(timeout_s, False, ports, bootstrap=False)
+
+    def _start_coordinator(self, timeout_s: float, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
+        args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
-        args += ["--insecure"] if self.insecure else ["--bootstrap-file", str(Path(self._logs(), "bootstrap.json"))]
+        if self.insecure:
+            args += ["--insecure"]
+        elif bootstrap:    # a fresh join token, operator key and admin password (a restart keeps the first ones)
+            args += ["--bootstrap-file", str(Path(self._logs(), "bootstrap.json"))]
         self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args])
         self.url, self.grpc_address, self.enroll_address = self._await_line(
             self.coordinator, _COORDINATOR_LINE, timeout_s)
@@ -224,8 +240,16 @@ class LocalMesh:
             _terminate(self.coordinator)
             self.coordinator = None
 
+    def supervise(self, say: Callable[[str], None] | None = None) -> Supervisor:
+        """From now until stop(), dead processes are started again (fleet/supervisor.py); say() hears of it."""
+        self.supervisor = Supervisor(self, say).start()
+        return self.supervisor
+
     def stop(self) -> None:
         """Stops every process this mesh started (SIGTERM, then SIGKILL after a grace period)."""
+        if self.supervisor is not None:      # first: the exits below are not failures to repair
+            self.supervisor.stop()
+            self.supervisor = None
         for process in self.agents:
             _signal(process, signal.SIGTERM)
         self.stop_coordinator()

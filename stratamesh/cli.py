@@ -19,7 +19,7 @@ from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, run_plan
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
-from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.errors import EXIT_REFUSED, MeshError, Refused
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="a coordinator and N agents on this machine, serving a model")
     up.add_argument("--agents", type=int, default=3)
+    up.add_argument("--stages", type=int, default=0,
+                    help="pipeline stages of the model (default: one per agent; fewer leaves spares)")
     up.add_argument("--model", help="a Hugging Face folder; default: a built-in tiny Llama")
     up.add_argument("--http-port", type=int, default=8000)
     _add_insecure_argument(up)
@@ -214,7 +216,7 @@ def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         asyncio.run(runner())
     except MeshError as exc:      # bad flags, a bad model folder, ...: say so, no traceback
         log.error("%s", exc)
-        raise SystemExit(1) from None
+        raise SystemExit(EXIT_REFUSED if isinstance(exc, Refused) else 1) from None
 
 
 def _add_insecure_argument(parser: argparse.ArgumentParser) -> None:
@@ -352,7 +354,8 @@ def _up(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
 
     model_dir = args.model or builtin_model_dir()
-    mesh = LocalMesh(model_dir, num_agents=args.agents, http_port=args.http_port, insecure=args.insecure)
+    mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, http_port=args.http_port,
+                     insecure=args.insecure)
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"starting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
@@ -365,11 +368,12 @@ def _up(args: argparse.Namespace) -> None:
               f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n"
               f"{_security_line(mesh)}\n\n"
               f"{_example_call(mesh.url, model_dir, model_id, mesh.api_key)}\n\n"
-              "Ctrl-C stops every process.", flush=True)
-        # an agent that exits cleanly was drained; anything else ends the mesh
-        while mesh.coordinator.poll() is None and all(p.poll() in (None, 0) for p in mesh.agents):
-            time.sleep(0.5)
-        print("a mesh process exited; stopping the rest", file=sys.stderr)
+              "A process that dies is started again; Ctrl-C stops every process.", flush=True)
+        supervisor = mesh.supervise(say=lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
+        while not supervisor.ended.wait(1.0):   # only a coordinator that cannot start again ends the mesh itself
+            pass
+        print("stopping the rest", file=sys.stderr)
+        raise SystemExit(1)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
     finally:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+INT32_MAX = 2**31 - 1          # what a count or token id may be on the wire (int32 fields of mesh.proto)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MAX_EMBEDDING_INPUTS = 2048   # OpenAI's limit on the inputs of one embeddings request
 
 
@@ -26,13 +28,13 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like vLLM: clients send fields we do not use
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 turn it off
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # vLLM: -1 or 0 turn it off
     seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as vLLM
     stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS
     return_token_ids: bool = False  # vLLM extension: choices carry the token ids they decode
     stream: bool = False
@@ -147,7 +149,7 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None

@@ -184,7 +184,7 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
         mesh.kill_agent(mesh.agent_index(run.killed_address))
         await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
 
-    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, kill)
+    return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, kill)
 
 
 async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
@@ -196,7 +196,7 @@ async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Strea
         os.kill(mesh.rank_pids(index)[rank], signal.SIGKILL)
         await wait_for_tokens(outcomes, (after_tokens + min(j.max_tokens for j in jobs)) // 2)
 
-    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, kill)
+    return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, kill)
 
 
 async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
@@ -212,31 +212,32 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
         run.drain_output = (await command.communicate())[0].decode(errors="replace")
         run.drain_exit = command.returncode
 
-    return await _disturb_stage_mid_stream(mesh, model, jobs, stage, after_tokens, drain)
+    return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, drain)
 
 
-async def _disturb_stage_mid_stream(
-        mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int, after_tokens: int,
+async def disturb_stage_mid_stream(
+        url: str, headers: dict[str, str], model: str, jobs: Sequence[StreamJob], stage: int, after_tokens: int,
         disturb: Callable[[FailoverRun, list[StreamOutcome]], Awaitable[None]]) -> FailoverRun:
-    """The jobs undisturbed, then again with disturb() done to the agent of `stage` (run.killed_address) once
-    every stream has after_tokens tokens; the running routes are read when disturb() returns."""
+    """On the mesh at url: the jobs undisturbed, then again with disturb() done to the agent of `stage`
+    (run.killed_address) once every stream has after_tokens tokens; the running routes are read when disturb()
+    returns."""
     plain = [replace(j, hold_tokens=0) for j in jobs]      # the reference runs undisturbed, to its end
-    run = FailoverRun(await run_streams(mesh.url, model, plain, headers=mesh.headers), [])
+    run = FailoverRun(await run_streams(url, model, plain, headers=headers), [])
 
     release = asyncio.Event()
 
     async def during(outcomes: list[StreamOutcome]) -> None:
         try:
             await wait_for_tokens(outcomes, after_tokens)
-            async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as client:
-                run.killed_address = (await running_routes(client, mesh.url))[0][stage]
+            async with httpx.AsyncClient(timeout=10, headers=headers) as client:
+                run.killed_address = (await running_routes(client, url))[0][stage]
                 run.kill_s = time.monotonic()
                 await disturb(run, outcomes)
-                run.routes_after = await running_routes(client, mesh.url)
+                run.routes_after = await running_routes(client, url)
         finally:
             release.set()
 
-    run.outcomes = await run_streams(mesh.url, model, jobs, during=during, headers=mesh.headers, release=release)
+    run.outcomes = await run_streams(url, model, jobs, during=during, headers=headers, release=release)
     return run
 
 

@@ -45,10 +45,11 @@ def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | No
 @contextmanager
 def local_mesh(model: str | os.PathLike[str] | None = None, agents: int = 3, stages: int | None = None,
                **kwargs: Any) -> Iterator[Mesh]:
-    """A Mesh connected to a mesh started here; every process is stopped on exit, also on an exception."""
+    """A Mesh connected to a mesh started here, whose dead processes are started again (fleet/supervisor.py);
+    every process is stopped on exit, also on an exception."""
     processes = launcher(model, agents, stages, **kwargs)
     try:
-        processes.start()
+        processes.start().supervise()
         with Mesh(processes.url, api_key=processes.api_key or None) as mesh:
             mesh.local_mesh = processes
             yield mesh
@@ -61,7 +62,7 @@ async def async_local_mesh(model: str | os.PathLike[str] | None = None, agents: 
                            **kwargs: Any) -> AsyncIterator[AsyncMesh]:
     """An AsyncMesh connected to a mesh started here (in a thread); every process is stopped on exit."""
     processes = launcher(model, agents, stages, **kwargs)
-    start = asyncio.ensure_future(asyncio.to_thread(processes.start))
+    start = asyncio.ensure_future(asyncio.to_thread(lambda: processes.start().supervise()))
     try:
         await asyncio.shield(start)
         async with AsyncMesh(processes.url, api_key=processes.api_key or None) as mesh:

@@ -297,6 +297,10 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_k": 1099511627776}, "top_k"),      # int32 on the wire
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [1, 2**40]}, "stop_token_ids[1]"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 1}, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, "echo"),
@@ -317,6 +321,8 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_completion_tokens": -3},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_completion_tokens": 2**63},
      "max_completion_tokens"),
 ])
 async def test_invalid_request_is_400_naming_the_param(client: httpx.AsyncClient, path: str, body: dict,

@@ -17,6 +17,7 @@ import pytest
 from stratamesh.agent.credentials import enroll, load_credentials
 from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller
 from stratamesh.fleet import pki
+from stratamesh.fleet.errors import EXIT_REFUSED
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -125,7 +126,7 @@ def test_an_agent_with_no_expired_revoked_or_forged_token_is_refused(mesh: Local
                  for i, (name, (token, _)) in enumerate(cases.items())}
     for name, process in processes.items():
         _, stderr = process.communicate(timeout=120)
-        assert process.returncode == 1, (name, stderr[-2000:])
+        assert process.returncode == EXIT_REFUSED, (name, stderr[-2000:])   # a supervisor leaves it down
         assert cases[name][1] in stderr, (name, stderr[-2000:])
         assert not (tmp_path / name.replace(" ", "-") / "cert.pem").exists()
     agents = {a["agent_id"] for a in httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]}
@@ -148,7 +149,7 @@ def test_revoking_an_agent_cuts_it_off_and_its_stage_moves(tiny_models: dict[str
         assert response.status_code == 200, response.text
         assert response.json()["revocation"]["revoked_serials"] == [pki.cert_info(victim_tls.cert_pem).serial]
 
-        assert mesh.agents[victim].wait(timeout=30) == 1, "the coordinator refuses it; it exits with an error"
+        assert mesh.agents[victim].wait(timeout=30) == EXIT_REFUSED, "the coordinator refuses it; it exits so"
         log = Path(tmp_path / "logs" / f"agent{victim}.log").read_text()
         assert "refuses this agent" in log and "revoked" in log
         deadline = time.monotonic() + 60      # (LocalMesh.wait_ready would object to the exited agent)
@@ -162,7 +163,7 @@ def test_revoking_an_agent_cuts_it_off_and_its_stage_moves(tiny_models: dict[str
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # Restarted with its certificate, it is refused again.
         mesh.agents[victim] = mesh._spawn_agent(victim)
-        assert mesh.agents[victim].wait(timeout=60) == 1
+        assert mesh.agents[victim].wait(timeout=60) == EXIT_REFUSED
         unknown = httpx.post(f"{mesh.url}/admin/api/agents/never-enrolled/revoke", headers=mesh.headers)
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "agent_not_found"
 
