@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Coroutine
 from typing import Any
 
 from stratamesh.coordinator.deployer import AgentNotConnected, Deployer
 from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.records import DrainStatus
+from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -18,6 +20,7 @@ log = logging.getLogger(__name__)
 # (stages) or lets the agent go anyway (sessions: those left fail over by replay, nothing is lost).
 STAGES_TIMEOUT_S = 300.0
 SESSIONS_TIMEOUT_S = 60.0
+RESUME_TIMEOUT_S = 120.0     # for a restarted coordinator to see the agent and spares for its stages again
 POLL_S = 0.05
 
 
@@ -25,50 +28,79 @@ class DrainRefused(MeshError):
     """The agent cannot be drained now (no spare can take a stage, or it is being drained already)."""
 
 
-@dataclass(slots=True)
-class DrainStatus:
-    """One drain as the admin API shows it."""
-
-    agent_id: str
-    started_unix_s: float
-    state: str = "moving_stages"    # -> moving_sessions -> drained, or failed
-    stages: list[dict[str, Any]] = field(default_factory=list)    # model, layers, from and to agent
-    sessions_asked: int = 0         # live sessions asked to move (a few may finish first)
-    finished_unix_s: float = 0.0
-    error: str = ""
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class Drainer:
-    """Runs drains: one task per agent, driving the deployer (stages) and the origin (sessions)."""
+    """Runs drains: one task per agent, driving the deployer (stages) and the origin (sessions). Every drain and
+    its progress is kept in the registry; resume() takes up those a previous coordinator left running."""
 
-    def __init__(self, deployer: Deployer, origin: Origin):
+    def __init__(self, deployer: Deployer, origin: Origin, registry: Registry) -> None:
         self._deployer = deployer
         self._origin = origin
-        self._drains: dict[str, DrainStatus] = {}
+        self._registry = registry
+        self._drains: dict[str, DrainStatus] = {d.agent_id: d for d in registry.drains()}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, agent_id: str) -> DrainStatus:
         """Starts draining the agent (AgentNotConnected, DrainRefused); its progress is in status()."""
         current = self._drains.get(agent_id)
-        if current is not None and current.state in ("moving_stages", "moving_sessions"):
+        if current is not None and current.running:
             raise DrainRefused(f"agent {agent_id!r} is being drained already")
         address = self._deployer.stage_address(agent_id)
+        status = DrainStatus(agent_id, time.time())
+        self._begin(status)
+        self._drains[agent_id] = status
+        self._save(status)
+        self._spawn(self._run(status, address))
+        return status
+
+    def resume(self) -> list[DrainStatus]:
+        """Takes up every drain left running by a coordinator that stopped or died: each goes on once its agent
+        (and a spare for each of its stages) is connected again, and fails after RESUME_TIMEOUT_S without."""
+        unfinished = [d for d in self._drains.values() if d.running]
+        for status in unfinished:
+            status.resumed += 1
+            log.info("resuming the drain of %s (it was %s)", status.agent_id, status.state.replace("_", " "))
+            self._spawn(self._resume(status))
+        return unfinished
+
+    def _begin(self, status: DrainStatus) -> None:
+        """Plans the moves of the agent's stages (AgentNotConnected; DrainRefused: no spare can take one)."""
         try:
-            pairs = self._deployer.drain(agent_id)
+            pairs = self._deployer.drain(status.agent_id)
         except AgentNotConnected:
             raise
         except MeshError as exc:    # no spare can take a stage
-            raise DrainRefused(f"cannot drain agent {agent_id!r}: {exc}") from None
-        status = self._drains[agent_id] = DrainStatus(agent_id, time.time(), stages=[
-            {"model": old.spec.model_id, "layers": [old.spec.start_layer, old.spec.end_layer],
-             "from": old.agent_id, "to": new.agent_id} for old, new in pairs])
-        task = asyncio.get_running_loop().create_task(self._run(status, address))
+            raise DrainRefused(f"cannot drain agent {status.agent_id!r}: {exc}") from None
+        moves = [{"model": old.spec.model_id, "layers": [old.spec.start_layer, old.spec.end_layer],
+                  "from": old.agent_id, "to": new.agent_id} for old, new in pairs]
+        redone = {(m["model"], tuple(m["layers"])) for m in moves}   # (on a resume: moves begun but not made)
+        status.stages = [m for m in status.stages if (m["model"], tuple(m["layers"])) not in redone] + moves
+        status.state = "moving_stages"
+
+    async def _resume(self, status: DrainStatus) -> None:
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        while True:
+            try:
+                address = self._deployer.stage_address(status.agent_id)
+                self._begin(status)         # the stages it still serves: moves the old coordinator made stay made
+                break
+            except (AgentNotConnected, DrainRefused) as exc:
+                if time.monotonic() >= deadline:
+                    status.state, status.error = "failed", f"not resumed after a coordinator restart: {exc}"
+                    status.finished_unix_s = time.time()
+                    self._save(status)
+                    log.warning("drain of %s failed: %s", status.agent_id, status.error)
+                    return
+            await asyncio.sleep(POLL_S)
+        self._save(status)
+        await self._run(status, address)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return status
+
+    def _save(self, status: DrainStatus) -> None:
+        self._registry.save_drain(status)
 
     def all(self) -> list[DrainStatus]:
         """Every drain this coordinator ran or runs, oldest first."""
@@ -94,6 +126,7 @@ class Drainer:
             if agent_id in self._deployer.drain_failures:
                 raise DrainRefused(self._deployer.drain_failures[agent_id])
             status.state = "moving_sessions"
+            self._save(status)
 
             def moved() -> bool:    # asks again each time: a session may have opened just before the switch
                 status.sessions_asked += self._origin.move_off(address)
@@ -109,7 +142,9 @@ class Drainer:
             status.state, status.error = "failed", str(exc)
             log.warning("drain of %s failed: %s", agent_id, exc)
         finally:
-            status.finished_unix_s = time.time()
+            if not status.running:          # (a cancelled drain, a coordinator stopping, stays running: resumed)
+                status.finished_unix_s = time.time()
+            self._save(status)
 
     @staticmethod
     async def _until(done, timeout_s: float) -> bool:

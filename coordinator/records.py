@@ -1,8 +1,8 @@
-"""What the registry stores and returns: frozen rows of agents, models, plans, stages and events."""
+"""What the registry stores and returns: frozen rows of agents, models, plans, stages and events, and drains."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.types import Capabilities, StageSpec
@@ -80,3 +80,27 @@ class LinkRecord:
     bandwidth_bytes_per_s: float
     error: str
     ts: float
+
+
+DRAIN_RUNNING = ("moving_stages", "moving_sessions")
+
+
+@dataclass(slots=True)
+class DrainStatus:
+    """One drain, as the registry keeps it and the admin API shows it (a driver updates it as it goes)."""
+
+    agent_id: str
+    started_unix_s: float
+    state: str = "moving_stages"    # -> moving_sessions -> drained, or failed
+    stages: list[dict[str, Any]] = field(default_factory=list)    # model, layers, from and to agent
+    sessions_asked: int = 0         # live sessions asked to move (a few may finish first)
+    finished_unix_s: float = 0.0
+    error: str = ""
+    resumed: int = 0                # times a restarted coordinator took it up again
+
+    @property
+    def running(self) -> bool:
+        return self.state in DRAIN_RUNNING
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -15,8 +15,8 @@ from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
-from stratamesh.coordinator.records import (AgentRecord, EventRecord, LinkRecord, ModelRecord, PlannedStage,
-                                            PlanRecord, StageRecord)
+from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
+                                            PlannedStage, PlanRecord, StageRecord)
 from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
                                     Telemetry)
 
@@ -108,11 +108,18 @@ def _m008_api_keys_users_sessions(db: Database) -> None:
                           pk="token_sha256", if_not_exists=True)
 
 
+def _m009_drains(db: Database) -> None:
+    """Each agent's newest drain and its progress, so that a restarted coordinator finishes it."""
+    db["drains"].create({"agent_id": str, "started_unix_s": float, "state": str, "stages_json": str,
+                         "sessions_asked": int, "finished_unix_s": float, "error": str, "resumed": int},
+                        pk="agent_id", if_not_exists=True)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
-                                     _m008_api_keys_users_sessions)
+                                     _m008_api_keys_users_sessions, _m009_drains)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -354,6 +361,18 @@ class Registry:
         """The newest events, newest first."""
         rows = self._rows("SELECT * FROM events ORDER BY ts DESC, id DESC LIMIT ?", [limit])
         return [EventRecord(**r) for r in rows]
+
+    # ------------------------------------------------------------ drains
+    def save_drain(self, drain: DrainStatus) -> None:
+        """Stores an agent's drain as it stands now (replacing its earlier one)."""
+        row = {k: v for k, v in drain.as_json().items() if k != "stages"}
+        with self._tx() as db:
+            db["drains"].upsert({**row, "stages_json": json.dumps(drain.stages)}, pk="agent_id")
+
+    def drains(self) -> list[DrainStatus]:
+        """Every agent's newest drain, oldest first."""
+        rows = self._rows("SELECT * FROM drains ORDER BY started_unix_s, agent_id")
+        return [DrainStatus(stages=json.loads(r.pop("stages_json")), **r) for r in rows]
 
     # ------------------------------------------------------------ telemetry
     def record_telemetry(self, agent_id: str, telemetry: Telemetry, now: float) -> None:

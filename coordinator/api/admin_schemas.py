@@ -165,6 +165,7 @@ class DrainView(BaseModel):
     sessions_asked: int
     finished_unix_s: float
     error: str
+    resumed: int = Field(description="times a restarted coordinator took this drain up again")
 
 
 class Drain(BaseModel):

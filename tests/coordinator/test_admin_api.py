@@ -27,7 +27,7 @@ def mesh(model_dir: Path):
     registry, deployer, agents = ready_pair(model_dir, [100.0])
     live = LiveStats()
     origin = Origin("127.0.0.1:1")
-    admin = MeshAdmin(registry, origin, {}, Drainer(deployer, origin), deployer, live, clock=lambda: T0 + 10)
+    admin = MeshAdmin(registry, origin, {}, Drainer(deployer, origin, registry), deployer, live, clock=lambda: T0 + 10)
     app = FastAPI()
     app.include_router(admin_router(admin))
     mount_ui(app)

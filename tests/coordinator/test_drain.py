@@ -12,7 +12,8 @@ from stratamesh.coordinator.admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.drain import Drainer
 from stratamesh.coordinator.origin import Origin
-from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready, shutdowns  # noqa: F401 (a fixture)
+from tests.coordinator.test_deployer import (connect_all, model_dir, ready_pair, report_ready,  # noqa: F401
+                                           shutdowns)
 
 
 async def wait_for(predicate, timeout_s: float = 5.0) -> None:
@@ -25,7 +26,7 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 async def test_drain_through_the_admin_api_from_request_to_the_agent_told_to_exit(model_dir: Path) -> None:
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
     origin = Origin("127.0.0.1:1")
-    drainer = Drainer(deployer, origin)
+    drainer = Drainer(deployer, origin, registry)
     app = FastAPI()
     app.include_router(admin_router(MeshAdmin(registry, origin, {}, drainer)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh") as client:
@@ -58,7 +59,7 @@ async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays
     from stratamesh.fleet.types import StageStatus
 
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
-    drainer = Drainer(deployer, Origin("127.0.0.1:1"))
+    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry)
     status = drainer.start("a1")
     new_id = deployer.replacing("a1")[0][1].assignment_id
     deployer.stage_status("a3", StageStatus(new_id, "failed", "disk full"))
@@ -77,3 +78,33 @@ def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None
     assert replaced_hops(old, new) == [(old[1], new[1])]
     assert replaced_hops(old, old) == []
     assert replaced_hops(old, new[:2]) == []          # another stage count: other layer ranges, nothing moves
+
+
+async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_dir: Path) -> None:
+    from stratamesh.coordinator.deployer import Deployer
+    from stratamesh.coordinator.liveness import LivenessConfig
+
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
+    first = Drainer(deployer, Origin("127.0.0.1:1"), registry)
+    first.start("a2")
+    await first.close()                          # it stops before the replacement loaded
+    assert [(d.agent_id, d.state, d.resumed) for d in registry.drains()] == [("a2", "moving_stages", 0)]
+
+    # The next coordinator, on the same registry; the agents connect again, the only spare last.
+    deployer = Deployer(registry, clock=lambda: 200.0, liveness=LivenessConfig(lease_s=2.0))
+    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry)
+    assert [d.agent_id for d in drainer.resume()] == ["a2"]
+    connect_all(deployer, [a1, a2])
+    report_ready(deployer, [a1, a2])
+    await asyncio.sleep(0)                       # the resume looks: no spare yet, so it waits for one
+    assert drainer.status("a2").state == "moving_stages" and not shutdowns(a2)
+    sent = len(spare.assignments())
+    connect_all(deployer, [spare])
+    await wait_for(lambda: len(spare.assignments()) > sent)
+    report_ready(deployer, [spare])
+    await wait_for(lambda: drainer.status("a2").state == "drained")
+    assert shutdowns(a2) and registry.agent("a2").state == "drained"
+    (stored,) = registry.drains()
+    assert (stored.state, stored.resumed, stored.finished_unix_s > 0) == ("drained", 1, True)
+    assert [m["to"] for m in stored.stages] == ["a3"]
+    await drainer.close()

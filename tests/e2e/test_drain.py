@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +17,9 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
+from .reference import encode
 from .streams import HOLD_TOKENS, held, settled_requests
+from .test_mesh import PROMPT, complete_ids
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +75,40 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
     print(f"\ndrain of the middle stage: longest token gap after the drain order p50 "
           f"{percentile(gaps, 50) * 1e3:.0f} ms, max {max(gaps) * 1e3:.0f} ms over {len(gaps)} streams; "
           f"{coordinator['stratamesh:kv_moved_bytes_total'] / 1e6:.2f} MB of KV moved")
+
+
+def test_a_coordinator_restarted_mid_drain_finishes_it(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """3 stages and a spare; the spare is stopped (SIGSTOP) so that the drain cannot get past loading the
+    replacement; kill -9 of the coordinator, the spare let go, the coordinator started again: the drain,
+    kept in the registry, goes on to its end."""
+    model_dir = tiny_models["llama"]
+    with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
+                   db=str(tmp_path / "registry.db")) as mesh:
+        before = complete_ids(mesh, model_dir, encode(model_dir, PROMPT), 16)
+        plan = active_stages(mesh)
+        middle = mesh.agent_ids.index(plan[1])
+        spare = next(i for i, a in enumerate(mesh.agent_ids) if a not in plan)
+        os.kill(mesh.agents[spare].pid, signal.SIGSTOP)
+        try:
+            started = httpx.post(f"{mesh.url}/admin/api/agents/{mesh.agent_ids[middle]}/drain", headers=mesh.headers)
+            assert started.status_code == 202 and started.json()["drain"]["state"] == "moving_stages", started.text
+            assert started.json()["drain"]["stages"][0]["to"] == mesh.agent_ids[spare]
+            mesh.kill_coordinator()
+        finally:
+            os.kill(mesh.agents[spare].pid, signal.SIGCONT)
+        mesh.restart_coordinator()
+        assert mesh.agents[middle].wait(timeout=180) == 0, "the drained agent exits by itself, cleanly"
+        drain = httpx.get(f"{mesh.url}/admin/api/agents/{mesh.agent_ids[middle]}/drain", headers=mesh.headers).json()
+        deadline = time.monotonic() + 60
+        while mesh.agent_ids[middle] in active_stages(mesh) or len(active_stages(mesh)) != 3:
+            assert time.monotonic() < deadline, active_stages(mesh)
+            time.sleep(0.2)
+        after = complete_ids(mesh, model_dir, encode(model_dir, PROMPT), 16)
+    assert (drain["drain"]["state"], drain["drain"]["resumed"]) == ("drained", 1), drain
+    assert after == before
+
+
+def active_stages(mesh: LocalMesh) -> list[str]:
+    """The agent of each stage of the active plan, in pipeline order."""
+    plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
+    return [s["agent_id"] for p in plans if p["state"] == "active" for s in p["stages"]]
