@@ -64,11 +64,13 @@ class MeshAdmin:
                 if plan is not None:
                     out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                                 "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
+                                "predicted": _predicted(plan.prediction),
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
                                             "tp_degree": s.spec.tp_degree, "device": s.spec.device,
-                                            "dtype": s.spec.dtype, "state": s.state}
-                                           for s in plan.stages]})
+                                            "dtype": s.spec.dtype, "state": s.state,
+                                            "predicted_step_s": _stage_step(plan.prediction, i)}
+                                           for i, s in enumerate(plan.stages)]})
         return out
 
     def models(self) -> list[dict[str, Any]]:
@@ -170,3 +172,15 @@ class MeshAdmin:
 def _record_json(record: RequestRecord) -> dict[str, Any]:
     return {**asdict(record), "state": record.state,
             "route": [{"address": h.address, "assignment_id": h.assignment_id} for h in record.route]}
+
+
+def _predicted(prediction: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan's predicted tokens/s, at what concurrency, its step and bottleneck (None for a plan stored before
+    predictions were)."""
+    keys = ("tokens_per_s", "concurrency", "step_s", "bottleneck_s", "bottleneck")
+    return {k: prediction[k] for k in keys} if prediction else None
+
+
+def _stage_step(prediction: dict[str, Any], index: int) -> float | None:
+    steps = prediction.get("stage_step_s", [])
+    return steps[index] if index < len(steps) else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S, PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, repair_stages
+from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, prediction, repair_stages
 from stratamesh.coordinator.registry import ModelRecord, PlannedStage, PlanRecord, Registry, StageRecord
 from stratamesh.fleet.errors import (CheckpointError, InvalidInput, MeshError, ModelNotFound, ModelNotReady,
                                      PlacementError)
@@ -490,7 +490,8 @@ class Deployer:
         stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason
-        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby)
+        self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby,
+                                 prediction=prediction(planned))
         self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
         self._unplaceable.pop(model_id, None)
         log.info("%s %s: %s", "standby plan for" if standby else "planned", model_id, reason)

@@ -168,6 +168,17 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
     return plan, stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
 
 
+def prediction(plan: Plan) -> dict[str, Any]:
+    """What the planner predicts of a plan's pipeline, as stored with it and shown by the admin API: tokens/s with
+    `concurrency` sequences in flight (micro_batches of KV_SEQUENCES), the step (one token through every stage and
+    hop), the bottleneck, and each stage's step time and the send of its output."""
+    (pipeline,) = plan.pipelines
+    return {"tokens_per_s": round(pipeline.tokens_per_s, 1), "concurrency": KV_SEQUENCES * pipeline.micro_batches,
+            "micro_batches": pipeline.micro_batches, "step_s": pipeline.step_s, "bottleneck_s": pipeline.bottleneck_s,
+            "bottleneck": pipeline.bottleneck, "stage_step_s": [s.compute_s for s in pipeline.stages],
+            "stage_send_s": [s.send_s for s in pipeline.stages]}
+
+
 def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,
                    ranks: Mapping[str, int]) -> Plan:
     """The plan with each agent's stages on its ranks in pipeline order where that prices no worse: how a stored

@@ -59,6 +59,7 @@ class PlanRecord:
     state: str
     reason: str
     stages: tuple[StageRecord, ...]
+    prediction: dict[str, Any] = field(default_factory=dict)   # see coordinator/placement.py prediction()
 
 
 @dataclass(frozen=True, slots=True)

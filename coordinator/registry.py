@@ -115,11 +115,17 @@ def _m009_drains(db: Database) -> None:
                         pk="agent_id", if_not_exists=True)
 
 
+def _m010_plan_predictions(db: Database) -> None:
+    """What the planner predicted of each plan (tokens/s, step and bottleneck, each stage's step), as JSON."""
+    db["plans"].add_column("prediction_json", str, not_null_default="{}")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
-                                     _m008_api_keys_users_sessions, _m009_drains)
+                                     _m008_api_keys_users_sessions, _m009_drains,
+                                     _m010_plan_predictions)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -293,7 +299,7 @@ class Registry:
         return _model(rows[0]) if rows else None
 
     def save_plan(self, plan_id: str, model_id: str, stages: Sequence[PlannedStage], reason: str,
-                  now: float, standby: bool = False) -> None:
+                  now: float, standby: bool = False, prediction: dict[str, Any] | None = None) -> None:
         """Store a new plan for model_id: active (the previous active plan becomes "superseded"), or a standby
         that activate_plan() promotes once its stages are loaded (a previous standby is "abandoned")."""
         _check_stages(model_id, stages)
@@ -303,7 +309,8 @@ class Registry:
                 db.execute("UPDATE plans SET state = ? WHERE model_id = ? AND state = ?",
                            ["abandoned" if standby else "superseded", model_id, replaced])
                 db["plans"].insert({"plan_id": plan_id, "model_id": model_id, "created": now,
-                                    "state": replaced, "reason": reason})
+                                    "state": replaced, "reason": reason,
+                                    "prediction_json": json.dumps(prediction or {})})
                 db["stages"].insert_all(_stage_row(plan_id, s) for s in stages)
         except sqlite3.IntegrityError as exc:
             raise InvalidInput(f"plan {plan_id!r} repeats an existing id: {exc}") from None
@@ -336,7 +343,8 @@ class Registry:
             return None
         stages = self._rows("SELECT * FROM stages WHERE plan_id = ? ORDER BY stage_index",
                             [plans[0]["plan_id"]])
-        return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages))
+        prediction = json.loads(plans[0].pop("prediction_json") or "{}")
+        return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages), prediction=prediction)
 
     def replace_stage(self, assignment_id: str, stage: PlannedStage) -> None:
         """Puts stage in place of the stage assignment_id in its plan (same index; a drain moved it), as ready."""

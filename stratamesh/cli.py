@@ -200,6 +200,14 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--max-tokens", type=int, default=64)
     chaos.add_argument("--seed", type=int, default=0)
     chaos.set_defaults(func=_bench_chaos)
+    plan_check = bench_commands.add_parser(
+        "plan", help="local meshes of N agents: the planner's predicted tokens/s next to the measured")
+    plan_check.add_argument("--model", help="a Hugging Face folder; default: the built-in tiny Llama")
+    plan_check.add_argument("--agents", default="1,2,3,4", help="mesh sizes to run in turn (default: 1,2,3,4)")
+    plan_check.add_argument("--input-len", type=int, default=128)
+    plan_check.add_argument("--output-len", type=int, default=64)
+    plan_check.add_argument("--rounds", type=int, default=3, help="waves of requests at the predicted concurrency")
+    plan_check.set_defaults(func=_bench_plan)
     return parser
 
 
@@ -337,6 +345,16 @@ def _bench_serve(args: argparse.Namespace) -> None:
     except MeshError as exc:
         log.error("%s", exc)
         raise SystemExit(1) from None
+
+
+def _bench_plan(args: argparse.Namespace) -> None:
+    from stratamesh.bench.plan_check import plan_main
+    from stratamesh.sdk.local import builtin_model_dir
+
+    counts = [int(n) for n in args.agents.split(",")]
+    checks = plan_main(args.model or builtin_model_dir(), counts, args.input_len, args.output_len, args.rounds)
+    if not all(c.honest for c in checks):
+        raise SystemExit(1)
 
 
 def _bench_chaos(args: argparse.Namespace) -> None:

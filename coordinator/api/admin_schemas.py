@@ -69,6 +69,15 @@ class StageView(BaseModel):
     device: str = "cpu"          # where it runs: "cpu" or "cuda:N" (a TP group's rank 0)
     dtype: str = "float32"       # what it computes in
     state: str
+    predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
+
+
+class PredictedView(BaseModel):
+    tokens_per_s: float = Field(description="output tokens/s with `concurrency` sequences generating")
+    concurrency: int
+    step_s: float = Field(description="one token of one sequence through every stage and hop (s)")
+    bottleneck_s: float = Field(description="the slowest stage step or link transfer (s)")
+    bottleneck: str
 
 
 class PlanView(BaseModel):
@@ -78,6 +87,7 @@ class PlanView(BaseModel):
     created: float
     reason: str
     num_layers: int
+    predicted: PredictedView | None = None
     stages: list[StageView]
 
 

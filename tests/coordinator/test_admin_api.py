@@ -71,6 +71,14 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
             ("m", 6, "active"), ("m2", 6, "active")]
         # where each stage runs and in what precision, as its spec says (these agents are CPU boxes)
         assert {(s["device"], s["dtype"]) for p in plans for s in p["stages"]} == {("cpu", "float32")}
+        # what the planner predicted: tokens/s at a concurrency, the step, and each stage's part of it
+        for plan in plans:
+            predicted, steps = plan["predicted"], [s["predicted_step_s"] for s in plan["stages"]]
+            assert predicted["concurrency"] % 8 == 0 and predicted["tokens_per_s"] > 0
+            assert all(0 < step <= predicted["bottleneck_s"] for step in steps)
+            assert predicted["step_s"] >= sum(steps)
+            assert predicted["tokens_per_s"] == pytest.approx(8 * min(predicted["concurrency"] / 8 / predicted["step_s"],
+                                                                      1 / predicted["bottleneck_s"]), rel=1e-3)
 
 
 async def test_a_replan_through_the_api_is_kept_moved_or_refused(mesh) -> None:
