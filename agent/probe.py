@@ -220,4 +220,4 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
         backends=backends_for(gpus, use_gpus and torch.cuda.is_available(), read_onnx_providers()),
         speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)), dtype=dtype,
-        cpu_bf16=cpu_bf16)
+        cpu_bf16=cpu_bf16, num_threads=torch.get_num_threads())

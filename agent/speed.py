@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,12 @@ CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
-MEASURES_VERSION = 2                # bumped when measure_speeds measures more (2: the CPU's native bfloat16)
+MEASURES_VERSION = 3                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads)
+# The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
+# count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
+OVERHEAD_BATCH = 8
+OVERHEAD_LAYERS = 4
+OVERHEAD_STEPS = 15
 
 
 def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[SpeedInfo, ...]:
@@ -38,7 +43,78 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
         copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
         speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]
         torch.cuda.empty_cache()   # hand the buffers back before stages load
-    return tuple(speeds)
+    decode = {"torch-cpu": measure_decode("cpu")}
+    if any(s.backend == "torch-cuda" for s in speeds):
+        decode["torch-cuda"] = measure_decode("cuda:0")
+    return tuple(replace(s, **decode[s.backend]) for s in speeds)
+
+
+@dataclass(frozen=True, slots=True)
+class _ProbeModel:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+    def layer_flops_per_token(self) -> float:
+        """2 FLOPs per weight of a layer's matmuls (q, k, v, o; gate, up, down), at a short context."""
+        head_dim = self.hidden // self.heads
+        attention = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim) + self.hidden * self.hidden
+        return 2.0 * (attention + 3 * self.hidden * self.intermediate)
+
+
+# The framework's own cost shows in a model too narrow for its matmuls to count; the decode FLOP/s in one wide
+# enough for them to dominate (a 1B model's layers are wider still: this is a floor on what they reach).
+NARROW = _ProbeModel(64, 128, 2, 1)
+WIDE = _ProbeModel(512, 1408, 8, 2)
+
+
+def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS) -> dict[str, float]:
+    """What a decode step of the stage engine costs on device beyond the roofline of a large matmul and copy:
+    step_overhead_s and layer_overhead_s (the narrow model's step with 1 and OVERHEAD_LAYERS layers, split into a
+    fixed part and a part per layer), and decode_flops (the wide model's extra time per layer over the narrow
+    one's, for its extra FLOPs), for decode steps of OVERHEAD_BATCH sequences."""
+    narrow = [_decode_step_s(device, NARROW, layers, steps) for layers in (1, OVERHEAD_LAYERS)]
+    per_layer = max(0.0, (narrow[1] - narrow[0]) / (OVERHEAD_LAYERS - 1))
+    wide_per_layer = (_decode_step_s(device, WIDE, OVERHEAD_LAYERS, steps) - narrow[0] + per_layer) / OVERHEAD_LAYERS
+    extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
+    return {"step_overhead_s": max(0.0, narrow[0] - per_layer), "layer_overhead_s": per_layer,
+            "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}
+
+
+def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int) -> float:
+    """The median of `steps` decode steps of OVERHEAD_BATCH sequences through a random Llama of that shape."""
+    from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
+    from stratamesh.agent.engine.stage_runner import StageRunner
+    from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
+    from stratamesh.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as tmp:
+        model_dir = write_tiny_model(tmp, num_layers=layers, hidden_size=shape.hidden,
+                                     intermediate_size=shape.intermediate, num_heads=shape.heads,
+                                     num_kv_heads=shape.kv_heads, vocab_size=512)
+        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device)
+        runner = StageRunner.load(spec, 16 << 20)
+    engine = StageEngine(Assignment("probe", spec), runner, EngineConfig(enable_prefix_cache=False,
+                                                                         cuda_graphs=False))
+    prompt = tuple(range(1, 17))
+    for i in range(OVERHEAD_BATCH):
+        engine.open(SessionOpen(f"s{i}", "probe", (), "", SamplingParams(), prompt_token_ids=prompt), Outbox())
+        engine.add(StepChunk(f"s{i}", 0, 0, prompt, True), None)
+    while (step := engine.schedule()) is not None:
+        engine.postprocess(step, engine.run(step), Outbox())
+    times = []
+    for n in range(steps):
+        for i in range(OVERHEAD_BATCH):
+            engine.add(StepChunk(f"s{i}", n + 1, len(prompt) + n, (5,), True), None)
+        start = time.perf_counter()
+        step = engine.schedule()
+        engine.postprocess(step, engine.run(step), Outbox())
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    runner.close()
+    return sorted(times)[len(times) // 2]
 
 
 def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> SpeedInfo:
@@ -120,7 +196,8 @@ def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[S
 
 def _speed(entry: dict) -> SpeedInfo:
     speed = SpeedInfo(str(entry["backend"]), str(entry["dtype"]), float(entry["flops"]),
-                      float(entry["mem_bandwidth"]))
+                      float(entry["mem_bandwidth"]), float(entry.get("step_overhead_s", 0.0)),
+                      float(entry.get("layer_overhead_s", 0.0)), float(entry.get("decode_flops", 0.0)))
     if not (0 < speed.flops < math.inf and 0 < speed.mem_bandwidth < math.inf):
         raise ValueError(f"speed {speed} is not positive and finite")
     return speed

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -190,7 +191,7 @@ async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: R
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = Registry(options.db)
-    deployer = Deployer(registry, clock=time.time, liveness=options.liveness)
+    deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname())
     deployer.start()
     for model in options.models:  # a bad model folder fails here, before anything listens
         deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)

@@ -77,8 +77,10 @@ class Deployer:
     """Keeps every deployed model's active plan served: plans, pushes assignments, tracks readiness."""
 
     def __init__(self, registry: Registry, clock: Callable[[], float],
-                 liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S):
+                 liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
+                 origin_host: str = ""):
         self._registry = registry
+        self._origin_host = origin_host          # the host the origin computes on (planned as a CPU user there)
         self._clock = clock
         self.liveness = Liveness(liveness)
         self._probes = PeerProbes(clock, link_probe_every_s)
@@ -483,7 +485,7 @@ class Deployer:
         if len(agents) < num_stages:
             raise PlacementError(f"cannot place {model_id} yet: {len(agents)} of {num_stages} agents")
         return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
-                           previous, _pins(model))
+                           previous, _pins(model), self._origin_host)
 
     def _save_plan(self, model_id: str, planned: Plan, placed: list[tuple[str, StageSpec]], standby: bool) -> None:
         plan_id = uuid.uuid4().hex[:12]
@@ -513,7 +515,7 @@ class Deployer:
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
             chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
-                                   self._registry.links(), _pins(model))
+                                   self._registry.links(), _pins(model), self._origin_host)
             # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
             pairs += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                       spare, replace(s.spec, device=spec.device, dtype=spec.dtype), "assigned"))

@@ -10,7 +10,7 @@ from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
-from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, StageSpec
+from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, SpeedInfo, StageSpec
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -66,25 +66,46 @@ def _has_bf16(gpu: GpuInfo) -> bool:
 
 
 def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (),
-             checkpoint: str = "float32") -> FleetSnapshot:
+             checkpoint: str = "float32", origin_host: str = "") -> FleetSnapshot:
     """One device per rank of each agent (rank_ids), the agent its node, computing in stage_dtype for a model
     stored in checkpoint; measured links between agents apply to all their devices, and agents of one host that
     never measured theirs talk over loopback (NODE_LINK).
 
     A GPU agent (one whose host measured torch-cuda) runs rank r on its GPU r: that GPU's free memory and the
     host's torch-cuda speeds. A rank of any other agent has a share of the RAM and of the torch-cpu speeds (the
-    ranks split the cores). Agents on one host share its best speeds: their probes overlapped."""
-    best: dict[tuple[str, str, str], Speed] = {}
+    ranks split the cores). Agents on one host share its best speeds: their probes overlapped. CPU agents of one
+    host also share its cores and RAM (cpu_shares): where their threads outnumber the cores, each computes
+    at its share of its measured speed, and each has its share of the RAM."""
+    best: dict[tuple[str, str, str], SpeedInfo] = {}
     for caps in agents.values():
         for s in caps.speeds:
             key = (caps.hostname, s.backend, s.dtype)
             if key not in best or s.flops > best[key].flops:
-                best[key] = Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth)
+                best[key] = s
+    shares = cpu_shares(agents, origin_host)
     devices = []
     for agent_id, caps in agents.items():
         speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname)
-        devices += _rank_devices(agent_id, caps, speeds, checkpoint)
+        devices += _rank_devices(agent_id, caps, speeds, checkpoint, *shares.get(agent_id, (1.0, 1)))
     return FleetSnapshot(tuple(devices), _links(agents, links))
+
+
+def cpu_shares(agents: Mapping[str, Capabilities], origin_host: str = "") -> dict[str, tuple[float, int]]:
+    """(share of its measured CPU speed, agents its host's RAM is split between) of each CPU agent: agents of one
+    host whose threads (num_threads, or all the cores where unknown) outnumber its cores get cores / threads each.
+    The origin (the coordinator streaming every token out) counts as one more thread on origin_host."""
+    by_host: dict[str, list[str]] = {}
+    for agent_id, caps in agents.items():
+        if not (caps.gpus and any(s.backend == "torch-cuda" for s in caps.speeds)):
+            by_host.setdefault(caps.hostname, []).append(agent_id)
+    out = {}
+    for ids in by_host.values():
+        cores = max(max(agents[a].num_cpus for a in ids), 1)
+        threads = sum(min(agents[a].num_threads or cores, cores) for a in ids)
+        threads += agents[ids[0]].hostname == origin_host
+        for agent_id in ids:
+            out[agent_id] = (min(1.0, cores / threads), len(ids))
+    return out
 
 
 def num_ranks(caps: Capabilities) -> int:
@@ -102,20 +123,38 @@ def _on_gpus(caps: Capabilities, speeds: Sequence[Speed]) -> bool:
     return bool(caps.gpus) and any(s.backend == "torch-cuda" for s in speeds)
 
 
-def _rank_devices(agent_id: str, caps: Capabilities, speeds: tuple[Speed, ...], checkpoint: str) -> list[Device]:
+def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
+                  share: float = 1.0, ram_split: int = 1) -> list[Device]:
     ranks = num_ranks(caps)
     ids = rank_ids(agent_id, ranks)
+    speeds = tuple(Speed(s.backend, s.dtype, decode_rate(s), s.mem_bandwidth) for s in measured)
     if _on_gpus(caps, speeds):
         gpus = caps.gpus[:ranks]
         dtypes = [stage_dtype(checkpoint, caps, gpu) for gpu in gpus]
         return [Device(i, gpu.mem_free_bytes, _speeds_for(i, speeds, "torch-cuda", dtype), caps.tier or "edge",
-                       caps.site, node=agent_id, dtype=dtype)
+                       caps.site, node=agent_id, dtype=dtype, **_overheads(measured, "torch-cuda", dtype))
                 for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
     dtype = stage_dtype(checkpoint, caps, None)
-    cpu = tuple(Speed(s.backend, s.dtype, s.flops / ranks, s.mem_bandwidth / ranks)
+    cpu = tuple(Speed(s.backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
                 for s in speeds if s.backend == "torch-cpu") or (UNMEASURED,)
-    return [Device(i, caps.ram_available_bytes // ranks, _speeds_for(i, cpu, "torch-cpu", dtype), caps.tier or "edge",
-                   caps.site, node=agent_id, dtype=dtype) for i in ids]
+    overheads = {k: v / share for k, v in _overheads(measured, "torch-cpu", dtype).items()}
+    return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, "torch-cpu", dtype),
+                   caps.tier or "edge", caps.site, node=agent_id, dtype=dtype, **overheads) for i in ids]
+
+
+def decode_rate(speed: SpeedInfo) -> float:
+    """The FLOP/s the planner prices a step at: it prices decode steps, whose matmuls are small, so the rate the
+    host measured for those where it did, else its large matmul's."""
+    return min(speed.flops, speed.decode_flops) if speed.decode_flops > 0 else speed.flops
+
+
+def _overheads(measured: Sequence[SpeedInfo], backend: str, dtype: str) -> dict[str, float]:
+    """The step and layer overheads the host measured for backend (in dtype, else float32: they are the
+    framework's, nearly the same in any dtype)."""
+    own = sorted((s for s in measured if s.backend == backend), key=lambda s: (s.dtype != dtype, s.dtype != "float32"))
+    if not own:
+        return {}
+    return {"step_overhead_s": own[0].step_overhead_s, "layer_overhead_s": own[0].layer_overhead_s}
 
 
 def _speeds_for(device_id: str, speeds: Sequence[Speed], backend: str, dtype: str) -> tuple[Speed, ...]:
@@ -154,13 +193,14 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                 num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
-                pins: SitePins = SitePins()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                pins: SitePins = SitePins(), origin_host: str = "") -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
     a stage may be a tensor-parallel group of one agent's ranks.
 
-    previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better."""
+    previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better.
+    origin_host: the coordinator's host, whose cores its origin shares with the agents there (cpu_shares)."""
     profile, request = _profile(model_id, config), _request(config, num_stages, pins)
-    fleet, ranks = fleet_of(agents, links, profile.dtype), _ranks(agents)
+    fleet, ranks = fleet_of(agents, links, profile.dtype, origin_host), _ranks(agents)
     plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
     previous_plan = _as_plan(profile, fleet, request, previous, ranks)
     if previous_plan is not None:
@@ -198,12 +238,12 @@ def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, requ
 
 def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                   placement: Placement, links: Sequence[LinkRecord] = (),
-                  pins: SitePins = SitePins()) -> list[tuple[str, StageSpec]]:
+                  pins: SitePins = SitePins(), origin_host: str = "") -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
     has its own device and dtype. PlacementError if none fit."""
     profile = _profile(model_id, config)
-    fleet = fleet_of(agents, links, profile.dtype)
+    fleet = fleet_of(agents, links, profile.dtype, origin_host)
     plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))
     if plan is None:
         missing = [f"[{start}, {end})" for agent, start, end, _ in placement if agent not in agents]

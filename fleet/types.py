@@ -50,12 +50,16 @@ class GpuInfo:
 
 @dataclass(frozen=True, slots=True)
 class SpeedInfo:
-    """What a box measured for one backend and dtype: a large matmul and a large copy."""
+    """What a box measured for one backend and dtype: a large matmul and a large copy, and what a decode step of
+    this code costs beyond its FLOPs and bytes (the framework: Python, op dispatch, kernel launches)."""
 
     backend: str
     dtype: str
     flops: float              # FLOP/s
     mem_bandwidth: float      # bytes/s
+    step_overhead_s: float = 0.0     # per step, whatever its layers
+    layer_overhead_s: float = 0.0    # per layer of a step
+    decode_flops: float = 0.0        # FLOP/s of the layers of a decode step (small matmuls); 0: not measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,7 @@ class Capabilities:
     num_ranks: int = 1          # the most ranks a tensor-parallel stage here may have (its GPUs, or CPU ranks)
     dtype: str = ""             # the operator's choice for this agent's stages (--dtype); "" lets the planner pick
     cpu_bf16: bool = False      # the CPU computes bfloat16 natively (AMX or AVX512-BF16)
+    num_threads: int = 0        # CPU threads this agent computes with (agents of one host share its num_cpus)
 
     @property
     def usable_mem_bytes(self) -> int:

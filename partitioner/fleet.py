@@ -36,6 +36,7 @@ class Device:
     node: str = ""            # a machine: GPUs on one node may form a tensor-parallel group; "" = id
     step_overhead_s: float = 0.0   # fixed cost of one step (framework, kernel launches)
     dtype: str = ""           # the dtype it computes this model in; "" = the profile's
+    layer_overhead_s: float = 0.0  # fixed cost of each layer of a step (beside step_overhead_s)
 
     @property
     def node_id(self) -> str:

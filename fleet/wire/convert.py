@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from collections.abc import Iterable
@@ -31,6 +32,8 @@ _TOKEN_ID = re.compile(r"[0-9a-f]{8}")
 # GpuInfo readings NVML may not give: None on our side, an unset proto3 optional on the wire.
 _GPU_READINGS = ("utilization_pct", "temperature_c", "power_w", "power_limit_w")
 
+OVERHEAD_LIMIT_S = 1.0      # a measured step or layer overhead past this is a broken probe, not a speed
+
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.GpuInfo:
     readings = {name: getattr(gpu, name) for name in _GPU_READINGS if getattr(gpu, name) is not None}
@@ -51,8 +54,10 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
         gpus=[gpu_to_pb(g) for g in caps.gpus],
         backends=list(caps.backends), site=caps.site, tier=caps.tier, num_ranks=caps.num_ranks,
-        dtype=caps.dtype, cpu_bf16=caps.cpu_bf16,
-        speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth)
+        dtype=caps.dtype, cpu_bf16=caps.cpu_bf16, num_threads=caps.num_threads,
+        speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth,
+                         step_overhead_s=s.step_overhead_s, layer_overhead_s=s.layer_overhead_s,
+                         decode_flops=s.decode_flops)
                 for s in caps.speeds])
 
 
@@ -61,16 +66,24 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
         raise InvalidInput("capabilities: num_cpus and memory sizes must be >= 0")
     if any(not (s.flops > 0 and s.mem_bandwidth > 0) for s in msg.speeds):
         raise InvalidInput("capabilities: speeds must have positive flops and mem_bandwidth")
+    if any(not (0 <= s.step_overhead_s < OVERHEAD_LIMIT_S and 0 <= s.layer_overhead_s < OVERHEAD_LIMIT_S)
+           for s in msg.speeds):
+        raise InvalidInput(f"capabilities: speed overheads must be in [0, {OVERHEAD_LIMIT_S:g}) s")
+    if any(not 0 <= s.decode_flops < math.inf for s in msg.speeds):
+        raise InvalidInput("capabilities: decode_flops must be finite and >= 0")
+    if msg.num_threads < 0:
+        raise InvalidInput("capabilities: num_threads must be >= 0")
     if msg.tier not in ("", "edge", "cloud"):
         raise InvalidInput(f"capabilities: tier {msg.tier!r} is not edge or cloud")
     if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
         raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
     _require_dtype(msg.dtype, "capabilities.dtype")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
-    speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in msg.speeds)
+    speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
+                             s.decode_flops) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",
-                        msg.num_ranks or 1, msg.dtype, msg.cpu_bf16)
+                        msg.num_ranks or 1, msg.dtype, msg.cpu_bf16, msg.num_threads)
 
 
 def _require_dtype(dtype: str, where: str) -> None:

@@ -46,7 +46,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ..., compute_capability: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks", "dtype", "cpu_bf16")
+    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks", "dtype", "cpu_bf16", "num_threads")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Capabilities(_message.Message):
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_BF16_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_model: str
     num_cpus: int
@@ -73,19 +74,26 @@ class Capabilities(_message.Message):
     num_ranks: int
     dtype: str
     cpu_bf16: bool
-    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class Speed(_message.Message):
-    __slots__ = ("backend", "dtype", "flops", "mem_bandwidth")
+    __slots__ = ("backend", "dtype", "flops", "mem_bandwidth", "step_overhead_s", "layer_overhead_s", "decode_flops")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
     MEM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FLOPS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     dtype: str
     flops: float
     mem_bandwidth: float
-    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ...) -> None: ...
+    step_overhead_s: float
+    layer_overhead_s: float
+    decode_flops: float
+    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., step_overhead_s: _Optional[float] = ..., layer_overhead_s: _Optional[float] = ..., decode_flops: _Optional[float] = ...) -> None: ...
 
 class StageSpec(_message.Message):
     __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree")

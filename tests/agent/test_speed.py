@@ -124,3 +124,12 @@ def test_fingerprint_follows_host_cpu_and_gpus() -> None:
     assert len({base, box_fingerprint("other", "EPYC", [gpu]), box_fingerprint("host", "Xeon", [gpu]),
                 box_fingerprint("host", "EPYC", []),
                 box_fingerprint("host", "EPYC", [GpuInfo(0, "H100", 80 << 30, 79 << 30, "GPU-b")])}) == 5
+
+
+def test_a_decode_steps_overheads_and_flops_are_measured_on_the_real_engine() -> None:
+    from stratamesh.agent.speed import measure_decode
+
+    measured = measure_decode("cpu", steps=5)
+    assert 0 <= measured["step_overhead_s"] < 0.1 and 0 < measured["layer_overhead_s"] < 0.1
+    peak = measure_speeds(reps=1)[0].flops
+    assert 0 < measured["decode_flops"] < 2 * peak      # small matmuls reach no more than a large one (and noise)
