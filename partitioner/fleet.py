@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.profile import DTYPE_BYTES
 
 ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)
-TIERS = ("edge", "cloud")
+TIERS = ("edge", "cloud")   # a device's tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +120,8 @@ def _device_dict(device: Device) -> dict[str, Any]:
     out = {**asdict(device), "speeds": [asdict(s) for s in device.speeds]}
     if not device.dtype:
         del out["dtype"]
+    if not device.layer_overhead_s:      # (written only where measured, as fleets before it was had none)
+        del out["layer_overhead_s"]
     return out
 
 
@@ -130,74 +130,7 @@ def _key(a: str, b: str) -> tuple[str, str]:
 
 
 def fleet_from_dict(raw: Mapping[str, Any]) -> FleetSnapshot:
-    """A FleetSnapshot from its JSON form (to_dict's shape); InvalidInput names the bad field."""
-    devices = _items(raw, "devices", "fleet")
-    links = _items(raw, "links", "fleet", default=())
-    return FleetSnapshot(tuple(_device(d, f"devices[{k}]") for k, d in enumerate(devices)),
-                         tuple(_link(x, f"links[{k}]") for k, x in enumerate(links)),
-                         str(raw.get("origin_site", "")))
+    """A FleetSnapshot from its JSON form (to_dict's shape); InvalidInput names the bad field's path."""
+    from stratamesh.partitioner.fleet_file import fleet_from_dict as parse   # the file's models build on this module
 
-
-def _device(raw: Mapping[str, Any], where: str) -> Device:
-    speeds = tuple(_speed(s, f"{where}.speeds[{k}]") for k, s in enumerate(_items(raw, "speeds", where)))
-    device = Device(_field(raw, "id", str, where), _field(raw, "memory_bytes", int, where), speeds,
-                    _field(raw, "tier", str, where, "edge"), _field(raw, "site", str, where, ""),
-                    _field(raw, "node", str, where, ""), _field(raw, "step_overhead_s", float, where, 0.0),
-                    _field(raw, "dtype", str, where, ""))
-    if device.tier not in TIERS:
-        raise InvalidInput(f"device {device.id!r}: tier {device.tier!r} is not one of {TIERS}")
-    if device.dtype and device.dtype not in DTYPE_BYTES:
-        raise InvalidInput(f"device {device.id!r}: dtype {device.dtype!r} is not one of {sorted(DTYPE_BYTES)} "
-                           f"(or \"\" for the model's)")
-    if device.memory_bytes < 0 or not 0 <= device.step_overhead_s < math.inf:
-        raise InvalidInput(f"device {device.id!r}: memory_bytes and step_overhead_s must be finite and not "
-                           f"negative")
-    if any(not (0 < s.flops < math.inf and 0 < s.mem_bandwidth < math.inf) for s in speeds):
-        raise InvalidInput(f"device {device.id!r}: flops and mem_bandwidth must be finite and positive")
-    return device
-
-
-def _speed(raw: Mapping[str, Any], where: str) -> Speed:
-    return Speed(_field(raw, "backend", str, where), _field(raw, "dtype", str, where),
-                 _field(raw, "flops", float, where), _field(raw, "mem_bandwidth", float, where))
-
-
-def _link(raw: Mapping[str, Any], where: str) -> Link:
-    link = Link(_field(raw, "a", str, where), _field(raw, "b", str, where), _field(raw, "bandwidth", float, where),
-                _field(raw, "rtt_s", float, where))
-    if not (0 < link.bandwidth < math.inf and 0 <= link.rtt_s < math.inf):
-        raise InvalidInput(f"link {link.a}-{link.b}: bandwidth must be positive and rtt_s not negative "
-                           f"(both finite)")
-    return link
-
-
-_MISSING = object()
-
-
-def _field(raw: Any, key: str, kind: type, where: str, default: Any = _MISSING) -> Any:
-    """raw[key] converted by kind; InvalidInput that names where.key when it is missing or malformed."""
-    if not isinstance(raw, Mapping):
-        raise InvalidInput(f"{where} must be an object, got {type(raw).__name__}")
-    if key not in raw:
-        if default is _MISSING:
-            raise InvalidInput(f"{where} lacks required field {key!r}")
-        return default
-    value = raw[key]
-    if kind is not str and (value is None or isinstance(value, bool | str)):
-        raise InvalidInput(f"{where}.{key} must be a number, got {value!r}")
-    try:
-        return kind(value)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidInput(f"{where}.{key} is malformed: {value!r}") from None
-
-
-def _items(raw: Any, key: str, where: str, default: Any = _MISSING) -> list[Any]:
-    """raw[key] as a list; InvalidInput naming the field when it is missing or not a list."""
-    if not isinstance(raw, Mapping):
-        raise InvalidInput(f"{where} must be an object, got {type(raw).__name__}")
-    if key not in raw and default is _MISSING:
-        raise InvalidInput(f"{where} lacks required field {key!r}")
-    value = raw.get(key, default)
-    if not isinstance(value, list | tuple):
-        raise InvalidInput(f"{where}.{key} must be a list, got {type(value).__name__}")
-    return list(value)
+    return parse(raw)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from stratamesh.bench.options import add_serve_arguments
 from stratamesh.drain_command import add_drain_arguments, run_drain
-from stratamesh.plan_command import add_plan_arguments, run_plan
+from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, MeshError, Refused
@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plan a model's stages over a fleet file (no daemon needed)")
     add_plan_arguments(plan)
-    plan.set_defaults(func=_plan)
+    plan.set_defaults(func=lambda args: sys.exit(plan_main(args)))
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(metavar="BENCHMARK")
@@ -315,14 +315,6 @@ def _agent(args: argparse.Namespace) -> None:
             exit_now(str(exc))
 
     _run_daemon(serve)
-
-
-def _plan(args: argparse.Namespace) -> None:
-    try:
-        print(run_plan(args))
-    except MeshError as exc:
-        log.error("%s", exc)
-        raise SystemExit(1) from None
 
 
 def _model_tiny(args: argparse.Namespace) -> None:

@@ -1,8 +1,7 @@
-"""FleetSnapshot: its JSON form, validation that names the bad field, default links and speeds."""
+"""FleetSnapshot: its JSON form, default links and speeds (test_fleet_file: the file's errors and schema)."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -49,62 +48,6 @@ def test_round_trip_through_json(seed: int) -> None:
     raw = json.loads(json.dumps(fleet.to_dict()))
     assert fleet_from_dict(raw) == fleet
     assert fleet_from_dict(raw).to_dict() == raw
-
-
-def _broken(path: tuple, value) -> dict:
-    """GOOD with the field at path set to value (or removed, for the DELETE marker)."""
-    raw = copy.deepcopy(GOOD)
-    *parents, key = path
-    holder = raw
-    for p in parents:
-        holder = holder[p]
-    if value is DELETE:
-        del holder[key]
-    else:
-        holder[key] = value
-    return raw
-
-
-DELETE = object()
-
-
-@pytest.mark.parametrize("path, value, match", [
-    (("devices",), DELETE, "devices"),
-    (("devices", 0, "id"), DELETE, "'id'"),
-    (("devices", 0, "memory_bytes"), DELETE, "memory_bytes"),
-    (("devices", 0, "speeds"), DELETE, "speeds"),
-    (("devices", 1, "speeds", 0, "flops"), DELETE, "flops"),
-    (("devices", 1, "speeds", 0, "mem_bandwidth"), DELETE, "mem_bandwidth"),
-    (("devices", 0, "speeds", 0, "backend"), DELETE, "backend"),
-    (("devices", 0, "tier"), "fog", "tier"),
-    (("devices", 0, "memory_bytes"), -1, "memory"),
-    (("devices", 0, "step_overhead_s"), -0.1, "overhead"),
-    (("devices", 0, "speeds", 0, "flops"), 0, "flops"),
-    (("devices", 0, "speeds", 0, "mem_bandwidth"), -5e9, "mem_bandwidth"),
-    (("devices", 0, "speeds", 0, "flops"), float("nan"), "flops"),
-    (("links", 0, "a"), DELETE, "'a'"),
-    (("links", 0, "bandwidth"), 0, "bandwidth"),
-    (("links", 0, "bandwidth"), float("nan"), "bandwidth"),
-    (("links", 0, "rtt_s"), -0.001, "rtt_s"),
-    (("links", 0, "rtt_s"), DELETE, "rtt_s"),
-    (("devices", 1, "id"), "laptop", "unique"),
-    (("devices", 1, "id"), ORIGIN, "unique"),
-    (("devices", 0, "memory_bytes"), "lots", "memory_bytes"),
-    (("devices", 0, "speeds", 0, "flops"), "fast", "flops"),
-    (("links", 0, "rtt_s"), None, "rtt_s"),
-    (("devices",), None, "devices"),
-    (("devices", 0, "step_overhead_s"), float("nan"), "overhead"),
-    (("devices", 0, "step_overhead_s"), float("inf"), "overhead"),
-    (("devices", 0, "speeds", 0, "flops"), float("inf"), "flops"),
-    (("devices", 0, "memory_bytes"), True, "memory_bytes"),
-    (("devices", 0), "laptop", "devices\\[0\\]"),
-    (("links",), {"a": "x"}, "links"),
-    (("devices", 0, "dtype"), "float64", "dtype 'float64' is not one of"),
-    (("devices", 0, "dtype"), "fp16", "dtype 'fp16' is not one of"),
-])
-def test_bad_fields_name_the_field(path, value, match) -> None:
-    with pytest.raises(InvalidInput, match=match):
-        fleet_from_dict(_broken(path, value))
 
 
 def _device(device_id: str, site: str = "", node: str = "") -> Device:
