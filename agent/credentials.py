@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stratamesh.fleet import pki
 from stratamesh.fleet.errors import InvalidInput, Refused
+from stratamesh.fleet.state import make_private_dir, state_home, write_private
 from stratamesh.fleet.wire.channels import MeshTls
 from stratamesh.fleet.wire.enroll import enroll
 
@@ -26,7 +27,8 @@ class NotEnrolled(Refused):
 
 
 def default_state_dir(mesh: str) -> str:
-    return os.path.expanduser(f"~/.local/state/stratamesh/agent-{mesh}")
+    """agent-<mesh> in the per-user state folder (fleet/state.py)."""
+    return str(state_home(os.environ) / f"agent-{mesh}")
 
 
 def stored_agent_id(state_dir: str) -> str:
@@ -58,15 +60,10 @@ def load_credentials(state_dir: str, agent_id: str, now: float) -> MeshTls | Non
 
 
 def save_credentials(state_dir: str, tls: MeshTls) -> None:
-    """Writes key, certificate and CA into state_dir (the key readable by its owner only)."""
-    directory = Path(state_dir)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Writes key, certificate and CA into state_dir: files 0600 in a folder 0700."""
+    directory = make_private_dir(state_dir)
     for name, data in zip(_FILES, (tls.key_pem, tls.cert_pem, tls.ca_pem)):
-        tmp = directory / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        tmp.replace(directory / name)
+        write_private(directory / name, data)
 
 
 async def obtain_credentials(state_dir: str, agent_id: str, mesh: str, join_token: str,

@@ -87,7 +87,7 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int) -> 
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
     from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
-    from stratamesh.tiny_model import write_tiny_model
+    from stratamesh.kernels.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as tmp:
         model_dir = write_tiny_model(tmp, num_layers=layers, hidden_size=shape.hidden,

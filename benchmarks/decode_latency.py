@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 PROMPT = "The mesh carries every layer of the model from the edge to the cloud and back"
 TARGET_HOP_MS = 0.3

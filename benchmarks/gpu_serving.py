@@ -39,7 +39,7 @@ from stratamesh.bench.metrics import compute_metrics
 from stratamesh.bench.serve import run_requests
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionOpen, StageSpec, StepChunk
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 log = logging.getLogger("gpu_serving")
 # 16 layers x (10.5M attention + 34.6M MLP) + 2 x 96000 x 2048 embedding and head: about 1.1B parameters

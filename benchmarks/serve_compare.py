@@ -40,7 +40,7 @@ from stratamesh.bench.datasets import (
 )
 from stratamesh.bench.metrics import BenchMetrics, compute_metrics
 from stratamesh.bench.serve import run_requests
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 log = logging.getLogger("serve_compare")
 CONFIGS = ("(a) transformers, sequential", "(b) transformers, batched", "(c) stratamesh, 1 stage",

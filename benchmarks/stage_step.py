@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 
 def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int,

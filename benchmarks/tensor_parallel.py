@@ -26,7 +26,7 @@ import torch
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stage_step import decode_times  # noqa: E402  (a sibling script, not a package)

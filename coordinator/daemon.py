@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
-import os
-import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ import uvicorn
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.bootstrap import write_bootstrap
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.admission import Limits
 from stratamesh.coordinator.api.auth import install_access
@@ -79,10 +77,9 @@ class CoordinatorOptions:
     pki_dir: str = ""                    # the mesh's CA; default: beside the registry (default_pki_dir)
     enroll_port: int = 0                 # the plaintext endpoint agents present join tokens to
     limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
-    bootstrap_file: str = ""             # write a fresh join token and operator API key here (for `stratamesh up`)
+    bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
 
 
-BOOTSTRAP_ADMIN = "admin"
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
 LIVENESS_CHECK_S = 0.1
 
@@ -142,20 +139,6 @@ class _Enrollment:
     revoker: Revoker
     server: grpc.aio.Server
     port: int
-
-
-def _write_bootstrap(path: str, enrollment: _Enrollment, access: AccessStore) -> None:
-    """A join token (24 h), an operator API key and the password of an operator "admin" for the UI, as JSON
-    readable by the owner only: what a launcher on this box needs to enroll its agents and hand its user the
-    API and the UI, without running a command per credential."""
-    token, _ = enrollment.enroller.create_token(24 * 3600, "bootstrap")
-    key, _ = access.create_key("operator", "bootstrap", time.time())
-    password = secrets.token_urlsafe(12)
-    access.add_user(BOOTSTRAP_ADMIN, password, "operator", time.time())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump({"join_token": str(token), "api_key": key, "admin_user": BOOTSTRAP_ADMIN,
-                   "admin_password": password}, out)
 
 
 def _mesh_tls(options: CoordinatorOptions) -> MeshCa | None:
@@ -220,7 +203,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                       revoker=enrollment.revoker if enrollment else None)
     access = None if options.insecure else AccessStore(registry)
     if options.bootstrap_file and enrollment is not None and access is not None:
-        _write_bootstrap(options.bootstrap_file, enrollment, access)
+        write_bootstrap(options.bootstrap_file, enrollment.enroller, access, time.time())
     http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, access, options)
 
     enroll = f"{advertise_host}:{enrollment.port}" if enrollment else "-"

@@ -23,6 +23,7 @@ from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.state import make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ class MeshCa:
         """Reads the CA from directory, creating it there (keys readable by the owner only) on first start."""
         directory = Path(directory)
         paths = [directory / name for name in ("ca.key", "ca.pem", "token.key")]
+        make_private_dir(directory)
         if not paths[0].exists():
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             key_pem, cert_pem = pki.create_ca(mesh, now)
             for path, data in zip(paths, (key_pem, cert_pem, secrets.token_bytes(32))):
                 _write_private(path, data)
@@ -83,6 +84,15 @@ class Enroller:
 
     def revoke_token(self, token_id: str) -> None:
         self._store.revoke_token(token_id, self._clock())
+
+    def refusal(self, token: JoinToken) -> str:
+        """Why an agent holding this token could not enroll now (unknown, another CA's, revoked, expired), or ""."""
+        record = self._store.token(token.token_id)
+        if record is None:
+            return f"unknown join token {token.token_id}"
+        if token != token_for(self._ca.token_key, token.token_id):
+            return f"join token {token.token_id} is not this mesh's"
+        return record.refusal(self._clock())
 
     def join(self, request: EnrollRequest) -> EnrollReply:
         """A certificate for request.agent_id; EnrollmentRefused (or InvalidInput) says why not."""

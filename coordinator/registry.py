@@ -15,6 +15,7 @@ from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
                                             PlannedStage, PlanRecord, StageRecord)
 from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
@@ -162,6 +163,8 @@ class Registry:
     """Agents, models, plans and events in one SQLite database, safe to share between threads."""
 
     def __init__(self, path: str, migrations: Sequence[Migration] = MIGRATIONS) -> None:
+        if path != ":memory:":   # it holds password and key hashes
+            make_private_database(path)
         self._db = Database(sqlite3.connect(path, check_same_thread=False))
         self._lock = threading.RLock()
         try:
@@ -328,6 +331,13 @@ class Registry:
         """Drops the model's standby plan, if it has one."""
         with self._tx() as db:
             db.execute("UPDATE plans SET state = 'abandoned' WHERE model_id = ? AND state = 'standby'", [model_id])
+
+    def forget_models(self) -> None:
+        """Drops every model and retires its plans; agents, events and credentials stay. For a launcher that
+        starts every agent afresh and deploys the model it is given (`stratamesh up` on the mesh it kept)."""
+        with self._tx() as db:
+            db.execute("UPDATE plans SET state = 'superseded' WHERE state IN ('active', 'standby')")
+            db.execute("DELETE FROM models")
 
     def active_plan(self, model_id: str) -> PlanRecord | None:
         """The model's active plan with its stages in pipeline order, or None."""

@@ -146,8 +146,9 @@ def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: P
     client_ns = network.add_host("client", f"{SUBNET}.2")
     db = str(daemons.log_dir / "registry.db")
     # On the coordinator's box, before it starts: this makes the mesh's CA and a join token for the agents.
-    token = subprocess.run([sys.executable, "-m", "stratamesh.cli", "token", "create", "--db", db, "--mesh", prefix,
-                            "--expires", "1h"], check=True, capture_output=True, text=True).stdout.split()[0]
+    token = subprocess.run([sys.executable, "-m", "stratamesh.cli", "token", "create", "--db", db, "--create",
+                            "--mesh", prefix, "--expires", "1h"],
+                           check=True, capture_output=True, text=True).stdout.split()[0]
     api_key = create_api_key(db)
     # Each daemon listens on, advertises and runs zeroconf on its own host's address.
     daemons.start("coordinator", coordinator_ns, [

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.state import make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
 from stratamesh.fleet.supervisor import Supervisor
 from stratamesh.fleet.wire.enroll import enroll
@@ -53,6 +54,8 @@ class LocalMesh:
     db: str | None = None
     http_port: int = 0
     log_dir: str | None = None          # None: a folder of its own under /tmp (see keep_logs)
+    state_dir: str | None = None        # registry, CA, agents' keys and bootstrap credentials, kept after stop();
+                                        # None: the log folder, and stop() deletes the credentials there
     keep_logs: bool = True              # False: stop() deletes that folder (not a log_dir the caller gave)
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
@@ -104,20 +107,28 @@ class LocalMesh:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
         if self.insecure:
             args += ["--insecure"]
-        elif bootstrap:    # a fresh join token, operator key and admin password (a restart keeps the first ones)
-            args += ["--bootstrap-file", str(Path(self._logs(), "bootstrap.json"))]
+        elif bootstrap:    # a join token, operator key and admin password: those in the file that still work, or new
+            args += ["--bootstrap-file", self._bootstrap_path()]
         self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args])
         self.url, self.grpc_address, self.enroll_address = self._await_line(
             self.coordinator, _COORDINATOR_LINE, timeout_s)
         if not self.insecure:   # what the coordinator wrote at start: a join token and an operator key
-            bootstrap = json.loads(Path(self._logs(), "bootstrap.json").read_text())
+            bootstrap = json.loads(Path(self._bootstrap_path()).read_text())
             self.join_token = self.join_token or bootstrap["join_token"]
             self.api_key = self.api_key or bootstrap["api_key"]
             self.admin_login = (bootstrap["admin_user"], bootstrap["admin_password"])
 
     def registry_path(self) -> str:
         """The coordinator's SQLite registry; its CA lies beside it."""
-        return self.db or str(Path(self._logs(), "registry.db"))
+        return self.db or str(Path(self._state(), "registry.db"))
+
+    def agent_state_dir(self, index: int) -> str:
+        """Where agent number index keeps its key and certificate."""
+        folder = Path(self.state_dir, "agents") if self.state_dir else Path(self._logs())
+        return str(folder / self.agent_ids[index])
+
+    def _bootstrap_path(self) -> str:
+        return str(Path(self._state(), "bootstrap.json"))
 
     @property
     def headers(self) -> dict[str, str]:
@@ -199,7 +210,7 @@ class LocalMesh:
                 "--threads", str(threads), "--gpu-memory-utilization", f"{share:.4f}"]
         if not self.use_zeroconf:
             args += ["--coordinator", self.grpc_address, "--enroll", self.enroll_address]
-        args += ["--insecure"] if self.insecure else ["--state-dir", str(Path(self._logs(), self.agent_ids[index]))]
+        args += ["--insecure"] if self.insecure else ["--state-dir", self.agent_state_dir(index)]
         env = {"STRATAMESH_JOIN_TOKEN": self.join_token} if self.join_token else {}
         process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])],
                               env)
@@ -260,7 +271,7 @@ class LocalMesh:
         self.agent_metrics.clear()
         if not self.keep_logs and self._own_logs:
             shutil.rmtree(self._own_logs, ignore_errors=True)
-        elif self.log_dir:
+        elif self.log_dir and not self.state_dir:
             self._forget_secrets()
 
     def _forget_secrets(self) -> None:
@@ -285,8 +296,11 @@ class LocalMesh:
     def _logs(self) -> str:
         if self.log_dir is None:
             self.log_dir = self._own_logs = f"/tmp/stratamesh-{self.mesh}"
-        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.log_dir)      # without a state_dir it holds the registry and the keys
         return self.log_dir
+
+    def _state(self) -> str:
+        return str(make_private_dir(self.state_dir)) if self.state_dir else self._logs()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log_file = open(Path(self._logs(), f"{name}.log"), "ab")

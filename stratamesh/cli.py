@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline stages of the model (default: one per agent; fewer leaves spares)")
     up.add_argument("--model", help="a Hugging Face folder; default: a built-in tiny Llama")
     up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--fresh", action="store_true",
+                    help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
     up.set_defaults(func=_up)
 
@@ -62,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="where agents present join tokens (0: any free port; advertised on zeroconf)")
     _add_insecure_argument(coordinator)
     coordinator.add_argument("--bootstrap-file", default="", metavar="FILE",
-                             help="write a fresh join token and operator API key to FILE (JSON, mode 0600)")
+                             help="keep a join token, an operator API key and an admin login in FILE (JSON, mode "
+                                  "0600): those in it that still work are kept, new ones replace the rest")
     coordinator.add_argument("--max-requests", type=int, default=256, metavar="N",
                              help="generations and embeddings in flight; more get 429 with Retry-After")
     coordinator.add_argument("--max-requests-per-key", type=int, default=64, metavar="N",
@@ -105,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="from `stratamesh token create`: enrolls the agent if it holds no certificate "
                        "(default: $STRATAMESH_JOIN_TOKEN)")
     agent.add_argument("--state-dir", default="", help="the agent's key and certificate "
-                       "(default: ~/.local/state/stratamesh/agent-<mesh>)")
+                       "(default: agent-<mesh> in $STRATAMESH_HOME, else $XDG_STATE_HOME/stratamesh, else "
+                       "~/.local/state/stratamesh)")
     agent.add_argument("--enroll", metavar="HOST:PORT",
                        help="the coordinator's enrollment endpoint; default: zeroconf (needed with --coordinator)")
     _add_insecure_argument(agent)
@@ -318,7 +322,7 @@ def _agent(args: argparse.Namespace) -> None:
 
 
 def _model_tiny(args: argparse.Namespace) -> None:
-    from stratamesh.tiny_model import write_tiny_model
+    from stratamesh.kernels.tiny_model import write_tiny_model
 
     path = write_tiny_model(
         args.out, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
@@ -361,21 +365,28 @@ def _bench_chaos(args: argparse.Namespace) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.fleet.state import up_folder
     from stratamesh.sdk.local import builtin_model_dir
+    from stratamesh.up_state import forget_last_run, open_up_state
 
     model_dir = args.model or builtin_model_dir()
-    mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, http_port=args.http_port,
+    state = open_up_state(up_folder(os.environ), args.fresh, time.time())
+    forget_last_run(state)
+    mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, mesh=state.mesh,
+                     http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure)
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
-    print(f"starting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
+    print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
     try:
         mesh.start()
         model_id = Path(model_dir).resolve().name
         print(f"\nstratamesh is up: {args.agents} agents serving '{model_id}'\n"
               f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
               f"  admin   {mesh.url}/admin/  (web UI)\n"
-              f"  health  {mesh.url}/health\n  logs    {mesh.log_dir}\n"
+              f"  health  {mesh.url}/health\n"
+              f"  state   {state.folder}  (registry, CA, keys: the next `stratamesh up` reuses them; --fresh: a new "
+              f"mesh)\n  logs    {mesh.log_dir}\n"
               f"{_security_line(mesh)}\n\n"
               f"{_example_call(mesh.url, model_dir, model_id, mesh.api_key)}\n\n"
               "A process that dies is started again; Ctrl-C stops every process.", flush=True)
@@ -399,7 +410,14 @@ def _security_line(mesh: LocalMesh) -> str:
             f"          another agent: stratamesh agent --mesh {mesh.mesh} --join-token {mesh.join_token} "
             f"--state-dir DIR\n"
             f"  UI      log in as {mesh.admin_login[0]} / {mesh.admin_login[1]}  (more users: stratamesh user add "
-            f"NAME --role viewer --db {mesh.registry_path()})")
+            f"NAME --role viewer{_db_flag(mesh.registry_path())})")
+
+
+def _db_flag(registry: str) -> str:
+    """' --db PATH', unless the credentials commands find this registry without it."""
+    from stratamesh.fleet.state import default_registry
+
+    return "" if Path(registry) == default_registry("", os.environ) else f" --db {registry}"
 
 
 def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") -> str:

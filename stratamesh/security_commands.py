@@ -1,11 +1,16 @@
 """Credentials, on the coordinator's box over its files: `stratamesh token` (join tokens), `stratamesh key` (API
-keys) and `stratamesh user` (admin UI users); and `stratamesh revoke AGENT`, through the running coordinator."""
+keys) and `stratamesh user` (admin UI users); and `stratamesh revoke AGENT`, through the running coordinator.
+
+The first three work on --db, else $STRATAMESH_DB, else the registry `stratamesh up` keeps, and make no registry
+unless told to (--create): one made by mistake holds credentials no running mesh accepts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import getpass
+import os
 import sys
 import time
 import urllib.error
@@ -13,6 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stratamesh.drain_command import add_api_arguments, admin_call
+from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.state import DB_ENV, default_registry, make_private_dir
 
 if TYPE_CHECKING:
     from stratamesh.coordinator.access import AccessStore
@@ -30,17 +37,20 @@ def add_token_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("token_id", metavar="TOKEN_ID", help="the token's id (its second field)")
     revoke.set_defaults(action="revoke")
     for sub in (create, listing, revoke):
-        sub.add_argument("--db", default="stratamesh.db", help="the coordinator's registry file")
+        _add_registry_arguments(sub)
         sub.add_argument("--pki-dir", default="", help="the coordinator's CA (default: beside --db)")
         sub.add_argument("--mesh", default="default", help="names a CA created here, if there is none yet")
 
 
 def run_token(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller, parse_duration
-    from stratamesh.fleet.errors import MeshError
 
     try:
-        enroller, registry = open_enroller(args.db, args.pki_dir or default_pki_dir(args.db), args.mesh, time.time)
+        db = registry_file(args)
+        enroller, registry = open_enroller(db, args.pki_dir or default_pki_dir(db), args.mesh, time.time)
+    except NoRegistry as exc:
+        print(f"stratamesh token: {exc}", file=sys.stderr)
+        return 1
     except MeshError as exc:
         say(f"cannot open the coordinator's files: {exc}")
         return 1
@@ -100,7 +110,7 @@ def add_key_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("key_id", metavar="KEY_ID", help="the key's id (its third field: sk-sm-<id>-...)")
     revoke.set_defaults(action="revoke")
     for sub in (create, listing, revoke):
-        sub.add_argument("--db", default="stratamesh.db", help="the coordinator's registry file")
+        _add_registry_arguments(sub)
 
 
 def run_key(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
@@ -120,7 +130,7 @@ def run_key(args: argparse.Namespace, say: Callable[[str], None] = print) -> int
             access.revoke_key(args.key_id, time.time())
             say(f"API key {args.key_id} revoked")
 
-    return _with_access(args, act, say)
+    return _with_access("key", args, act, say)
 
 
 def add_user_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +146,7 @@ def add_user_arguments(parser: argparse.ArgumentParser) -> None:
     remove.add_argument("username")
     remove.set_defaults(action="remove")
     for sub in (add, listing, remove):
-        sub.add_argument("--db", default="stratamesh.db", help="the coordinator's registry file")
+        _add_registry_arguments(sub)
 
 
 def run_user(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
@@ -151,18 +161,46 @@ def run_user(args: argparse.Namespace, say: Callable[[str], None] = print) -> in
             access.remove_user(args.username)
             say(f"user {args.username} removed")
 
-    return _with_access(args, act, say)
+    return _with_access("user", args, act, say)
 
 
-def _with_access(args: argparse.Namespace, act: Callable[[AccessStore], None], say: Callable[[str], None]) -> int:
+class NoRegistry(MeshError):
+    """The registry a credentials command would work on does not exist, and it was not told to make one."""
+
+
+def registry_file(args: argparse.Namespace) -> str:
+    """The registry the command works on (--db, $STRATAMESH_DB, `up`'s); NoRegistry if it is missing and no
+    --create."""
+    path = default_registry(args.db, os.environ)
+    if args.create and not path.parent.exists():
+        make_private_dir(path.parent)
+    if not args.create and not path.is_file():
+        named = "--db" if args.db else f"${DB_ENV}" if os.environ.get(DB_ENV) else "`stratamesh up`'s registry"
+        raise NoRegistry(f"no registry at {path} ({named}); start the mesh first, point --db or ${DB_ENV} at its "
+                         "registry, or add --create to make a new one there")
+    return str(path)
+
+
+def _add_registry_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default="", metavar="PATH", help=f"the coordinator's registry file (default: "
+                        f"${DB_ENV}, else the one `stratamesh up` keeps in its state folder)")
+    parser.add_argument("--create", action="store_true",
+                        help="make the registry if there is none at that path (for a coordinator not started yet)")
+
+
+def _with_access(command: str, args: argparse.Namespace, act: Callable[[AccessStore], None],
+                 say: Callable[[str], None]) -> int:
     from stratamesh.coordinator.access import AccessStore
     from stratamesh.coordinator.registry import Registry
-    from stratamesh.fleet.errors import MeshError
 
     try:
-        registry = Registry(args.db)
+        db = registry_file(args)
+        registry = Registry(db)
+    except NoRegistry as exc:
+        print(f"stratamesh {command}: {exc}", file=sys.stderr)
+        return 1
     except MeshError as exc:
-        say(f"cannot open the registry {args.db}: {exc}")
+        say(f"cannot open the registry {db}: {exc}")
         return 1
     try:
         act(AccessStore(registry))

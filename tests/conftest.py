@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache

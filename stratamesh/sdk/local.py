@@ -20,7 +20,7 @@ __all__ = ["async_local_mesh", "builtin_model_dir", "local_mesh"]
 
 def builtin_model_dir() -> str:
     """The built-in tiny Llama (random weights, a real tokenizer), written once into the user's cache."""
-    from stratamesh.tiny_model import write_tiny_model   # imports torch: only when a mesh is started
+    from stratamesh.kernels.tiny_model import write_tiny_model   # imports torch: only when a mesh is started
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "stratamesh")
     path = cache / "tiny-llama"

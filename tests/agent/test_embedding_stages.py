@@ -91,7 +91,7 @@ async def settle(predicate, timeout_s: float = 5.0) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from stratamesh.tiny_model import write_tiny_model
+    from stratamesh.kernels.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-emb"), embedding=True)
 

@@ -24,7 +24,7 @@ CHATS = [
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tiny_model = pytest.importorskip("stratamesh.tiny_model")
+    tiny_model = pytest.importorskip("stratamesh.kernels.tiny_model")
     return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", num_layers=1,
                                        hidden_size=64, intermediate_size=64)
 

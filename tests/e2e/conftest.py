@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

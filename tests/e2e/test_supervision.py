@@ -43,7 +43,8 @@ class Up:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "stratamesh.cli", "up", "--model", str(model_dir), "--agents", str(agents),
              "--stages", str(stages), "--http-port", str(free_port())],
-            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "STRATAMESH_HOME": str(cwd / "state")})     # a mesh of its own, not the user's
         self.lines: list[str] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

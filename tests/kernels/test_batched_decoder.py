@@ -9,7 +9,7 @@ import torch
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.kernels.models.decoder import StageModel
 from stratamesh.kernels.ops.paged_attention import PagedBatch, SeqSlice
-from stratamesh.tiny_model import TINY_ARCHS
+from stratamesh.kernels.tiny_model import TINY_ARCHS
 from tests.kernels.test_decoder import LOGITS_ATOL, SPLIT, hf_greedy, load_stages, prompt, run_pipeline
 
 BLOCK_SIZE = 4       # small, so every sequence spans many non-contiguous blocks

@@ -11,7 +11,7 @@ from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops.kv_cache import KVCache
-from stratamesh.tiny_model import TINY_ARCHS
+from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from stratamesh.kernels.models.checkpoint import Checkpoint, canonical_name, sta
 from stratamesh.kernels.models.config import parse_config, read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops.kv_cache import KVCache
-from stratamesh.tiny_model import TINY_ARCHS
+from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -53,52 +54,124 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def start_up(env: dict[str, str], *flags: str, num_agents: int = 2) -> tuple[subprocess.Popen, str]:
+    """`stratamesh up` on a free port; returns the process and what it printed once it was up."""
+    up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", str(num_agents),
+                           "--http-port", "0", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while not lines or "Ctrl-C stops" not in lines[-1] and time.monotonic() < deadline and up.poll() is None:
+        lines.append(up.stdout.readline())
+    return up, "".join(lines)
+
+
+def ctrl_c(up: subprocess.Popen) -> None:
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=60) == 0
+
+
+def stop_up(up: subprocess.Popen) -> None:
+    """After a failed test: Ctrl-C first, so that `up` stops its coordinator and agents too."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def printed(pattern: str, text: str) -> str:
+    found = re.search(pattern, text)
+    assert found, text
+    return found.group(1)
+
+
+def up_env(tmp_path: Path) -> dict[str, str]:
+    """`up`'s state in tmp_path/home, its model in tmp_path/cache."""
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "STRATAMESH_HOME": str(tmp_path / "home")}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+COMPLETION = {"model": "tiny-llama", "prompt": "The mesh", "max_tokens": 8}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("insecure", [False, True])
 def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path, insecure: bool) -> None:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", "2", "--http-port", "0",
-                           *(["--insecure"] if insecure else [])],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    up, text = start_up(up_env(tmp_path), *(["--insecure"] if insecure else []))
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while not lines or "Ctrl-C stops" not in lines[-1] and time.monotonic() < deadline and up.poll() is None:
-            lines.append(up.stdout.readline())
-        text = "".join(lines)
-        url = re.search(r"API\s+(http://\S+)/v1", text)
-        assert url, text
-        url = url.group(1)
+        url = printed(r"API\s+(http://\S+)/v1", text)
         children = _children(up.pid)
         assert len(children) == 3                         # a coordinator and 2 agents
-        body = {"model": "tiny-llama", "prompt": "The mesh", "max_tokens": 8}
         if insecure:
             assert "INSECURE DEVELOPMENT MODE" in text and "API key" not in text
             headers = {}
         else:
-            key = re.search(r"API key (sk-sm-\S+)", text)
-            assert key and "--join-token smj1." in text, text
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
-            headers = {"Authorization": f"Bearer {key.group(1)}"}
-            assert f"Authorization: Bearer {key.group(1)}" in text       # the printed curl works as printed
+            key = printed(r"API key (sk-sm-\S+)", text)
+            assert "--join-token smj1." in text, text
+            assert httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60).status_code == 401
+            headers = {"Authorization": f"Bearer {key}"}
+            assert f"Authorization: Bearer {key}" in text       # the printed curl works as printed
             login = re.search(r"log in as (\S+) / (\S+)", text)
             assert login, text
             answer = httpx.post(f"{url}/admin/api/login", json={"username": login[1], "password": login[2]})
             assert answer.status_code == 200 and answer.json()["user"]["role"] == "operator"
-        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+        response = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
+        ctrl_c(up)
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        logs = Path(re.search(r"logs\s+(\S+)", text).group(1))
+        state = Path(printed(r"state\s+(\S+)", text))
+        logs = Path(printed(r"logs\s+(\S+)", text))
+        assert state == tmp_path / "home" / "up" and logs == state / "logs"
         assert (logs / "coordinator.log").exists(), "the logs stay for reading"
-        kept = [p.name for p in logs.rglob("*") if p.name.endswith((".key", ".pem")) or p.name == "bootstrap.json"]
-        assert kept == [], "keys and passwords do not outlive the mesh"
+        assert (state / "registry.db").exists(), "the mesh stays for the next `up`"
     finally:
-        if up.poll() is None:
-            up.kill()
+        stop_up(up)
+
+
+@pytest.mark.slow
+def test_a_second_up_is_the_same_mesh_with_the_same_key_and_fresh_makes_a_new_one(tmp_path: Path) -> None:
+    env = up_env(tmp_path)
+    state = tmp_path / "home" / "up"
+    up, first = start_up(env)
+    try:
+        ctrl_c(up)
+        up, second = start_up(env, num_agents=1)     # fewer agents: the last run's 2-stage plan must not hold it up
+        key, login = printed(r"API key (sk-sm-\S+)", first), printed(r"(log in as \S+ / \S+)", first)
+        assert "a new one, kept in" in first and "the one kept in" in second
+        assert printed(r"mesh (local-\w+)", first) == printed(r"mesh (local-\w+)", second)
+        assert (printed(r"API key (sk-sm-\S+)", second), printed(r"(log in as \S+ / \S+)", second)) == (key, login)
+        url = printed(r"API\s+(http://\S+)/v1", second)
+        answer = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers={"Authorization": f"Bearer {key}"},
+                            timeout=60)
+        assert answer.status_code == 200, "yesterday's key works today"
+        # Every secret is its owner's only: files 0600 in folders 0700 (the logs are not secrets).
+        folders = [tmp_path / "home", *(p for p in state.rglob("*") if p.is_dir() and p.name != "logs")]
+        files = [p for p in state.rglob("*") if p.is_file() and p.parent.name != "logs"]
+        assert {p.name for p in files} >= {"registry.db", "bootstrap.json", "mesh.json", "ca.key", "key.pem"}
+        assert {str(p): mode(p) for p in folders} == {str(p): 0o700 for p in folders}
+        assert {str(p): mode(p) for p in files} == {str(p): 0o600 for p in files}
+        ctrl_c(up)
+
+        up, fresh = start_up(env, "--fresh")
+        aside = Path(printed(r"moved to (\S+)", fresh))
+        assert aside.parent == state.parent and (aside / "registry.db").exists() and mode(aside) == 0o700
+        new_key = printed(r"API key (sk-sm-\S+)", fresh)
+        assert new_key != key and printed(r"mesh (local-\w+)", fresh) != printed(r"mesh (local-\w+)", first)
+        url = printed(r"API\s+(http://\S+)/v1", fresh)
+        for old_or_new, status in ((key, 401), (new_key, 200)):
+            answer = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=60,
+                                headers={"Authorization": f"Bearer {old_or_new}"})
+            assert answer.status_code == status
+        ctrl_c(up)
+    finally:
+        stop_up(up)
 
 
 def test_a_coordinator_given_a_folder_without_a_model_says_so(tmp_path: Path) -> None:

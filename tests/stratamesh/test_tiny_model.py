@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stratamesh.tiny_model import CHAT_TEMPLATE, TINY_ARCHS, write_tiny_model
+from stratamesh.kernels.tiny_model import CHAT_TEMPLATE, TINY_ARCHS, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,7 +39,7 @@ def test_same_arguments_give_identical_bytes(tmp_path, kwargs):
 
 
 def test_tokenizer_training_is_identical_in_another_process(tmp_path):
-    code = "import sys; from stratamesh.tiny_model import train_tokenizer; print(train_tokenizer(1024).to_str())"
+    code = "import sys; from stratamesh.kernels.tiny_model import train_tokenizer; print(train_tokenizer(1024).to_str())"
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)]
     assert runs[0] == runs[1] and len(runs[0]) > 1000
