@@ -52,8 +52,8 @@ class ControlService(pb_grpc.ControlServicer):
         outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
         cut_off = asyncio.Event()   # set when the coordinator declares the agent dead: the stream ends
-        link = AgentLink(registration.agent_id, registration.stage_address,
-                         registration.capabilities, outbox.put_nowait, cut_off.set)
+        link = AgentLink(registration.agent_id, registration.stage_address, registration.capabilities,
+                         lambda message: outbox.put_nowait(convert.control_message_to_pb(message)), cut_off.set)
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
         if peer is not None:   # what this process refuses, the agent must refuse too
             outbox.put_nowait(convert.revocations_to_pb(revoked.serials))

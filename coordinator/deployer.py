@@ -16,9 +16,8 @@ from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, p
 from stratamesh.coordinator.registry import ModelRecord, PlannedStage, PlanRecord, Registry, StageRecord
 from stratamesh.fleet.errors import (CheckpointError, InvalidInput, MeshError, ModelNotFound, ModelNotReady,
                                      PlacementError)
-from stratamesh.fleet.types import (Assignment, Capabilities, Hop, LinkMeasurement, Peer, Registration,
-                                    StageSpec, StageStatus, Telemetry, model_task)
-from stratamesh.fleet.wire import convert
+from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, Hop, LinkMeasurement, Peer,
+                                    Registration, Release, Shutdown, StageSpec, StageStatus, Telemetry, model_task)
 from stratamesh.partitioner.plan import Plan
 from stratamesh.partitioner.profile import profile_from_hf_config
 
@@ -43,7 +42,7 @@ class AgentLink:
     agent_id: str
     stage_address: str
     capabilities: Capabilities
-    send: Callable[[object], None]
+    send: Callable[[ControlMessage], None]      # the control service puts it on the agent's stream
     close: Callable[[], None] = lambda: None     # ends the control stream (an agent declared dead)
 
 
@@ -256,7 +255,7 @@ class Deployer:
                 loaded.add(held.assignment_id)
                 self._registry.set_stage_state(held.assignment_id, "ready")
             else:
-                link.send(convert.release_to_pb(held.assignment_id))
+                link.send(Release(held.assignment_id))
         self._probes.joined(link, self._links)
         self.reconcile()
         self._improve_plans()
@@ -440,7 +439,7 @@ class Deployer:
             loaded = self._loaded.setdefault(link.agent_id, set())
             for assignment_id in sorted(loaded - wanted):
                 loaded.discard(assignment_id)
-                link.send(convert.release_to_pb(assignment_id))
+                link.send(Release(assignment_id))
 
     def reconcile(self) -> None:
         """Plans models that wait for agents, and assigns planned stages whose agent lacks them."""
@@ -451,7 +450,7 @@ class Deployer:
             link = self._links.get(stage.agent_id)
             if link is not None and not self._serving(stage) and stage.state not in ("loading", "failed"):
                 self._set_stage_state(stage.assignment_id, "loading")
-                link.send(convert.assign_to_pb(Assignment(stage.assignment_id, stage.spec)))
+                link.send(Assignment(stage.assignment_id, stage.spec))
         self._notify()
 
     def _plannable(self) -> dict[str, Capabilities]:
@@ -579,8 +578,8 @@ class Deployer:
         self._drained.add(agent_id)
         for assignment_id in sorted(self._loaded.pop(agent_id, set())):
             self._retiring.pop(assignment_id, None)
-            link.send(convert.release_to_pb(assignment_id))
-        link.send(convert.shutdown_to_pb("drained: its stages moved to other agents"))
+            link.send(Release(assignment_id))
+        link.send(Shutdown("drained: its stages moved to other agents"))
         self._registry.set_agent_state(agent_id, "drained", self._clock())
         log.info("agent %s drained; told to exit", agent_id)
 

@@ -8,8 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from stratamesh.fleet.links import measure_peers
-from stratamesh.fleet.types import LinkMeasurement, Peer
-from stratamesh.fleet.wire import convert
+from stratamesh.fleet.types import LinkMeasurement, Peer, ProbeLinks
 from stratamesh.partitioner.fleet import ORIGIN
 
 if TYPE_CHECKING:   # the deployer uses PeerProbes: import its types for hints only
@@ -39,10 +38,10 @@ class PeerProbes:
         others = [p for p in peers_of(links) if p.agent_id != newcomer.agent_id]
         if not others:
             return
-        newcomer.send(convert.probe_links_to_pb(others))
+        newcomer.send(ProbeLinks(tuple(others)))
         itself = [Peer(newcomer.agent_id, newcomer.stage_address)]
         for other in others:
-            links[other.agent_id].send(convert.probe_links_to_pb(itself))
+            links[other.agent_id].send(ProbeLinks(tuple(itself)))
 
     def tick(self, links: Mapping[str, AgentLink]) -> None:
         """Once a period is up, asks every connected agent to measure its links to all the others again."""
@@ -54,7 +53,7 @@ class PeerProbes:
         for link in links.values():
             others = [p for p in peers if p.agent_id != link.agent_id]
             if others:
-                link.send(convert.probe_links_to_pb(others))
+                link.send(ProbeLinks(tuple(others)))
 
 POLL_S = 1.0    # how soon a newly connected agent gets its link to the origin measured
 

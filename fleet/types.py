@@ -395,6 +395,31 @@ class Peer:
 
 
 @dataclass(frozen=True, slots=True)
+class Release:
+    """The coordinator to an agent: drop this stage and every session on it."""
+
+    assignment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """The coordinator to an agent: exit (cleanly; a drained agent gets this)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeLinks:
+    """The coordinator to an agent: measure your links to these peers and report them."""
+
+    peers: tuple[Peer, ...]
+
+
+# What the coordinator's domain code sends an agent over its control stream (the control service converts it).
+ControlMessage = Assignment | Release | Shutdown | ProbeLinks
+
+
+@dataclass(frozen=True, slots=True)
 class LinkMeasurement:
     """A measured link from the reporting agent to a peer; error instead of figures when it failed."""
 

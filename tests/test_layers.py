@@ -86,3 +86,36 @@ def test_imports_flow_one_way() -> None:
 ])
 def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> None:
     assert bool(violations(module, imports_of(source, module))) == bad
+
+
+# The coordinator's gRPC edge: its servicers (control, enrollment, the origin's Deliver), its clients of the agents'
+# services (KV moves, span fetches) and the daemon that wires them. Only these speak protobuf; the domain code
+# (deployer, drains, placement, registry, admin, the HTTP API) sends and receives fleet types.
+GRPC_EDGE = {f"stratamesh.coordinator.{m}" for m in ("control", "enrollment", "origin", "kv_moves", "traces", "daemon")}
+PROTOBUF = {f"stratamesh.fleet.wire.{m}" for m in ("mesh_pb2", "mesh_pb2_grpc", "convert")}
+
+
+def protobuf_imports(module: str, source: str) -> list[str]:
+    """What a coordinator module outside the gRPC edge imports of the wire's protobuf modules."""
+    if not module.startswith("stratamesh.coordinator") or module in GRPC_EDGE:
+        return []
+    names = imports_of(source, module)
+    for node in ast.walk(ast.parse(source)):    # "from stratamesh.fleet.wire import convert" names the package
+        if isinstance(node, ast.ImportFrom) and node.module == "stratamesh.fleet.wire":
+            names |= {f"stratamesh.fleet.wire.{alias.name}" for alias in node.names}
+    return [f"{module} imports {name}" for name in sorted(names & PROTOBUF)]
+
+
+def test_in_the_coordinator_only_the_grpc_edge_speaks_protobuf() -> None:
+    assert [v for module, path in all_modules() for v in protobuf_imports(module, path.read_text())] == []
+
+
+@pytest.mark.parametrize("module, source, bad", [
+    ("stratamesh.coordinator.deployer", "from stratamesh.fleet.wire import convert", True),
+    ("stratamesh.coordinator.api.admin", "from stratamesh.fleet.wire import mesh_pb2 as pb", True),
+    ("stratamesh.coordinator.drain", "import stratamesh.fleet.wire.mesh_pb2_grpc", True),
+    ("stratamesh.coordinator.control", "from stratamesh.fleet.wire import convert", False),
+    ("stratamesh.coordinator.deployer", "from stratamesh.fleet.wire.channels import make_channel", False),
+])
+def test_the_protobuf_check_catches_domain_code_that_speaks_it(module: str, source: str, bad: bool) -> None:
+    assert bool(protobuf_imports(module, source)) == bad

@@ -12,10 +12,10 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest,
-    KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, Registration, SamplingParams, SessionClose,
-    SessionHold, SessionOpen, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, StepChunks,
-    Telemetry, TensorBlob, TokenEvent,
+    DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop, KvExportRequest, KvHeader,
+    KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks, Registration, Release,
+    SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad, StageSpec, StageStatus,
+    StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -433,6 +433,20 @@ def assign_to_pb(assignment: Assignment) -> pb.CoordinatorMessage:
 
 def release_to_pb(assignment_id: str) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(release=pb.Release(assignment_id=assignment_id))
+
+
+def control_message_to_pb(message: ControlMessage) -> pb.CoordinatorMessage:
+    """What the coordinator's domain code sends an agent, as the control stream carries it."""
+    match message:
+        case Assignment():
+            return assign_to_pb(message)
+        case Release(assignment_id):
+            return release_to_pb(assignment_id)
+        case Shutdown(reason):
+            return shutdown_to_pb(reason)
+        case ProbeLinks(peers):
+            return probe_links_to_pb(list(peers))
+    raise TypeError(f"not a control message: {message!r}")
 
 
 def stage_info_to_pb(agent_id: str, assignments: list[Assignment], tensor_names: list[str],

@@ -14,9 +14,8 @@ from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import (Assignment, Capabilities, LinkMeasurement, Registration, SpeedInfo,
-                                    StageStatus)
-from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, LinkMeasurement, Registration, Release,
+                                    Shutdown, SpeedInfo, StageStatus)
 
 GiB = 1 << 30
 
@@ -31,7 +30,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 class Agent:
     def __init__(self, agent_id: str, mem_gib: int):
-        self.sent: list[pb.CoordinatorMessage] = []
+        self.sent: list[ControlMessage] = []
         self.caps = Capabilities(f"box-{agent_id}", "cpu", 2, mem_gib * GiB, mem_gib * GiB,
                                  speeds=(SpeedInfo("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
         self.link = AgentLink(agent_id, f"127.0.0.1:{5000 + int(agent_id[-1])}", self.caps, self.sent.append)
@@ -40,7 +39,7 @@ class Agent:
         return Registration(self.link.agent_id, self.link.agent_id, self.link.stage_address, self.caps, held)
 
     def assignments(self) -> list[Assignment]:
-        return [Assignment(m.assign.assignment_id, None) for m in self.sent if m.WhichOneof("kind") == "assign"]
+        return [Assignment(m.assignment_id, None) for m in self.sent if isinstance(m, Assignment)]
 
 
 def connect_all(deployer: Deployer, agents: list[Agent]) -> None:
@@ -110,7 +109,7 @@ def test_a_restarted_coordinator_adopts_held_stages_and_releases_unknown_ones(mo
         held = tuple(Assignment(s.assignment_id, s.spec) for s in stages if s.agent_id == agent.link.agent_id)
         stale = (Assignment("old-0", stages[0].spec),)
         restarted.agent_connected(agent.link, agent.registration(held + stale))
-        assert [m.release.assignment_id for m in agent.sent if m.WhichOneof("kind") == "release"] == ["old-0"]
+        assert [m.assignment_id for m in agent.sent if isinstance(m, Release)] == ["old-0"]
     assert restarted.is_ready("m")
 
 
@@ -143,7 +142,7 @@ def heartbeats(deployer: Deployer, agents: list[Agent]) -> None:
 
 
 def released(agent: Agent) -> list[str]:
-    return [m.release.assignment_id for m in agent.sent if m.WhichOneof("kind") == "release"]
+    return [m.assignment_id for m in agent.sent if isinstance(m, Release)]
 
 
 def test_a_disconnected_agent_is_declared_dead_when_its_lease_runs_out_and_its_stages_move(model_dir: Path) -> None:
@@ -292,7 +291,7 @@ def test_after_a_death_the_survivors_keep_their_layers_and_a_spare_takes_the_los
 
 
 def shutdowns(agent: Agent) -> list[str]:
-    return [m.shutdown.reason for m in agent.sent if m.WhichOneof("kind") == "shutdown"]
+    return [m.reason for m in agent.sent if isinstance(m, Shutdown)]
 
 
 def test_a_drain_loads_the_stage_on_the_spare_switches_once_ready_and_lets_the_agent_go(model_dir: Path) -> None:

@@ -11,15 +11,14 @@ from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import LinkMeasurement
+from stratamesh.fleet.types import LinkMeasurement, ProbeLinks
 from stratamesh.partitioner.fleet import ORIGIN, SITE_LINK, Link
 from tests.coordinator.test_deployer import Agent, connect_all, model_dir  # noqa: F401  (model_dir: a fixture)
 
 
 def probes(agent: Agent) -> list[list[tuple[str, str]]]:
     """The ProbeLinks messages the agent was sent, each as its (agent id, address) pairs."""
-    return [[(p.agent_id, p.address) for p in m.probe_links.peers]
-            for m in agent.sent if m.WhichOneof("kind") == "probe_links"]
+    return [[(p.agent_id, p.address) for p in m.peers] for m in agent.sent if isinstance(m, ProbeLinks)]
 
 
 def peer(agent: Agent) -> tuple[str, str]:

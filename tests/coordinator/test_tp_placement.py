@@ -12,8 +12,8 @@ from stratamesh.coordinator.placement import fleet_of, plan_stages, repair_stage
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import Capabilities, GpuInfo, Registration, SpeedInfo, StageSpec
-from stratamesh.fleet.wire import mesh_pb2 as pb
+from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, GpuInfo, Registration, SpeedInfo,
+                                    StageSpec)
 from stratamesh.partitioner.fleet import NODE_LINK, SITE_LINK, Device, Link, Speed
 
 GiB = 1 << 30
@@ -143,9 +143,9 @@ def test_a_drain_moves_a_tp_stage_to_a_spare_as_a_group_of_the_same_degree(tmp_p
     deployer.add_model("m", str(tmp_path), num_stages=3)
     stages = registry.active_plan("m").stages
     assert {s.agent_id: s.spec.tp_degree for s in stages} == {"cloud": 2, "edge1": 1, "edge2": 1}
-    sent: list[pb.CoordinatorMessage] = []
+    sent: list[ControlMessage] = []
     spare = AgentLink("spare", "127.0.0.1:5009", cpu_box(2), sent.append)
     deployer.agent_connected(spare, Registration("spare", "spare", spare.stage_address, spare.capabilities))
     ((old, new),) = deployer.drain("cloud")
     assert (new.agent_id, new.spec, old.agent_id) == ("spare", old.spec, "cloud")
-    assert [m.assign.stage.tp_degree for m in sent if m.WhichOneof("kind") == "assign"] == [2]
+    assert [m.stage.tp_degree for m in sent if isinstance(m, Assignment)] == [2]

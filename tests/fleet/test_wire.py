@@ -11,8 +11,8 @@ import pytest
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
-    LinkMeasurement, Peer, Registration, SamplingParams, SessionClose, SessionOpen, SpeedInfo, StageLoad,
-    StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
+    LinkMeasurement, Peer, ProbeLinks, Registration, Release, SamplingParams, SessionClose, SessionOpen, Shutdown,
+    SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -63,8 +63,8 @@ def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
 
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
-                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),),
-                        site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True)
+                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14),),
+                        site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True, num_threads=6)
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",
                        metrics_address="127.0.0.1:9100")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
@@ -76,6 +76,18 @@ def test_control_messages_round_trip() -> None:
               TokenEvent("s", 5, 7, sent_unix_ns=123)]
     wire = convert.token_batch_to_pb(events).SerializeToString()
     assert [convert.token_event_from_pb(e) for e in pb.TokenBatch.FromString(wire).events] == events
+
+
+def test_what_the_coordinator_sends_an_agent_becomes_its_control_stream_message() -> None:
+    peers = (Peer("a2", "127.0.0.1:5002"), Peer("a3", "127.0.0.1:5003"))
+    wire = [convert.control_message_to_pb(m) for m in (Assignment("p-0", SPEC), Release("p-1"), Shutdown("drained"),
+                                                      ProbeLinks(peers))]
+    assert [m.WhichOneof("kind") for m in wire] == ["assign", "release", "shutdown", "probe_links"]
+    assert convert.assignment_from_pb(wire[0].assign) == Assignment("p-0", SPEC)
+    assert (wire[1].release.assignment_id, wire[2].shutdown.reason) == ("p-1", "drained")
+    assert tuple(convert.probe_links_from_pb(wire[3].probe_links)) == peers
+    with pytest.raises(TypeError, match="not a control message"):
+        convert.control_message_to_pb(SessionClose("s"))
 
 
 def test_an_embedding_event_round_trips_as_a_raw_float32_vector() -> None:
