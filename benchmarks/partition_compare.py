@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from stratamesh.fleet import sim
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.partitioner.fleet import Device, FleetSnapshot, fleet_from_dict
+from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, fleet_from_dict
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config

@@ -16,7 +16,7 @@ import grpc
 import uvicorn
 
 from stratamesh.coordinator.access import AccessStore
-from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.bootstrap import write_bootstrap
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.admission import Limits

@@ -13,7 +13,7 @@ from pathlib import Path
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S, PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, prediction, repair_stages
-from stratamesh.coordinator.registry import ModelRecord, PlannedStage, PlanRecord, Registry, StageRecord
+from stratamesh.coordinator.registry import ModelRecord, PlanRecord, Registry, StagePlacement, StageRecord
 from stratamesh.fleet.errors import (CheckpointError, InvalidInput, MeshError, ModelNotFound, ModelNotReady,
                                      PlacementError)
 from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, Hop, LinkMeasurement, Peer,
@@ -488,7 +488,7 @@ class Deployer:
 
     def _save_plan(self, model_id: str, planned: Plan, placed: list[tuple[str, StageSpec]], standby: bool) -> None:
         plan_id = uuid.uuid4().hex[:12]
-        stages = [PlannedStage(f"{plan_id}-{i}", i, agent_id, spec)
+        stages = [StagePlacement(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason
         self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby,
@@ -551,7 +551,7 @@ class Deployer:
             if not self._serving(new):
                 continue
             del self._replacements[new_id]
-            self._registry.replace_stage(old.assignment_id, PlannedStage(new_id, new.stage_index, new.agent_id,
+            self._registry.replace_stage(old.assignment_id, StagePlacement(new_id, new.stage_index, new.agent_id,
                                                                          new.spec))
             self._retiring[old.assignment_id] = now + RETIRE_AFTER_S
             self._registry.log_event("stage_moved", f"{old.spec.model_id} [{old.spec.start_layer}, "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import LinkMeasurement, Peer, ProbeLinks
-from stratamesh.partitioner.fleet import ORIGIN
+from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
 if TYPE_CHECKING:   # the deployer uses PeerProbes: import its types for hints only
     from stratamesh.coordinator.deployer import AgentLink, Deployer

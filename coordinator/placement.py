@@ -12,7 +12,7 @@ from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, SpeedInfo, StageSpec
 from stratamesh.partitioner import describe
-from stratamesh.partitioner.fleet import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config

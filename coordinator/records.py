@@ -32,7 +32,7 @@ class ModelRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class PlannedStage:
+class StagePlacement:
     """One stage of a plan about to be saved: which agent serves which layer range."""
 
     assignment_id: str

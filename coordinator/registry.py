@@ -17,11 +17,11 @@ from sqlite_utils.db import NotFoundError
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
-                                            PlannedStage, PlanRecord, StageRecord)
+                                            PlanRecord, StagePlacement, StageRecord)
 from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
                                     Telemetry)
 
-__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "PlannedStage", "Registry",
+__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StagePlacement",
            "StageRecord"]
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class Registry:
         rows = self._rows("SELECT * FROM models WHERE model_id = ?", [model_id])
         return _model(rows[0]) if rows else None
 
-    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[PlannedStage], reason: str,
+    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StagePlacement], reason: str,
                   now: float, standby: bool = False, prediction: dict[str, Any] | None = None) -> None:
         """Store a new plan for model_id: active (the previous active plan becomes "superseded"), or a standby
         that activate_plan() promotes once its stages are loaded (a previous standby is "abandoned")."""
@@ -356,7 +356,7 @@ class Registry:
         prediction = json.loads(plans[0].pop("prediction_json") or "{}")
         return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages), prediction=prediction)
 
-    def replace_stage(self, assignment_id: str, stage: PlannedStage) -> None:
+    def replace_stage(self, assignment_id: str, stage: StagePlacement) -> None:
         """Puts stage in place of the stage assignment_id in its plan (same index; a drain moved it), as ready."""
         with self._tx() as db:
             rows = list(db["stages"].rows_where("assignment_id = ?", [assignment_id]))
@@ -443,13 +443,13 @@ _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype"
                  "kv_block_size", "tp_degree")
 
 
-def _stage_row(plan_id: str, stage: PlannedStage) -> dict[str, Any]:
+def _stage_row(plan_id: str, stage: StagePlacement) -> dict[str, Any]:
     return {"assignment_id": stage.assignment_id, "plan_id": plan_id,
             "stage_index": stage.stage_index, "agent_id": stage.agent_id,
             **{k: getattr(stage.spec, k) for k in _SPEC_COLUMNS}, "state": "pending"}
 
 
-def _check_stages(model_id: str, stages: Sequence[PlannedStage]) -> None:
+def _check_stages(model_id: str, stages: Sequence[StagePlacement]) -> None:
     """A plan has stages, indexed 0..n-1 in order, all of model_id."""
     if not stages or [s.stage_index for s in stages] != list(range(len(stages))):
         raise InvalidInput(f"a plan needs stages with indices 0..n-1 in order, got "

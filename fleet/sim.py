@@ -1,7 +1,7 @@
 """Seeded synthetic fleets (edge sites and cloud regions) and model configs, for planner tests and benchmarks.
 
 Pure: a fleet is built from random.Random(seed) alone and returned as the JSON form that
-stratamesh.partitioner.fleet.fleet_from_dict accepts (this package may not import the partitioner):
+stratamesh.partitioner.fleet_snapshot.fleet_from_dict accepts (this package may not import the partitioner):
 
     fleet = fleet_from_dict(sim.random_fleet(seed=3))
 
@@ -9,7 +9,7 @@ Links. Fleets of up to ALL_LINKS_UP_TO devices list a link for every pair (and e
 Larger ones list only what a real mesh would have measured and what differs most from the planner's
 defaults: every pair inside a node and inside an edge site, the origin to every device of its site and to
 one device of every other site, and a sample between nodes of a region and between sites. Every pair not
-listed falls to the planner's defaults (NODE_LINK, SITE_LINK, WAN_LINK in partitioner/fleet.py), so a
+listed falls to the planner's defaults (NODE_LINK, SITE_LINK, WAN_LINK in partitioner/fleet_snapshot.py), so a
 10,000-device fleet has tens of thousands of links, not fifty million.
 """
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stratamesh.fleet.types import wire_dtype
-from stratamesh.partitioner.fleet import Device, FleetSnapshot, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile
 

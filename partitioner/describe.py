@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratamesh.partitioner.fleet import FleetSnapshot
+from stratamesh.partitioner.fleet_snapshot import FleetSnapshot
 from stratamesh.partitioner.plan import Plan, PlanRequest
 from stratamesh.partitioner.profile import DTYPE_BYTES, ModelProfile
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import ErrorDetails
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.fleet import (
+from stratamesh.partitioner.fleet_snapshot import (
     NODE_LINK, ORIGIN, SITE_LINK, TIERS, WAN_LINK, Device, FleetSnapshot, Link, Speed,
 )
 from stratamesh.partitioner.profile import DTYPE_BYTES

@@ -28,7 +28,7 @@ import numpy as np
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.cost import LinkCosts, StageTables, Unit, group_link, group_unit, single_unit
-from stratamesh.partitioner.fleet import FleetSnapshot
+from stratamesh.partitioner.fleet_snapshot import FleetSnapshot
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.profile import ModelProfile
 from stratamesh.partitioner.search import Costs, Split, every_order, fixed_order

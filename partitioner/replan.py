@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner import describe
-from stratamesh.partitioner.fleet import FleetSnapshot
+from stratamesh.partitioner.fleet_snapshot import FleetSnapshot
 from stratamesh.partitioner.plan import Pipeline, Plan, PlanRequest
 from stratamesh.partitioner.profile import ModelProfile
 

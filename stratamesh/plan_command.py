@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
-from stratamesh.partitioner.fleet import ORIGIN, FleetSnapshot
+from stratamesh.partitioner.fleet_snapshot import ORIGIN, FleetSnapshot
 from stratamesh.partitioner.fleet_file import DEFAULT_LINKS, SCHEMA_PATH, fleet_from_dict, fleet_schema_text
 from stratamesh.partitioner.plan import OBJECTIVES, Plan, PlanRequest
 from stratamesh.partitioner.planner import plan_pipeline

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.api import admin_schemas as schemas
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.errors import install_error_handlers

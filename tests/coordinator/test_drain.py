@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from stratamesh.coordinator.admin import MeshAdmin
+from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.drain import Drainer
 from stratamesh.coordinator.origin import Origin

@@ -8,7 +8,7 @@ from stratamesh.coordinator.deployer import Deployer
 from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import LinkMeasurement, Peer
-from stratamesh.partitioner.fleet import ORIGIN
+from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from tests.coordinator.test_deployer import Agent, connect_all
 
 

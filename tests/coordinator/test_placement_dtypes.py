@@ -12,7 +12,7 @@ from stratamesh.coordinator.placement import (
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo
-from stratamesh.partitioner.fleet import Speed
+from stratamesh.partitioner.fleet_snapshot import Speed
 from stratamesh.partitioner.plan import PlannedStage
 
 GiB = 1 << 30

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.registry import (
-    MIGRATIONS, AgentRecord, PlannedStage, Registry, SchemaTooNew)
+    MIGRATIONS, AgentRecord, Registry, SchemaTooNew, StagePlacement)
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
                                     Telemetry)
@@ -33,8 +33,8 @@ def reg() -> Registry:
 ALL_VERSIONS = list(range(1, len(MIGRATIONS) + 1))
 
 def _stages(model_id: str, ranges: list[tuple[str, int, int]], num_layers: int,
-            prefix: str) -> list[PlannedStage]:
-    return [PlannedStage(f"{prefix}-{i}", i, agent,
+            prefix: str) -> list[StagePlacement]:
+    return [StagePlacement(f"{prefix}-{i}", i, agent,
                          StageSpec(model_id, f"/models/{model_id}", start, end, num_layers))
             for i, (agent, start, end) in enumerate(ranges)]
 
@@ -271,7 +271,7 @@ def test_failed_migration_leaves_no_trace(tmp_path: Path) -> None:
 def test_a_stage_keeps_its_kv_block_size(reg: Registry) -> None:
     spec = StageSpec("m", "/models/m", 0, 4, 4, kv_block_size=32)
     reg.add_model("m", "/models/m", 4, {}, now=T0)
-    reg.save_plan("p1", "m", [PlannedStage("p1-0", 0, "a1", spec)], "one", now=T0)
+    reg.save_plan("p1", "m", [StagePlacement("p1-0", 0, "a1", spec)], "one", now=T0)
     assert reg.active_plan("m").stages[0].spec == spec
 
 
@@ -281,7 +281,7 @@ def test_a_stage_keeps_its_tp_degree_across_a_restart(tmp_path: Path) -> None:
              StageSpec("m", "/models/m", 4, 6, 6)]
     reg = Registry(path)
     reg.add_model("m", "/models/m", 6, {}, now=T0)
-    reg.save_plan("p1", "m", [PlannedStage(f"p1-{i}", i, agent, spec)
+    reg.save_plan("p1", "m", [StagePlacement(f"p1-{i}", i, agent, spec)
                               for i, (agent, spec) in enumerate(zip(["e1", "cloud", "e2"], specs))], "tp", now=T0)
     reg.close()
     again = Registry(path)

@@ -14,7 +14,7 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, GpuInfo, Registration, SpeedInfo,
                                     StageSpec)
-from stratamesh.partitioner.fleet import NODE_LINK, SITE_LINK, Device, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import NODE_LINK, SITE_LINK, Device, Link, Speed
 
 GiB = 1 << 30
 CONFIG = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stratamesh.fleet import sim
-from stratamesh.partitioner.fleet import fleet_from_dict
+from stratamesh.partitioner.fleet_snapshot import fleet_from_dict
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 BUILDERS: dict[str, Callable[[int], dict[str, Any]]] = {

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.fleet import (
+from stratamesh.partitioner.fleet_snapshot import (
     NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
 )
 from tests.partitioner.random_fleets import random_case

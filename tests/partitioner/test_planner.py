@@ -16,7 +16,7 @@ from stratamesh.fleet import sim
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.types import wire_dtype
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH
-from stratamesh.partitioner.fleet import (
+from stratamesh.partitioner.fleet_snapshot import (
     NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
 )
 from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest
