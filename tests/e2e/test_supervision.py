@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from stratamesh.bench.chaos import (FailoverRun, disturb_stage_mid_stream, kill_stage_mid_stream, make_jobs,
-                                    wait_for_tokens)
+                                    wait_for_failover)
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.sdk import Mesh
 
@@ -148,7 +148,7 @@ def test_up_restarts_a_killed_agent_and_every_stream_finishes_identically(tiny_m
 
         async def kill(run: FailoverRun, outcomes: list) -> None:
             killed.append(up.kill_agent_at(run.killed_address))
-            await wait_for_tokens(outcomes, 40)         # the streams have moved on past the failover
+            await wait_for_failover(up.url, up.headers, run.killed_address)
 
         run = asyncio.run(disturb_stage_mid_stream(up.url, up.headers, MODEL, held(jobs), 1, 16, kill))
         (agent_id,) = killed
