@@ -53,6 +53,7 @@ class StreamOutcome:
 
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)   # every token's arrival, a held stream's past max_tokens too
     error: str = ""
     request_id: str = ""        # the response id: the request's id in the admin API
     end_s: float = 0.0          # when the stream ended (0 while it runs)
@@ -89,6 +90,7 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
                     ids, now = choice.get("token_ids") or (), time.monotonic()
                     outcome.tokens += ids
                     outcome.times += [now] * len(ids)
+                    outcome.arrivals += [now] * len(ids)
                 if _released(job, outcome, release):
                     break       # leaving the block closes the response: the mesh ends the generation
     except (httpx.HTTPError, ValueError) as exc:
@@ -129,11 +131,12 @@ def _client(timeout_s: float, headers: dict[str, str] | None = None) -> httpx.As
 
 
 def stalls_after(kill_s: float, outcomes: Sequence[StreamOutcome]) -> list[float]:
-    """For each stream with tokens before and after kill_s: seconds from the kill to its next token."""
+    """For each stream with tokens before and after kill_s: seconds from the kill to its next token (counting a held
+    stream's tokens past its max_tokens: on a busy box the kill may fall after them)."""
     out = []
     for o in outcomes:
-        if o.times and o.times[0] < kill_s < o.times[-1]:
-            out.append(next(t for t in o.times if t > kill_s) - kill_s)
+        if o.arrivals and o.arrivals[0] < kill_s < o.arrivals[-1]:
+            out.append(next(t for t in o.arrivals if t > kill_s) - kill_s)
     return out
 
 
@@ -166,8 +169,8 @@ class FailoverRun:
     @property
     def largest_gaps(self) -> list[float]:
         """Per stream still running at kill_s: its longest wait for a token from then on."""
-        return [max(b - a for a, b in zip([self.kill_s] + o.times, o.times) if b > self.kill_s)
-                for o in self.outcomes if o.times and o.times[-1] > self.kill_s]
+        return [max(b - a for a, b in zip([self.kill_s] + o.arrivals, o.arrivals) if b > self.kill_s)
+                for o in self.outcomes if o.arrivals and o.arrivals[-1] > self.kill_s]
 
 
 async def running_routes(client: httpx.AsyncClient, url: str) -> list[list[str]]:
