@@ -75,10 +75,11 @@ def test_a_three_stage_trace_has_a_span_per_stage_per_step_summing_to_the_latenc
     # and, alongside, to the origin; only the last token's trip to the origin is on the request's own path.
     traced_s = sum(by_step[step][key] for step in range(NUM_TOKENS) for key in stages)
     traced_s += by_step[NUM_TOKENS - 1][("origin", "send")]
-    # The spans never claim more than the wall time, and they account for most of it: what they leave out is the
-    # HTTP path and the moments a process waits for a core between two spans, which a busy box stretches (CI in
-    # busy mode saw 90%; an idle box 97-98%, benchmarks/trace_report.py).
-    assert 0.80 * latency_s <= traced_s <= 1.05 * latency_s, (traced_s, latency_s)
+    # The spans account for the wall time, give or take what a busy box does to them: they leave out the HTTP path
+    # and the waits for a core between two spans, and spans of three processes' clocks can overlap at their edges
+    # (an idle box: 97-98%, benchmarks/trace_report.py; CI in busy mode: 90% and 106%). A stage's spans missing
+    # or counted twice is a third off or more.
+    assert 0.75 * latency_s <= traced_s <= 1.25 * latency_s, (traced_s, latency_s)
     (root,) = [s for s in trace["spans"] if s["name"] == "request"]
     assert root["parent_span_id"] == "" and all(
         s["parent_span_id"] == root["span_id"] for s in trace["spans"] if s is not root)
