@@ -23,9 +23,11 @@ from stratamesh.coordinator.api.admission import Limits
 from stratamesh.coordinator.api.auth import install_access
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.api.ui import mount_ui
-from stratamesh.coordinator.control import ControlService
-from stratamesh.coordinator.deployer import Deployer
-from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.drainer import Drainer
+from stratamesh.coordinator.control.events import ControlEvents
+from stratamesh.coordinator.control.models import check_model
+from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
 from stratamesh.coordinator.fleet_metrics import FleetCollector, OriginCollector, active_stages, hop_histogram
@@ -174,22 +176,24 @@ async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: R
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = Registry(options.db)
-    deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname())
-    deployer.start()
     for model in options.models:  # a bad model folder fails here, before anything listens
-        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)
+        check_model(model.path, model.num_stages)
     ca = _mesh_tls(options)
     server = make_server()
     grpc_port = bind(server, options.host, options.grpc_port)
     advertise_host = options.advertise_host or options.host
     spans = span_store("stratamesh-coordinator", options.traces_json, options.otlp_traces_endpoint)
     metrics = ApiMetrics()
-    metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     last_hop = hop_histogram(metrics.registry).labels("origin")
+    events = ControlEvents()        # the origin reports unreachable stages into it; the deployer listens
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
-                    on_hop=last_hop.observe, on_unreachable=deployer.report_unreachable)
-    deployer.on_agent_dead = origin.route_lost
-    deployer.assignments_in_use = origin.assignments_in_use
+                    on_hop=last_hop.observe, on_unreachable=events.report_unreachable)
+    deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
+                        sessions=origin, events=events)
+    deployer.start()
+    for model in options.models:
+        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)
+    metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
     pb_grpc.add_ControlServicer_to_server(control, server)

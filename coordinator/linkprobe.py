@@ -11,8 +11,9 @@ from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import LinkMeasurement, Peer, ProbeLinks
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
-if TYPE_CHECKING:   # the deployer uses PeerProbes: import its types for hints only
-    from stratamesh.coordinator.deployer import AgentLink, Deployer
+if TYPE_CHECKING:   # the roster uses PeerProbes: import the control types for hints only
+    from stratamesh.coordinator.control.deployer import Deployer
+    from stratamesh.coordinator.control.roster import AgentLink
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stratamesh.coordinator.deployer import Deployer, ModelInfo
-from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.drainer import Drainer
+from stratamesh.coordinator.control.models import ModelInfo
 from stratamesh.coordinator.enrollment import Revoker
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from stratamesh.coordinator.api.openai import ModelCard
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.origin import Generation, Origin
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.logs import trace_id_var

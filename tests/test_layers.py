@@ -88,10 +88,12 @@ def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> 
     assert bool(violations(module, imports_of(source, module))) == bad
 
 
-# The coordinator's gRPC edge: its servicers (control, enrollment, the origin's Deliver), its clients of the agents'
-# services (KV moves, span fetches) and the daemon that wires them. Only these speak protobuf; the domain code
-# (deployer, drains, placement, registry, admin, the HTTP API) sends and receives fleet types.
-GRPC_EDGE = {f"stratamesh.coordinator.{m}" for m in ("control", "enrollment", "origin", "kv_moves", "traces", "daemon")}
+# The coordinator's gRPC edge: its servicers (control.servicer, enrollment, the origin's Deliver), its clients of the
+# agents' services (KV moves, span fetches) and the daemon that wires them. Only these speak protobuf; the domain code
+# (the rest of control/: roster, routes, plans, drains, the deployer; placement, registry, admin, the HTTP API)
+# sends and receives fleet types.
+GRPC_EDGE = {f"stratamesh.coordinator.{m}"
+             for m in ("control.servicer", "enrollment", "origin", "kv_moves", "traces", "daemon")}
 PROTOBUF = {f"stratamesh.fleet.wire.{m}" for m in ("mesh_pb2", "mesh_pb2_grpc", "convert")}
 
 
@@ -111,11 +113,13 @@ def test_in_the_coordinator_only_the_grpc_edge_speaks_protobuf() -> None:
 
 
 @pytest.mark.parametrize("module, source, bad", [
-    ("stratamesh.coordinator.deployer", "from stratamesh.fleet.wire import convert", True),
+    ("stratamesh.coordinator.control.deployer", "from stratamesh.fleet.wire import convert", True),
     ("stratamesh.coordinator.api.admin", "from stratamesh.fleet.wire import mesh_pb2 as pb", True),
-    ("stratamesh.coordinator.drain", "import stratamesh.fleet.wire.mesh_pb2_grpc", True),
-    ("stratamesh.coordinator.control", "from stratamesh.fleet.wire import convert", False),
-    ("stratamesh.coordinator.deployer", "from stratamesh.fleet.wire.channels import make_channel", False),
+    ("stratamesh.coordinator.control.drainer", "import stratamesh.fleet.wire.mesh_pb2_grpc", True),
+    ("stratamesh.coordinator.control.roster", "from stratamesh.fleet.wire import mesh_pb2 as pb", True),
+    ("stratamesh.coordinator.control", "from stratamesh.fleet.wire import convert", True),
+    ("stratamesh.coordinator.control.servicer", "from stratamesh.fleet.wire import convert", False),
+    ("stratamesh.coordinator.control.deployer", "from stratamesh.fleet.wire.channels import make_channel", False),
 ])
 def test_the_protobuf_check_catches_domain_code_that_speaks_it(module: str, source: str, bad: bool) -> None:
     assert bool(protobuf_imports(module, source)) == bad

@@ -11,8 +11,8 @@ import pytest
 from stratamesh.agent.control import ControlClient, Identity
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
-from stratamesh.coordinator.control import ControlService
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.types import Capabilities

@@ -14,7 +14,7 @@ from stratamesh.coordinator.api import admin_schemas as schemas
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.errors import install_error_handlers
 from stratamesh.coordinator.api.ui import UI_DIR, mount_ui
-from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from stratamesh.coordinator.control import ControlService
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Capabilities, Registration, StageStatus
 from stratamesh.fleet.wire import convert

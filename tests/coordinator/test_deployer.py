@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from stratamesh.coordinator.deployer import AgentLink, AgentNotConnected, Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.events import NoSessions, Sessions
+from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
@@ -40,6 +42,20 @@ class Agent:
 
     def assignments(self) -> list[Assignment]:
         return [Assignment(m.assignment_id, None) for m in self.sent if isinstance(m, Assignment)]
+
+
+@dataclass
+class OriginSessions:
+    """The origin's sessions as the deployer sees them: the addresses it was told are lost, the stages in use."""
+
+    lost: list[str] = field(default_factory=list)
+    in_use: set[str] = field(default_factory=set)
+
+    def route_lost(self, address: str) -> None:
+        self.lost.append(address)
+
+    def assignments_in_use(self) -> set[str]:
+        return self.in_use
 
 
 def connect_all(deployer: Deployer, agents: list[Agent]) -> None:
@@ -123,10 +139,11 @@ def test_a_model_folder_without_a_usable_config_is_refused(tmp_path: Path) -> No
         deployer.add_model("m", str(tmp_path), 1)
 
 
-def ready_pair(model_dir: Path, now: list[float]) -> tuple[Registry, Deployer, list[Agent]]:
+def ready_pair(model_dir: Path, now: list[float],
+               sessions: Sessions = NoSessions()) -> tuple[Registry, Deployer, list[Agent]]:
     """A 2-stage model served by a1 and a2, with a3 connected as a spare; the clock reads now[0]."""
     registry = Registry(":memory:")
-    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=2.0))
+    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=2.0), sessions=sessions)
     agents = [Agent("a1", 8), Agent("a2", 8)]
     deployer.add_model("m", str(model_dir), num_stages=2)
     connect_all(deployer, agents)
@@ -146,10 +163,8 @@ def released(agent: Agent) -> list[str]:
 
 
 def test_a_disconnected_agent_is_declared_dead_when_its_lease_runs_out_and_its_stages_move(model_dir: Path) -> None:
-    now = [100.0]
-    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
-    dead: list[str] = []
-    deployer.on_agent_dead = dead.append
+    now, dead = [100.0], []
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now, OriginSessions(lost=dead))
     first_plan = registry.active_plan("m").plan_id
     deployer.agent_disconnected(a2.link)          # a dropped stream alone may be a blip: wait for the lease
     now[0] += 1.9
@@ -240,8 +255,7 @@ async def test_wait_route_waits_through_a_recovery_and_avoids_a_lost_address(mod
 def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutting_generations(
         model_dir: Path) -> None:
     registry, in_use = Registry(":memory:"), set()
-    deployer = Deployer(registry, clock=lambda: 100.0)
-    deployer.assignments_in_use = lambda: in_use
+    deployer = Deployer(registry, clock=lambda: 100.0, sessions=OriginSessions(in_use=in_use))
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     deployer.add_model("m", str(model_dir), num_stages=2)
     connect_all(deployer, [a1, a2])
@@ -296,8 +310,7 @@ def shutdowns(agent: Agent) -> list[str]:
 
 def test_a_drain_loads_the_stage_on_the_spare_switches_once_ready_and_lets_the_agent_go(model_dir: Path) -> None:
     now, in_use = [100.0], set()
-    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, now)
-    deployer.assignments_in_use = lambda: in_use
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, now, OriginSessions(in_use=in_use))
     plan = registry.active_plan("m")
     old_route, _ = deployer.route("m")
     drained = next(s for s in plan.stages if s.agent_id == "a2")

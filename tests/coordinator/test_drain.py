@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
-from stratamesh.coordinator.drain import Drainer
+from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.origin import Origin
 from tests.coordinator.test_deployer import (connect_all, model_dir, ready_pair, report_ready,  # noqa: F401
                                            shutdowns)
@@ -81,7 +81,7 @@ def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None
 
 
 async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_dir: Path) -> None:
-    from stratamesh.coordinator.deployer import Deployer
+    from stratamesh.coordinator.control.deployer import Deployer
     from stratamesh.coordinator.liveness import LivenessConfig
 
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import LinkMeasurement, Peer

@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 
 
-from stratamesh.coordinator.deployer import Deployer
+from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
 from stratamesh.coordinator.records import LinkRecord

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.roster import AgentLink
 from stratamesh.coordinator.placement import fleet_of, plan_stages, repair_stages
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from stratamesh.coordinator.deployer import AgentLink, Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.roster import AgentLink
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb

@@ -8,7 +8,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from stratamesh.coordinator.deployer import AgentNotConnected, Deployer
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.roster import AgentNotConnected
 from stratamesh.coordinator.origin import Origin
 from stratamesh.coordinator.records import DrainStatus
 from stratamesh.coordinator.registry import Registry

@@ -1,0 +1,207 @@
+"""The placement driver: turns models and connected agents into plans, assignments and ready routes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+
+from stratamesh.coordinator.control.drains import Drains, Move
+from stratamesh.coordinator.control.events import ControlEvents, NoSessions, Sessions
+from stratamesh.coordinator.control.models import ModelInfo, find_model, model_infos
+from stratamesh.coordinator.control.plans import Plans
+from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected, Roster
+from stratamesh.coordinator.control.routes import Routes
+from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
+from stratamesh.coordinator.liveness import Liveness, LivenessConfig
+from stratamesh.coordinator.placement import SitePins
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.types import Capabilities, Hop, LinkMeasurement, Peer, Registration, StageStatus, Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class Deployer:
+    """Keeps every deployed model's active plan served: plans, pushes assignments, tracks readiness.
+
+    It composes the roster, the routes, the plans and the drains, and runs what crosses them: an agent joins,
+    reports a stage, leaves or dies; a drain starts or ends. sessions: the origin's (a dead agent's sessions
+    fail over; stages in use are not released). events: where the origin reports unreachable stages."""
+
+    def __init__(self, registry: Registry, clock: Callable[[], float],
+                 liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
+                 origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None):
+        self._registry = registry
+        self._clock = clock
+        self._sessions = sessions
+        self._roster = Roster(registry, clock, liveness, link_probe_every_s)
+        self._routes = Routes(registry, self._roster)
+        self._drains = Drains(registry, clock, self._roster)
+        self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
+        if events is not None:
+            events.on_unreachable(self.report_unreachable)
+
+    @property
+    def liveness(self) -> Liveness:
+        return self._roster.liveness
+
+    @property
+    def telemetry(self) -> dict[str, Telemetry]:
+        """agent id -> its newest heartbeat telemetry."""
+        return self._roster.telemetry
+
+    @property
+    def drain_failures(self) -> dict[str, str]:
+        """agent id -> why a replacement of its stages failed."""
+        return self._drains.failures
+
+    def start(self) -> None:
+        """After a (re)start no agent is connected and no stage known loaded until its agent says so."""
+        now = self._clock()
+        self._roster.start(now)
+        for agent_id in self._plans.restart():
+            self.liveness.expect(agent_id, now)
+
+    # ------------------------------------------------------------ models
+    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins()) -> None:
+        """Registers a model (or updates its path and site pins) and asks for a plan of num_stages stages."""
+        self._plans.add_model(model_id, path, num_stages, pins)
+
+    def num_stages(self, model_id: str) -> int:
+        return self._plans.num_stages(model_id)
+
+    def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
+        return self._plans.replan(model_id, num_stages)
+
+    def models(self) -> list[ModelInfo]:
+        return model_infos(self._registry)
+
+    def model(self, model_id: str) -> ModelInfo:
+        return find_model(self._registry, model_id)
+
+    # ------------------------------------------------------------ routes
+    def is_ready(self, model_id: str) -> bool:
+        return self._routes.is_ready(model_id)
+
+    def accepts(self, model_id: str) -> bool:
+        return self._routes.accepts(model_id)
+
+    def route(self, model_id: str, avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        return self._routes.route(model_id, avoid)
+
+    async def wait_route(self, model_id: str, timeout_s: float,
+                         avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        return await self._routes.wait_route(model_id, timeout_s, avoid)
+
+    # ------------------------------------------------------------ agents
+    @property
+    def num_agents(self) -> int:
+        return self._roster.num_agents
+
+    def peers(self) -> list[Peer]:
+        return self._roster.peers()
+
+    def stage_address(self, agent_id: str) -> str:
+        return self._roster.stage_address(agent_id)
+
+    def agent_connected(self, link: AgentLink, registration: Registration) -> None:
+        """Adopts a (re)connecting agent and the stages it still holds."""
+        self._roster.connect(link, registration, planned=self._plans.planned_for(link.agent_id))
+        self._plans.reconcile()
+        self._plans.improve()
+
+    def agent_disconnected(self, link: AgentLink) -> None:
+        if not self._roster.disconnect(link):
+            return  # a newer stream of the same agent took over, or the agent was declared dead
+        if self._drains.left(link.agent_id):     # it left as told: not a failure
+            self._roster.record_drained(link.agent_id)
+        else:
+            self._plans.unload(link.agent_id)
+            if self._roster.lost(link.agent_id):
+                self._agent_dead(link.agent_id)
+        self._routes.notify()
+
+    def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
+        self._roster.heartbeat(agent_id, telemetry)
+
+    def report_unreachable(self, address: str) -> None:
+        """The data plane could not reach this Stage address: a sign that its agent died."""
+        agent_id = self._roster.unreachable(address)
+        if agent_id is not None:
+            self._agent_dead(agent_id)
+
+    def check_liveness(self) -> None:
+        """Declares dead every agent whose lease ran out (call it often: it is how fast a hung box is found)."""
+        for agent_id in self._roster.expired():
+            self._agent_dead(agent_id)
+
+    def _agent_dead(self, agent_id: str) -> None:
+        """Cuts a dead agent off, fails over the sessions routed through it and re-plans its models."""
+        for address in self._roster.cut_off(agent_id):
+            self._sessions.route_lost(address)
+        self._plans.replan_lost()
+
+    def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
+        self._roster.links_reported(agent_id, links)
+
+    def stage_status(self, agent_id: str, status: StageStatus) -> None:
+        """Records an agent's report on one of its assignments."""
+        if status.assignment_id not in self._plans.planned_for(agent_id):
+            return
+        self._roster.record_loaded(agent_id, status.assignment_id, status.state == "ready")
+        self._plans.set_stage_state(status.assignment_id, status.state)
+        if status.state == "failed":
+            self._registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
+            log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
+            self._drains.replacement_failed(status.assignment_id, status.error)
+        now = self._clock()
+        self._plans.retire(self._drains.finish_replacements(now), now)   # the stages replaced retire once idle
+        self._plans.promote_standbys()
+        self._routes.notify()
+
+    # ------------------------------------------------------------ planning
+    def tick(self) -> None:
+        """Prunes telemetry, re-probes links when due, re-plans models that lost agents once others can hold them."""
+        self._roster.tick()
+        self._plans.replan_lost()
+        self._plans.improve()
+        self._plans.release_unplanned()
+
+    def reconcile(self) -> None:
+        """Plans models that wait for agents, and assigns planned stages whose agent lacks them."""
+        self._plans.reconcile()
+
+    def _plannable(self) -> dict[str, Capabilities]:
+        """The agents a plan may use now (the tests look at it)."""
+        return self._plans.plannable()
+
+    # ------------------------------------------------------------ drains
+    def drain(self, agent_id: str) -> list[Move]:
+        """Starts moving every stage of the agent to a spare, layer range unchanged, and plans on it no more.
+
+        Returns (stage, replacement) pairs; the replacement takes the stage's place in its plan once loaded.
+        AgentNotConnected or PlacementError (no spare fits) leave everything as it was."""
+        if not self._roster.is_connected(agent_id):
+            raise AgentNotConnected(f"agent {agent_id!r} is not connected")
+        if agent_id in self._drains.draining:
+            return self._drains.replacing(agent_id)
+        moves = self._plans.moves_off(agent_id)
+        self._drains.start(agent_id, moves)
+        self._plans.reconcile()
+        return moves
+
+    def replacing(self, agent_id: str) -> list[Move]:
+        """The agent's stages whose replacements are still loading."""
+        return self._drains.replacing(agent_id)
+
+    def cancel_drain(self, agent_id: str) -> None:
+        """Gives up a drain: the replacements not loaded yet are dropped, and the agent is planned on again."""
+        self._drains.cancel(agent_id)
+        self._plans.release_unplanned()
+
+    def finish_drain(self, agent_id: str) -> None:
+        """Releases what the drained agent still holds and tells it to exit."""
+        if not self._roster.is_connected(agent_id):
+            return
+        self._drains.told_to_exit(agent_id)
+        self._plans.stop_retiring(self._roster.shut_down(agent_id, "drained: its stages moved to other agents"))
+        log.info("agent %s drained; told to exit", agent_id)

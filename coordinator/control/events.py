@@ -1,0 +1,43 @@
+"""What the control code and the origin tell each other, without either holding the other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+
+class Sessions(Protocol):
+    """The origin's sessions as the control code sees them (the Origin is one)."""
+
+    def route_lost(self, address: str) -> None:
+        """The agent at this Stage address was declared dead: the sessions routed through it fail over."""
+
+    def assignments_in_use(self) -> Collection[str]:
+        """The assignment ids of every stage a live generation runs on."""
+
+
+class NoSessions:
+    """No origin: no session to fail over, no stage in use."""
+
+    def route_lost(self, address: str) -> None:
+        pass
+
+    def assignments_in_use(self) -> Collection[str]:
+        return frozenset()
+
+
+class ControlEvents:
+    """Carries the data plane's reports of unreachable Stage addresses from the origin to the roster. Made
+    first and given to both, it lets the origin be built before the deployer that takes it as its sessions."""
+
+    def __init__(self) -> None:
+        self._unreachable: list[Callable[[str], None]] = []
+
+    def on_unreachable(self, listener: Callable[[str], None]) -> None:
+        """Calls listener with every address reported unreachable from now on."""
+        self._unreachable.append(listener)
+
+    def report_unreachable(self, address: str) -> None:
+        """A generation could not reach this Stage address."""
+        for listener in self._unreachable:
+            listener(address)

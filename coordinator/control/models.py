@@ -1,0 +1,60 @@
+"""The models the coordinator serves: their folders' config, checked, and what the API shows of them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
+from stratamesh.fleet.types import model_task
+from stratamesh.partitioner.profile import profile_from_hf_config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the coordinator needs of a model without loading it."""
+
+    model_id: str
+    path: str
+    num_layers: int
+    hidden_size: int
+    max_context: int
+    created: int
+    task: str = "generate"      # or "embed": fleet.types.model_task of its config
+
+
+def read_model_config(path: str) -> dict:
+    """config.json of a Hugging Face folder, checked for the fields placement needs."""
+    try:
+        config = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}/config.json: {exc}") from exc
+    for key in ("num_hidden_layers", "hidden_size", "max_position_embeddings"):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            raise CheckpointError(f"{path}/config.json: {key} must be a positive integer")
+    profile_from_hf_config(config)     # the planner's fields: CheckpointError names a missing one
+    return config
+
+
+def check_model(path: str, num_stages: int) -> dict:
+    """The config of a model to deploy in num_stages stages (InvalidInput, CheckpointError)."""
+    if num_stages < 1:
+        raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
+    return read_model_config(path)
+
+
+def model_infos(registry: Registry) -> list[ModelInfo]:
+    """Every registered model."""
+    return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
+                      m.config["max_position_embeddings"], int(m.created), model_task(m.config))
+            for m in registry.models()]
+
+
+def find_model(registry: Registry, model_id: str) -> ModelInfo:
+    """The registered model of that id (ModelNotFound otherwise)."""
+    for info in model_infos(registry):
+        if info.model_id == model_id:
+            return info
+    raise ModelNotFound(f"the model '{model_id}' does not exist")

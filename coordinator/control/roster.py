@@ -1,0 +1,220 @@
+"""The roster: which agents are connected, what each holds loaded, and whether each is still alive."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from stratamesh.coordinator.linkprobe import PeerProbes, peers_of
+from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
+from stratamesh.coordinator.registry import Registry, StageRecord
+from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
+                                    Shutdown, Telemetry)
+
+log = logging.getLogger(__name__)
+
+# Heartbeat telemetry kept per agent: an hour, and at most this many rows (an hour of 1 s heartbeats).
+TELEMETRY_MAX_AGE_S = 3600.0
+TELEMETRY_MAX_ROWS_PER_AGENT = 3600
+TELEMETRY_PRUNE_EVERY_S = 60.0
+
+
+class AgentNotConnected(MeshError, LookupError):
+    """No agent of that id is connected to this coordinator."""
+
+
+@dataclass(slots=True)
+class AgentLink:
+    """A connected agent: where its stages listen and how to send it control messages."""
+
+    agent_id: str
+    stage_address: str
+    capabilities: Capabilities
+    send: Callable[[ControlMessage], None]      # the control service puts it on the agent's stream
+    close: Callable[[], None] = lambda: None     # ends the control stream (an agent declared dead)
+
+
+class Roster:
+    """The connected agents: the link to each, the assignments each reported loaded, the Stage address each
+    serves at, its newest telemetry and its liveness. It records their comings and goings in the registry and
+    sends them what they must load or release; which stages they should hold is the plans' business."""
+
+    def __init__(self, registry: Registry, clock: Callable[[], float], liveness: LivenessConfig,
+                 link_probe_every_s: float):
+        self._registry = registry
+        self._clock = clock
+        self.liveness = Liveness(liveness)
+        self._probes = PeerProbes(clock, link_probe_every_s)
+        self._links: dict[str, AgentLink] = {}
+        self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
+        self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
+        self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
+        self._pruned_at = float("-inf")
+
+    def start(self, now: float) -> None:
+        """After a (re)start no agent is connected until it says so."""
+        for agent in self._registry.agents():
+            if agent.state not in ("disconnected", "dead"):
+                self._registry.set_agent_state(agent.agent_id, "disconnected", now)
+
+    @property
+    def num_agents(self) -> int:
+        return len(self._links)
+
+    def peers(self) -> list[Peer]:
+        """Every connected agent and the address of its Stage and Link services, by agent id."""
+        return peers_of(self._links)
+
+    def stage_address(self, agent_id: str) -> str:
+        """Where a connected agent's Stage service listens (AgentNotConnected otherwise)."""
+        link = self._links.get(agent_id)
+        if link is None:
+            raise AgentNotConnected(f"agent {agent_id!r} is not connected")
+        return link.stage_address
+
+    def plannable(self, excluded: Collection[str]) -> dict[str, Capabilities]:
+        """Connected agents not banned for flapping nor excluded, and what they can do."""
+        now = self._clock()
+        return {a: link.capabilities for a, link in self._links.items()
+                if not self.liveness.is_banned(a, now) and a not in excluded}
+
+    def serving(self, stage: StageRecord) -> bool:
+        """Whether the stage's agent reported it loaded."""
+        return stage.assignment_id in self._loaded.get(stage.agent_id, ())
+
+    def lacks(self, stage: StageRecord) -> bool:
+        """Whether the stage's agent is connected and has not loaded it."""
+        return stage.agent_id in self._links and not self.serving(stage)
+
+    def send(self, agent_id: str, message: ControlMessage) -> None:
+        self._links[agent_id].send(message)
+
+    def connect(self, link: AgentLink, registration: Registration, planned: Collection[str]) -> None:
+        """Adopts a (re)connecting agent and the stages it still holds that are planned; releases the others."""
+        now = self._clock()
+        self.liveness.heard(link.agent_id, now)
+        self._links[link.agent_id] = link
+        # A restarted agent listens on a new port: its old address points nowhere now.
+        self._addresses = {addr: a for addr, a in self._addresses.items() if a != link.agent_id}
+        self._addresses[link.stage_address] = link.agent_id
+        self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
+                                    registration.capabilities, now)
+        self._registry.set_agent_state(link.agent_id, "connected", now)
+        self._registry.log_event("agent_connected", link.stage_address, now, agent_id=link.agent_id)
+        loaded = self._loaded[link.agent_id] = set()
+        for held in registration.held:
+            if held.assignment_id in planned:
+                loaded.add(held.assignment_id)
+                self._registry.set_stage_state(held.assignment_id, "ready")
+            else:
+                link.send(Release(held.assignment_id))
+        self._probes.joined(link, self._links)
+
+    def disconnect(self, link: AgentLink) -> bool:
+        """Drops the agent's stream; False if a newer stream of the agent took over, or it was declared dead."""
+        if self._links.get(link.agent_id) is not link:
+            return False
+        self._forget(link.agent_id)
+        return True
+
+    def record_drained(self, agent_id: str) -> None:
+        """A drained agent went as told: not a failure, and no lease to keep."""
+        now = self._clock()
+        self.liveness.forget(agent_id)
+        self._registry.set_agent_state(agent_id, "drained", now)
+        self._registry.log_event("agent_drained", "", now, agent_id=agent_id)
+
+    def lost(self, agent_id: str) -> bool:
+        """Records that the agent's stream dropped unasked; True if that makes it dead."""
+        now = self._clock()
+        self._registry.set_agent_state(agent_id, "disconnected", now)
+        self._registry.log_event("agent_disconnected", "", now, agent_id=agent_id)
+        return self.liveness.suspect(agent_id, CONTROL, now)
+
+    def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
+        """Records that the agent is alive, and what it reported about its load."""
+        if agent_id not in self._links:
+            return  # a stream the coordinator is closing: its agent was declared dead
+        now = self._clock()
+        self.liveness.heard(agent_id, now)
+        self._registry.touch_agent(agent_id, now)
+        if telemetry is not None:
+            self._registry.record_telemetry(agent_id, telemetry, now)
+            self.telemetry[agent_id] = telemetry
+
+    def unreachable(self, address: str) -> str | None:
+        """The data plane could not reach this Stage address: its agent, if that makes it dead."""
+        agent_id = self._addresses.get(address)
+        if agent_id is not None and self.liveness.suspect(agent_id, DATA, self._clock()):
+            return agent_id
+        return None
+
+    def expired(self) -> list[str]:
+        """Agents whose lease ran out since the last call, now declared dead."""
+        return self.liveness.expired(self._clock())
+
+    def cut_off(self, agent_id: str) -> list[str]:
+        """Closes a dead agent's stream and records its death; returns the Stage addresses it served at."""
+        now = self._clock()
+        link = self._links.get(agent_id)
+        if link is not None:
+            self._forget(agent_id)
+            link.close()
+        banned = self.liveness.banned_until(agent_id)
+        detail = f"flapping: banned from plans for {banned - now:.0f} s" if banned > now else ""
+        if self._registry.agent(agent_id) is not None:
+            self._registry.set_agent_state(agent_id, "dead", now)
+        self._registry.log_event("agent_dead", detail, now, agent_id=agent_id)
+        log.warning("agent %s declared dead%s", agent_id, f" ({detail})" if detail else "")
+        return [address for address, owner in self._addresses.items() if owner == agent_id]
+
+    def _forget(self, agent_id: str) -> None:
+        del self._links[agent_id]
+        self._loaded.pop(agent_id, None)
+        self.telemetry.pop(agent_id, None)
+
+    def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
+        """Stores an agent's link measurements for the planner and the operator."""
+        self._registry.record_links(agent_id, links, self._clock())
+        for m in links:
+            if m.error:
+                log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
+
+    def tick(self) -> None:
+        """Prunes old telemetry, and re-probes links when due."""
+        now = self._clock()
+        if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
+            self._pruned_at = now
+            self._registry.prune_telemetry(now, TELEMETRY_MAX_AGE_S, TELEMETRY_MAX_ROWS_PER_AGENT)
+        self._probes.tick(self._links)
+
+    def record_loaded(self, agent_id: str, assignment_id: str, loaded: bool) -> None:
+        """An agent's report that it has (or no longer has) an assignment loaded."""
+        held = self._loaded.setdefault(agent_id, set())
+        if loaded:
+            held.add(assignment_id)
+        else:
+            held.discard(assignment_id)
+
+    def release_all_but(self, wanted: set[str]) -> None:
+        """Tells every connected agent to release what it holds outside wanted."""
+        for link in self._links.values():
+            loaded = self._loaded.setdefault(link.agent_id, set())
+            for assignment_id in sorted(loaded - wanted):
+                loaded.discard(assignment_id)
+                link.send(Release(assignment_id))
+
+    def shut_down(self, agent_id: str, reason: str) -> list[str]:
+        """Tells a connected agent to release everything and exit; returns the assignments it was holding."""
+        link = self._links[agent_id]
+        held = sorted(self._loaded.pop(agent_id, set()))
+        for assignment_id in held:
+            link.send(Release(assignment_id))
+        link.send(Shutdown(reason))
+        self._registry.set_agent_state(agent_id, "drained", self._clock())
+        return held
+
+    def is_connected(self, agent_id: str) -> bool:
+        return agent_id in self._links

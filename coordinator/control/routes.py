@@ -1,0 +1,79 @@
+"""Routes: which models can take requests now, and the hops a request for one goes through."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+from stratamesh.coordinator.control.models import find_model
+from stratamesh.coordinator.control.roster import Roster
+from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.errors import ModelNotReady
+from stratamesh.fleet.types import Hop
+
+
+class Routes:
+    """The models ready to serve and the route through each active plan: a model is ready once every stage of
+    its plan is loaded on a connected agent. It remembers the models that were ever ready (they accept requests
+    while recovering) and the callers of wait_route() to wake when a plan, a stage or an agent changes."""
+
+    def __init__(self, registry: Registry, roster: Roster):
+        self._registry = registry
+        self._roster = roster
+        self._served: set[str] = set()         # models that were ready since this coordinator started
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def is_ready(self, model_id: str) -> bool:
+        plan = self._registry.active_plan(model_id)
+        return plan is not None and all(self._roster.serving(s) for s in plan.stages)
+
+    def accepts(self, model_id: str) -> bool:
+        """Ready, or recovering from a lost agent after having been ready: requests wait for a route."""
+        return model_id in self._served or self.is_ready(model_id)
+
+    def route(self, model_id: str, avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        """The hops of a ready replica of the model in pipeline order, and its KV block size.
+
+        avoid: Stage addresses just found unreachable; a route through one of them is not ready."""
+        find_model(self._registry, model_id)
+        plan = self._registry.active_plan(model_id)
+        if plan is None or not all(self._roster.serving(s) for s in plan.stages):
+            raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
+        hops = [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype) for s in plan.stages]
+        if any(hop.address in avoid for hop in hops):
+            raise ModelNotReady(f"the model '{model_id}' is recovering: its route lost a stage")
+        return hops, plan.stages[0].spec.kv_block_size
+
+    async def wait_route(self, model_id: str, timeout_s: float,
+                         avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+        """route(), waiting up to timeout_s while the model loads or recovers (ModelNotReady after).
+
+        The addresses in avoid are trusted again after an agent's lease: if nobody declared their agent
+        dead by then, the failure was the link's, and the route through them is the one there is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        trust_at = loop.time() + self._roster.liveness.config.lease_s + 1.0
+        while True:
+            now = loop.time()
+            try:
+                return self.route(model_id, avoid if now < trust_at else ())
+            except ModelNotReady:
+                if now >= deadline:
+                    raise
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            wake = min(deadline, trust_at) if now < trust_at else deadline
+            try:
+                await asyncio.wait_for(waiter, max(wake - now, 0.0))
+            except asyncio.TimeoutError:
+                pass
+
+    def notify(self) -> None:
+        """Wakes every wait_route(): a plan, a stage or an agent changed."""
+        for model in self._registry.models():
+            if model.model_id not in self._served and self.is_ready(model.model_id):
+                self._served.add(model.model_id)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
