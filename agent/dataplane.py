@@ -304,6 +304,7 @@ class StageService(pb_grpc.StageServicer):
             end_ns = time.time_ns()
             if output is not None:
                 self._host.num_computed_tokens += sum(c.num_tokens for c in batch.chunks)
+                self._host.num_step_tokens += len(batch.chunks)
                 self.observer.stepped(engine, batch, start_ns, end_ns)
             self.observer.preempted(engine, len(batch.preempted))
             outbox = Outbox()
@@ -315,7 +316,7 @@ class StageService(pb_grpc.StageServicer):
 
     async def _run(self, engine: StageEngine, batch: Batch):
         try:
-            return await _between_layers(engine.run_steps(batch))
+            return await _between_layers(engine.run_steps(batch), self._host)
         except Exception as exc:  # a failed step fails its sessions; only a group's failure fails the stage
             log.exception("a step of %s failed", engine.assignment.assignment_id)
             lost = self.address if isinstance(exc, GroupFailed) else ""
@@ -401,15 +402,19 @@ class StageService(pb_grpc.StageServicer):
             log.info("rejected a stage message: %s", exc)
 
 
-async def _between_layers(steps: Generator[None, None, StepOutput]) -> StepOutput:
-    """Runs a step's layers on this thread, letting the event loop run whenever YIELD_EVERY_S has passed."""
+async def _between_layers(steps: Generator[None, None, StepOutput], host: StageHost) -> StepOutput:
+    """Runs a step's layers on this thread, letting the event loop run whenever YIELD_EVERY_S has passed; adds
+    the process CPU time they took to host.layers_cpu_s (what the loop does in between is the serving path's)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + YIELD_EVERY_S
     while True:
+        started = time.process_time()
         try:
             next(steps)
         except StopIteration as done:
             return done.value
+        finally:
+            host.layers_cpu_s += time.process_time() - started
         if loop.time() >= deadline:
             await asyncio.sleep(0)
             deadline = loop.time() + YIELD_EVERY_S

@@ -110,12 +110,15 @@ class LoadCollector(Collector):
 def _agent_gauges(telemetry: Telemetry | None) -> Iterator[GaugeMetricFamily]:
     queue = GaugeMetricFamily("stratamesh:queue_depth", "Messages and chunks waiting for a step, all stages.")
     rate = GaugeMetricFamily("stratamesh:tokens_per_second", "Tokens computed per second over the last interval.")
+    serving = GaugeMetricFamily("stratamesh:serving_cpu_seconds_per_token",
+                                "CPU seconds per token of a step spent outside the layers (0 until measured).")
     gpu = {name: GaugeMetricFamily(f"stratamesh:gpu_{name}", doc, labels=("gpu",)) for name, doc in (
         ("utilization_perc", "GPU utilization, 0 to 100."), ("memory_used_bytes", "GPU memory in use."),
         ("temperature_celsius", "GPU temperature."), ("power_watts", "GPU power draw."))}
     if telemetry is not None:
         queue.add_metric([], telemetry.queue_depth)
         rate.add_metric([], telemetry.tokens_per_s)
+        serving.add_metric([], telemetry.serving_cpu_per_token_s)
         for g in telemetry.gpus:
             readings = {"utilization_perc": g.utilization_pct, "memory_used_bytes": g.mem_total_bytes - g.mem_free_bytes,
                         "temperature_celsius": g.temperature_c, "power_watts": g.power_w}
@@ -124,4 +127,5 @@ def _agent_gauges(telemetry: Telemetry | None) -> Iterator[GaugeMetricFamily]:
                     gpu[name].add_metric([str(g.index)], value)
     yield queue
     yield rate
+    yield serving
     yield from gpu.values()

@@ -53,6 +53,9 @@ class StageHost:
         self.on_group_failure = on_group_failure
         self.engines: dict[str, StageEngine] = {}
         self.num_computed_tokens = 0        # tokens all stages have run through their layers, ever
+        self.num_step_tokens = 0            # tokens of steps, a prefill chunk counting one, ever (the serving
+                                            # path's work is per sequence of a step, whatever the chunk's length)
+        self.layers_cpu_s = 0.0             # process CPU seconds spent inside the layers of steps, ever
         self._loading: dict[str, asyncio.Future[StageEngine]] = {}
         # The runner of the stage released last, kept briefly: a re-plan after a death releases every stage
         # and assigns the survivors theirs again under new ids; reusing it skips reading weights again.

@@ -14,6 +14,10 @@ from stratamesh.fleet.types import StageLoad, Telemetry
 
 log = logging.getLogger(__name__)
 
+# The serving path's CPU per token is measured over windows of at least this many step tokens, so that what the
+# process spends regardless of load (heartbeats, the control stream, zeroconf) is small beside it.
+SERVING_WINDOW_TOKENS = 512
+
 
 def stage_load(assignment_id: str, scheduler: Scheduler) -> StageLoad:
     """One stage's load as its scheduler and block manager see it."""
@@ -28,6 +32,34 @@ def tokens_per_s(tokens_now: int, tokens_then: int, elapsed_s: float) -> float:
     return max(tokens_now - tokens_then, 0) / elapsed_s if elapsed_s > 0 else 0.0
 
 
+class ServingCpu:
+    """The CPU seconds per token of a step the agent spends outside its stages' layers (receiving, scheduling,
+    sending: the serving path): the process's CPU time less the layers' (StageHost.layers_cpu_s), over a window of
+    SERVING_WINDOW_TOKENS tokens or more. A reading that finds no token stepped since the last starts the window
+    again, so an idle spell's CPU is not charged to the tokens after it. 0 until a first window fills."""
+
+    def __init__(self, host: StageHost, process_cpu: Callable[[], float] = time.process_time):
+        self._host = host
+        self._process_cpu = process_cpu
+        self._window = self._last = self._reading()
+        self.per_token_s = 0.0
+
+    def _reading(self) -> tuple[float, float, int]:
+        return self._process_cpu(), self._host.layers_cpu_s, self._host.num_step_tokens
+
+    def update(self) -> float:
+        """Takes a reading; returns the newest window's figure."""
+        now = self._reading()
+        if now[2] == self._last[2]:
+            self._window = now
+        self._last = now
+        cpu, layers, tokens = (b - a for a, b in zip(self._window, now, strict=True))
+        if tokens >= SERVING_WINDOW_TOKENS:
+            self.per_token_s = max(cpu - layers, 0.0) / tokens
+            self._window = now
+        return self.per_token_s
+
+
 class TelemetrySampler:
     """Takes a Telemetry of the agent's stages and GPUs; each sample's rate covers the time since the last."""
 
@@ -39,6 +71,7 @@ class TelemetrySampler:
         self._read_gpus = read_gpus
         self._clock = clock
         self._last = (clock(), host.num_computed_tokens)
+        self._serving = ServingCpu(host)
 
     async def sample(self) -> Telemetry:
         """Reads NVML off the event loop (it can take milliseconds); the rest is counters."""
@@ -49,4 +82,5 @@ class TelemetrySampler:
         engines = list(self._host.engines.items())
         queued = sum(len(s.queue) for _, e in engines for s in e.scheduler.sessions.values())
         return Telemetry(now, self._inbox_depth() + queued, rate,
-                         tuple(stage_load(a, e.scheduler) for a, e in engines), tuple(parse_gpu(g) for g in gpus))
+                         tuple(stage_load(a, e.scheduler) for a, e in engines), tuple(parse_gpu(g) for g in gpus),
+                         self._serving.update())

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
-from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, SpeedInfo, StageSpec
+from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, SpeedInfo, StageSpec, Telemetry
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -28,6 +29,10 @@ UNMEASURED = Speed("torch-cpu", "float32", flops=50e9, mem_bandwidth=10e9)
 BF16_COMPUTE_CAPABILITY = (8, 0)   # Ampere: the first GPUs that compute bfloat16
 KV_CONTEXT_TOKENS = 4096         # the KV reserve a stage must hold: this context ...
 KV_SEQUENCES = 8                 # ... for this many sequences
+# The serving path's CPU seconds per token of a step (receiving, scheduling, sending) on a host none of whose agents
+# has measured its own yet (Telemetry.serving_cpu_per_token_s): what agents with one torch thread each measured on
+# the 2-core reference VM under `stratamesh bench plan` load, 0.11-0.15 ms.
+DEFAULT_SERVING_CPU_PER_TOKEN_S = 0.13e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +41,19 @@ class SitePins:
 
     first: str = ""             # "" for any site
     last: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Hosts:
+    """What the coordinator knows of the hosts beyond their agents' capabilities."""
+
+    origin: str = ""     # the coordinator's host: its origin shares the cores there with the agents (cpu_shares)
+    # host -> the serving path's CPU seconds per token its agents measured (serving_cpu_of); a host not in it is
+    # priced at DEFAULT_SERVING_CPU_PER_TOKEN_S
+    serving_cpu: Mapping[str, float] = field(default_factory=dict)
+
+    def serving_cpu_s(self, host: str) -> float:
+        return self.serving_cpu.get(host, DEFAULT_SERVING_CPU_PER_TOKEN_S)
 
 
 def checkpoint_dtype(config: Mapping[str, Any]) -> str:
@@ -66,7 +84,7 @@ def _has_bf16(gpu: GpuInfo) -> bool:
 
 
 def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (),
-             checkpoint: str = "float32", origin_host: str = "") -> FleetSnapshot:
+             checkpoint: str = "float32", hosts: Hosts = Hosts()) -> FleetSnapshot:
     """One device per rank of each agent (rank_ids), the agent its node, computing in stage_dtype for a model
     stored in checkpoint; measured links between agents apply to all their devices, and agents of one host that
     never measured theirs talk over loopback (NODE_LINK).
@@ -75,18 +93,22 @@ def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (
     host's torch-cuda speeds. A rank of any other agent has a share of the RAM and of the torch-cpu speeds (the
     ranks split the cores). Agents on one host share its best speeds: their probes overlapped. CPU agents of one
     host also share its cores and RAM (cpu_shares): where their threads outnumber the cores, each computes
-    at its share of its measured speed, and each has its share of the RAM."""
+    at its share of its measured speed, and each has its share of the RAM.
+
+    Each device pays its host's serving path per token of a step (Hosts.serving_cpu_s): a CPU agent at its share
+    of the cores, a GPU agent in full (its dataplane runs on the host's CPU, with the cores it needs)."""
     best: dict[tuple[str, str, str], SpeedInfo] = {}
     for caps in agents.values():
         for s in caps.speeds:
             key = (caps.hostname, s.backend, s.dtype)
             if key not in best or s.flops > best[key].flops:
                 best[key] = s
-    shares = cpu_shares(agents, origin_host)
+    shares = cpu_shares(agents, hosts.origin)
     devices = []
     for agent_id, caps in agents.items():
         speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname)
-        devices += _rank_devices(agent_id, caps, speeds, checkpoint, *shares.get(agent_id, (1.0, 1)))
+        devices += _rank_devices(agent_id, caps, speeds, checkpoint, hosts.serving_cpu_s(caps.hostname),
+                                 *shares.get(agent_id, (1.0, 1)))
     return FleetSnapshot(tuple(devices), _links(agents, links))
 
 
@@ -108,6 +130,17 @@ def cpu_shares(agents: Mapping[str, Capabilities], origin_host: str = "") -> dic
     return out
 
 
+def serving_cpu_of(agents: Mapping[str, Capabilities], telemetry: Mapping[str, Telemetry]) -> dict[str, float]:
+    """host -> the serving path's CPU seconds per token, the median of what its agents measured (their newest
+    telemetry; an agent that has not served yet measured nothing)."""
+    by_host: dict[str, list[float]] = {}
+    for agent_id, caps in agents.items():
+        measured = telemetry[agent_id].serving_cpu_per_token_s if agent_id in telemetry else 0.0
+        if measured > 0:
+            by_host.setdefault(caps.hostname, []).append(measured)
+    return {host: statistics.median(values) for host, values in by_host.items()}
+
+
 def num_ranks(caps: Capabilities) -> int:
     """The most ranks one stage may have on the agent: what it reports, no more than its GPUs if it has any."""
     return max(1, min(caps.num_ranks, len(caps.gpus)) if caps.gpus else caps.num_ranks)
@@ -124,7 +157,7 @@ def _on_gpus(caps: Capabilities, speeds: Sequence[Speed]) -> bool:
 
 
 def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
-                  share: float = 1.0, ram_split: int = 1) -> list[Device]:
+                  serving_cpu_s: float, share: float = 1.0, ram_split: int = 1) -> list[Device]:
     ranks = num_ranks(caps)
     ids = rank_ids(agent_id, ranks)
     speeds = tuple(Speed(s.backend, s.dtype, decode_rate(s), s.mem_bandwidth) for s in measured)
@@ -132,12 +165,14 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
         gpus = caps.gpus[:ranks]
         dtypes = [stage_dtype(checkpoint, caps, gpu) for gpu in gpus]
         return [Device(i, gpu.mem_free_bytes, _speeds_for(i, speeds, "torch-cuda", dtype), caps.tier or "edge",
-                       caps.site, node=agent_id, dtype=dtype, **_overheads(measured, "torch-cuda", dtype))
+                       caps.site, node=agent_id, dtype=dtype, token_overhead_s=serving_cpu_s,
+                       **_overheads(measured, "torch-cuda", dtype))
                 for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
     dtype = stage_dtype(checkpoint, caps, None)
     cpu = tuple(Speed(s.backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
                 for s in speeds if s.backend == "torch-cpu") or (UNMEASURED,)
-    overheads = {k: v / share for k, v in _overheads(measured, "torch-cpu", dtype).items()}
+    overheads = {k: v / share for k, v in {**_overheads(measured, "torch-cpu", dtype),
+                                           "token_overhead_s": serving_cpu_s}.items()}
     return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, "torch-cpu", dtype),
                    caps.tier or "edge", caps.site, node=agent_id, dtype=dtype, **overheads) for i in ids]
 
@@ -193,14 +228,14 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                 num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
-                pins: SitePins = SitePins(), origin_host: str = "") -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                pins: SitePins = SitePins(), hosts: Hosts = Hosts()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
     a stage may be a tensor-parallel group of one agent's ranks.
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better.
-    origin_host: the coordinator's host, whose cores its origin shares with the agents there (cpu_shares)."""
+    hosts: where the origin computes, and what each host's serving path costs (fleet_of)."""
     profile, request = _profile(model_id, config), _request(config, num_stages, pins)
-    fleet, ranks = fleet_of(agents, links, profile.dtype, origin_host), _ranks(agents)
+    fleet, ranks = fleet_of(agents, links, profile.dtype, hosts), _ranks(agents)
     plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
     previous_plan = _as_plan(profile, fleet, request, previous, ranks)
     if previous_plan is not None:
@@ -238,12 +273,12 @@ def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, requ
 
 def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                   placement: Placement, links: Sequence[LinkRecord] = (),
-                  pins: SitePins = SitePins(), origin_host: str = "") -> list[tuple[str, StageSpec]]:
+                  pins: SitePins = SitePins(), hosts: Hosts = Hosts()) -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
     has its own device and dtype. PlacementError if none fit."""
     profile = _profile(model_id, config)
-    fleet = fleet_of(agents, links, profile.dtype, origin_host)
+    fleet = fleet_of(agents, links, profile.dtype, hosts)
     plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))
     if plan is None:
         missing = [f"[{start}, {end})" for agent, start, end, _ in placement if agent not in agents]

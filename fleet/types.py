@@ -384,6 +384,9 @@ class Telemetry:
     tokens_per_s: float = 0.0   # tokens its stages computed per second since the last heartbeat
     stages: tuple[StageLoad, ...] = ()
     gpus: tuple[GpuInfo, ...] = ()
+    # CPU seconds the agent spends per token of a step beyond its layers: the serving path (messages in and out,
+    # scheduling), measured over the last window of enough tokens; 0 until then
+    serving_cpu_per_token_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """The cost model: how long a unit (a device or a tensor-parallel group) takes for a layer range, and links.
 
 A stage's step is roofline-bound: max(bytes read / memory bandwidth, FLOPs / FLOP/s), plus the framework's
-overhead (fixed per step, and per layer: what the agent measured beyond FLOPs and bytes) and, in a tensor-parallel group, two all-reduces of the step's activations per layer. Rank 0 of a group
+overhead (fixed per step, and per layer: what the agent measured beyond FLOPs and bytes), the serving path's cost
+per token of the step (messages in and out, scheduling: what the agents measured while serving) and, in a
+tensor-parallel group, two all-reduces of the step's activations per layer. Rank 0 of a group
 computes the whole LM head alone, so a group's head is a roofline of its own at rank 0's speed. Every unit
 computes in its own dtype: its weights, KV and activations cost that dtype's bytes. Tables are numpy arrays over
 (start, end) layer pairs so the planner's dynamic programmes are array operations.
@@ -35,6 +37,7 @@ class Unit:
     overhead_s: float
     allreduce_s: float             # per layer per step (0 for one device)
     layer_overhead_s: float = 0.0  # per layer per step: the framework's cost beyond FLOPs and bytes
+    token_overhead_s: float = 0.0  # per token of a step: the serving path's cost beyond the layers
 
     @property
     def id(self) -> str:
@@ -62,7 +65,8 @@ def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
     speed = device.speed(device.dtype or profile.dtype)
     if speed is None:
         return None
-    return Unit((device,), speed, speed, device.memory_bytes, device.step_overhead_s, 0.0, device.layer_overhead_s)
+    return Unit((device,), speed, speed, device.memory_bytes, device.step_overhead_s, 0.0, device.layer_overhead_s,
+                device.token_overhead_s)
 
 
 def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
@@ -88,7 +92,8 @@ def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, req
     payload = request.step_tokens * profile.hidden_size * DTYPE_BYTES[lead.dtype]
     one = 2 * (degree - 1) / degree * payload / link.bandwidth + 2 * (degree - 1) * link.rtt_s / 2
     return Unit(tuple(m.lead for m in members), speed, lead.head_speed, min(m.memory_bytes for m in members),
-                max(m.overhead_s for m in members), 2 * one, max(m.layer_overhead_s for m in members))
+                max(m.overhead_s for m in members), 2 * one, max(m.layer_overhead_s for m in members),
+                lead.token_overhead_s)      # (rank 0 alone talks to the neighbouring stages)
 
 
 class Rates(NamedTuple):
@@ -103,11 +108,13 @@ class Rates(NamedTuple):
     allreduce_s: Any          # per layer
     grouped: Any              # a tensor-parallel group: its head is priced apart, on rank 0
     layer_overhead_s: Any     # per layer
+    token_overhead_s: Any     # per token of the step
 
 
 def _rates(unit: Unit) -> Rates:
     return Rates(DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth, unit.speed.flops, unit.head_speed.mem_bandwidth,
-                 unit.head_speed.flops, unit.overhead_s, unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s)
+                 unit.head_speed.flops, unit.overhead_s, unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s,
+                 unit.token_overhead_s)
 
 
 class StageTables:
@@ -179,7 +186,7 @@ class StageTables:
                               end == self.profile.num_layers, end - start)
 
     def _roofline(self, rates: Rates, read_values: Any, flops: Any, last: Any, layers: Any) -> Any:
-        """max(bytes read / bandwidth, FLOPs / FLOP/s) + overhead + all-reduces, over scalars or arrays alike.
+        """max(bytes read / bandwidth, FLOPs / FLOP/s) + overheads + all-reduces, over scalars or arrays alike.
 
         read_values: weights and KV one step reads over the range(s), in values; flops: per token; last: the
         range ends at the last layer, whose LM head one device prices in one roofline with its layers and a
@@ -190,7 +197,7 @@ class StageTables:
         together = np.maximum((read + head_read) / rates.bandwidth, (work + head_work) / rates.flop_rate)
         apart = (np.maximum(read / rates.bandwidth, work / rates.flop_rate)
                  + np.maximum(head_read / rates.head_bandwidth, head_work / rates.head_flop_rate))
-        return (np.where(rates.grouped, apart, together) + rates.overhead_s
+        return (np.where(rates.grouped, apart, together) + rates.overhead_s + tokens * rates.token_overhead_s
                 + layers * (rates.allreduce_s + rates.layer_overhead_s))
 
 

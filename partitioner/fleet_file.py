@@ -80,6 +80,10 @@ class DeviceEntry(_Strict):
     layer_overhead_s: float = Field(0.0, ge=0, allow_inf_nan=False,
                                     description="seconds of fixed cost per layer of a step (beside step_overhead_s); "
                                                 "finite, at least 0; default 0")
+    token_overhead_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                    description="seconds per token of a step beyond its layers: the serving path "
+                                                "(messages in and out, scheduling; a decode step has one token per "
+                                                "sequence); finite, at least 0; default 0")
 
 
 class LinkEntry(_Strict):
@@ -126,7 +130,8 @@ def fleet_from_dict(raw: Any) -> FleetSnapshot:
 def _device(entry: DeviceEntry) -> Device:
     speeds = tuple(Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in entry.speeds)
     return Device(entry.id, entry.memory_bytes, speeds, tier=entry.tier, site=entry.site, node=entry.node,
-                  step_overhead_s=entry.step_overhead_s, dtype=entry.dtype, layer_overhead_s=entry.layer_overhead_s)
+                  step_overhead_s=entry.step_overhead_s, dtype=entry.dtype, layer_overhead_s=entry.layer_overhead_s,
+                  token_overhead_s=entry.token_overhead_s)
 
 
 def _check_ids(file: FleetFile) -> None:

@@ -35,6 +35,8 @@ class Device:
     step_overhead_s: float = 0.0   # fixed cost of one step (framework, kernel launches)
     dtype: str = ""           # the dtype it computes this model in; "" = the profile's
     layer_overhead_s: float = 0.0  # fixed cost of each layer of a step (beside step_overhead_s)
+    token_overhead_s: float = 0.0  # cost of each token of a step beyond its layers: the serving path (messages in
+                                   # and out, scheduling), one token per sequence in a decode step
 
     @property
     def node_id(self) -> str:
@@ -120,8 +122,9 @@ def _device_dict(device: Device) -> dict[str, Any]:
     out = {**asdict(device), "speeds": [asdict(s) for s in device.speeds]}
     if not device.dtype:
         del out["dtype"]
-    if not device.layer_overhead_s:      # (written only where measured, as fleets before it was had none)
-        del out["layer_overhead_s"]
+    for measured in ("layer_overhead_s", "token_overhead_s"):   # (written only where measured, as fleets
+        if not out[measured]:                                     # before them had none)
+            del out[measured]
     return out
 
 

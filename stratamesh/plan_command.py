@@ -39,7 +39,7 @@ def _fleet_help() -> str:
         "in the repository). Units: bytes, FLOP/s, bytes/s, seconds.",
         "devices[]: id, memory_bytes (bytes usable), speeds[] (backend, dtype, flops in FLOP/s, mem_bandwidth in "
         'bytes/s); optional: tier (edge|cloud, default edge), site (default ""), node (default "": a node of its '
-        "own), step_overhead_s and layer_overhead_s (seconds, default 0), dtype (default: --dtype, else the "
+        "own), step_overhead_s, layer_overhead_s and token_overhead_s (seconds, default 0), dtype (default: --dtype, else the "
         "config's). A device with no speed for the dtype it computes in is left out, with a warning.",
         f'links[] (optional): a, b (device ids, or "{ORIGIN}" for where requests enter), bandwidth (bytes/s), '
         f"rtt_s (seconds), the same both ways. A pair not listed gets the default: {DEFAULT_LINKS}.",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +13,8 @@ from stratamesh.coordinator.control.events import Sessions
 from stratamesh.coordinator.control.models import check_model, find_model
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
-from stratamesh.coordinator.placement import Placement, SitePins, plan_stages, prediction, repair_stages
+from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
+                                              serving_cpu_of)
 from stratamesh.coordinator.registry import ModelRecord, PlanRecord, Registry, StagePlacement, StageRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import Assignment, Capabilities, StageSpec
@@ -206,7 +207,7 @@ class Plans:
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
             chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
-                                   self._registry.links(), _pins(model), self._origin_host)
+                                   self._registry.links(), _pins(model), self._hosts(agents))
             # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
             moves += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                       spare, replace(s.spec, device=spec.device, dtype=spec.dtype), "assigned"))
@@ -240,6 +241,9 @@ class Plans:
         return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
                            previous, _pins(model), self._hosts(agents))
 
+    def _hosts(self, agents: Mapping[str, Capabilities]) -> Hosts:
+        """Where the origin computes, and the serving path's CPU per token the agents' telemetry measured."""
+        return Hosts(self._origin_host, serving_cpu_of(agents, self._roster.telemetry))
 
     def _save_plan(self, model_id: str, planned: Plan, placed: list[tuple[str, StageSpec]], standby: bool) -> None:
         plan_id = uuid.uuid4().hex[:12]

@@ -362,13 +362,13 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
                 for s in t.stages],
-        gpus=[gpu_to_pb(g) for g in t.gpus])
+        gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s)
 
 
 def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
     """A heartbeat's telemetry; InvalidInput for negative counts or more blocks used than held."""
-    if msg.queue_depth < 0 or not msg.tokens_per_s >= 0:
-        raise InvalidInput("telemetry.queue_depth and telemetry.tokens_per_s must be >= 0")
+    if msg.queue_depth < 0 or not msg.tokens_per_s >= 0 or not 0 <= msg.serving_cpu_per_token_s < math.inf:
+        raise InvalidInput("telemetry.queue_depth, tokens_per_s and serving_cpu_per_token_s must be >= 0")
     stages = []
     for s in msg.stages:
         counts = (s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.prefix_query_tokens,
@@ -377,7 +377,7 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
             raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts}")
         stages.append(StageLoad(s.assignment_id, *counts))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
-                     tuple(gpu_from_pb(g) for g in msg.gpus))
+                     tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s)
 
 
 def link_report_to_pb(links: list[LinkMeasurement]) -> pb.AgentMessage:

@@ -2,15 +2,19 @@
 
 For each mesh size in turn: a LocalMesh of that many agents on this machine, its active plan's prediction
 (GET /admin/api/plans), then a `bench serve` run at the concurrency the prediction is for; a table of
-predicted and measured output tokens/s, and their ratio."""
+predicted and measured output tokens/s, their ratio, and the serving path's CPU per token the agents measured
+under that load (a fresh mesh's plan priced it at placement.DEFAULT_SERVING_CPU_PER_TOKEN_S)."""
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.options import ServeOptions
 from stratamesh.bench.serve import bench_serve
@@ -19,6 +23,8 @@ from stratamesh.fleet.launcher import LocalMesh
 log = logging.getLogger(__name__)
 
 WITHIN = 2.0          # the prediction counts as honest within this factor of the measurement, either way
+SERVING_METRIC = "stratamesh:serving_cpu_seconds_per_token"
+TELEMETRY_WAIT_S = 5.0   # for the agents' next heartbeat to carry what the load measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,8 @@ class PlanCheck:
     measured_tokens_per_s: float
     predicted_step_s: float
     measured_tpot_s: float        # median time per output token of one request
+    serving_cpu_s: float = 0.0    # the serving path's CPU per token the agents measured under the load (median; 0:
+                                  # none did: too few tokens); the plan priced the default, never measured before
 
     @property
     def ratio(self) -> float:
@@ -60,21 +68,43 @@ def check_mesh(model_dir: str, num_agents: int, input_len: int, output_len: int,
                                max_concurrency=concurrency, input_len=input_len, output_len=output_len,
                                warmup=concurrency, seed=seed, api_key=mesh.api_key)
         metrics, _ = bench_serve(options)
+        serving = serving_cpu(mesh.agent_metrics)
     if metrics.failed:
         raise RuntimeError(f"{metrics.failed} requests failed on {num_agents} agents: {metrics.errors[:3]}")
     layout = " | ".join(f"{s['start_layer']}-{s['end_layer']}" for s in plan["stages"])
     return PlanCheck(num_agents, layout, concurrency, predicted["tokens_per_s"], metrics.output_throughput,
-                     predicted["step_s"], metrics.tpot.median_ms / 1e3)
+                     predicted["step_s"], metrics.tpot.median_ms / 1e3, serving)
+
+
+def serving_cpu(metrics_addresses: list[str]) -> float:
+    """The median of what the agents report as their serving path's CPU per token, once every one reports a figure
+    (or TELEMETRY_WAIT_S passes: 0 from those that measured none)."""
+    deadline = time.monotonic() + TELEMETRY_WAIT_S
+    while True:
+        figures = [_gauge(address, SERVING_METRIC) for address in metrics_addresses]
+        if all(figures) or time.monotonic() >= deadline:
+            return statistics.median(figures) if figures else 0.0
+        time.sleep(0.1)
+
+
+def _gauge(address: str, name: str) -> float:
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return next((sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                 if sample.name == name), 0.0)
 
 
 def format_table(checks: list[PlanCheck]) -> str:
     head = (f"{'agents':>6} {'stages':<22} {'conc':>5} {'predicted tok/s':>16} {'measured tok/s':>15} "
-            f"{'measured/pred':>14} {'pred step ms':>13} {'TPOT ms':>8}")
+            f"{'measured/pred':>14} {'pred step ms':>13} {'TPOT ms':>8} {'serving CPU ms/tok':>19}")
     rows = [f"{c.num_agents:>6} {c.layout:<22} {c.concurrency:>5} {c.predicted_tokens_per_s:>16.1f} "
             f"{c.measured_tokens_per_s:>15.1f} {c.ratio:>13.2f}x {c.predicted_step_s * 1e3:>13.2f} "
-            f"{c.measured_tpot_s * 1e3:>8.2f}" for c in checks]
+            f"{c.measured_tpot_s * 1e3:>8.2f} {_ms(c.serving_cpu_s):>19}" for c in checks]
     verdict = ("every prediction within " if all(c.honest for c in checks) else "NOT every prediction within ")
     return "\n".join([head, *rows, f"{verdict}{WITHIN:g}x of the measurement"])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}" if seconds > 0 else "-"
 
 
 def plan_main(model_dir: str, agent_counts: list[int], input_len: int, output_len: int, rounds: int) -> list[PlanCheck]:

@@ -121,6 +121,8 @@ async def test_concurrent_sessions_batch_and_each_matches_its_reference(stage) -
     results = await asyncio.gather(*(decode(stream, origin, f"s{i}", p, 0, 10) for i, p in enumerate(prompts)))
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == greedy_reference(spec, prompt, 10)
+    # each session's prompt is one token of a step, and each of its decodes another (the serving path's unit)
+    assert 3 * 10 <= host.num_step_tokens <= 3 * 11 and host.layers_cpu_s > 0
     for i in range(len(prompts)):
         send(stream, SessionClose(f"s{i}"))
     await asyncio.sleep(0.2)

@@ -14,7 +14,7 @@ from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.metrics import AgentMetrics
 from stratamesh.agent.probe import RawGpu
 from stratamesh.agent.stages import StageHost
-from stratamesh.agent.telemetry import TelemetrySampler, stage_load, tokens_per_s
+from stratamesh.agent.telemetry import SERVING_WINDOW_TOKENS, ServingCpu, TelemetrySampler, stage_load, tokens_per_s
 from stratamesh.fleet.types import Assignment, StageLoad, StageSpec, Telemetry
 
 
@@ -77,3 +77,40 @@ def test_load_collector_exposes_vllm_gauges_per_stage() -> None:
     assert value("vllm:prefix_cache_queries", "0-3") == 100 and value("vllm:prefix_cache_hits", "0-3") == 40
     assert families["vllm:prefix_cache_hits"].type == "counter"
     assert families["stratamesh:queue_depth"].samples[0].value == 3
+
+
+def test_the_serving_paths_cpu_per_token_is_the_processes_cpu_beyond_the_layers_over_a_full_window() -> None:
+    host = StageHost(EngineConfig(kv_cache_bytes=1 << 20))
+    process_cpu = [10.0]
+    serving = ServingCpu(host, process_cpu=lambda: process_cpu[0])
+
+    def served(tokens: int, cpu_s: float, layers_s: float) -> float:
+        host.num_step_tokens += tokens
+        host.layers_cpu_s += layers_s
+        process_cpu[0] += cpu_s
+        return serving.update()
+
+    assert served(0, 0.0, 0.0) == 0.0                               # nothing measured yet
+    half = SERVING_WINDOW_TOKENS // 2
+    assert served(half, 0.30, 0.20) == 0.0                          # the window is not full
+    # full: (0.30 + 0.30 CPU) - (0.20 + 0.20 in the layers) over 2 x half tokens
+    assert served(half, 0.30, 0.20) == pytest.approx(0.2 / SERVING_WINDOW_TOKENS)
+    assert served(0, 5.0, 0.0) == pytest.approx(0.2 / SERVING_WINDOW_TOKENS)   # idle: the figure stands ...
+    # ... and the idle spell's CPU (heartbeats, zeroconf) is not charged to the next window's tokens
+    assert served(SERVING_WINDOW_TOKENS, 0.5, 0.1) == pytest.approx(0.4 / SERVING_WINDOW_TOKENS)
+    assert served(SERVING_WINDOW_TOKENS, 0.1, 0.2) == 0.0           # layers' CPU above the process's: never < 0
+
+
+async def test_a_steps_layers_add_their_cpu_to_the_hosts() -> None:
+    from stratamesh.agent.dataplane import _between_layers
+
+    host = StageHost(EngineConfig(kv_cache_bytes=1 << 20))
+
+    def layers():
+        for _ in range(3):
+            sum(range(20_000))          # CPU work a layer would do
+            yield
+        return "out"
+
+    assert await _between_layers(layers(), host) == "out"
+    assert host.layers_cpu_s > 0

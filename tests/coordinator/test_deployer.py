@@ -13,11 +13,11 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.events import NoSessions, Sessions
 from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected
 from stratamesh.coordinator.liveness import LivenessConfig
-from stratamesh.coordinator.placement import SitePins
+from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
 from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, LinkMeasurement, Registration, Release,
-                                    Shutdown, SpeedInfo, StageStatus)
+                                    Shutdown, SpeedInfo, StageStatus, Telemetry)
 
 GiB = 1 << 30
 
@@ -435,3 +435,21 @@ def test_pinned_sites_keep_the_first_and_last_stages_at_the_edge_also_through_a_
     assert [sites[s.agent_id] for s in stages] == ["factory", "cloud-eu", "factory"]
     ((old, new),) = deployer.drain(stages[0].agent_id)      # the fast cloud spare may not take the first stage
     assert old.stage_index == 0 and sites[new.agent_id] == "factory"
+
+
+def test_plans_price_the_serving_cost_the_agents_measured_in_their_telemetry(model_dir: Path) -> None:
+    def planned_steps(serving_cpu_s: float | None) -> list[float]:
+        deployer = Deployer(registry := Registry(":memory:"), clock=lambda: 100.0)
+        agents = [Agent("a1", 8), Agent("a2", 8)]
+        connect_all(deployer, agents)
+        if serving_cpu_s is not None:     # what their heartbeats said after serving a while
+            for agent in agents:
+                deployer.heartbeat(agent.link.agent_id, Telemetry(100.0, serving_cpu_per_token_s=serving_cpu_s))
+        deployer.add_model("m", str(model_dir), num_stages=2)
+        return registry.active_plan("m").prediction["stage_step_s"]
+
+    unmeasured, measured = planned_steps(None), planned_steps(2e-3)
+    # each stage's step of 8 tokens pays 8 x the measured serving cost instead of the default's (one box each: no
+    # share of the cores to divide it by)
+    for before, after in zip(unmeasured, measured, strict=True):
+        assert after - before == pytest.approx(8 * (2e-3 - DEFAULT_SERVING_CPU_PER_TOKEN_S))

@@ -9,7 +9,7 @@ import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
-from stratamesh.coordinator.placement import fleet_of, plan_stages, repair_stages
+from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, fleet_of, plan_stages, repair_stages
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
@@ -44,9 +44,11 @@ def edge_cloud_edge() -> dict[str, Capabilities]:
 def test_a_cpu_agent_with_two_ranks_is_two_devices_sharing_its_memory_and_speed() -> None:
     fleet = fleet_of({"a": cpu_box(2)})
     half = Speed("torch-cpu", "float32", CPU_SPEED.flops / 2, CPU_SPEED.mem_bandwidth / 2)
-    # each rank now says the dtype it computes in: float32 on a CPU
-    assert fleet.devices == (Device("a#0", 4 * GiB, (half,), "edge", "", node="a", dtype="float32"),
-                             Device("a#1", 4 * GiB, (half,), "edge", "", node="a", dtype="float32"))
+    # each rank says the dtype it computes in (float32 on a CPU) and pays the default serving cost (none measured)
+    serving = DEFAULT_SERVING_CPU_PER_TOKEN_S
+    assert fleet.devices == (
+        Device("a#0", 4 * GiB, (half,), "edge", "", node="a", dtype="float32", token_overhead_s=serving),
+        Device("a#1", 4 * GiB, (half,), "edge", "", node="a", dtype="float32", token_overhead_s=serving))
 
 
 def test_a_gpu_agent_rank_has_its_gpus_free_memory_and_the_measured_speed() -> None:

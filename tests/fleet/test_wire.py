@@ -236,7 +236,8 @@ async def test_a_stream_to_nobody_breaks_instead_of_hanging() -> None:
 def test_telemetry_links_and_probe_round_trip() -> None:
     telemetry = Telemetry(1_700_000_000.5, queue_depth=3, tokens_per_s=812.5,
                           stages=(StageLoad("p-0", 2, 1, 40, 512, 96, 64), StageLoad("p-1", 0, 0, 0, 8)),
-                          gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 55.0, 61.0, 40.0, 72.0),))
+                          gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 55.0, 61.0, 40.0, 72.0),),
+                          serving_cpu_per_token_s=1.3e-4)
     wire = convert.heartbeat_to_pb(7, 2, telemetry).SerializeToString()
     heartbeat = pb.AgentMessage.FromString(wire).heartbeat
     assert heartbeat.seq == 7 and convert.telemetry_from_pb(heartbeat.telemetry) == telemetry
@@ -255,6 +256,12 @@ def test_telemetry_links_and_probe_round_trip() -> None:
 def test_inconsistent_telemetry_is_rejected(stage) -> None:
     with pytest.raises(InvalidInput, match="telemetry.stages"):
         convert.telemetry_from_pb(pb.Telemetry(stages=[stage]))
+
+
+@pytest.mark.parametrize("value", [-1e-4, float("nan"), float("inf")])
+def test_a_serving_cpu_figure_that_is_no_duration_is_rejected(value: float) -> None:
+    with pytest.raises(InvalidInput, match="serving_cpu_per_token_s"):
+        convert.telemetry_from_pb(pb.Telemetry(serving_cpu_per_token_s=value))
 
 
 @pytest.mark.parametrize("link, match", [

@@ -23,7 +23,7 @@ FILE = {
         {"id": "laptop", "memory_bytes": 8_000_000_000, "site": "home", "step_overhead_s": 0.002,
          "speeds": [{"backend": "torch-cpu", "dtype": "float32", "flops": 2e11, "mem_bandwidth": 5e10}]},
         {"id": "gpu0", "memory_bytes": 80e9, "tier": "cloud", "site": "dc", "node": "box", "dtype": "bfloat16",
-         "speeds": [{"backend": "torch-cuda", "dtype": "bfloat16", "flops": 9e14, "mem_bandwidth": 3e12}]},
+         "token_overhead_s": 5e-5, "speeds": [{"backend": "torch-cuda", "dtype": "bfloat16", "flops": 9e14, "mem_bandwidth": 3e12}]},
     ],
     "links": [{"a": "laptop", "b": "gpu0", "bandwidth": 1e7, "rtt_s": 0.03},
               {"a": ORIGIN, "b": "gpu0", "bandwidth": 5e6, "rtt_s": 0.05}],
@@ -68,7 +68,7 @@ def test_the_parse_makes_the_planner_types() -> None:
     assert laptop == Device("laptop", 8_000_000_000, (Speed("torch-cpu", "float32", 2e11, 5e10),), "edge", "home",
                             "", 0.002, "")
     assert gpu.memory_bytes == 80_000_000_000 and isinstance(gpu.memory_bytes, int)     # 80e9 is whole
-    assert (gpu.tier, gpu.node, gpu.dtype) == ("cloud", "box", "bfloat16")
+    assert (gpu.tier, gpu.node, gpu.dtype, gpu.token_overhead_s) == ("cloud", "box", "bfloat16", 5e-5)
     assert fleet.links == (Link("laptop", "gpu0", 1e7, 0.03), Link(ORIGIN, "gpu0", 5e6, 0.05))
     assert fleet.link(None, gpu) == Link(ORIGIN, "gpu0", 5e6, 0.05)
 
@@ -114,6 +114,7 @@ DELETE = object()
     (("devices", 0, "step_overhead_s"), float("nan"), "devices[0].step_overhead_s: must be a finite number (got NaN)"),
     (("devices", 0, "step_overhead_s"), float("inf"),
      "devices[0].step_overhead_s: must be a finite number (got Infinity)"),
+    (("devices", 1, "token_overhead_s"), -1e-4, "devices[1].token_overhead_s: must be at least 0 (got -0.0001)"),
     (("devices", 0, "speeds", 0, "backend"), DELETE, "devices[0].speeds[0].backend: required field missing"),
     (("devices", 1, "speeds", 0, "flops"), 0, "devices[1].speeds[0].flops: must be more than 0 (got 0)"),
     (("devices", 1, "speeds", 0, "flops"), "fast", "devices[1].speeds[0].flops: must be a number (got 'fast')"),

@@ -10,8 +10,8 @@ import pytest
 from stratamesh.bench.plan_check import PlanCheck, check_mesh, format_table
 
 
-def check(predicted: float, measured: float) -> PlanCheck:
-    return PlanCheck(2, "0-3 | 3-6", 16, predicted, measured, 0.002, 0.008)
+def check(predicted: float, measured: float, serving_cpu_s: float = 0.0) -> PlanCheck:
+    return PlanCheck(2, "0-3 | 3-6", 16, predicted, measured, 0.002, 0.008, serving_cpu_s)
 
 
 def test_a_prediction_is_honest_within_twice_the_measurement_either_way() -> None:
@@ -21,8 +21,9 @@ def test_a_prediction_is_honest_within_twice_the_measurement_either_way() -> Non
 
 
 def test_the_table_shows_both_figures_their_ratio_and_the_verdict() -> None:
-    table = format_table([check(1000, 600), check(4000, 1000)])
+    table = format_table([check(1000, 600, 1.3e-4), check(4000, 1000)])
     assert "1000.0" in table and "600.0" in table and "0.60x" in table and "0.25x" in table
+    assert table.splitlines()[1].endswith(" 0.130") and table.splitlines()[2].endswith(" -")   # none measured
     assert table.splitlines()[-1] == "NOT every prediction within 2x of the measurement"
     assert format_table([check(1000, 600)]).splitlines()[-1] == "every prediction within 2x of the measurement"
 
