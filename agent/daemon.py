@@ -53,6 +53,7 @@ class AgentOptions:
     remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
     num_ranks: int = 0                  # ranks a tensor-parallel stage here may have; 0: one per GPU, else 1
     dtype: str = ""                     # what every stage here computes in (--dtype); "" lets the planner pick
+    runtime: str = ""                   # what computes every stage here (--runtime); "" lets the planner pick
     use_gpus: bool = True               # False: serve on the CPU alone, reporting no GPU (--no-gpu)
     metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
     traces_json: str = ""               # append every span as OpenTelemetry JSON to this file
@@ -145,7 +146,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         metrics_server, metrics_port = metrics.serve(options.host, options.metrics_port)
         metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
     capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks,
-                         dtype=options.dtype, use_gpus=options.use_gpus)
+                         dtype=options.dtype, use_gpus=options.use_gpus, runtime=options.runtime)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
     sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import DTYPES, MAX_TP_DEGREE, Capabilities, GpuInfo
+from stratamesh.fleet.types import DTYPES, MAX_TP_DEGREE, ORT_DTYPES, RUNTIMES, Capabilities, GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -197,15 +197,31 @@ def ranks_for(num_ranks: int, num_gpus: int) -> int:
     return ranks
 
 
+def check_runtime(runtime: str, dtype: str, onnx_providers: Iterable[str]) -> None:
+    """InvalidInput unless runtime is "" (the planner picks), torch, or onnxruntime where onnxruntime's CPU provider
+    loads and the dtype is one its stages compute in."""
+    if runtime and runtime not in RUNTIMES:
+        raise InvalidInput(f"--runtime {runtime!r} is not one of {RUNTIMES} (or auto)")
+    if runtime != "onnxruntime":
+        return
+    if "CPUExecutionProvider" not in onnx_providers:
+        raise InvalidInput("--runtime onnxruntime: onnxruntime's CPU provider does not load on this box")
+    if dtype and dtype not in ORT_DTYPES:
+        raise InvalidInput(f"--runtime onnxruntime computes in {', '.join(ORT_DTYPES)}, not --dtype {dtype}")
+
+
 def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False,
-          num_ranks: int = 0, dtype: str = "", use_gpus: bool = True) -> Capabilities:
+          num_ranks: int = 0, dtype: str = "", use_gpus: bool = True, runtime: str = "") -> Capabilities:
     """Reads and parses this box's capabilities; measure: speeds from the cache or timed now (remeasure: always timed);
     num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for); dtype: the
     operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it);
-    use_gpus=False: the agent serves on the CPU alone, and reports no GPU (`stratamesh agent --no-gpu`)."""
+    use_gpus=False: the agent serves on the CPU alone, and reports no GPU (`stratamesh agent --no-gpu`); runtime:
+    the operator's choice of what computes every stage here ("" lets the planner pick; see check_runtime)."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)
+    onnx_providers = read_onnx_providers()
+    check_runtime(runtime, dtype, onnx_providers)
     cpuinfo = read_cpuinfo()
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
     import torch
@@ -218,6 +234,6 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     return Capabilities(
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
-        backends=backends_for(gpus, use_gpus and torch.cuda.is_available(), read_onnx_providers()),
+        backends=backends_for(gpus, use_gpus and torch.cuda.is_available(), onnx_providers),
         speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)), dtype=dtype,
-        cpu_bf16=cpu_bf16, num_threads=torch.get_num_threads())
+        cpu_bf16=cpu_bf16, num_threads=torch.get_num_threads(), runtime=runtime)

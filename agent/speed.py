@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.types import GpuInfo, SpeedInfo
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,8 @@ def _time_once(work: Callable[[], object], device: str) -> float:
 
 
 def default_cache_path() -> Path:
-    """$STRATAMESH_CACHE_DIR/speeds.json, else ~/.cache/stratamesh/speeds.json."""
-    cache_dir = os.environ.get("STRATAMESH_CACHE_DIR") or Path.home() / ".cache" / "stratamesh"
-    return Path(cache_dir) / "speeds.json"
+    """speeds.json in the cache folder (fleet.state.cache_home)."""
+    return cache_home(os.environ) / "speeds.json"
 
 
 def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo]) -> str:

@@ -29,7 +29,12 @@ from stratamesh.kernels.tiny_model import write_tiny_model
 def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int,
                      dtype: str) -> tuple[float, float]:
     """(prefill seconds, median decode step seconds) of one stage serving every layer."""
-    spec = StageSpec("m", str(model_dir), 0, layers, layers, dtype=dtype)
+    engine, prefill_s = prefilled(StageSpec("m", str(model_dir), 0, layers, layers, dtype=dtype), batch, prompt_len)
+    return prefill_s, statistics.median(decode_times(engine, batch, prompt_len, steps))
+
+
+def prefilled(spec: StageSpec, batch: int, prompt_len: int) -> tuple[StageEngine, float]:
+    """A stage engine of spec with sessions s0..s{batch-1} prefilled with prompt_len tokens; the prefill's seconds."""
     engine = StageEngine(Assignment("a", spec), StageRunner.load(spec, 512 << 20),
                          EngineConfig(max_batch_tokens=batch * prompt_len, enable_prefix_cache=False))
     prompt = tuple(range(1, prompt_len + 1))
@@ -39,16 +44,16 @@ def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, 
     start = time.perf_counter()
     while (step := engine.schedule()) is not None:
         engine.postprocess(step, engine.run(step), Outbox())
-    prefill_s = time.perf_counter() - start
-    return prefill_s, statistics.median(decode_times(engine, batch, prompt_len, steps))
+    return engine, time.perf_counter() - start
 
 
-def decode_times(engine: StageEngine, batch: int, prompt_len: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` batched decode steps of sessions s0..s{batch-1}, prefilled with prompt_len."""
+def decode_times(engine: StageEngine, batch: int, prompt_len: int, steps: int, first_step: int = 0) -> list[float]:
+    """Seconds of each of `steps` batched decode steps of sessions s0..s{batch-1}, holding prompt_len tokens
+    (first_step: the steps they took before)."""
     times = []
     for n in range(steps):
         for i in range(batch):
-            engine.add(StepChunk(f"s{i}", n + 1, prompt_len + n, (5,), True), None)
+            engine.add(StepChunk(f"s{i}", first_step + n + 1, prompt_len + n, (5,), True), None)
         start = time.perf_counter()
         step = engine.schedule()
         engine.postprocess(step, engine.run(step), Outbox())

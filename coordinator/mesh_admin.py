@@ -69,7 +69,7 @@ class MeshAdmin:
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
                                             "tp_degree": s.spec.tp_degree, "device": s.spec.device,
-                                            "dtype": s.spec.dtype, "state": s.state,
+                                            "dtype": s.spec.dtype, "runtime": s.spec.runtime, "state": s.state,
                                             "predicted_step_s": _stage_step(plan.prediction, i)}
                                            for i, s in enumerate(plan.stages)]})
         return out

@@ -65,10 +65,12 @@ def checkpoint_dtype(config: Mapping[str, Any]) -> str:
 
 def stage_dtype(checkpoint: str, caps: Capabilities, gpu: GpuInfo | None) -> str:
     """The dtype an agent's GPU (None: its CPU) computes a model stored in checkpoint in: the operator's --dtype
-    when set; on a GPU the checkpoint's, but float16 for bfloat16 before Ampere; on a CPU float32, but bfloat16
-    for a bfloat16 checkpoint where the CPU computes it natively."""
+    when set; float32 where the operator chose ONNX Runtime; on a GPU the checkpoint's, but float16 for bfloat16
+    before Ampere; on a CPU float32, but bfloat16 for a bfloat16 checkpoint where the CPU computes it natively."""
     if caps.dtype:
         return caps.dtype
+    if caps.runtime == "onnxruntime":
+        return "float32"             # (kernels.models.onnx_stage.ORT_DTYPES)
     if gpu is not None:
         return "float16" if checkpoint == "bfloat16" and not _has_bf16(gpu) else checkpoint
     return "bfloat16" if checkpoint == "bfloat16" and caps.cpu_bf16 else "float32"
@@ -118,7 +120,7 @@ def cpu_shares(agents: Mapping[str, Capabilities], origin_host: str = "") -> dic
     The origin (the coordinator streaming every token out) counts as one more thread on origin_host."""
     by_host: dict[str, list[str]] = {}
     for agent_id, caps in agents.items():
-        if not (caps.gpus and any(s.backend == "torch-cuda" for s in caps.speeds)):
+        if not _on_gpus(caps, caps.speeds):
             by_host.setdefault(caps.hostname, []).append(agent_id)
     out = {}
     for ids in by_host.values():
@@ -151,9 +153,10 @@ def rank_ids(agent_id: str, ranks: int) -> list[str]:
     return [agent_id] if ranks == 1 else [f"{agent_id}#{rank}" for rank in range(ranks)]
 
 
-def _on_gpus(caps: Capabilities, speeds: Sequence[Speed]) -> bool:
-    """Whether the agent's stages run on its GPUs: it has some, and its host measured torch-cuda."""
-    return bool(caps.gpus) and any(s.backend == "torch-cuda" for s in speeds)
+def _on_gpus(caps: Capabilities, speeds: Sequence[Speed | SpeedInfo]) -> bool:
+    """Whether the agent's stages run on its GPUs: it has some, its host measured torch-cuda, and its operator did
+    not choose ONNX Runtime (whose stages run on the CPU here)."""
+    return bool(caps.gpus) and caps.runtime != "onnxruntime" and any(s.backend == "torch-cuda" for s in speeds)
 
 
 def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
@@ -168,13 +171,21 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
                        caps.site, node=agent_id, dtype=dtype, token_overhead_s=serving_cpu_s,
                        **_overheads(measured, "torch-cuda", dtype))
                 for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
-    dtype = stage_dtype(checkpoint, caps, None)
-    cpu = tuple(Speed(s.backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
-                for s in speeds if s.backend == "torch-cpu") or (UNMEASURED,)
-    overheads = {k: v / share for k, v in {**_overheads(measured, "torch-cpu", dtype),
+    dtype, backend = stage_dtype(checkpoint, caps, None), _cpu_backend(caps)
+    # (an agent told to run ONNX Runtime is priced at the speeds its host measured with torch where it measured
+    # none with ONNX Runtime)
+    own = [s for s in speeds if s.backend == backend] or [s for s in speeds if s.backend == "torch-cpu"]
+    cpu = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
+                for s in own) or (replace(UNMEASURED, backend=backend),)
+    overheads = {k: v / share for k, v in {**_overheads(measured, backend, dtype),
                                            "token_overhead_s": serving_cpu_s}.items()}
-    return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, "torch-cpu", dtype),
+    return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, backend, dtype),
                    caps.tier or "edge", caps.site, node=agent_id, dtype=dtype, **overheads) for i in ids]
+
+
+def _cpu_backend(caps: Capabilities) -> str:
+    """What computes a CPU agent's stages: ONNX Runtime where its operator chose it (--runtime), else torch."""
+    return "onnxruntime-cpu" if caps.runtime == "onnxruntime" else "torch-cpu"
 
 
 def decode_rate(speed: SpeedInfo) -> float:
@@ -187,6 +198,8 @@ def _overheads(measured: Sequence[SpeedInfo], backend: str, dtype: str) -> dict[
     """The step and layer overheads the host measured for backend (in dtype, else float32: they are the
     framework's, nearly the same in any dtype)."""
     own = sorted((s for s in measured if s.backend == backend), key=lambda s: (s.dtype != dtype, s.dtype != "float32"))
+    if not own and backend == "onnxruntime-cpu":
+        return _overheads(measured, "torch-cpu", dtype)
     if not own:
         return {}
     return {"step_overhead_s": own[0].step_overhead_s, "layer_overhead_s": own[0].layer_overhead_s}
@@ -374,12 +387,14 @@ def _agent_of(fleet: FleetSnapshot, stage: PlannedStage) -> str:
 def stage_specs(plan: Plan, fleet: FleetSnapshot, agents: Mapping[str, Capabilities], model_id: str,
                 model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage of the plan's first pipeline, in order, as the plan chose it: its dtype, its
-    device (stage_device) and tp_degree its ranks."""
+    device (stage_device), tp_degree its ranks, and its runtime (onnxruntime for an onnxruntime backend)."""
     out = []
     for s in plan.pipelines[0].stages:
         agent = _agent_of(fleet, s)
+        runtime = "onnxruntime" if s.backend.startswith("onnxruntime") else "torch"
         out.append((agent, StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype,
-                                     stage_device(s, agent, agents[agent]), tp_degree=len(s.devices))))
+                                     stage_device(s, agent, agents[agent]), tp_degree=len(s.devices),
+                                     runtime=runtime)))
     return out
 
 

@@ -121,12 +121,17 @@ def _m010_plan_predictions(db: Database) -> None:
     db["plans"].add_column("prediction_json", str, not_null_default="{}")
 
 
+def _m011_stage_runtime(db: Database) -> None:
+    """What computes each stage's layers: torch, or onnxruntime."""
+    db["stages"].add_column("runtime", str, not_null_default="torch")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
-                                     _m010_plan_predictions)
+                                     _m010_plan_predictions, _m011_stage_runtime)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -440,7 +445,7 @@ class Registry:
 
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
-                 "kv_block_size", "tp_degree")
+                 "kv_block_size", "tp_degree", "runtime")
 
 
 def _stage_row(plan_id: str, stage: StagePlacement) -> dict[str, Any]:

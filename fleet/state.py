@@ -1,7 +1,9 @@
 """Where stratamesh keeps its files on this box, and how: secrets in files 0600 inside folders 0700.
 
 The per-user state folder is $STRATAMESH_HOME, else $XDG_STATE_HOME/stratamesh, else ~/.local/state/stratamesh.
-`stratamesh up` keeps its mesh in UP_FOLDER there; the credentials commands look for a registry in it.
+`stratamesh up` keeps its mesh in UP_FOLDER there; the credentials commands look for a registry in it. What can be
+made again (measured speeds, ONNX exports) goes in the cache folder: $STRATAMESH_CACHE_DIR, else
+~/.cache/stratamesh.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["DB_ENV", "HOME_ENV", "UP_FOLDER", "UP_REGISTRY", "default_registry", "make_private_dir",
+__all__ = ["CACHE_ENV", "DB_ENV", "HOME_ENV", "UP_FOLDER", "UP_REGISTRY", "cache_home", "default_registry",
+           "make_private_dir",
            "make_private_database", "make_private_file", "state_home", "up_folder", "write_private"]
 
 log = logging.getLogger(__name__)
 
 HOME_ENV = "STRATAMESH_HOME"      # the whole state folder
 DB_ENV = "STRATAMESH_DB"          # the registry the credentials commands use when given no --db
+CACHE_ENV = "STRATAMESH_CACHE_DIR"   # the whole cache folder
 UP_FOLDER = "up"                  # `stratamesh up`'s mesh, inside the state folder
 UP_REGISTRY = "registry.db"       # ... its registry, inside that
 
@@ -32,6 +36,11 @@ def state_home(env: Mapping[str, str]) -> Path:
         return Path(xdg, "stratamesh")
     home = env.get("HOME") or str(Path.home())
     return Path(home, ".local", "state", "stratamesh")
+
+
+def cache_home(env: Mapping[str, str]) -> Path:
+    """The per-user cache folder that env names: what can be made again (measured speeds, ONNX exports)."""
+    return Path(env[CACHE_ENV]).expanduser() if env.get(CACHE_ENV) else Path.home() / ".cache" / "stratamesh"
 
 
 def up_folder(env: Mapping[str, str]) -> Path:

@@ -11,6 +11,8 @@ from typing import Any
 from stratamesh.fleet.errors import InvalidInput
 
 DTYPES = ("float32", "float16", "bfloat16")
+RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
+ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
@@ -80,6 +82,8 @@ class Capabilities:
     dtype: str = ""             # the operator's choice for this agent's stages (--dtype); "" lets the planner pick
     cpu_bf16: bool = False      # the CPU computes bfloat16 natively (AMX or AVX512-BF16)
     num_threads: int = 0        # CPU threads this agent computes with (agents of one host share its num_cpus)
+    runtime: str = ""           # the operator's choice of RUNTIMES for this agent's stages (--runtime); "" lets the
+                                # planner pick
 
     @property
     def usable_mem_bytes(self) -> int:
@@ -102,6 +106,7 @@ class StageSpec:
     device: str = "cpu"
     kv_block_size: int = 16
     tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
+    runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
@@ -116,6 +121,8 @@ class StageSpec:
             raise InvalidInput(f"stage dtype {self.dtype!r} is not one of {DTYPES}")
         if not re.fullmatch(r"cpu|cuda(:\d{1,2})?", self.device):
             raise InvalidInput(f"stage device {self.device!r} is not cpu, cuda or cuda:N")
+        if self.runtime not in RUNTIMES:
+            raise InvalidInput(f"stage runtime {self.runtime!r} is not one of {RUNTIMES}")
 
     @property
     def is_first(self) -> bool:

@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="what this agent's stages compute in; auto: the planner picks per device (a GPU: the "
                             "checkpoint's dtype, float16 for bfloat16 before Ampere; a CPU: float32, bfloat16 for a "
                             "bfloat16 checkpoint where the CPU has native bf16)")
+    agent.add_argument("--runtime", choices=("auto", "torch", "onnxruntime"), default="auto",
+                       help="what computes this agent's stages; onnxruntime: ONNX Runtime's CPU provider, in float32 "
+                            "(each stage is exported once, into the cache folder); auto: the planner picks (torch)")
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.add_argument("--metrics-port", type=int, default=0,
@@ -303,6 +306,7 @@ def _agent(args: argparse.Namespace) -> None:
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
         dtype="" if args.dtype == "auto" else args.dtype, use_gpus=not args.no_gpu,
+        runtime="" if args.runtime == "auto" else args.runtime,
         engine=EngineConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,

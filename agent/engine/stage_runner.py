@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 
@@ -12,9 +13,11 @@ from stratamesh.agent.engine.decode_graphs import DecodeGraphs, can_capture
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk
 from stratamesh.agent.engine.memory import gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
+from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.types import SamplingParams, StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
+from stratamesh.kernels.models.onnx_stage import OrtStageModel
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.sampler import sample
@@ -59,9 +62,14 @@ class StageRunner:
 
         The KV cache holds kv_cache_bytes on a CPU; on a GPU, what gpu_memory_utilization of the GPU leaves after
         the weights and a workspace for steps of max_batch_tokens (agent.engine.memory). graph_batch > 0: a GPU
-        stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs)."""
+        stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs). A stage
+        whose runtime is onnxruntime runs its layers in ONNX Runtime (kernels.models.onnx_stage), from an export
+        kept in the cache folder (fleet.state.cache_home)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
+        if spec.runtime == "onnxruntime":
+            model = OrtStageModel.from_model(load_stage(spec, config), cache_home(os.environ))
+            return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
         if spec.device.startswith("cuda"):
             return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens,
                                     graph_batch)

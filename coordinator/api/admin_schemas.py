@@ -68,6 +68,7 @@ class StageView(BaseModel):
     tp_degree: int
     device: str = "cpu"          # where it runs: "cpu" or "cuda:N" (a TP group's rank 0)
     dtype: str = "float32"       # what it computes in
+    runtime: str = "torch"       # what computes its layers: "torch" or "onnxruntime"
     state: str
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
 

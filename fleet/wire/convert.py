@@ -12,7 +12,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop, KvExportRequest, KvHeader,
+    DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop, KvExportRequest, KvHeader,
     KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks, Registration, Release,
     SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad, StageSpec, StageStatus,
     StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
@@ -54,7 +54,7 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         ram_total_bytes=caps.ram_total_bytes, ram_available_bytes=caps.ram_available_bytes,
         gpus=[gpu_to_pb(g) for g in caps.gpus],
         backends=list(caps.backends), site=caps.site, tier=caps.tier, num_ranks=caps.num_ranks,
-        dtype=caps.dtype, cpu_bf16=caps.cpu_bf16, num_threads=caps.num_threads,
+        dtype=caps.dtype, cpu_bf16=caps.cpu_bf16, num_threads=caps.num_threads, runtime=caps.runtime,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth,
                          step_overhead_s=s.step_overhead_s, layer_overhead_s=s.layer_overhead_s,
                          decode_flops=s.decode_flops)
@@ -78,12 +78,14 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
         raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
     _require_dtype(msg.dtype, "capabilities.dtype")
+    if msg.runtime and msg.runtime not in RUNTIMES:
+        raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {RUNTIMES}")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
                              s.decode_flops) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",
-                        msg.num_ranks or 1, msg.dtype, msg.cpu_bf16, msg.num_threads)
+                        msg.num_ranks or 1, msg.dtype, msg.cpu_bf16, msg.num_threads, msg.runtime)
 
 
 def _require_dtype(dtype: str, where: str) -> None:
@@ -96,13 +98,15 @@ def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
     return pb.StageSpec(model_id=spec.model_id, model_path=spec.model_path,
                         start_layer=spec.start_layer, end_layer=spec.end_layer,
                         num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device,
-                        kv_block_size=spec.kv_block_size, tp_degree=spec.tp_degree)
+                        kv_block_size=spec.kv_block_size, tp_degree=spec.tp_degree, runtime=spec.runtime)
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
-    """A stage's spec; StageSpec checks its layer range, dtype, device, block size and tensor-parallel degree."""
+    """A stage's spec; StageSpec checks its layer range, dtype, device, block size, tensor-parallel degree and
+    runtime."""
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
-                     msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1)
+                     msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1,
+                     msg.runtime or "torch")
 
 
 def assignment_to_pb(assignment: Assignment) -> pb.Assignment:

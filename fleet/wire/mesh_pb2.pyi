@@ -46,7 +46,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., mem_total_bytes: _Optional[int] = ..., mem_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ..., compute_capability: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks", "dtype", "cpu_bf16", "num_threads")
+    __slots__ = ("hostname", "cpu_model", "num_cpus", "ram_total_bytes", "ram_available_bytes", "gpus", "backends", "speeds", "site", "tier", "num_ranks", "dtype", "cpu_bf16", "num_threads", "runtime")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class Capabilities(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_BF16_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     cpu_model: str
     num_cpus: int
@@ -75,7 +76,8 @@ class Capabilities(_message.Message):
     dtype: str
     cpu_bf16: bool
     num_threads: int
-    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    runtime: str
+    def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ..., num_threads: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class Speed(_message.Message):
     __slots__ = ("backend", "dtype", "flops", "mem_bandwidth", "step_overhead_s", "layer_overhead_s", "decode_flops")
@@ -96,7 +98,7 @@ class Speed(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., step_overhead_s: _Optional[float] = ..., layer_overhead_s: _Optional[float] = ..., decode_flops: _Optional[float] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree")
+    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree", "runtime")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class StageSpec(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     start_layer: int
@@ -115,7 +118,8 @@ class StageSpec(_message.Message):
     device: str
     kv_block_size: int
     tp_degree: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ...) -> None: ...
+    runtime: str
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed")

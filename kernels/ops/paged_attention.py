@@ -109,9 +109,7 @@ class PagedBatch:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Write k, v [N, KV, D] to their slots, then q [N, H, D] attends over each sequence -> [N, H, D]."""
-        k_flat, v_flat = self.cache.flat(layer_idx)                 # [slots, KV, D]
-        k_flat.index_copy_(0, self._write_slots, _as(k, k_flat.dtype))
-        v_flat.index_copy_(0, self._write_slots, _as(v, v_flat.dtype))
+        k_flat, v_flat = self.write_kv(layer_idx, k, v)
         if self._all_decodes:
             return self._decode(layer_idx, q, k_flat, v_flat, window)
         out = torch.empty_like(q)
@@ -121,6 +119,13 @@ class PagedBatch:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window)
         return out
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the step's k, v [N, KV, D] of one layer to their slots; returns the layer's flat K and V."""
+        k_flat, v_flat = self.cache.flat(layer_idx)                 # [slots, KV, D]
+        k_flat.index_copy_(0, self._write_slots, _as(k, k_flat.dtype))
+        v_flat.index_copy_(0, self._write_slots, _as(v, v_flat.dtype))
+        return k_flat, v_flat
 
     def _decode(self, layer_idx: int, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 window: int | None) -> torch.Tensor:

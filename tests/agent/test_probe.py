@@ -10,7 +10,7 @@ import pytest
 
 from stratamesh.agent import probe as probe_module
 from stratamesh.agent.probe import (
-    RawGpu, backends_for, check_dtype, onnx_backend, parse_cpu_bf16, parse_cpu_model, parse_gpu, parse_meminfo,
+    RawGpu, backends_for, check_dtype, check_runtime, onnx_backend, parse_cpu_bf16, parse_cpu_model, parse_gpu, parse_meminfo,
     probe, ranks_for, read_cpuinfo, read_nvml, read_onnx_providers,
 )
 from stratamesh.fleet.errors import InvalidInput
@@ -264,3 +264,20 @@ def test_probe_refuses_bf16_on_a_box_of_pre_ampere_gpus(monkeypatch: pytest.Monk
     with pytest.raises(InvalidInput, match="predate bfloat16"):
         probe(measure=False, dtype="bfloat16")
     assert probe(measure=False, dtype="float16").gpus[0].compute_capability == "7.5"
+
+
+@pytest.mark.parametrize("runtime, dtype, providers, match", [
+    ("onnxruntime", "", [], "CPU provider does not load"),
+    ("onnxruntime", "bfloat16", ["CPUExecutionProvider"], "computes in float32, not --dtype bfloat16"),
+    ("tvm", "", ["CPUExecutionProvider"], "'tvm' is not one of"),
+])
+def test_check_runtime_refuses(runtime: str, dtype: str, providers: list[str], match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        check_runtime(runtime, dtype, providers)
+
+
+def test_probe_reports_the_operators_runtime() -> None:
+    check_runtime("", "bfloat16", [])                     # the planner picks: nothing to check
+    check_runtime("torch", "bfloat16", [])
+    assert probe(measure=False, runtime="onnxruntime").runtime == "onnxruntime"   # onnxruntime is installed
+    assert probe(measure=False).runtime == ""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
 from stratamesh.coordinator.placement import (
-    UNMEASURED, checkpoint_dtype, fleet_of, plan_stages, repair_stages, stage_device, stage_dtype,
+    UNMEASURED, checkpoint_dtype, cpu_shares, fleet_of, plan_stages, repair_stages, stage_device, stage_dtype,
 )
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import PlacementError
@@ -195,3 +196,19 @@ def test_a_stored_mixed_placement_is_kept_and_repaired() -> None:
     assert (t4.device, t4.dtype) == ("cuda:0", "float16")
     assert (kept["spare"].device, kept["spare"].dtype) == ("cuda:0", "bfloat16")   # the spare's own, not the T4's
     assert (kept["spare"].start_layer, kept["spare"].end_layer) == (t4.start_layer, t4.end_layer)
+
+
+# ------------------------------------------------------------------ the runtime
+def test_an_agent_told_to_run_onnxruntime_gets_an_onnxruntime_float32_cpu_stage() -> None:
+    agents = {"t": cpu_box("h1", cpu_bf16=True, speeds=(CPU_FP32, CPU_BF16)),
+              "o": replace(cpu_box("h2", cpu_bf16=True, speeds=(CPU_FP32, CPU_BF16)), runtime="onnxruntime"),
+              "g": replace(gpu_box("h3", "9.0"), runtime="onnxruntime")}
+    _, specs = plan_stages("m", "/models/m", CONFIG, agents, 3)
+    runs = {agent: (spec.runtime, spec.device, spec.dtype) for agent, spec in specs}
+    assert runs["t"] == ("torch", "cpu", "bfloat16")           # a bf16 checkpoint on a CPU with native bf16
+    assert runs["o"] == ("onnxruntime", "cpu", "float32")      # ONNX Runtime stages compute in float32
+    assert runs["g"] == ("onnxruntime", "cpu", "float32")      # ... on the CPU, even on a box with a GPU
+    # priced at its host's torch speed where it measured none with ONNX Runtime, and its share of the host's cores
+    (device,) = fleet_of({"g": agents["g"]}, checkpoint="bfloat16").devices
+    assert device.speeds == (Speed("onnxruntime-cpu", "float32", CPU_FP32.flops, CPU_FP32.mem_bandwidth),)
+    assert cpu_shares({"g": agents["g"]}) == {"g": (1.0, 1)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,16 @@ def test_stage_step_benchmark_prints_its_table() -> None:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| stratamesh stage engine" in result.stdout and "decode step ratio" in result.stdout
+
+
+def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ort_stage.py"), "--batches", "1", "3",
+                             "--prompt-len", "16", "--layers", "2", "--hidden", "128", "--steps", "2", "--rounds", "2"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "STRATAMESH_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("|     ")]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and "ratio = torch / onnxruntime" in result.stdout
 
 
 def test_tensor_parallel_benchmark_prints_its_table() -> None:

@@ -54,9 +54,20 @@ def test_stage_messages_round_trip(message) -> None:
     assert convert.stage_message_from_pb(pb.StageMessage.FromString(wire)) == message
 
 
+def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_know() -> None:
+    spec = StageSpec("m", "/models/m", 2, 4, 6, runtime="onnxruntime")
+    assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(spec)) == spec
+    assert convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
+                                                   num_layers=1)).runtime == "torch"     # unsaid: torch
+    with pytest.raises(InvalidInput, match="runtime 'tvm'"):
+        convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
+                                                num_layers=1, runtime="tvm"))
+
+
 def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
     for caps in (Capabilities("b", "c", 1, 1, 1, speeds=(SpeedInfo("torch-cpu", "float32", 0.0, 1e9),)),
-                 Capabilities("b", "c", 1, 1, 1, tier="orbit"), Capabilities("b", "c", 1, 1, 1, dtype="int4")):
+                 Capabilities("b", "c", 1, 1, 1, tier="orbit"), Capabilities("b", "c", 1, 1, 1, dtype="int4"),
+                 Capabilities("b", "c", 1, 1, 1, runtime="tensorrt")):
         with pytest.raises(InvalidInput):
             convert.capabilities_from_pb(convert.capabilities_to_pb(caps))
 
@@ -64,7 +75,8 @@ def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
                         ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14),),
-                        site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True, num_threads=6)
+                        site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True, num_threads=6,
+                        runtime="onnxruntime")
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",
                        metrics_address="127.0.0.1:9100")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg

@@ -1,0 +1,258 @@
+"""A stage's decoder layers as an ONNX graph that ONNX Runtime runs, in place of the torch layers of StageModel.
+
+The graph computes layers [start, end) of a Llama-family decoder over a step's N tokens, hidden states in and
+hidden states out, with attention over the stage's paged KV cache:
+- Paged, not contiguous. A stage keeps one PagedKVCache whatever computes its layers, so the block manager, prefix
+  caching and KV moves between agents work as they do for torch stages. Each layer's pool [slots, KV, D] is an
+  input the graph reads in place (bound without a copy); it gathers the slots of each sequence's cached prefix.
+- The step's own K and V are outputs [layers, N, KV, D] that the engine writes into their slots after the run:
+  ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
+The embedding, the final norm and the LM head stay in torch (a gather and one matmul). Exports are cached per
+(checkpoint, layer range, dtype, opset) in a cache directory; a changed checkpoint is exported again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import warnings
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import ORT_DTYPES
+from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
+from stratamesh.kernels.models.decoder import LayerWeights, StageModel
+from stratamesh.kernels.ops.attention import Attention
+from stratamesh.kernels.ops.mlp import swiglu
+from stratamesh.kernels.ops.norm import rms_norm
+from stratamesh.kernels.ops.kv_cache import KVCache
+from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
+from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin
+
+log = logging.getLogger(__name__)
+
+OPSET = 18
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+_INPUTS = ("hidden", "cos", "sin", "past_slots", "rows", "unpad", "past_mask", "new_mask")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionIndex:
+    """Where a step's queries and keys are, for the graph: B sequences of at most T new tokens after at most P
+    cached ones (P >= 1: a step with no cached prefix gets one masked-out slot, so no dimension is empty)."""
+
+    past_slots: torch.Tensor    # [B, P] int64: the cache slots of each sequence's cached positions (0: padding)
+    rows: torch.Tensor          # [B, T] int64: the batch row of each sequence's t-th new token (0: padding)
+    unpad: torch.Tensor         # [N] int64: where each batch row sits in B x T
+    past_mask: torch.Tensor     # [B, T, P] bool: which cached keys each query sees
+    new_mask: torch.Tensor      # [B, T, T] bool: which of the step's own keys each query sees
+
+    @classmethod
+    def of(cls, seqs: Sequence[SeqSlice], block_size: int) -> AttentionIndex:
+        """The index of a batch's sequences (causal attention, no window)."""
+        num_seqs, most_new = len(seqs), max(s.q_len for s in seqs)
+        most_past = max(1, max(s.start_pos for s in seqs))
+        past = torch.zeros(num_seqs, most_past, dtype=torch.long)
+        rows = torch.zeros(num_seqs, most_new, dtype=torch.long)
+        unpad = torch.empty(sum(s.q_len for s in seqs), dtype=torch.long)
+        past_mask = torch.zeros(num_seqs, most_new, most_past, dtype=torch.bool)
+        new_mask = torch.zeros(num_seqs, most_new, most_new, dtype=torch.bool)
+        causal = torch.ones(most_new, most_new, dtype=torch.bool).tril()
+        for b, s in enumerate(seqs):
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            positions = torch.arange(s.start_pos)
+            past[b, :s.start_pos] = table[positions // block_size] * block_size + positions % block_size
+            rows[b, :s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
+            unpad[s.q_start:s.q_start + s.q_len] = torch.arange(b * most_new, b * most_new + s.q_len)
+            past_mask[b, :s.q_len, :s.start_pos] = True
+            new_mask[b, :s.q_len, :s.q_len] = causal[:s.q_len, :s.q_len]
+            past_mask[b, s.q_len:, 0] = True       # padding queries see one key: no row of -inf, no NaN
+        return cls(past, rows, unpad, past_mask, new_mask)
+
+
+class _Layers(torch.nn.Module):
+    """The graph exported: the stage's layers as one function of a step's hidden states, RoPE tables, attention
+    index and the layers' KV pools. Its weights become the ONNX file's initializers."""
+
+    def __init__(self, model: StageModel) -> None:
+        super().__init__()
+        c = model.config
+        self.eps, self.heads, self.kv_heads, self.head_dim = c.rms_norm_eps, model.num_heads, model.num_kv_heads, \
+            c.head_dim
+        self.layers: list[LayerWeights] = []
+        for i, layer in enumerate(model._layers):
+            own = {}
+            for name in ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias"):
+                tensor = getattr(layer, name)
+                if tensor is not None:
+                    self.register_buffer(f"l{i}_{name}", tensor.detach().clone().contiguous())
+                    own[name] = getattr(self, f"l{i}_{name}")
+            self.layers.append(LayerWeights(**own))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_slots: torch.Tensor,
+                rows: torch.Tensor, unpad: torch.Tensor, past_mask: torch.Tensor, new_mask: torch.Tensor,
+                *pools: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        num_seqs, most_new = rows.shape
+        blocked = ~torch.cat([past_mask, new_mask], dim=-1)[:, None, None]     # [B, 1, 1, T, P + T]
+        cos, sin = cos[:, None], sin[:, None]
+        x, new_k, new_v = hidden, [], []
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, self.eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
+            qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+            new_k.append(k)
+            new_v.append(v)
+            keys = torch.cat([pools[2 * i][past_slots], k[rows]], dim=1)              # [B, P + T, KV, D]
+            values = torch.cat([pools[2 * i + 1][past_slots], v[rows]], dim=1)
+            # [B, KV, G, T, D] against keys [B, KV, 1, D, S]: each group of G query heads shares its KV head
+            queries = q[rows].view(num_seqs, most_new, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
+            scores = queries @ keys.permute(0, 2, 3, 1)[:, :, None] * dim ** -0.5          # [B, KV, G, T, S]
+            weights = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
+            out = weights @ values.permute(0, 2, 1, 3)[:, :, None]                        # [B, KV, G, T, D]
+            out = out.permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)[unpad]
+            x = x + F.linear(out, layer.o, layer.o_bias)
+            x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down)
+        return x, torch.stack(new_k), torch.stack(new_v)
+
+
+def export_path(model: StageModel, cache_dir: str | Path) -> Path:
+    """Where the export of the model's layers lives: named by model, layer range, dtype and opset, keyed by the
+    checkpoint files' sizes and times and torch's version (any change exports again)."""
+    spec = model.spec
+    files = sorted(Path(spec.model_path).glob("*.safetensors")) + [Path(spec.model_path, "config.json")]
+    key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+                              + [str(Path(spec.model_path).resolve()), torch.__version__]).encode()).hexdigest()
+    name = f"{Path(spec.model_path).name}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}-opset{OPSET}-{key[:12]}"
+    return Path(cache_dir, "onnx", f"{name}.onnx")
+
+
+def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
+    """The model's layers as an ONNX file (weights beside it, as external data), exported once and cached."""
+    path = export_path(model, cache_dir)
+    if path.exists():
+        return path
+    check_exportable(model)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)    # (its notes on torchvision ops it skips)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    c, layers = model.config, model.spec.end_layer - model.spec.start_layer
+    # sizes of 2 or more, all different: the exporter keeps a dimension of 0 or 1 (or equal to another) fixed
+    index = AttentionIndex.of([SeqSlice(0, 3, 4, [0, 1]), SeqSlice(3, 2, 2, [2])], block_size=4)
+    num_tokens, pool = 5, torch.zeros(12, model.num_kv_heads, c.head_dim, dtype=model.dtype)
+    hidden = torch.zeros(num_tokens, c.hidden_size, dtype=model.dtype)
+    cos = torch.ones(num_tokens, c.head_dim, dtype=model.dtype)
+    example = (hidden, cos, cos.clone(), index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
+               *[pool.clone() for _ in range(2 * layers)])
+    n, b, t, p, s = (torch.export.Dim(name, min=1) for name in ("tokens", "seqs", "new", "past", "slots"))
+    shapes = ({0: n}, {0: n}, {0: n}, {0: b, 1: p}, {0: b, 1: t}, {0: n}, {0: b, 1: t, 2: p}, {0: b, 1: t, 2: t},
+              tuple({0: s} for _ in range(2 * layers)))      # (the pools are one varargs parameter)
+    names = [*_INPUTS, *(f"{kind}{i}" for i in range(layers) for kind in ("k", "v"))]
+    with warnings.catch_warnings():     # (the exporter's notes on how it named the dynamic axes)
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
+        program = torch.onnx.export(_Layers(model).eval(), example, dynamic_shapes=shapes, input_names=names,
+                                    output_names=["hidden_out", "new_k", "new_v"], opset_version=OPSET,
+                                    dynamo=True, optimize=True, verbose=False)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # the .onnx names its .data: save both by their names
+        program.save(str(Path(tmp, path.name)), external_data=True)
+        Path(tmp, f"{path.name}.data").replace(f"{path}.data")
+        Path(tmp, path.name).replace(path)    # last: an export whose .onnx exists is whole
+    log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
+             model.spec.model_id, path)
+    return path
+
+
+def check_exportable(model: StageModel) -> None:
+    """InvalidInput unless ONNX Runtime stages can serve the model's stage here."""
+    spec, c = model.spec, model.config
+    if spec.dtype not in ORT_DTYPES:
+        raise InvalidInput(f"ONNX Runtime stages compute in {', '.join(ORT_DTYPES)} here, not {spec.dtype}")
+    if spec.tp_degree > 1 or not spec.device == "cpu":
+        raise InvalidInput("ONNX Runtime stages run on one CPU rank here")
+    if any(c.window_for_layer(i) is not None for i in range(spec.start_layer, spec.end_layer)):
+        raise InvalidInput("ONNX Runtime stages do not serve sliding-window attention yet")
+
+
+class OrtLayers:
+    """An InferenceSession of an exported stage, run over torch tensors bound in place (inputs and outputs)."""
+
+    def __init__(self, path: Path, num_layers: int, threads: int = 0) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.num_layers = num_layers
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: AttentionIndex,
+            pools: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layers over hidden [N, hidden]: (hidden out, new K, new V [layers, N, KV, D])."""
+        binding = self.session.io_binding()
+        inputs = (hidden, cos, sin, index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
+                  *pools)
+        names = [*_INPUTS, *(f"{kind}{i}" for i in range(self.num_layers) for kind in ("k", "v"))]
+        kept = [t.contiguous() for t in inputs]        # (held until the run ends: the session reads them in place)
+        for name, tensor in zip(names, kept, strict=True):
+            _bind(binding.bind_input, name, tensor)
+        kv_shape = (self.num_layers, hidden.shape[0], *pools[0].shape[1:])
+        outputs = (torch.empty_like(hidden), torch.empty(kv_shape, dtype=pools[0].dtype),
+                   torch.empty(kv_shape, dtype=pools[0].dtype))
+        for name, tensor in zip(("hidden_out", "new_k", "new_v"), outputs, strict=True):
+            _bind(binding.bind_output, name, tensor)
+        self.session.run_with_iobinding(binding)
+        return outputs
+
+
+def _bind(bind, name: str, tensor: torch.Tensor) -> None:
+    bind(name, "cpu", 0, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+
+
+class OrtStageModel(StageModel):
+    """A StageModel whose layers ONNX Runtime computes (embedding, final norm and LM head stay in torch); it serves
+    the paged attention of a stage runner (PagedBatch) only."""
+
+    @classmethod
+    def from_model(cls, model: StageModel, cache_dir: str | Path, threads: int = 0) -> OrtStageModel:
+        """Exports (or finds the export of) model's layers and takes its other tensors; the torch layer weights
+        are let go (ONNX Runtime holds its own)."""
+        layers = OrtLayers(export_layers(model, cache_dir), model.spec.end_layer - model.spec.start_layer, threads)
+        kept = {name: t for name, t in model.tensors.items() if name in (EMBED, FINAL_NORM, LM_HEAD)}
+        ort_model = cls.__new__(cls)
+        ort_model.__dict__.update(model.__dict__)
+        ort_model._tensors, ort_model._layers, ort_model._ort = kept, [], layers
+        return ort_model
+
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(self._ort.num_layers, num_blocks, block_size, self.num_kv_heads, c.head_dim, self.dtype,
+                            self.spec.device)
+
+    def new_cache(self, chunk_tokens: int = 256) -> KVCache:
+        raise InvalidInput("an ONNX Runtime stage attends over a paged KV cache only")
+
+    def forward_layers(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                       checked: bool = False) -> Generator[None, None, torch.Tensor]:
+        """StageModel.forward_layers, every layer in one run of the session (it yields once, after it)."""
+        if not isinstance(attn, PagedBatch):
+            raise InvalidInput("an ONNX Runtime stage attends over a paged KV cache only")
+        if not checked:
+            self.check_inputs(inputs, positions, attn)
+        x = self._embed_inputs(inputs)
+        cos, sin = rope_cos_sin(self._inv_freq, positions.to(torch.long), self.dtype)
+        cache = attn.cache
+        pools = [t for i in range(self._ort.num_layers) for t in cache.flat(i)]
+        x, new_k, new_v = self._ort.run(x, cos, sin, AttentionIndex.of(attn.seqs, cache.block_size), pools)
+        for i in range(self._ort.num_layers):
+            attn.write_kv(i, new_k[i], new_v[i])
+        yield
+        return x

@@ -1,0 +1,142 @@
+"""ONNX Runtime stages (kernels/models/onnx_stage.py): a pipeline torch -> ONNX Runtime -> torch over paged KV caches
+against Hugging Face transformers, the export cache, and what ONNX Runtime stages refuse.
+
+Tolerance: the ONNX Runtime stage computes in float32 like the torch stages, with its own kernels (MLAS matmuls, its
+own softmax); their sums differ from torch's only in rounding, so logits stay within 1e-4 and greedy tokens are
+identical."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.kernels.models.onnx_stage import AttentionIndex, OrtStageModel, export_layers, export_path
+from stratamesh.kernels.ops.paged_attention import SeqSlice
+
+RANGES = ((0, 2), (2, 4), (4, 6))
+PROMPTS = [list(range(40, 77)), [5, 17, 42, 99, 7, 3, 250, 12]]
+NEW_TOKENS = 12
+BLOCKS_PER_SEQ = 8
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model) -> Path:
+    return tiny_model("llama", num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One export cache for the module's tests of model_dir (an export takes seconds)."""
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+def runners(model_dir: Path, cache_dir: Path) -> list[StageRunner]:
+    """torch, ONNX Runtime, torch: one stage runner per range, each with its own paged KV cache."""
+    out = []
+    for k, (start, end) in enumerate(RANGES):
+        model = load_stage(StageSpec("m", str(model_dir), start, end, 6))
+        if k == 1:
+            model = OrtStageModel.from_model(model, cache_dir)
+        out.append(StageRunner(model, BLOCKS_PER_SEQ * len(PROMPTS)))
+    return out
+
+
+def step(pipeline: list[StageRunner], token_ids: list[list[int]], done: list[int]) -> torch.Tensor:
+    """One batched step of every sequence (its new tokens after done[i] cached ones) through the pipeline: the
+    logits of each sequence's last token [len(token_ids), vocab]."""
+    seqs, row = [], 0
+    for i, new in enumerate(token_ids):
+        table = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
+        seqs.append(SeqSlice(row, len(new), done[i], table))
+        row += len(new)
+    x: torch.Tensor = torch.tensor([t for new in token_ids for t in new])
+    for runner in pipeline:
+        x = runner.forward(x, seqs)
+    last_rows = torch.tensor([s.q_start + s.q_len - 1 for s in seqs])
+    return pipeline[-1].model.logits(x[last_rows])
+
+
+def test_a_torch_onnxruntime_torch_pipeline_equals_transformers(model_dir: Path, cache_dir: Path) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pipeline = runners(model_dir, cache_dir)
+    # the prompts prefill in one step, then every step decodes one token of each: batches mix lengths and depths
+    logits = step(pipeline, PROMPTS, [0, 0])
+    generated = [[int(row.argmax())] for row in logits]
+    with torch.inference_mode():
+        for i, prompt in enumerate(PROMPTS):
+            expected = reference(torch.tensor([prompt])).logits[0, -1]
+            torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=0)
+    for _ in range(NEW_TOKENS - 1):
+        done = [len(p) + len(g) - 1 for p, g in zip(PROMPTS, generated, strict=True)]
+        logits = step(pipeline, [g[-1:] for g in generated], done)
+        for g, row in zip(generated, logits, strict=True):
+            g.append(int(row.argmax()))
+    with torch.inference_mode():
+        for prompt, tokens in zip(PROMPTS, generated, strict=True):
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_a_step_of_the_onnxruntime_stage_equals_the_torch_stage_and_writes_the_same_kv(model_dir: Path,
+                                                                                         cache_dir: Path) -> None:
+    spec = StageSpec("m", str(model_dir), 2, 4, 6)
+    torch_runner = StageRunner(load_stage(spec), 8)
+    ort_runner = StageRunner(OrtStageModel.from_model(load_stage(spec), cache_dir), 8)
+    hidden = torch.randn(10, 256, generator=torch.Generator().manual_seed(0))
+    for seqs, rows in (([SeqSlice(0, 7, 0, [0, 1]), SeqSlice(7, 3, 0, [2])], hidden),       # two prefills
+                       ([SeqSlice(0, 1, 7, [0, 1]), SeqSlice(1, 1, 3, [2])], hidden[:2]),   # two decodes
+                       ([SeqSlice(0, 4, 8, [0, 1]), SeqSlice(4, 1, 4, [2])], hidden[:5])):  # a chunk beside a decode
+        torch.testing.assert_close(ort_runner.forward(rows, seqs), torch_runner.forward(rows, seqs),
+                                   atol=2e-5, rtol=0)
+    for layer in range(2):
+        torch.testing.assert_close(ort_runner.cache.k[layer], torch_runner.cache.k[layer], atol=2e-5, rtol=0)
+        torch.testing.assert_close(ort_runner.cache.v[layer], torch_runner.cache.v[layer], atol=2e-5, rtol=0)
+
+
+def test_the_attention_index_places_each_query_and_key() -> None:
+    # a 3-token chunk after 5 cached tokens (blocks 4 and 6 of 4 slots), and a decode after 1 cached token (block 9)
+    index = AttentionIndex.of([SeqSlice(0, 3, 5, [4, 6]), SeqSlice(3, 1, 1, [9])], block_size=4)
+    assert index.past_slots.tolist() == [[16, 17, 18, 19, 24], [36, 0, 0, 0, 0]]
+    assert index.rows.tolist() == [[0, 1, 2], [3, 0, 0]] and index.unpad.tolist() == [0, 1, 2, 3]
+    assert index.past_mask[0].all() and index.past_mask[1].tolist() == [[True, False, False, False, False]] * 3
+    assert index.new_mask[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert index.new_mask[1].tolist() == [[True, False, False], [False] * 3, [False] * 3]   # padding sees a past key
+
+
+def test_an_export_is_made_once_and_again_when_the_checkpoint_changes(tiny_model, tmp_path: Path) -> None:
+    model_dir = tiny_model("llama", num_layers=2, seed=7)
+    model = load_stage(StageSpec("m", str(model_dir), 0, 2, 2))
+    path = export_layers(model, tmp_path)
+    assert path == export_path(model, tmp_path) and path.exists() and Path(f"{path}.data").exists()
+    made = path.stat().st_mtime_ns
+    assert export_layers(model, tmp_path).stat().st_mtime_ns == made       # found, not exported again
+    weights = next(model_dir.glob("*.safetensors"))
+    os.utime(weights, ns=(made, weights.stat().st_mtime_ns + 1_000_000_000))
+    assert export_path(model, tmp_path) != path                            # a changed checkpoint: a new key
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(dtype="bfloat16"), "compute in float32"),
+    (dict(tp_degree=2), "one CPU rank"),
+], ids=["bfloat16", "tensor-parallel"])
+def test_what_an_onnxruntime_stage_refuses(tiny_model, tmp_path: Path, spec: dict, message: str) -> None:
+    model_dir = tiny_model("llama", num_layers=2)
+    model = load_stage(StageSpec("m", str(model_dir), 0, 2, 2, dtype=spec.get("dtype", "float32")))
+    model.spec = StageSpec("m", str(model_dir), 0, 2, 2, **spec)
+    with pytest.raises(InvalidInput, match=message):
+        export_layers(model, tmp_path)
+
+
+def test_a_sliding_window_model_is_refused(tiny_model, tmp_path: Path) -> None:
+    model_dir = tiny_model("mistral", num_layers=2, sliding_window=8)
+    with pytest.raises(InvalidInput, match="sliding-window"):
+        export_layers(load_stage(StageSpec("m", str(model_dir), 0, 2, 2)), tmp_path)
