@@ -70,14 +70,17 @@ NARROW = _ProbeModel(64, 128, 2, 1)
 WIDE = _ProbeModel(512, 1408, 8, 2)
 
 
-def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS) -> dict[str, float]:
+def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS,
+                   step_s: Callable[[str, _ProbeModel, int, int], float] | None = None) -> dict[str, float]:
     """What a decode step of the stage engine costs on device beyond the roofline of a large matmul and copy:
     step_overhead_s and layer_overhead_s (the narrow model's step with 1 and OVERHEAD_LAYERS layers, split into a
     fixed part and a part per layer), and decode_flops (the wide model's extra time per layer over the narrow
-    one's, for its extra FLOPs), for decode steps of OVERHEAD_BATCH sequences."""
-    narrow = [_decode_step_s(device, NARROW, layers, steps) for layers in (1, OVERHEAD_LAYERS)]
+    one's, for its extra FLOPs), for decode steps of OVERHEAD_BATCH sequences. step_s(device, shape, layers,
+    steps) times the steps (default: _decode_step_s, the real engine's)."""
+    step_s = step_s or _decode_step_s
+    narrow = [step_s(device, NARROW, layers, steps) for layers in (1, OVERHEAD_LAYERS)]
     per_layer = max(0.0, (narrow[1] - narrow[0]) / (OVERHEAD_LAYERS - 1))
-    wide_per_layer = (_decode_step_s(device, WIDE, OVERHEAD_LAYERS, steps) - narrow[0] + per_layer) / OVERHEAD_LAYERS
+    wide_per_layer = (step_s(device, WIDE, OVERHEAD_LAYERS, steps) - narrow[0] + per_layer) / OVERHEAD_LAYERS
     extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
     return {"step_overhead_s": max(0.0, narrow[0] - per_layer), "layer_overhead_s": per_layer,
             "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -129,7 +130,25 @@ def test_fingerprint_follows_host_cpu_and_gpus() -> None:
 def test_a_decode_steps_overheads_and_flops_are_measured_on_the_real_engine() -> None:
     from stratamesh.agent.speed import measure_decode
 
-    measured = measure_decode("cpu", steps=5)
-    assert 0 <= measured["step_overhead_s"] < 0.1 and 0 < measured["layer_overhead_s"] < 0.1
-    peak = measure_speeds(reps=1)[0].flops
-    assert 0 < measured["decode_flops"] < 2 * peak      # small matmuls reach no more than a large one (and noise)
+    # (timings on a shared box are whatever the box allows: what holds is their form, never their size)
+    measured = measure_decode("cpu", steps=3)
+    assert set(measured) == {"step_overhead_s", "layer_overhead_s", "decode_flops"}
+    assert all(0 <= value < math.inf for value in measured.values()) and measured["decode_flops"] > 0
+
+
+@pytest.mark.parametrize("times, expected", [
+    # 1 narrow layer 1.0 ms, 4 narrow layers 1.6 ms: 0.2 ms a layer over 0.8 ms a step; 4 wide layers 3.6 ms:
+    # 0.7 ms a wide layer, 0.5 ms of it for the wide model's extra FLOPs
+    ((1.0e-3, 1.6e-3, 3.6e-3), (0.8e-3, 0.2e-3, 0.5e-3)),
+    # noise made 4 layers no slower than 1: no layer overhead, never a negative one
+    ((1.0e-3, 0.9e-3, 3.0e-3), (1.0e-3, 0.0, 0.5e-3)),
+])
+def test_the_overheads_split_a_step_into_a_fixed_part_and_a_part_per_layer(times, expected) -> None:
+    from stratamesh.agent.speed import NARROW, OVERHEAD_BATCH, OVERHEAD_LAYERS, WIDE, measure_decode
+
+    timed = {(NARROW, 1): times[0], (NARROW, OVERHEAD_LAYERS): times[1], (WIDE, OVERHEAD_LAYERS): times[2]}
+    measured = measure_decode("cpu", step_s=lambda device, shape, layers, steps: timed[(shape, layers)])
+    step, layer, extra_layer_s = expected
+    assert measured["step_overhead_s"] == pytest.approx(step) and measured["layer_overhead_s"] == pytest.approx(layer)
+    extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
+    assert measured["decode_flops"] == pytest.approx(extra_flops / extra_layer_s)
