@@ -15,6 +15,7 @@ import torch
 
 from stratamesh.agent.control import ControlClient, ControlRefused, Identity
 from stratamesh.agent.credentials import NotEnrolled, default_state_dir, obtain_credentials
+from stratamesh.agent.owner_limits import OwnerLimits, OwnerWatch
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.agent.observer import StageObserver
@@ -62,6 +63,8 @@ class AgentOptions:
     join_token: str = ""                # presented to the coordinator when the agent holds no certificate
     state_dir: str = ""                 # its key and certificate; default: default_state_dir(mesh)
     enroll: str | None = None           # host:port of the coordinator's enrollment endpoint; None: zeroconf
+    owner_limits: OwnerLimits = field(default_factory=OwnerLimits)   # when the box's owner wants it to rest
+    sensor_file: str = ""               # the owner's sensor readings (agent/owner_limits.py Sensors)
 
 
 async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
@@ -149,9 +152,12 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
                          dtype=options.dtype, use_gpus=options.use_gpus, runtime=options.runtime)
     identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
     sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
+    watch = OwnerWatch(options.owner_limits, options.sensor_file) if options.owner_limits.any else None
 
     async def sample() -> Telemetry:
         telemetry = await sampler.sample()
+        if watch is not None:           # while the owner's limits rest the agent, its telemetry says why
+            telemetry = watch.check(telemetry)
         metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
         return telemetry
 

@@ -201,7 +201,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     enrollment = await _start_enrollment(options, ca, registry, control) if ca is not None else None
     await server.start()
 
-    drainer = Drainer(deployer, origin, registry)
+    drainer = Drainer(deployer, origin, registry, events)
     drainer.resume()                # drains a previous run of this coordinator left half done
     admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer, deployer, metrics.live,
                       revoker=enrollment.revoker if enrollment else None)

@@ -98,6 +98,7 @@ class DrainStatus:
     finished_unix_s: float = 0.0
     error: str = ""
     resumed: int = 0                # times a restarted coordinator took it up again
+    rest: str = ""                  # a rest the owner's limits asked for (why): the agent stays, planned on no more
 
     @property
     def running(self) -> bool:

@@ -126,12 +126,18 @@ def _m011_stage_runtime(db: Database) -> None:
     db["stages"].add_column("runtime", str, not_null_default="torch")
 
 
+def _m012_drain_rest(db: Database) -> None:
+    """Whether a drain is an owner's rest (why), after which the agent stays connected, planned on no more."""
+    db["drains"].add_column("rest", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
-                                     _m010_plan_predictions, _m011_stage_runtime)
+                                     _m010_plan_predictions, _m011_stage_runtime,
+                                     _m012_drain_rest)
 
 
 def _caps_to_json(caps: Capabilities) -> str:

@@ -394,6 +394,7 @@ class Telemetry:
     # CPU seconds the agent spends per token of a step beyond its layers: the serving path (messages in and out,
     # scheduling), measured over the last window of enough tokens; 0 until then
     serving_cpu_per_token_s: float = 0.0
+    resting: str = ""           # why the owner's limits rest this agent (agent/owner_limits.py); "" = it serves
 
 
 @dataclass(frozen=True, slots=True)

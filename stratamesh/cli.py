@@ -19,7 +19,7 @@ from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
-from stratamesh.fleet.errors import EXIT_REFUSED, MeshError, Refused
+from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -138,6 +138,22 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--runtime", choices=("auto", "torch", "onnxruntime"), default="auto",
                        help="what computes this agent's stages; onnxruntime: ONNX Runtime's CPU provider, in float32 "
                             "(each stage is exported once, into the cache folder); auto: the planner picks (torch)")
+    owner = agent.add_argument_group("the owner's limits", "the agent rests (its stages move to other agents) once a "
+                                     "limit has been crossed for --limit-grace, and serves again once none has been "
+                                     "for --limit-cooldown")
+    owner.add_argument("--max-gpu-temp", type=float, metavar="C", help="the hottest GPU (or --sensor-file reading)")
+    owner.add_argument("--max-power-w", type=float, metavar="W", help="the GPUs' (and --sensor-file's) draw together")
+    owner.add_argument("--max-host-load", type=float, metavar="CORES",
+                       help="cores' worth of CPU the owner's own processes (all but this agent's) may use")
+    owner.add_argument("--quiet-hours", action="append", default=[], metavar="HH:MM-HH:MM",
+                       help="local times to rest, e.g. 22:00-07:00 (repeatable)")
+    owner.add_argument("--limit-grace", type=_duration, default=30.0, metavar="DURATION",
+                       help="how long a limit must be crossed before the agent rests (default 30s)")
+    owner.add_argument("--limit-cooldown", type=_duration, default=300.0, metavar="DURATION",
+                       help="how long no limit must be crossed before it serves again (default 5m)")
+    owner.add_argument("--sensor-file", default="", metavar="PATH",
+                       help='JSON the owner\'s script keeps current for sensors NVML does not see: '
+                            '{"temperatures_c": [71.5], "power_w": 35}')
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.add_argument("--metrics-port", type=int, default=0,
@@ -278,6 +294,19 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    """--limit-grace, --limit-cooldown: 90s, 30m, 24h or 7d, in seconds."""
+    from stratamesh.coordinator.enrollment import parse_duration
+
+    try:
+        seconds = parse_duration(text)
+    except InvalidInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds is None:
+        raise argparse.ArgumentTypeError("a limit's period cannot be never")
+    return seconds
+
+
 def _num_ranks(text: str) -> int:
     """--ranks: an integer in 1..MAX_TP_DEGREE."""
     from stratamesh.fleet.types import MAX_TP_DEGREE
@@ -296,6 +325,7 @@ def _agent(args: argparse.Namespace) -> None:
     from stratamesh.agent.daemon import AgentOptions, exit_now, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig
     from stratamesh.agent.engine.tp_group import GroupFailed
+    from stratamesh.agent.owner_limits import OwnerLimits, QuietHours
 
     state_dir = args.state_dir or default_state_dir(args.mesh)
     agent_id = args.agent_id or (stored_agent_id(state_dir) if not args.insecure else "")   # keep its name
@@ -307,6 +337,10 @@ def _agent(args: argparse.Namespace) -> None:
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
         dtype="" if args.dtype == "auto" else args.dtype, use_gpus=not args.no_gpu,
         runtime="" if args.runtime == "auto" else args.runtime,
+        owner_limits=OwnerLimits(args.max_gpu_temp, args.max_power_w, args.max_host_load,
+                                 tuple(QuietHours.parse(q) for q in args.quiet_hours), args.limit_grace,
+                                 args.limit_cooldown),
+        sensor_file=args.sensor_file,
         engine=EngineConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,

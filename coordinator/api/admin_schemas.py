@@ -177,6 +177,7 @@ class DrainView(BaseModel):
     finished_unix_s: float
     error: str
     resumed: int = Field(description="times a restarted coordinator took this drain up again")
+    rest: str = Field("", description="why the agent's owner's limits rest it (it stays connected); \"\": a drain")
 
 
 class Drain(BaseModel):

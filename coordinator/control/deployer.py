@@ -37,8 +37,8 @@ class Deployer:
         self._routes = Routes(registry, self._roster)
         self._drains = Drains(registry, clock, self._roster)
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
-        if events is not None:
-            events.on_unreachable(self.report_unreachable)
+        self._events = events or ControlEvents()
+        self._events.on_unreachable(self.report_unreachable)
 
     @property
     def liveness(self) -> Liveness:
@@ -112,6 +112,7 @@ class Deployer:
     def agent_disconnected(self, link: AgentLink) -> None:
         if not self._roster.disconnect(link):
             return  # a newer stream of the same agent took over, or the agent was declared dead
+        self._drains.forget(link.agent_id)
         if self._drains.left(link.agent_id):     # it left as told: not a failure
             self._roster.record_drained(link.agent_id)
         else:
@@ -122,6 +123,18 @@ class Deployer:
 
     def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
         self._roster.heartbeat(agent_id, telemetry)
+        if telemetry is not None and self._roster.is_connected(agent_id):
+            self._owner_says(agent_id, telemetry.resting)
+
+    def _owner_says(self, agent_id: str, resting: str) -> None:
+        """An agent's telemetry says whether its owner's limits rest it: a rest starts once (the drainer moves its
+        stages off; finish_rest), and ends when it serves again (end_rest) after that."""
+        if resting and agent_id not in self._drains.rest_asked:
+            self._drains.rest_asked.add(agent_id)
+            log.info("agent %s asks to rest: %s", agent_id, resting)
+            self._events.rest_asked(agent_id, resting)
+        elif not resting and agent_id in self._drains.resting:
+            self.end_rest(agent_id)
 
     def report_unreachable(self, address: str) -> None:
         """The data plane could not reach this Stage address: a sign that its agent died."""
@@ -136,6 +149,7 @@ class Deployer:
 
     def _agent_dead(self, agent_id: str) -> None:
         """Cuts a dead agent off, fails over the sessions routed through it and re-plans its models."""
+        self._drains.forget(agent_id)
         for address in self._roster.cut_off(agent_id):
             self._sessions.route_lost(address)
         self._plans.replan_lost()
@@ -197,6 +211,31 @@ class Deployer:
         """Gives up a drain: the replacements not loaded yet are dropped, and the agent is planned on again."""
         self._drains.cancel(agent_id)
         self._plans.release_unplanned()
+
+    def finish_rest(self, agent_id: str, why: str) -> None:
+        """Ends the drain of a resting agent: what it still holds is released, and it stays connected, planned on
+        no more until it serves again (end_rest)."""
+        if not self._roster.is_connected(agent_id):
+            return
+        self._drains.draining.discard(agent_id)
+        self._drains.resting[agent_id] = why
+        self._plans.stop_retiring(self._roster.release_held(agent_id))
+        self._registry.set_agent_state(agent_id, "resting", self._clock())
+        self._registry.log_event("agent_resting", why, self._clock(), agent_id=agent_id)
+        log.info("agent %s rests: %s", agent_id, why)
+
+    def end_rest(self, agent_id: str) -> None:
+        """A resting agent serves again: plans may use it (a clearly better plan with it becomes a standby)."""
+        why = self._drains.resting.pop(agent_id, None)
+        self._drains.rest_asked.discard(agent_id)
+        if why is None:
+            return
+        self._registry.set_agent_state(agent_id, "connected", self._clock())
+        self._registry.log_event("agent_serving", f"its owner's limits allow it again (it rested: {why})",
+                                 self._clock(), agent_id=agent_id)
+        log.info("agent %s serves again", agent_id)
+        self._plans.reconcile()
+        self._plans.improve()
 
     def finish_drain(self, agent_id: str) -> None:
         """Releases what the drained agent still holds and tells it to exit."""

@@ -9,6 +9,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.events import ControlEvents
 from stratamesh.coordinator.control.roster import AgentNotConnected
 from stratamesh.coordinator.origin import Origin
 from stratamesh.coordinator.records import DrainStatus
@@ -33,20 +34,33 @@ class Drainer:
     """Runs drains: one task per agent, driving the deployer (stages) and the origin (sessions). Every drain and
     its progress is kept in the registry; resume() takes up those a previous coordinator left running."""
 
-    def __init__(self, deployer: Deployer, origin: Origin, registry: Registry) -> None:
+    def __init__(self, deployer: Deployer, origin: Origin, registry: Registry,
+                 events: ControlEvents | None = None) -> None:
+        """events: where the deployer says an agent's owner asks it to rest (a drain after which it stays)."""
         self._deployer = deployer
         self._origin = origin
         self._registry = registry
         self._drains: dict[str, DrainStatus] = {d.agent_id: d for d in registry.drains()}
         self._tasks: set[asyncio.Task[None]] = set()
+        if events is not None:
+            events.on_rest(self.rest)
 
-    def start(self, agent_id: str) -> DrainStatus:
-        """Starts draining the agent (AgentNotConnected, DrainRefused); its progress is in status()."""
+    def rest(self, agent_id: str, why: str) -> None:
+        """The agent's owner's limits want it resting: its stages and sessions move off it as in a drain, and it
+        stays connected, planned on no more until it serves again. Refused (logged) while a drain of it runs."""
+        try:
+            self.start(agent_id, rest=why)
+        except (AgentNotConnected, DrainRefused) as exc:
+            log.warning("agent %s cannot rest now: %s", agent_id, exc)
+
+    def start(self, agent_id: str, rest: str = "") -> DrainStatus:
+        """Starts draining the agent (AgentNotConnected, DrainRefused); its progress is in status(). rest: why its
+        owner's limits rest it (then it stays connected at the end; see rest())."""
         current = self._drains.get(agent_id)
         if current is not None and current.running:
             raise DrainRefused(f"agent {agent_id!r} is being drained already")
         address = self._deployer.stage_address(agent_id)
-        status = DrainStatus(agent_id, time.time())
+        status = DrainStatus(agent_id, time.time(), rest=rest)
         self._begin(status)
         self._drains[agent_id] = status
         self._save(status)
@@ -136,7 +150,10 @@ class Drainer:
             if not await self._until(moved, SESSIONS_TIMEOUT_S):
                 log.warning("drain of %s: %d sessions did not move in %.0f s; they fail over when it exits",
                             agent_id, self._origin.sessions_through(address), SESSIONS_TIMEOUT_S)
-            self._deployer.finish_drain(agent_id)
+            if status.rest:
+                self._deployer.finish_rest(agent_id, status.rest)
+            else:
+                self._deployer.finish_drain(agent_id)
             status.state = "drained"
         except DrainRefused as exc:
             self._deployer.cancel_drain(agent_id)

@@ -17,7 +17,8 @@ Move = tuple[StageRecord, StageRecord]     # (a stage of a drained agent, its re
 class Drains:
     """The agents being drained: planned on no more, each of their stages replaced by one loading on a spare,
     layer range unchanged. A loaded replacement takes its stage's place in the plan; a failed one fails its
-    agent's drain. It also remembers the agents told to exit, so that their leaving is not taken for a death."""
+    agent's drain. It also remembers the agents told to exit, so that their leaving is not taken for a death, and
+    the agents resting (a drain the owner's limits asked for, after which the agent stays, planned on no more)."""
 
     def __init__(self, registry: Registry, clock: Callable[[], float], roster: Roster):
         self._registry = registry
@@ -27,6 +28,8 @@ class Drains:
         self._drained: set[str] = set()        # agents told to exit
         self._replacements: dict[str, Move] = {}  # new assignment id -> (old, new)
         self.failures: dict[str, str] = {}     # agent id -> why a replacement of its stages failed
+        self.resting: dict[str, str] = {}      # agent id -> why its owner's limits rest it (planned on no more)
+        self.rest_asked: set[str] = set()      # agents whose rest was asked for, until they serve again
 
     def start(self, agent_id: str, moves: list[Move]) -> None:
         """Starts loading the replacements of the agent's stages; its stages in a standby plan abandon it."""
@@ -94,3 +97,13 @@ class Drains:
         self._drained.discard(agent_id)
         self.draining.discard(agent_id)
         return True
+
+    @property
+    def excluded(self) -> set[str]:
+        """Agents no plan may use: those being drained and those resting."""
+        return self.draining | set(self.resting)
+
+    def forget(self, agent_id: str) -> None:
+        """An agent gone: it rests no more (a rest asked for again, if it comes back resting)."""
+        self.resting.pop(agent_id, None)
+        self.rest_asked.discard(agent_id)

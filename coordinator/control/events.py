@@ -27,11 +27,13 @@ class NoSessions:
 
 
 class ControlEvents:
-    """Carries the data plane's reports of unreachable Stage addresses from the origin to the roster. Made
-    first and given to both, it lets the origin be built before the deployer that takes it as its sessions."""
+    """Carries the data plane's reports of unreachable Stage addresses from the origin to the roster, and the rests
+    agents' owners ask for from the deployer to the drainer. Made first and given to each, it lets the origin be
+    built before the deployer that takes it as its sessions, and the drainer after the deployer it drives."""
 
     def __init__(self) -> None:
         self._unreachable: list[Callable[[str], None]] = []
+        self._rest: list[Callable[[str, str], None]] = []
 
     def on_unreachable(self, listener: Callable[[str], None]) -> None:
         """Calls listener with every address reported unreachable from now on."""
@@ -41,3 +43,12 @@ class ControlEvents:
         """A generation could not reach this Stage address."""
         for listener in self._unreachable:
             listener(address)
+
+    def on_rest(self, listener: Callable[[str, str], None]) -> None:
+        """Calls listener(agent id, why) with every rest the owner's limits ask for from now on."""
+        self._rest.append(listener)
+
+    def rest_asked(self, agent_id: str, why: str) -> None:
+        """An agent's owner's limits want it resting: its stages move off it (the Drainer's business)."""
+        for listener in self._rest:
+            listener(agent_id, why)

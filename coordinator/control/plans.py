@@ -89,7 +89,7 @@ class Plans:
     # ------------------------------------------------------------ planned stages
     def plannable(self) -> dict[str, Capabilities]:
         """Connected agents not banned for flapping nor being drained, and what they can do."""
-        return self._roster.plannable(excluded=self._drains.draining)
+        return self._roster.plannable(excluded=self._drains.excluded)
 
     def planned_for(self, agent_id: str) -> dict[str, StageRecord]:
         return {s.assignment_id: s for s in self._planned_stages() if s.agent_id == agent_id}

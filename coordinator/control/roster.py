@@ -206,13 +206,18 @@ class Roster:
                 loaded.discard(assignment_id)
                 link.send(Release(assignment_id))
 
-    def shut_down(self, agent_id: str, reason: str) -> list[str]:
-        """Tells a connected agent to release everything and exit; returns the assignments it was holding."""
+    def release_held(self, agent_id: str) -> list[str]:
+        """Tells a connected agent to release everything it holds; returns those assignments."""
         link = self._links[agent_id]
         held = sorted(self._loaded.pop(agent_id, set()))
         for assignment_id in held:
             link.send(Release(assignment_id))
-        link.send(Shutdown(reason))
+        return held
+
+    def shut_down(self, agent_id: str, reason: str) -> list[str]:
+        """Tells a connected agent to release everything and exit; returns the assignments it was holding."""
+        held = self.release_held(agent_id)
+        self._links[agent_id].send(Shutdown(reason))
         self._registry.set_agent_state(agent_id, "drained", self._clock())
         return held
 

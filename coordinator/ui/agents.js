@@ -197,7 +197,7 @@ function drainText(drain) {
   switch (drain.state) {
     case "moving_stages": return "moving stages…";
     case "moving_sessions": return `moving sessions (${drain.sessions_asked || 0})…`;
-    case "drained": return `drained · ${moved} stage${moved === 1 ? "" : "s"} moved`;
+    case "drained": return `${drain.rest ? `resting (${drain.rest})` : "drained"} · ${moved} stage${moved === 1 ? "" : "s"} moved`;
     case "failed": return `drain failed: ${drain.error || "?"}`;
     default: return drain.state;
   }

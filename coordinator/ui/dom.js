@@ -98,7 +98,7 @@ export const DOWN_STATES = new Set(["dead", "lost", "drained", "disconnected"]);
 export function stateClass(state) {
   if (["online", "connected", "ready", "active"].includes(state)) return "healthy";
   if (["draining", "moving_stages", "moving_sessions", "loading", "recovering", "waiting", "standby",
-    "pending", "running"].includes(state)) return "warn";
+    "pending", "running", "resting"].includes(state)) return "warn";
   if (["dead", "lost", "failed", "disconnected"].includes(state)) return "down";
   if (state === "drained" || state === "finished") return "muted";
   return "unknown";

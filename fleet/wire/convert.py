@@ -33,6 +33,7 @@ _TOKEN_ID = re.compile(r"[0-9a-f]{8}")
 _GPU_READINGS = ("utilization_pct", "temperature_c", "power_w", "power_limit_w")
 
 OVERHEAD_LIMIT_S = 1.0      # a measured step or layer overhead past this is a broken probe, not a speed
+MAX_REASON = 500            # characters of an agent's reason kept (why it rests): enough to read, not a flood
 
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.GpuInfo:
@@ -366,7 +367,7 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
                 for s in t.stages],
-        gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s)
+        gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting)
 
 
 def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
@@ -381,7 +382,7 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
             raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts}")
         stages.append(StageLoad(s.assignment_id, *counts))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
-                     tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s)
+                     tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON])
 
 
 def link_report_to_pb(links: list[LinkMeasurement]) -> pb.AgentMessage:

@@ -164,20 +164,22 @@ class Heartbeat(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., num_sessions: _Optional[int] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("unix_s", "queue_depth", "tokens_per_s", "stages", "gpus", "serving_cpu_per_token_s")
+    __slots__ = ("unix_s", "queue_depth", "tokens_per_s", "stages", "gpus", "serving_cpu_per_token_s", "resting")
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SERVING_CPU_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    RESTING_FIELD_NUMBER: _ClassVar[int]
     unix_s: float
     queue_depth: int
     tokens_per_s: float
     stages: _containers.RepeatedCompositeFieldContainer[StageLoad]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     serving_cpu_per_token_s: float
-    def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., serving_cpu_per_token_s: _Optional[float] = ...) -> None: ...
+    resting: str
+    def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., serving_cpu_per_token_s: _Optional[float] = ..., resting: _Optional[str] = ...) -> None: ...
 
 class StageLoad(_message.Message):
     __slots__ = ("assignment_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens")

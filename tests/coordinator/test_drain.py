@@ -108,3 +108,39 @@ async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_
     assert (stored.state, stored.resumed, stored.finished_unix_s > 0) == ("drained", 1, True)
     assert [m["to"] for m in stored.stages] == ["a3"]
     await drainer.close()
+
+
+async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_serves_again(model_dir: Path) -> None:
+    from stratamesh.coordinator.control.deployer import Deployer
+    from stratamesh.coordinator.control.events import ControlEvents
+    from stratamesh.coordinator.liveness import LivenessConfig
+    from stratamesh.coordinator.registry import Registry
+    from stratamesh.fleet.types import Telemetry
+    from tests.coordinator.test_deployer import Agent, released
+
+    registry, events = Registry(":memory:"), ControlEvents()
+    deployer = Deployer(registry, clock=lambda: 100.0, liveness=LivenessConfig(lease_s=2.0), events=events)
+    a1, a2, spare = Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, [a1, a2])
+    report_ready(deployer, [a1, a2])
+    connect_all(deployer, [spare])
+    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry, events)
+    hot = "at 90 C, above 80 C"
+    deployer.heartbeat("a2", Telemetry(100.0, resting=hot))
+    status = drainer.status("a2")
+    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer._plannable()
+    deployer.heartbeat("a2", Telemetry(100.5, resting=hot))            # said with every heartbeat: one rest
+    assert drainer.status("a2") is status
+    report_ready(deployer, [spare])                                      # the replacement loaded
+    await wait_for(lambda: status.state == "drained")
+    assert not shutdowns(a2) and released(a2) and deployer.stage_address("a2")   # it stays, holding nothing
+    assert registry.agent("a2").state == "resting" and "a2" not in deployer._plannable()
+    assert all(s.agent_id != "a2" for s in registry.active_plan("m").stages)
+    deployer.heartbeat("a2", Telemetry(400.0))                           # its owner's limits allow it again
+    assert registry.agent("a2").state == "connected" and "a2" in deployer._plannable()
+    kinds = [(e.kind, e.detail) for e in registry.events() if e.agent_id == "a2"]
+    assert ("agent_resting", hot) in kinds and any(k == "agent_serving" for k, _ in kinds)
+    deployer.heartbeat("a2", Telemetry(401.0, resting=hot))            # and may rest again later
+    assert drainer.status("a2") is not status and drainer.status("a2").rest == hot
+    await drainer.close()
