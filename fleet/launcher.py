@@ -80,13 +80,15 @@ class LocalMesh:
     _client_tls: MeshTls | None = field(default=None, repr=False)
 
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
-        """Starts every process and waits until /health says the model is ready."""
+        """Starts every process and waits until /health says the model is ready and every agent is connected (a
+        spare, which the plan need not wait for, may take longer to join than the stages' agents)."""
         atexit.register(self.stop)  # never leave daemons behind, even if the caller forgets
         self.start_coordinator(timeout_s)
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
         for index, process in enumerate(spawned):  # they import torch in parallel; collect addresses after
             self._agent_started(index, self._await_line(process, _AGENT_LINE, timeout_s))
         self.wait_ready(timeout_s)
+        self.wait_connected(self.num_agents, timeout_s)
         return self
 
     def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
@@ -230,6 +232,18 @@ class LocalMesh:
                 return
             time.sleep(0.2)
         raise LaunchError(f"mesh not ready after {timeout_s:.0f} s: {health}")
+
+    def wait_connected(self, num_agents: int, timeout_s: float) -> None:
+        """Waits until /health counts num_agents agents connected (LaunchError after timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        health: dict = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            health = self.health()
+            if health.get("num_agents", 0) >= num_agents:
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"{health.get('num_agents', 0)} of {num_agents} agents connected after {timeout_s:.0f} s")
 
     def health(self) -> dict:
         try:
