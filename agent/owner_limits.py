@@ -28,7 +28,6 @@ from stratamesh.fleet.types import GpuInfo, Telemetry
 log = logging.getLogger(__name__)
 
 _CLOCK = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
-MINUTES_A_DAY = 24 * 60
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,12 +172,12 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
                        **_overheads(measured, "torch-cuda", dtype))
                 for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
     dtype, backend = stage_dtype(checkpoint, caps, None), _cpu_backend(caps)
-    # (an agent told to run ONNX Runtime is priced at the speeds its host measured with torch where it measured
-    # none with ONNX Runtime)
-    own = [s for s in speeds if s.backend == backend] or [s for s in speeds if s.backend == "torch-cpu"]
+    # what the host measured of that backend: an agent told to run ONNX Runtime, on a host that measured only torch,
+    # is priced at torch's speeds and overheads
+    priced_as = backend if any(s.backend == backend for s in measured) else "torch-cpu"
     cpu = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
-                for s in own) or (replace(UNMEASURED, backend=backend),)
-    overheads = {k: v / share for k, v in {**_overheads(measured, backend, dtype),
+                for s in speeds if s.backend == priced_as) or (replace(UNMEASURED, backend=backend),)
+    overheads = {k: v / share for k, v in {**_overheads(measured, priced_as, dtype),
                                            "token_overhead_s": serving_cpu_s}.items()}
     return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, backend, dtype),
                    caps.tier or "edge", caps.site, node=agent_id, dtype=dtype, **overheads) for i in ids]
@@ -198,8 +198,6 @@ def _overheads(measured: Sequence[SpeedInfo], backend: str, dtype: str) -> dict[
     """The step and layer overheads the host measured for backend (in dtype, else float32: they are the
     framework's, nearly the same in any dtype)."""
     own = sorted((s for s in measured if s.backend == backend), key=lambda s: (s.dtype != dtype, s.dtype != "float32"))
-    if not own and backend == "onnxruntime-cpu":
-        return _overheads(measured, "torch-cpu", dtype)
     if not own:
         return {}
     return {"step_overhead_s": own[0].step_overhead_s, "layer_overhead_s": own[0].layer_overhead_s}

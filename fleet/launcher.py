@@ -223,27 +223,27 @@ class LocalMesh:
         return process
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        health: dict = {}
-        while time.monotonic() < deadline:
-            self._check_alive()
-            health = self.health()
-            if health.get("status") == "ok":
-                return
-            time.sleep(0.2)
-        raise LaunchError(f"mesh not ready after {timeout_s:.0f} s: {health}")
+        """Waits until /health says every model is ready (LaunchError after timeout_s)."""
+        health = self._wait_health(lambda h: h.get("status") == "ok", timeout_s)
+        if health.get("status") != "ok":
+            raise LaunchError(f"mesh not ready after {timeout_s:.0f} s: {health}")
 
     def wait_connected(self, num_agents: int, timeout_s: float) -> None:
         """Waits until /health counts num_agents agents connected (LaunchError after timeout_s)."""
+        health = self._wait_health(lambda h: h.get("num_agents", 0) >= num_agents, timeout_s)
+        if health.get("num_agents", 0) < num_agents:
+            raise LaunchError(f"{health.get('num_agents', 0)} of {num_agents} agents connected after "
+                              f"{timeout_s:.0f} s")
+
+    def _wait_health(self, done: Callable[[dict], bool], timeout_s: float) -> dict:
+        """/health polled until done(it) or timeout_s passes (a mesh process dying raises LaunchError); the last."""
         deadline = time.monotonic() + timeout_s
-        health: dict = {}
-        while time.monotonic() < deadline:
+        while True:
             self._check_alive()
             health = self.health()
-            if health.get("num_agents", 0) >= num_agents:
-                return
+            if done(health) or time.monotonic() >= deadline:
+                return health
             time.sleep(0.2)
-        raise LaunchError(f"{health.get('num_agents', 0)} of {num_agents} agents connected after {timeout_s:.0f} s")
 
     def health(self) -> dict:
         try:

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["CACHE_ENV", "DB_ENV", "HOME_ENV", "UP_FOLDER", "UP_REGISTRY", "cache_home", "default_registry",
-           "make_private_dir",
-           "make_private_database", "make_private_file", "state_home", "up_folder", "write_private"]
+           "make_private_database", "make_private_dir", "make_private_file", "state_home", "up_folder",
+           "write_private"]
 
 log = logging.getLogger(__name__)
 

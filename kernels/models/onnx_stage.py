@@ -124,6 +124,11 @@ class _Layers(torch.nn.Module):
         return x, torch.stack(new_k), torch.stack(new_v)
 
 
+def _input_names(num_layers: int) -> list[str]:
+    """The graph's inputs: the step's, then each layer's K and V pool."""
+    return [*_INPUTS, *(f"{kind}{i}" for i in range(num_layers) for kind in ("k", "v"))]
+
+
 def export_path(model: StageModel, cache_dir: str | Path) -> Path:
     """Where the export of the model's layers lives: named by model, layer range, dtype and opset, keyed by the
     checkpoint files' sizes and times and torch's version (any change exports again)."""
@@ -154,7 +159,7 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     n, b, t, p, s = (torch.export.Dim(name, min=1) for name in ("tokens", "seqs", "new", "past", "slots"))
     shapes = ({0: n}, {0: n}, {0: n}, {0: b, 1: p}, {0: b, 1: t}, {0: n}, {0: b, 1: t, 2: p}, {0: b, 1: t, 2: t},
               tuple({0: s} for _ in range(2 * layers)))      # (the pools are one varargs parameter)
-    names = [*_INPUTS, *(f"{kind}{i}" for i in range(layers) for kind in ("k", "v"))]
+    names = _input_names(layers)
     with warnings.catch_warnings():     # (the exporter's notes on how it named the dynamic axes)
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
@@ -193,6 +198,7 @@ class OrtLayers:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.num_layers = num_layers
+        self._names = _input_names(num_layers)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: AttentionIndex,
             pools: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,9 +206,8 @@ class OrtLayers:
         binding = self.session.io_binding()
         inputs = (hidden, cos, sin, index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
                   *pools)
-        names = [*_INPUTS, *(f"{kind}{i}" for i in range(self.num_layers) for kind in ("k", "v"))]
         kept = [t.contiguous() for t in inputs]        # (held until the run ends: the session reads them in place)
-        for name, tensor in zip(names, kept, strict=True):
+        for name, tensor in zip(self._names, kept, strict=True):
             _bind(binding.bind_input, name, tensor)
         kv_shape = (self.num_layers, hidden.shape[0], *pools[0].shape[1:])
         outputs = (torch.empty_like(hidden), torch.empty(kv_shape, dtype=pools[0].dtype),

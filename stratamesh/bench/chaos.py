@@ -52,7 +52,6 @@ class StreamOutcome:
     """What a client saw: each token id with when it arrived (time.monotonic), or why the stream failed."""
 
     tokens: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)   # every token's arrival, a held stream's past max_tokens too
     error: str = ""
     request_id: str = ""        # the response id: the request's id in the admin API
@@ -89,14 +88,13 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
                 for choice in data.get("choices") or ():
                     ids, now = choice.get("token_ids") or (), time.monotonic()
                     outcome.tokens += ids
-                    outcome.times += [now] * len(ids)
                     outcome.arrivals += [now] * len(ids)
                 if _released(job, outcome, release):
                     break       # leaving the block closes the response: the mesh ends the generation
     except (httpx.HTTPError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
     if job.hold_tokens:
-        del outcome.tokens[job.max_tokens:], outcome.times[job.max_tokens:]
+        del outcome.tokens[job.max_tokens:]
     outcome.end_s = time.monotonic()
     if not outcome.error and len(outcome.tokens) != job.max_tokens:
         outcome.error = f"{len(outcome.tokens)} tokens, asked for {job.max_tokens}"

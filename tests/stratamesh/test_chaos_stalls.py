@@ -7,7 +7,7 @@ from stratamesh.bench.chaos import FailoverRun, StreamOutcome, stalls_after
 
 def outcome(times: list[float], kept: int) -> StreamOutcome:
     """A held stream that got len(times) tokens and keeps its first `kept` (its max_tokens)."""
-    return StreamOutcome(tokens=list(range(kept)), times=times[:kept], arrivals=list(times))
+    return StreamOutcome(tokens=list(range(kept)), arrivals=list(times))
 
 
 def test_a_stall_is_the_wait_from_the_kill_to_the_next_token_past_max_tokens_too() -> None:
