@@ -29,7 +29,7 @@ import httpx
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.sdk.local import builtin_model_dir
 
-MODEL = "tiny-llama"
+MODEL = "demo-llama"
 
 
 @dataclass

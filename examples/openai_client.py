@@ -21,7 +21,7 @@ from stratamesh import Mesh
 
 @contextlib.contextmanager
 def local_mesh(num_agents: int) -> Iterator[tuple[str, str]]:
-    """A coordinator and num_agents agents on loopback serving the built-in tiny Llama; yields its URL and key."""
+    """A coordinator and num_agents agents on loopback serving the built-in demo model; yields its URL and key."""
     print(f"starting a coordinator and {num_agents} agents (each imports torch: a few seconds) ...", flush=True)
     with Mesh.local(agents=num_agents) as mesh:   # the SDK starts (and at the end stops) the processes
         yield mesh.url, mesh.local_mesh.api_key   # an operator API key the launcher made
@@ -34,7 +34,7 @@ def demo(client: OpenAI, max_tokens: int) -> None:
     model = models[0].id
 
     # The built-in model has random weights: its text is gibberish, but it travelled through every stage.
-    completion = client.completions.create(model=model, prompt="The mesh", max_tokens=max_tokens, temperature=0)
+    completion = client.completions.create(model=model, prompt="I went to", max_tokens=max_tokens, temperature=0)
     print(f"completion: {completion.choices[0].text!r} ({completion.usage.completion_tokens} tokens, "
           f"finish_reason={completion.choices[0].finish_reason})")
 

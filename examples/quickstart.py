@@ -26,7 +26,7 @@ def tour(mesh: Mesh) -> None:
 
     # The built-in model has random weights: it answers gibberish, but every token crossed every stage.
     # With one model served, model= may be left out.
-    completion = mesh.generate("The mesh", max_tokens=16)
+    completion = mesh.generate("I went to", max_tokens=16)
     print(f"generate: {completion.text!r} ({completion.finish_reason})")
 
     conversation = [{"role": "user", "content": "Where do my layers run?"}]
@@ -67,7 +67,7 @@ def main() -> None:
             mesh = stack.enter_context(Mesh(args.url, api_key=args.api_key))   # None: $STRATAMESH_API_KEY
             api_key = args.api_key
         else:
-            # A coordinator and N agents as processes on loopback, serving a built-in tiny Llama split into N
+            # A coordinator and N agents as processes on loopback, serving the built-in demo model split into N
             # pipeline stages; all of them stop when the block ends, also on an exception. The SDK's client
             # sends the operator API key the launcher made; a second client needs it too.
             print(f"starting a coordinator and {args.agents} agents ...", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +72,18 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     return out
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE trained on the bundled corpus, with the ChatML special tokens at ids 0..2."""
+def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE trained on texts (default: the bundled corpus' lines), with the ChatML special tokens at
+    ids 0..2."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS.read_text().splitlines(keepends=True), trainer=trainer)
+    if texts is None:
+        texts = CORPUS.read_text().splitlines(keepends=True)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.get_vocab_size()}")
     return tokenizer

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--agents", type=int, default=3)
     up.add_argument("--stages", type=int, default=0,
                     help="pipeline stages of the model (default: one per agent; fewer leaves spares)")
-    up.add_argument("--model", help="a Hugging Face folder; default: a built-in tiny Llama")
+    up.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
@@ -201,6 +201,12 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="the dtype the weights are stored in")
     tiny.set_defaults(func=_model_tiny)
+    train_demo = model_commands.add_parser(
+        "train-demo", help="train the demo model (the one `up` serves) on the bundled public-domain novel")
+    train_demo.add_argument("--out", required=True)
+    train_demo.add_argument("--steps", type=int, help="optimizer steps (default: as the shipped model was trained)")
+    train_demo.add_argument("--seed", type=int, default=0)
+    train_demo.set_defaults(func=_model_train_demo)
 
     plan = commands.add_parser("plan", help="plan a model's stages over a fleet file (no daemon needed)")
     add_plan_arguments(plan)
@@ -212,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=_bench_serve)
     chaos = bench_commands.add_parser("chaos", help="kill -9 agents at random under load; check every output")
-    chaos.add_argument("--model", help="a Hugging Face folder; default: the built-in tiny Llama")
+    chaos.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     chaos.add_argument("--agents", type=int, default=4)
     chaos.add_argument("--stages", type=int, default=3)
     chaos.add_argument("--duration", type=float, default=60.0, help="seconds of load")
@@ -225,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     chaos.set_defaults(func=_bench_chaos)
     plan_check = bench_commands.add_parser(
         "plan", help="local meshes of N agents: the planner's predicted tokens/s next to the measured")
-    plan_check.add_argument("--model", help="a Hugging Face folder; default: the built-in tiny Llama")
+    plan_check.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     plan_check.add_argument("--agents", default="1,2,3,4", help="mesh sizes to run in turn (default: 1,2,3,4)")
     plan_check.add_argument("--input-len", type=int, default=128)
     plan_check.add_argument("--output-len", type=int, default=64)
@@ -370,6 +376,17 @@ def _model_tiny(args: argparse.Namespace) -> None:
     print(path)
 
 
+def _model_train_demo(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from stratamesh.kernels.demo_model import TrainSettings, train_demo
+
+    settings = replace(TrainSettings(), seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    report = train_demo(args.out, settings, log=print)
+    print(f"{report.out_dir}: {report.num_params / 1e6:.2f} M parameters, {report.weights_bytes / 1e6:.1f} MB of "
+          f"weights, held-out perplexity {report.held_out_perplexity:.2f} ({report.seconds:.0f} s of training)")
+
+
 def _bench_serve(args: argparse.Namespace) -> None:
     from stratamesh.bench.options import options_from_args
     from stratamesh.bench.serve import main as bench_serve_main
@@ -464,7 +481,7 @@ def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") ->
 
     config = json.loads(Path(model_dir, "config.json").read_text())
     endpoint, body = (("embeddings", '"input": ["The mesh", "Edge boxes"]') if model_task(config) == "embed"
-                      else ("completions", '"prompt": "The mesh", "max_tokens": 16'))
+                      else ("completions", '"prompt": "I went to", "max_tokens": 16, "temperature": 0'))
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return (f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{auth} \\\n"
             f"    -d '{{\"model\": \"{model_id}\", {body}}}'")

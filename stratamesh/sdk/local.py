@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 from stratamesh.fleet.launcher import LocalMesh
@@ -19,24 +17,13 @@ __all__ = ["async_local_mesh", "builtin_model_dir", "local_mesh"]
 
 
 def builtin_model_dir() -> str:
-    """The built-in tiny Llama (random weights, a real tokenizer), written once into the user's cache."""
-    from stratamesh.kernels.tiny_model import write_tiny_model   # imports torch: only when a mesh is started
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "stratamesh")
-    path = cache / "tiny-llama"
-    if not (path / "model.safetensors").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache))
-        write_tiny_model(tmp, arch="llama")
-        try:
-            tmp.rename(path)        # atomic: a concurrent start either sees the whole folder or none
-        except OSError:             # another one got there first; theirs is identical
-            shutil.rmtree(tmp)
-    return str(path)
+    """The built-in demo model (a small Llama trained on a public-domain novel, kernels/demo_model.py), as shipped
+    with the package: read where it is installed, never written."""
+    return str(resources.files("stratamesh.kernels") / "data" / "demo-llama")
 
 
 def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | None, **kwargs: Any) -> LocalMesh:
-    """The LocalMesh that serves model (default: the built-in tiny Llama) over agents processes."""
+    """The LocalMesh that serves model (default: the built-in demo model) over agents processes."""
     model_dir = str(model) if model is not None else builtin_model_dir()
     kwargs.setdefault("keep_logs", False)     # an embedded mesh leaves nothing behind unless asked to
     return LocalMesh(model_dir, num_agents=agents, num_stages=stages, **kwargs)

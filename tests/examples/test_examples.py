@@ -41,7 +41,7 @@ def assert_ok(result: subprocess.CompletedProcess, *patterns: str) -> None:
 
 def test_quickstart(cache_home: str) -> None:
     result = run_example("quickstart.py", cache_home, "--agents", "2")
-    assert_ok(result, r"^model tiny-llama: context 2048 tokens, ready=True$", r"^agent agent0 .*: connected",
+    assert_ok(result, r"^model demo-llama: context 2048 tokens, ready=True$", r"^agent agent0 .*: connected",
               r"^agent agent1 ", r"^generate: '.+' \(", r"^chat: '.+' \(\d+ prompt \+ \d+ completion tokens\)$",
               r"^chat, turn 2: '", r"^chat stream: .+", r"^unknown model -> NotFoundError: .*no-such-model",
               r"^async: 4 completions, \d+ tokens$", r"^done$")
@@ -49,7 +49,7 @@ def test_quickstart(cache_home: str) -> None:
 
 def test_openai_client(cache_home: str) -> None:
     result = run_example("openai_client.py", cache_home)
-    assert_ok(result, r"^models: tiny-llama$", r"^completion: '.+' \(\d+ tokens, finish_reason=(length|stop)\)$",
+    assert_ok(result, r"^models: demo-llama$", r"^completion: '.+' \(\d+ tokens, finish_reason=(length|stop)\)$",
               r"^chat stream: .+\n  \(\d+ tokens\)$",
               r"^unknown model -> NotFoundError \(404\): The model `no-such-model` does not exist", r"^done$")
 

@@ -250,11 +250,7 @@ async def test_async_client_maps_errors_and_streams() -> None:
     assert [(c.content, c.finish_reason) for c in chunks] == [("x", None), ("y", "stop")] and stream.closed
 
 
-def test_builtin_model_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = Path(builtin_model_dir())
-    assert path == tmp_path / "stratamesh" / "tiny-llama"
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
-    written = (path / "model.safetensors").stat().st_mtime_ns
-    assert builtin_model_dir() == str(path) and (path / "model.safetensors").stat().st_mtime_ns == written
-    assert [p.name for p in (tmp_path / "stratamesh").iterdir()] == ["tiny-llama"]  # no temp folder left
+def test_the_builtin_model_is_the_shipped_demo_model() -> None:
+    from stratamesh.kernels.demo_model import DEMO_DIR
+
+    assert Path(builtin_model_dir()) == DEMO_DIR and (DEMO_DIR / "model.safetensors").is_file()

@@ -1,0 +1,204 @@
+"""The demo model: a small Llama trained on this machine's CPU on a public-domain novel, so that a new mesh
+answers in words a person recognises.
+
+The text is Botchan (Natsume Soseki; the 1919 English translation by Yasotaro Morri, in the public domain),
+shipped as kernels/data/botchan.txt: Project Gutenberg's eBook #8868, as sentencepiece's source distribution
+carries it for its tests, without Gutenberg's header and licence. Chapters I to X (and the translator's note) train it; chapter XI is held
+out, and the perplexity on it is the model's figure of merit. Its shape is that of `stratamesh model tiny`'s
+random-weight Llama (6 layers of 256, a 1024-token byte-level BPE), so a mesh is as fast serving either; the
+weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it; the shipped copy is DEMO_DIR."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.models.config import parse_config, read_config
+from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.kernels.models.trainable import TrainableDecoder
+from stratamesh.kernels.tiny_model import (IM_END, IM_START, _config, _tokenizer_config, _write_json,
+                                           _write_weights, train_tokenizer)
+
+DATA = Path(__file__).parent / "data"
+BOOK = DATA / "botchan.txt"
+DEMO_DIR = DATA / "demo-llama"      # the shipped model (what `stratamesh up` serves by default)
+DEMO_SHAPE = {"num_layers": 6, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
+              "vocab_size": 1024}
+STORED_DTYPE = torch.float16
+_SENTENCE_END = re.compile(r'(?:(?<=[.!?])|(?<=[.!?]"))\s+(?=["A-Z])')   # the spaces after a sentence
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)*")
+
+
+@dataclass(frozen=True, slots=True)
+class Book:
+    """The novel as running text (its hard line breaks joined), split into what trains and what is held out."""
+
+    train: str
+    held_out: str
+
+
+def read_book(path: Path = BOOK) -> Book:
+    """The book's chapters, each one paragraph of running text; the last chapter is held out."""
+    chapters = re.split(r"\n(?=CHAPTER )", path.read_text(encoding="utf-8"))
+    paragraphs = [" ".join(chapter.split()) for chapter in chapters]
+    return Book(train="\n\n".join(paragraphs[:-1]) + "\n", held_out=paragraphs[-1] + "\n")
+
+
+def conversations(text: str) -> str:
+    """text as ChatML conversations (the tokenizer's chat template): each sentence a user's turn and the one to three
+    that follow it the assistant's reply; so the model also answers a chat in the book's words, and stops."""
+    sentences = [s for paragraph in text.split("\n") for s in _SENTENCE_END.split(paragraph.strip()) if s]
+    turns, i = [], 0
+    while i + 1 < len(sentences):
+        reply_len = 1 + i % 3
+        reply = " ".join(sentences[i + 1:i + 1 + reply_len])
+        turns.append(f"{IM_START}user\n{sentences[i]}{IM_END}\n{IM_START}assistant\n{reply}{IM_END}\n")
+        i += 1 + reply_len
+    return "".join(turns)
+
+
+def words_of(text: str) -> list[str]:
+    """The words of text, lower-cased (letters, with inner apostrophes: "don't")."""
+    return _WORD.findall(text.lower())
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSettings:
+    """How the demo model is trained: AdamW on random windows of the training text, warm-up then cosine decay."""
+
+    steps: int = 400             # held-out perplexity is lowest about here: the book is small, more steps overfit
+    batch: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    dropout: float = 0.1
+    chat_fraction: float = 0.25   # rows of a batch taken from the book as conversations
+    seed: int = 0
+
+    def lr_at(self, step: int) -> float:
+        warm = min(1.0, (step + 1) / self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * step / self.steps))
+        return self.lr * warm * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainReport:
+    """What a training run produced: where, how long, and how well it predicts the held-out chapter."""
+
+    out_dir: Path
+    steps: int
+    seconds: float
+    train_loss: float
+    held_out_perplexity: float
+    num_params: int
+    weights_bytes: int
+
+
+def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
+               log: Callable[[str], None] = lambda line: None) -> TrainReport:
+    """Train the demo model on the book's training chapters and write it to out_dir as a Hugging Face folder."""
+    torch.manual_seed(settings.seed)
+    book = read_book()
+    tokenizer = train_tokenizer(DEMO_SHAPE["vocab_size"], [book.train])
+    train_ids = torch.tensor(tokenizer.encode(book.train).ids)
+    chat_ids = torch.tensor(tokenizer.encode(conversations(book.train)).ids)
+    held_ids = torch.tensor(tokenizer.encode(book.held_out).ids)
+    config = _config("llama", max_pos=2048, tie=False, rope_scaling=None, rope_spelling="classic",
+                     sliding_window=None, num_layers=DEMO_SHAPE["num_layers"], hidden=DEMO_SHAPE["hidden_size"],
+                     intermediate=DEMO_SHAPE["intermediate_size"], num_heads=DEMO_SHAPE["num_heads"],
+                     num_kv_heads=DEMO_SHAPE["num_kv_heads"], vocab_size=DEMO_SHAPE["vocab_size"])
+    model = TrainableDecoder(parse_config(config), seed=settings.seed, dropout=settings.dropout)
+    log(f"{len(train_ids)} training tokens, {len(held_ids)} held out; "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+    started = time.perf_counter()
+    loss = _train(model, (train_ids, chat_ids), settings, log)
+    seconds = time.perf_counter() - started
+    out = _write(Path(out_dir), config, model, tokenizer)
+    perplexity = served_perplexity(out, book.held_out, settings.seq_len)
+    log(f"held-out perplexity {perplexity:.2f} after {settings.steps} steps in {seconds:.0f} s")
+    return TrainReport(out, settings.steps, seconds, loss, perplexity, sum(p.numel() for p in model.parameters()),
+                       (out / "model.safetensors").stat().st_size)
+
+
+def _train(model: TrainableDecoder, streams: tuple[torch.Tensor, torch.Tensor], s: TrainSettings,
+           log: Callable[[str], None]) -> float:
+    """Runs s.steps optimizer steps over windows of the book's running text and of its conversations (a
+    chat_fraction of the rows); returns the last step's loss."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    norms = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
+                                   {"params": norms, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(s.seed)
+    loss = torch.tensor(float("nan"))
+    for step in range(s.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = s.lr_at(step)
+        window = torch.stack([_window(streams[int(torch.rand(1, generator=g)) < s.chat_fraction], s.seq_len, g)
+                              for _ in range(s.batch)])                                  # [B, T + 1]
+        logits = model(window[:, :-1])                                                 # [B, T, vocab]
+        loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == s.steps - 1:
+            log(f"step {step:5d}  loss {loss.item():.3f}  lr {s.lr_at(step):.2e}")
+    return float(loss.item())
+
+
+def _window(ids: torch.Tensor, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    start = int(torch.randint(0, len(ids) - seq_len - 1, (1,), generator=g))
+    return ids[start:start + seq_len + 1]
+
+
+@torch.no_grad()
+def held_out_perplexity(model: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, seq_len: int) -> float:
+    """exp(mean next-token loss) of model (ids [B, T] -> logits [B, T, vocab]) over ids cut into consecutive
+    windows of seq_len + 1 tokens (each window predicts its last seq_len tokens from what precedes them in it)."""
+    num_windows = (len(ids) - 1) // seq_len
+    total, count = 0.0, 0
+    for w in range(num_windows):
+        window = ids[w * seq_len:(w + 1) * seq_len + 1][None]
+        logits = model(window[:, :-1]).float()
+        total += float(F.cross_entropy(logits[0], window[0, 1:], reduction="sum"))
+        count += seq_len
+    return math.exp(total / count)
+
+
+def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128) -> float:
+    """held_out_perplexity() of text under the model in model_dir as one stage serves it: its stored weights, read
+    by the stage loader, computed by kernels.models.decoder in float32 on this CPU."""
+    config = read_config(model_dir)
+    spec = StageSpec(model_id=Path(model_dir).name, model_path=str(model_dir), start_layer=0,
+                     end_layer=config.num_layers, num_layers=config.num_layers)
+    stage = load_stage(spec, config)
+    ids = torch.tensor(Tokenizer.from_file(str(Path(model_dir, "tokenizer.json"))).encode(text).ids)
+
+    def logits_of(window: torch.Tensor) -> torch.Tensor:     # [1, T] -> [1, T, vocab]
+        hidden = stage.forward(window[0], torch.arange(window.shape[1]), stage.new_cache())
+        return stage.logits(hidden)[None]
+
+    return held_out_perplexity(logits_of, ids, seq_len)
+
+
+def _write(out: Path, config: dict, model: TrainableDecoder, tokenizer) -> Path:
+    """The trained model as a Hugging Face folder: config, generation config, float16 weights, ChatML tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(config, dtype="float16")
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2], "do_sample": False})
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(config["max_position_embeddings"]))
+    _write_weights(out, {n: t.to(STORED_DTYPE) for n, t in model.checkpoint_tensors().items()}, None)
+    return out
