@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
-MEASURES_VERSION = 3                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads)
+MEASURES_VERSION = 4                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads, 4: int8)
 # The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
 # count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
 OVERHEAD_BATCH = 8
@@ -35,19 +36,25 @@ OVERHEAD_STEPS = 15
 
 
 def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[SpeedInfo, ...]:
-    """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), and float32, bfloat16 and float16
-    on the first CUDA device if there is one (and cuda: the agent uses its GPUs)."""
+    """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), int8 weights on the CPU (dtype
+    "int8": float32 activations, StageSpec.quantize), and float32, bfloat16 and float16 on the first CUDA device if
+    there is one (and cuda: the agent uses its GPUs)."""
     cpu_dtypes = (torch.float32, torch.bfloat16) if cpu_bf16 else (torch.float32,)
     speeds = [_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps) for dtype in cpu_dtypes]
+    speeds.append(_measure_int8(speeds[0], CPU_MATMUL_N, reps))
     if cuda and torch.cuda.is_available():
         free_bytes, _ = torch.cuda.mem_get_info()
         copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
         speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]
         torch.cuda.empty_cache()   # hand the buffers back before stages load
-    decode = {"torch-cpu": measure_decode("cpu")}
-    if any(s.backend == "torch-cuda" for s in speeds):
-        decode["torch-cuda"] = measure_decode("cuda:0")
-    return tuple(replace(s, **decode[s.backend]) for s in speeds)
+    cpu = measure_decode("cpu")
+    cpu_int8 = measure_decode("cpu", step_s=partial(_decode_step_s, quantize="int8"))
+    cuda = measure_decode("cuda:0") if any(s.backend == "torch-cuda" for s in speeds) else {}
+
+    def decode(s: SpeedInfo) -> dict[str, float]:
+        return cuda if s.backend == "torch-cuda" else cpu_int8 if s.dtype == "int8" else cpu
+
+    return tuple(replace(s, **decode(s)) for s in speeds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +93,9 @@ def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS,
             "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}
 
 
-def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int) -> float:
-    """The median of `steps` decode steps of OVERHEAD_BATCH sequences through a random Llama of that shape."""
+def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, quantize: str = "") -> float:
+    """The median of `steps` decode steps of OVERHEAD_BATCH sequences through a random Llama of that shape (its
+    weights quantized: StageSpec.quantize)."""
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
     from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
@@ -97,7 +105,7 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int) -> 
         model_dir = write_tiny_model(tmp, num_layers=layers, hidden_size=shape.hidden,
                                      intermediate_size=shape.intermediate, num_heads=shape.heads,
                                      num_kv_heads=shape.kv_heads, vocab_size=512)
-        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device)
+        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize)
         runner = StageRunner.load(spec, 16 << 20)
     engine = StageEngine(Assignment("probe", spec), runner, EngineConfig(enable_prefix_cache=False,
                                                                          cuda_graphs=False))
@@ -119,6 +127,15 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int) -> 
         times.append(time.perf_counter() - start)
     runner.close()
     return sorted(times)[len(times) // 2]
+
+
+def _measure_int8(float32: SpeedInfo, n: int, reps: int) -> SpeedInfo:
+    """A large matmul with int8 weights (float32 activations) on the CPU; its bytes/s are float32's copy's."""
+    from stratamesh.kernels.ops.quant import linear, quantize_int8   # (imports the kernels)
+
+    a, b = torch.randn(n, n), quantize_int8(torch.randn(n, n))
+    matmul_s = _best_time(lambda: linear(a, b), "cpu", reps)
+    return SpeedInfo("torch-cpu", "int8", 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
 
 
 def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> SpeedInfo:

@@ -54,6 +54,7 @@ class ModelRequest:
     model_id: str = ""
     num_stages: int = 1
     pins: SitePins = SitePins()
+    quantize: str = ""             # "int8": int8 weights (the operator's choice; never by default)
 
     @property
     def served_id(self) -> str:
@@ -192,7 +193,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                         sessions=origin, events=events)
     deployer.start()
     for model in options.models:
-        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins)
+        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize)
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)

@@ -69,7 +69,8 @@ class MeshAdmin:
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
                                             "tp_degree": s.spec.tp_degree, "device": s.spec.device,
-                                            "dtype": s.spec.dtype, "runtime": s.spec.runtime, "state": s.state,
+                                            "dtype": s.spec.dtype, "runtime": s.spec.runtime,
+                                            "quantize": s.spec.quantize, "state": s.state,
                                             "predicted_step_s": _stage_step(plan.prediction, i)}
                                            for i, s in enumerate(plan.stages)]})
         return out
@@ -79,10 +80,11 @@ class MeshAdmin:
         infos = {info.model_id: info for info in self._planner().models()}
         return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
-    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins) -> dict[str, Any]:
+    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
+               quantize: str = "") -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or Path(path).resolve().name
-        self._planner().add_model(served_id, path, num_stages, pins)
+        self._planner().add_model(served_id, path, num_stages, pins, quantize)
         return self._model_json(self._registry.model(served_id), self._planner().model(served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
@@ -96,7 +98,8 @@ class MeshAdmin:
                  else "loading" if self._registry.active_plan(model_id) else "waiting")
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
                 "max_context": info.max_context, "state": state, "num_stages": deployer.num_stages(model_id),
-                "first_site": model.first_site, "last_site": model.last_site, "created": model.created}
+                "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
+                "created": model.created}
 
     def _planner(self) -> Deployer:
         if self._deployer is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
-from stratamesh.fleet.types import DTYPES, Capabilities, GpuInfo, SpeedInfo, StageSpec, Telemetry
+from stratamesh.fleet.types import DTYPES, QUANTIZATIONS, Capabilities, GpuInfo, SpeedInfo, StageSpec, Telemetry
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -175,8 +175,10 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
     # what the host measured of that backend: an agent told to run ONNX Runtime, on a host that measured only torch,
     # is priced at torch's speeds and overheads
     priced_as = backend if any(s.backend == backend for s in measured) else "torch-cpu"
+    # (quantized weights run in torch: StageSpec.quantize)
     cpu = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
-                for s in speeds if s.backend == priced_as) or (replace(UNMEASURED, backend=backend),)
+                for s in speeds if s.backend == priced_as and (backend == "torch-cpu" or s.dtype not in QUANTIZATIONS)
+                ) or (replace(UNMEASURED, backend=backend),)
     overheads = {k: v / share for k, v in {**_overheads(measured, priced_as, dtype),
                                            "token_overhead_s": serving_cpu_s}.items()}
     return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, backend, dtype),
@@ -239,13 +241,16 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                 num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
-                pins: SitePins = SitePins(), hosts: Hosts = Hosts()) -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                pins: SitePins = SitePins(), hosts: Hosts = Hosts(),
+                quantize: str = "") -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
     a stage may be a tensor-parallel group of one agent's ranks.
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better.
-    hosts: where the origin computes, and what each host's serving path costs (fleet_of)."""
-    profile, request = _profile(model_id, config), _request(config, num_stages, pins)
+    hosts: where the origin computes, and what each host's serving path costs (fleet_of). quantize: the
+    operator's choice of int8 weights for the model: a single-process stage on an agent that measured its speed
+    with them holds them so (partitioner.cost.single_unit)."""
+    profile, request = _profile(model_id, config, quantize), _request(config, num_stages, pins)
     fleet, ranks = fleet_of(agents, links, profile.dtype, hosts), _ranks(agents)
     plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
     previous_plan = _as_plan(profile, fleet, request, previous, ranks)
@@ -284,11 +289,11 @@ def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, requ
 
 def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                   placement: Placement, links: Sequence[LinkRecord] = (),
-                  pins: SitePins = SitePins(), hosts: Hosts = Hosts()) -> list[tuple[str, StageSpec]]:
+                  pins: SitePins = SitePins(), hosts: Hosts = Hosts(), quantize: str = "") -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
-    has its own device and dtype. PlacementError if none fit."""
-    profile = _profile(model_id, config)
+    has its own device, dtype and quantization. PlacementError if none fit."""
+    profile = _profile(model_id, config, quantize)
     fleet = fleet_of(agents, links, profile.dtype, hosts)
     plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))
     if plan is None:
@@ -297,9 +302,10 @@ def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents
     return stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
 
 
-def _profile(model_id: str, config: dict[str, Any]) -> ModelProfile:
-    """The model's profile in the checkpoint's dtype (each device prices it in its own: fleet_of)."""
-    return profile_from_hf_config(config, dtype=checkpoint_dtype(config), name=model_id)
+def _profile(model_id: str, config: dict[str, Any], quantize: str = "") -> ModelProfile:
+    """The model's profile in the checkpoint's dtype (each device prices it in its own: fleet_of), its weights
+    quantized where the operator asked for it and a device measured it."""
+    return replace(profile_from_hf_config(config, dtype=checkpoint_dtype(config), name=model_id), weights=quantize)
 
 
 def _request(config: dict[str, Any], num_stages: int, pins: SitePins) -> PlanRequest:
@@ -385,14 +391,15 @@ def _agent_of(fleet: FleetSnapshot, stage: PlannedStage) -> str:
 def stage_specs(plan: Plan, fleet: FleetSnapshot, agents: Mapping[str, Capabilities], model_id: str,
                 model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage of the plan's first pipeline, in order, as the plan chose it: its dtype, its
-    device (stage_device), tp_degree its ranks, and its runtime (onnxruntime for an onnxruntime backend)."""
+    device (stage_device), tp_degree its ranks, its runtime (onnxruntime for an onnxruntime backend) and its
+    weights' quantization."""
     out = []
     for s in plan.pipelines[0].stages:
         agent = _agent_of(fleet, s)
         runtime = "onnxruntime" if s.backend.startswith("onnxruntime") else "torch"
         out.append((agent, StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype,
                                      stage_device(s, agent, agents[agent]), tp_degree=len(s.devices),
-                                     runtime=runtime)))
+                                     runtime=runtime, quantize=s.weights)))
     return out
 
 

@@ -29,6 +29,7 @@ class ModelRecord:
     created: float
     first_site: str = ""        # the site the first stage (it sees token ids) must run at; "" for any
     last_site: str = ""         # ... and the last stage (it produces them)
+    quantize: str = ""          # "int8": the operator chose int8 weights for it (StageSpec.quantize)
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,13 +131,19 @@ def _m012_drain_rest(db: Database) -> None:
     db["drains"].add_column("rest", str, not_null_default="")
 
 
+def _m013_model_quantize(db: Database) -> None:
+    """The operator's choice of quantized weights for each model ("" or "int8"), and each stage's."""
+    db["models"].add_column("quantize", str, not_null_default="")
+    db["stages"].add_column("quantize", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
-                                     _m012_drain_rest)
+                                     _m012_drain_rest, _m013_model_quantize)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -293,15 +299,16 @@ class Registry:
         return ids
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
-                  now: float, first_site: str = "", last_site: str = "") -> None:
-        """Add a model, or update its path, config and site pins if it exists (keeping created)."""
+                  now: float, first_site: str = "", last_site: str = "", quantize: str = "") -> None:
+        """Add a model, or update its path, config, site pins and quantization if it exists (keeping created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
         with self._tx() as db:
             db["models"].insert({"model_id": model_id, "created": now}, ignore=True)
             db["models"].update(model_id, {"path": path, "num_layers": num_layers,
                                            "config_json": json.dumps(config, sort_keys=True),
-                                           "first_site": first_site, "last_site": last_site})
+                                           "first_site": first_site, "last_site": last_site,
+                                           "quantize": quantize})
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""
@@ -451,7 +458,7 @@ class Registry:
 
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
-                 "kv_block_size", "tp_degree", "runtime")
+                 "kv_block_size", "tp_degree", "runtime", "quantize")
 
 
 def _stage_row(plan_id: str, stage: StagePlacement) -> dict[str, Any]:

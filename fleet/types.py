@@ -12,6 +12,7 @@ from stratamesh.fleet.errors import InvalidInput
 
 DTYPES = ("float32", "float16", "bfloat16")
 RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
+QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
@@ -107,6 +108,7 @@ class StageSpec:
     kv_block_size: int = 16
     tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
     runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
+    quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
@@ -123,6 +125,10 @@ class StageSpec:
             raise InvalidInput(f"stage device {self.device!r} is not cpu, cuda or cuda:N")
         if self.runtime not in RUNTIMES:
             raise InvalidInput(f"stage runtime {self.runtime!r} is not one of {RUNTIMES}")
+        if self.quantize and self.quantize not in QUANTIZATIONS:
+            raise InvalidInput(f"stage quantize {self.quantize!r} is not one of {QUANTIZATIONS} (or none)")
+        if self.quantize and (self.tp_degree > 1 or self.runtime != "torch"):
+            raise InvalidInput("int8 weights are for single-process torch stages (tp_degree 1, runtime torch)")
 
     @property
     def is_first(self) -> bool:

@@ -10,6 +10,7 @@ weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it;
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -111,18 +112,18 @@ def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
     torch.manual_seed(settings.seed)
     book = read_book()
     tokenizer = train_tokenizer(DEMO_SHAPE["vocab_size"], [book.train])
-    train_ids = torch.tensor(tokenizer.encode(book.train).ids)
-    chat_ids = torch.tensor(tokenizer.encode(conversations(book.train)).ids)
-    held_ids = torch.tensor(tokenizer.encode(book.held_out).ids)
     config = _config("llama", max_pos=2048, tie=False, rope_scaling=None, rope_spelling="classic",
                      sliding_window=None, num_layers=DEMO_SHAPE["num_layers"], hidden=DEMO_SHAPE["hidden_size"],
                      intermediate=DEMO_SHAPE["intermediate_size"], num_heads=DEMO_SHAPE["num_heads"],
                      num_kv_heads=DEMO_SHAPE["num_kv_heads"], vocab_size=DEMO_SHAPE["vocab_size"])
-    model = TrainableDecoder(parse_config(config), seed=settings.seed, dropout=settings.dropout)
-    log(f"{len(train_ids)} training tokens, {len(held_ids)} held out; "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
     started = time.perf_counter()
-    loss = _train(model, (train_ids, chat_ids), settings, log)
+    with _autograd():    # every tensor autograd sees is made in here
+        train_ids = torch.tensor(tokenizer.encode(book.train).ids)
+        chat_ids = torch.tensor(tokenizer.encode(conversations(book.train)).ids)
+        model = TrainableDecoder(parse_config(config), seed=settings.seed, dropout=settings.dropout)
+        log(f"{len(train_ids)} training tokens, {len(tokenizer.encode(book.held_out).ids)} held out; "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+        loss = _train(model, (train_ids, chat_ids), settings, log)
     seconds = time.perf_counter() - started
     out = _write(Path(out_dir), config, model, tokenizer)
     perplexity = served_perplexity(out, book.held_out, settings.seq_len)
@@ -140,20 +141,35 @@ def _train(model: TrainableDecoder, streams: tuple[torch.Tensor, torch.Tensor], 
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
                                    {"params": norms, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(s.seed)
-    loss = torch.tensor(float("nan"))
+    loss = float("nan")
     for step in range(s.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = s.lr_at(step)
-        window = torch.stack([_window(streams[int(torch.rand(1, generator=g)) < s.chat_fraction], s.seq_len, g)
-                              for _ in range(s.batch)])                                  # [B, T + 1]
-        logits = model(window[:, :-1])                                                 # [B, T, vocab]
-        loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = _step(model, optimizer, streams, s, step, g)
         if step % 100 == 0 or step == s.steps - 1:
-            log(f"step {step:5d}  loss {loss.item():.3f}  lr {s.lr_at(step):.2e}")
+            log(f"step {step:5d}  loss {loss:.3f}  lr {s.lr_at(step):.2e}")
+    return loss
+
+
+def _autograd() -> contextlib.AbstractContextManager:
+    """Gradients on, whatever the thread's mode (an agent's data plane turns inference mode on for its thread)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+def _step(model: TrainableDecoder, optimizer: torch.optim.Optimizer, streams: tuple[torch.Tensor, torch.Tensor],
+          s: TrainSettings, step: int, g: torch.Generator) -> float:
+    """One optimizer step on a batch of windows; returns its loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = s.lr_at(step)
+    window = torch.stack([_window(streams[int(torch.rand(1, generator=g)) < s.chat_fraction], s.seq_len, g)
+                          for _ in range(s.batch)])                                      # [B, T + 1]
+    logits = model(window[:, :-1])                                                     # [B, T, vocab]
+    loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
     return float(loss.item())
 
 
@@ -176,12 +192,13 @@ def held_out_perplexity(model: Callable[[torch.Tensor], torch.Tensor], ids: torc
     return math.exp(total / count)
 
 
-def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128) -> float:
+def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quantize: str = "") -> float:
     """held_out_perplexity() of text under the model in model_dir as one stage serves it: its stored weights, read
-    by the stage loader, computed by kernels.models.decoder in float32 on this CPU."""
+    by the stage loader (and quantized: StageSpec.quantize), computed by kernels.models.decoder in float32 on this
+    CPU."""
     config = read_config(model_dir)
     spec = StageSpec(model_id=Path(model_dir).name, model_path=str(model_dir), start_layer=0,
-                     end_layer=config.num_layers, num_layers=config.num_layers)
+                     end_layer=config.num_layers, num_layers=config.num_layers, quantize=quantize)
     stage = load_stage(spec, config)
     ids = torch.tensor(Tokenizer.from_file(str(Path(model_dir, "tokenizer.json"))).encode(text).ids)
 

@@ -12,7 +12,7 @@ computes in its own dtype: its weights, KV and activations cost that dtype's byt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,6 +38,7 @@ class Unit:
     allreduce_s: float             # per layer per step (0 for one device)
     layer_overhead_s: float = 0.0  # per layer per step: the framework's cost beyond FLOPs and bytes
     token_overhead_s: float = 0.0  # per token of a step: the serving path's cost beyond the layers
+    weights: str = ""              # what its layers' matrices and LM head are stored in where not dtype: "int8"
 
     @property
     def id(self) -> str:
@@ -56,17 +57,27 @@ class Unit:
         return self.speed.dtype
 
     @property
+    def weight_dtype(self) -> str:
+        return self.weights or self.dtype
+
+    @property
     def total_memory_bytes(self) -> int:
         return self.degree * self.memory_bytes
 
 
 def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
-    """The device alone in its dtype (the profile's when it names none), or None if it measured nothing for it."""
-    speed = device.speed(device.dtype or profile.dtype)
+    """The device alone in its dtype (the profile's when it names none), or None if it measured nothing for it.
+    For a profile of quantized weights (ModelProfile.weights), a device that measured its speed with them holds
+    and computes them so; one that did not holds the model in its dtype."""
+    dtype = device.dtype or profile.dtype
+    speed, weights = device.speed(dtype), ""
     if speed is None:
         return None
+    quantized = device.speed(profile.weights) if profile.weights else None
+    if quantized is not None:
+        speed, weights = replace(quantized, dtype=dtype), profile.weights
     return Unit((device,), speed, speed, device.memory_bytes, device.step_overhead_s, 0.0, device.layer_overhead_s,
-                device.token_overhead_s)
+                device.token_overhead_s, weights)
 
 
 def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
@@ -83,6 +94,11 @@ def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, req
     degree, lead = len(members), members[0]
     if profile.num_heads % degree or profile.num_kv_heads % degree or link.bandwidth < TP_MIN_BANDWIDTH:
         return None
+    if any(m.weights for m in members):     # quantized weights are for single-process stages (StageSpec.quantize)
+        members = tuple(_unquantized(m, profile) for m in members)
+        if any(m is None for m in members):
+            return None
+        lead = members[0]
     if len({(m.speed.backend, m.dtype) for m in members}) > 1:
         return None
     scale = degree * TP_EFFICIENCY
@@ -96,10 +112,16 @@ def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, req
                 lead.token_overhead_s)      # (rank 0 alone talks to the neighbouring stages)
 
 
+def _unquantized(unit: Unit, profile: ModelProfile) -> Unit | None:
+    """A single unit holding the model in its dtype rather than quantized (None if it measured no speed for it)."""
+    return single_unit(unit.lead, replace(profile, weights=""))
+
+
 class Rates(NamedTuple):
     """What prices one unit's step, as scalars or as arrays over units."""
 
-    bytes_per_param: Any
+    bytes_per_param: Any      # of the weights
+    bytes_per_kv: Any         # of a K or V entry (the unit's dtype)
     bandwidth: Any            # the layers' bytes/s and FLOP/s
     flop_rate: Any
     head_bandwidth: Any       # rank 0's, for a group's LM head
@@ -112,7 +134,7 @@ class Rates(NamedTuple):
 
 
 def _rates(unit: Unit) -> Rates:
-    return Rates(DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth, unit.speed.flops, unit.head_speed.mem_bandwidth,
+    return Rates(DTYPE_BYTES[unit.weight_dtype], DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth, unit.speed.flops, unit.head_speed.mem_bandwidth,
                  unit.head_speed.flops, unit.overhead_s, unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s,
                  unit.token_overhead_s)
 
@@ -129,37 +151,40 @@ class StageTables:
         a, b = np.meshgrid(np.arange(num + 1), np.arange(num + 1), indexing="ij")   # a: start, b: end
         self.starts, self.ends, self.valid = a, b, b > a
         self.last = b == num
-        params = _prefix(profile.layer_params)
+        self._params = params = _prefix(profile.layer_params)
         self.kv_values = _prefix([k // profile.bytes_per_param for k in profile.layer_kv_bytes_per_token])
         flops = _prefix([f + request.mean_context * c for f, c in
                          zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)])
-        self.read_values = self._span(params) + request.step_tokens * request.mean_context * self._span(self.kv_values)
+        self.read_params = self._span(params)                                            # weights a step reads
+        self.read_kv = request.step_tokens * request.mean_context * self._span(self.kv_values)   # and KV entries
         self.flops = self._span(flops)                                                   # per token
         # Memory in values: what a group's ranks share (weights and KV of the layers) and what each holds whole
         kv_reserve = request.concurrency * request.context_len * self._span(self.kv_values)
-        self._shared_values = self._span(params) + kv_reserve
+        self._kv_reserve_values = kv_reserve
         first = a == 0
         head = np.where(first & profile.tied_embeddings, profile.head_params - profile.embed_params,
                         profile.head_params)
-        self._whole_values = first * profile.embed_params + self.last * head
-        self._memory: dict[tuple[str, int], np.ndarray] = {}
+        self._embed_values, self._head_values = first * profile.embed_params, self.last * head
+        self._memory: dict[tuple[str, int, str], np.ndarray] = {}
 
     def _span(self, prefix: np.ndarray) -> np.ndarray:
         """prefix summed over every range [a, b): [L+1, L+1]."""
         return prefix[self.ends] - prefix[self.starts]
 
-    def memory_at(self, dtype: str, degree: int = 1) -> np.ndarray:
+    def memory_at(self, dtype: str, degree: int = 1, weights: str = "") -> np.ndarray:
         """Bytes [L+1, L+1] one rank of a degree-way group in dtype holds for [a, b): its share of the layers'
-        weights and KV reserve, and the whole embedding (first stage) and final norm + LM head (last stage)."""
-        key = (dtype, degree)
+        weights and KV reserve, and the whole embedding (first stage) and final norm + LM head (last stage).
+        weights: the dtype the layers' matrices and the LM head are stored in where not dtype ("int8")."""
+        key = (dtype, degree, weights)
         if key not in self._memory:
-            bpp = DTYPE_BYTES[dtype]
-            self._memory[key] = np.ceil(bpp * self._shared_values / degree) + bpp * self._whole_values
+            bpp, wbpp = DTYPE_BYTES[dtype], DTYPE_BYTES[weights or dtype]
+            shared = wbpp * self._span(self._params) + bpp * self._kv_reserve_values
+            self._memory[key] = np.ceil(shared / degree) + bpp * self._embed_values + wbpp * self._head_values
         return self._memory[key]
 
     def memory_of(self, unit: Unit) -> np.ndarray:
         """Bytes [L+1, L+1] each rank of unit holds for [a, b) (memory_at)."""
-        return self.memory_at(unit.dtype, unit.degree)
+        return self.memory_at(unit.dtype, unit.degree, unit.weights)
 
     def kv_reserve(self, unit: Unit, start: int, end: int) -> int:
         """Bytes of KV each rank of unit reserves for [start, end): concurrency x context_len tokens, its share
@@ -170,29 +195,30 @@ class StageTables:
 
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
-        return float(self._roofline(_rates(unit), self.read_values[start, end], self.flops[start, end],
-                                    end == self.profile.num_layers, end - start))
+        return float(self._roofline(_rates(unit), self.read_params[start, end], self.read_kv[start, end],
+                                    self.flops[start, end], end == self.profile.num_layers, end - start))
 
     def times(self, unit: Unit) -> np.ndarray:
         """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
-        t = self._roofline(_rates(unit), self.read_values, self.flops, self.last, self.ends - self.starts)
+        t = self._roofline(_rates(unit), self.read_params, self.read_kv, self.flops, self.last,
+                           self.ends - self.starts)
         fits = self.valid & (self.memory_of(unit) <= unit.memory_bytes)
         return np.where(fits, t, np.inf)
 
     def times_of(self, units: Sequence[Unit], start: int, end: int) -> np.ndarray:
         """Step time of each unit serving [start, end), ignoring memory: one array operation for many units."""
         rates = Rates(*np.array([_rates(u) for u in units], dtype=np.float64).reshape(-1, len(Rates._fields)).T)
-        return self._roofline(rates, self.read_values[start, end], self.flops[start, end],
+        return self._roofline(rates, self.read_params[start, end], self.read_kv[start, end], self.flops[start, end],
                               end == self.profile.num_layers, end - start)
 
-    def _roofline(self, rates: Rates, read_values: Any, flops: Any, last: Any, layers: Any) -> Any:
+    def _roofline(self, rates: Rates, read_params: Any, read_kv: Any, flops: Any, last: Any, layers: Any) -> Any:
         """max(bytes read / bandwidth, FLOPs / FLOP/s) + overheads + all-reduces, over scalars or arrays alike.
 
-        read_values: weights and KV one step reads over the range(s), in values; flops: per token; last: the
-        range ends at the last layer, whose LM head one device prices in one roofline with its layers and a
+        read_params, read_kv: weights and KV entries one step reads over the range(s); flops: per token; last:
+        the range ends at the last layer, whose LM head one device prices in one roofline with its layers and a
         group prices apart, at rank 0's speed."""
         p, tokens = self.profile, self.request.step_tokens
-        read, work = rates.bytes_per_param * read_values, tokens * flops
+        read, work = rates.bytes_per_param * read_params + rates.bytes_per_kv * read_kv, tokens * flops
         head_read, head_work = last * rates.bytes_per_param * p.head_params, last * tokens * p.head_flops_per_token
         together = np.maximum((read + head_read) / rates.bandwidth, (work + head_work) / rates.flop_rate)
         apart = (np.maximum(read / rates.bandwidth, work / rates.flop_rate)

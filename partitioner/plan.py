@@ -70,6 +70,7 @@ class PlannedStage:
     memory_bytes: int               # per rank: its share of the weights and KV reserve, the embedding and head whole
     headroom_bytes: int             # usable memory left on the tightest device of the group
     kv_budget_bytes: int            # the KV reserve inside memory_bytes (per rank)
+    weights: str = ""               # what its matrices are stored in where not dtype: "int8" (StageSpec.quantize)
 
     @property
     def num_layers(self) -> int:

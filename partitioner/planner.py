@@ -307,7 +307,8 @@ def _pipeline(units: list[Unit], ranges: list[tuple[int, int]], tables: StageTab
         stages.append(PlannedStage(
             devices=tuple(d.id for d in unit.devices), start_layer=a, end_layer=b, backend=unit.speed.backend,
             dtype=unit.dtype, compute_s=compute, send_s=transfer, memory_bytes=memory,
-            headroom_bytes=unit.memory_bytes - memory, kv_budget_bytes=tables.kv_reserve(unit, a, b)))
+            headroom_bytes=unit.memory_bytes - memory, kv_budget_bytes=tables.kv_reserve(unit, a, b),
+            weights=unit.weights))
         step += compute + hop
         where = f"stage {k} ({unit.id}, layers {a}-{b})"
         slowest = max(slowest, (compute, f"compute of {where}"),

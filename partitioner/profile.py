@@ -35,6 +35,9 @@ class ModelProfile:
     head_params: int                              # final norm + LM head on the last stage (an embedding model: norm)
     head_flops_per_token: int
     tied_embeddings: bool = False                 # one matrix: a single stage holding both counts it once
+    # what the layers' matrices and the LM head are stored in where a device measured it, if not dtype: "int8"
+    # (the operator's choice for the model; cost.single_unit)
+    weights: str = ""
 
     @property
     def bytes_per_param(self) -> int:

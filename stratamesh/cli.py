@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline stages of the model (default: one per agent; fewer leaves spares)")
     up.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="data residency: --model's first stage (it sees token ids) runs at this site")
     coordinator.add_argument("--last-site", default="", metavar="SITE",
                              help="... and its last stage (it produces them)")
+    coordinator.add_argument("--quantize", choices=("int8",), default="",
+                             help="--model's weights in int8 (per output channel) on the single-process stages of "
+                                  "agents that measured them (a quarter of float32's memory)")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
@@ -274,7 +278,8 @@ def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins
 
-    models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site)),
+    models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site),
+                           args.quantize),
               ) if args.model else ()
     options = CoordinatorOptions(
         db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
@@ -429,7 +434,7 @@ def _up(args: argparse.Namespace) -> None:
     forget_last_run(state)
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
-                     insecure=args.insecure)
+                     insecure=args.insecure, coordinator_args=["--quantize", args.quantize] if args.quantize else [])
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)

@@ -25,6 +25,8 @@ class DeployModel(_Request):
     num_stages: int = Field(1, ge=1, le=MAX_STAGES)
     first_site: str | None = Field(None, max_length=128, description="the site the first stage must run at")
     last_site: str | None = Field(None, max_length=128, description="the site the last stage must run at")
+    quantize: Literal["", "int8"] = Field("", description='"int8": int8 weights (per output channel) on the '
+                                          "single-process stages of agents that measured them; never by default")
 
 
 class Replan(_Request):
@@ -69,6 +71,7 @@ class StageView(BaseModel):
     device: str = "cpu"          # where it runs: "cpu" or "cuda:N" (a TP group's rank 0)
     dtype: str = "float32"       # what it computes in
     runtime: str = "torch"       # what computes its layers: "torch" or "onnxruntime"
+    quantize: str = ""           # "int8": its weights in int8
     state: str
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
 
@@ -105,6 +108,7 @@ class ModelView(BaseModel):
     num_stages: int
     first_site: str
     last_site: str
+    quantize: str = ""           # the operator's choice: "" (as stored) or "int8"
     created: float
 
 

@@ -62,9 +62,11 @@ class Deployer:
             self.liveness.expect(agent_id, now)
 
     # ------------------------------------------------------------ models
-    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins()) -> None:
-        """Registers a model (or updates its path and site pins) and asks for a plan of num_stages stages."""
-        self._plans.add_model(model_id, path, num_stages, pins)
+    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
+                  quantize: str = "") -> None:
+        """Registers a model (or updates its path, site pins and quantization) and asks for a plan of num_stages
+        stages."""
+        self._plans.add_model(model_id, path, num_stages, pins, quantize)
 
     def num_stages(self, model_id: str) -> int:
         return self._plans.num_stages(model_id)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
-from stratamesh.fleet.types import model_task
+from stratamesh.fleet.types import QUANTIZATIONS, model_task
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 
@@ -43,6 +43,12 @@ def check_model(path: str, num_stages: int) -> dict:
     if num_stages < 1:
         raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
     return read_model_config(path)
+
+
+def check_quantize(quantize: str) -> None:
+    """InvalidInput unless quantize is "" (the weights as stored) or one of QUANTIZATIONS."""
+    if quantize and quantize not in QUANTIZATIONS:
+        raise InvalidInput(f"quantize must be one of {', '.join(QUANTIZATIONS)} (or none), got {quantize!r}")
 
 
 def model_infos(registry: Registry) -> list[ModelInfo]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.control.drains import Drains, Move
 from stratamesh.coordinator.control.events import Sessions
-from stratamesh.coordinator.control.models import check_model, find_model
+from stratamesh.coordinator.control.models import check_model, check_quantize, find_model
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
@@ -47,12 +47,14 @@ class Plans:
         self._retiring: dict[str, float] = {}  # assignment id of a replaced plan -> when it goes regardless
 
     # ------------------------------------------------------------ models
-    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins()) -> None:
-        """Registers a model (or updates its path and site pins: a served one takes them at its next re-plan)
-        and asks for a plan of num_stages stages."""
+    def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
+                  quantize: str = "") -> None:
+        """Registers a model (or updates its path, site pins and quantization: a served one takes them at its next
+        re-plan) and asks for a plan of num_stages stages. quantize: "int8" for int8 weights (check_quantize)."""
         config = check_model(path, num_stages)
+        check_quantize(quantize)
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
-                                 config, self._clock(), first_site=pins.first, last_site=pins.last)
+                                 config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize)
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages
         self.reconcile()
@@ -207,10 +209,11 @@ class Plans:
             if plan is None or all(s.agent_id != agent_id for s in plan.stages):
                 continue
             chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
-                                   self._registry.links(), _pins(model), self._hosts(agents))
+                                   self._registry.links(), _pins(model), self._hosts(agents), model.quantize)
             # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
             moves += [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
-                                      spare, replace(s.spec, device=spec.device, dtype=spec.dtype), "assigned"))
+                                      spare, replace(s.spec, device=spec.device, dtype=spec.dtype,
+                                                     quantize=spec.quantize), "assigned"))
                       for s, (spare, spec) in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
         return moves
 
@@ -239,7 +242,7 @@ class Plans:
         if len(agents) < num_stages:
             raise PlacementError(f"cannot place {model_id} yet: {len(agents)} of {num_stages} agents")
         return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
-                           previous, _pins(model), self._hosts(agents))
+                           previous, _pins(model), self._hosts(agents), model.quantize)
 
     def _hosts(self, agents: Mapping[str, Capabilities]) -> Hosts:
         """Where the origin computes, and the serving path's CPU per token the agents' telemetry measured."""

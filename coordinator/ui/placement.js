@@ -81,7 +81,7 @@ function stageList(stages, view) {
         el("span", { title: s.agent_id, text: agentLabel(agent, s.agent_id) })),
       el("td", { class: "mono", text: `[${s.start_layer}, ${s.end_layer})` }),
       el("td", { class: "muted", text: `TP=${s.tp_degree || 1}` }),
-      el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
+      el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.quantize ? ` ${s.quantize} weights` : ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
       el("td", {}, el("span", { class: `badge ${stateClass(s.state)}`, text: s.state })));
   })));
 }

@@ -19,8 +19,10 @@ from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.paged_attention import PagedKVCache
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear, quantize_int8
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
+Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -47,10 +49,10 @@ class LayerWeights:
 
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Weight
+    o: Weight
+    gate_up: Weight
+    down: Weight
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
@@ -60,12 +62,26 @@ class LayerWeights:
         fused matrices (so the separate copies are freed, and t still names every tensor)."""
         p = f"model.layers.{layer_idx}."
         a, m = p + "self_attn.", p + "mlp."
-        qkv = _fuse(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        qkv = _fuse_weight(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
         biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         return cls(input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
-                   qkv=qkv, o=t[a + "o_proj.weight"], gate_up=_fuse(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
-                   down=t[m + "down_proj.weight"], qkv_bias=_fuse(t, biases) if biases[0] in t else None,
+                   qkv=qkv, o=_weight(t, a + "o_proj.weight"),
+                   gate_up=_fuse_weight(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                   down=_weight(t, m + "down_proj.weight"), qkv_bias=_fuse(t, biases) if biases[0] in t else None,
                    o_bias=t.get(a + "o_proj.bias"))
+
+
+def _weight(t: dict[str, torch.Tensor], name: str) -> Weight:
+    """The named matrix: an Int8Weight where the tensors hold its scales (quantize_tensors), else the tensor."""
+    scale = t.get(name + SCALE_SUFFIX)
+    return t[name] if scale is None else Int8Weight(t[name], scale)
+
+
+def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
+    """_fuse of the named matrices, and of their scales where they are int8."""
+    if names[0] + SCALE_SUFFIX not in t:
+        return _fuse(t, names)
+    return Int8Weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
 
 
 def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -118,7 +134,7 @@ class StageModel:
         self._embed = tensors.get(EMBED) if spec.is_first else None
         self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
-        self._lm_head = tensors.get(head) if spec.is_last and self.config.has_lm_head else None
+        self._lm_head = _weight(tensors, head) if spec.is_last and self.config.has_lm_head else None
 
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
@@ -165,7 +181,7 @@ class StageModel:
             raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) has no LM head (it is not "
                                "the last stage, or the model is an embedding model)")
         h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
-        return F.linear(h, self._lm_head).float()
+        return linear(h, self._lm_head).float()
 
     @torch.inference_mode()
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -180,11 +196,11 @@ class StageModel:
                    sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:
         c, num_tokens, heads, kv_heads = self.config, x.shape[0], self.num_heads, self.num_kv_heads
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, c.head_dim)
+        qkv = linear(h, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, c.head_dim)
         qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)     # q's and k's heads rotated at once
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]   # q: [N, H, D]  k, v: [N, KV, D]
         out = attn.attend(local_idx, q, k, v, positions, window)  # [N, H, D]
-        out = self.reduce(F.linear(out.reshape(num_tokens, heads * c.head_dim), layer.o))
+        out = self.reduce(linear(out.reshape(num_tokens, heads * c.head_dim), layer.o))
         return out if layer.o_bias is None else out + layer.o_bias   # the bias once, after the partial sums
 
     def check_inputs(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention) -> None:
@@ -220,6 +236,17 @@ class StageModel:
         return positions
 
 
+def greedy_tokens(stage: StageModel, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """num_tokens greedy tokens after prompt_ids (EOS does not stop it) from a stage holding the whole model, through
+    a contiguous KV cache: the single-process way of running what a mesh runs."""
+    cache, out = stage.new_cache(), []
+    hidden = stage.forward(torch.tensor(prompt_ids), torch.arange(len(prompt_ids)), cache)
+    for i in range(num_tokens):
+        out.append(int(stage.logits(hidden[-1:])[0].argmax()))
+        hidden = stage.forward(torch.tensor(out[-1:]), torch.tensor([len(prompt_ids) + i]), cache)
+    return out
+
+
 def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel:
     """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors (config: its
     config.json, if the caller read it already)."""
@@ -229,7 +256,19 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
                               f"{spec.num_layers}")
     names = stage_tensor_names(config, spec.start_layer, spec.end_layer)
     check_device(spec.device)
-    return StageModel(config, spec, Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device))
+    tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device)
+    return StageModel(config, spec, quantize_tensors(tensors, config) if spec.quantize else tensors)
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The stage's tensors with its layers' projection matrices and its own LM head (not one tied to the
+    embedding) as int8, each with its per-row scales under name + SCALE_SUFFIX (kernels.ops.quant); norms, biases
+    and the embedding stay as they are. In place: each float matrix is dropped as soon as its int8 form exists."""
+    for name in list(tensors):
+        if name.endswith("_proj.weight") or (name == LM_HEAD and not config.tie_word_embeddings):
+            w = quantize_int8(tensors[name])
+            tensors[name], tensors[name + SCALE_SUFFIX] = w.q, w.scale
+    return tensors
 
 
 def check_device(device: str) -> None:

@@ -18,11 +18,14 @@ DAY_S = 86400.0
 T0 = 1.8e9
 
 
-def test_measures_cpu_float32_matmul_and_copy() -> None:
-    (cpu, *gpu) = measure_speeds(reps=1)
+def test_measures_cpu_float32_and_int8_weights_matmul_and_copy() -> None:
+    (cpu, int8, *gpu) = measure_speeds(reps=1)
     assert (cpu.backend, cpu.dtype) == ("torch-cpu", "float32")
     assert 1e8 < cpu.flops < 1e14            # between a slow core and far beyond any CPU here
     assert 1e8 < cpu.mem_bandwidth < 1e13
+    # int8 weights (StageSpec.quantize) on the CPU: a matmul and a decode step of the real engine of their own
+    assert (int8.backend, int8.dtype, int8.mem_bandwidth) == ("torch-cpu", "int8", cpu.mem_bandwidth)
+    assert 1e8 < int8.flops < 1e14 and int8.decode_flops > 0
     assert all(s.backend == "torch-cuda" for s in gpu)
 
 

@@ -48,7 +48,8 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert missing.status_code == 400 and missing.json()["error"]["code"] == "bad_model"
         assert "config.json" in missing.json()["error"]["message"]
         for bad in ({"path": str(model_dir), "num_stages": 0}, {"path": str(model_dir), "stages": 2}, {},
-                    {"path": "\u0000"}):        # the NUL: once a 500, found by the fuzzer
+                    {"path": "\u0000"},         # the NUL: once a 500, found by the fuzzer
+                    {"path": str(model_dir), "quantize": "int4"}):
             refused = await client.post("/admin/api/models", json=bad)
             assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", bad
         deployed = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m2",
@@ -56,16 +57,21 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert deployed.status_code == 202
         assert deployed.json()["model"] | {"created": 0} == {
             "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
-            "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "created": 0}
+            "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "created": 0}
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"
         assert registry.model("m3").first_site == "lab"
+        quantized = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m4",
+                                                                 "num_stages": 1, "quantize": "int8",
+                                                                 "first_site": "lab"})
+        assert quantized.status_code == 202 and quantized.json()["model"]["quantize"] == "int8"
+        assert registry.model("m4").quantize == "int8"
         event = (await client.get("/admin/api/events", params={"limit": 1})).json()["events"][0]
         assert event["kind"] == "placement_failed" and "'lab'" in event["detail"]
         report_ready(deployer, agents)
         states = {m["model_id"]: m["state"] for m in (await client.get("/admin/api/models")).json()["models"]}
-        assert states == {"m": "ready", "m2": "ready", "m3": "waiting"}
+        assert states == {"m": "ready", "m2": "ready", "m3": "waiting", "m4": "waiting"}
         plans = (await client.get("/admin/api/plans")).json()["plans"]
         assert sorted((p["model_id"], p["num_layers"], p["state"]) for p in plans) == [
             ("m", 6, "active"), ("m2", 6, "active")]

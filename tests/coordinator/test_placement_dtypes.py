@@ -212,3 +212,25 @@ def test_an_agent_told_to_run_onnxruntime_gets_an_onnxruntime_float32_cpu_stage(
     (device,) = fleet_of({"g": agents["g"]}, checkpoint="bfloat16").devices
     assert device.speeds == (Speed("onnxruntime-cpu", "float32", CPU_FP32.flops, CPU_FP32.mem_bandwidth),)
     assert cpu_shares({"g": agents["g"]}) == {"g": (1.0, 1)}
+
+
+# ------------------------------------------------------------------ int8 weights
+CPU_INT8 = SpeedInfo("torch-cpu", "int8", 1.5e11, 1e10)
+
+
+def test_int8_weights_go_to_the_single_process_torch_stages_that_measured_them_and_only_when_asked() -> None:
+    fp32_config = {**CONFIG, "torch_dtype": "float32"}
+    agents = {"int8": cpu_box("h1", speeds=(CPU_FP32, CPU_INT8)), "plain": cpu_box("h2"),
+              "ort": replace(cpu_box("h3", speeds=(CPU_FP32, CPU_INT8)), runtime="onnxruntime"),
+              "gpu": gpu_box("h4", "9.0", speeds=(*CUDA.values(), CPU_FP32, CPU_INT8))}
+    _, specs = plan_stages("m", "/models/m", fp32_config, agents, 4, quantize="int8")
+    assert {agent: spec.quantize for agent, spec in specs} == {"int8": "int8", "plain": "", "ort": "", "gpu": ""}
+    _, unasked = plan_stages("m", "/models/m", fp32_config, agents, 4)
+    assert all(spec.quantize == "" for _, spec in unasked), "never without the operator's choice"
+    # a spare taking a drained stage holds int8 weights as the plan would have given it
+    placement = [(a, s.start_layer, s.end_layer, s.tp_degree) for a, s in specs]
+    spare = {"spare": cpu_box("h5", speeds=(CPU_FP32, CPU_INT8))}
+    repaired = dict(repair_stages("m", "/models/m", fp32_config,
+                                  {a: c for a, c in agents.items() if a != "plain"} | spare, placement,
+                                  quantize="int8"))
+    assert repaired["spare"].quantize == "int8" and repaired["int8"].quantize == "int8"

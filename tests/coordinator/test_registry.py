@@ -339,3 +339,18 @@ def test_links_keep_the_newest_figures_and_survive_a_failed_probe(reg: Registry)
     reg.record_links("a", [LinkMeasurement("b", error="timeout")], now=T0 + 2)
     (link,) = reg.links()
     assert (link.rtt_s, link.bandwidth_bytes_per_s, link.error, link.ts) == (0.001, 2e8, "timeout", T0 + 2)
+
+
+def test_a_models_quantization_and_its_stages_round_trip_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "q.db")
+    reg = Registry(path)
+    reg.add_model("m", "/models/m", 4, {}, now=T0, quantize="int8")
+    specs = [StageSpec("m", "/models/m", 0, 2, 4, quantize="int8"), StageSpec("m", "/models/m", 2, 4, 4)]
+    reg.save_plan("p1", "m", [StagePlacement(f"p1-{i}", i, f"a{i}", s) for i, s in enumerate(specs)], "q", now=T0)
+    reg.close()
+    again = Registry(path)
+    assert again.model("m").quantize == "int8"
+    assert [s.spec for s in again.active_plan("m").stages] == specs
+    again.add_model("m", "/models/m", 4, {}, now=T0 + 1)      # deployed again without it: as stored
+    assert again.model("m").quantize == ""
+    again.close()

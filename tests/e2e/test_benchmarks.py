@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,20 @@ def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("|     ")]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and "ratio = torch / onnxruntime" in result.stdout
+
+
+def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int8_weights.py"), "--prompts", "2",
+                             "--tokens", "8", "--batches", "1", "2", "--prompt-len", "8", "--steps", "2",
+                             "--rounds", "1", "--wide-hidden", "256"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| [")] == [
+        "[0, 2)", "[2, 4)", "[4, 6)"]
+    assert re.search(r"held-out perplexity: float32 [\d.]+, int8 [\d.]+", out), out
+    assert re.search(r"greedy agreement over 8 tokens on 2 prompts: \d/2 identical", out), out
+    speed_rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
+    assert len(speed_rows) == 4, out       # batches 1 and 2, for each of the two models
 
 
 def test_tensor_parallel_benchmark_prints_its_table() -> None:

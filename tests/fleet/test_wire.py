@@ -57,6 +57,11 @@ def test_stage_messages_round_trip(message) -> None:
 def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_know() -> None:
     spec = StageSpec("m", "/models/m", 2, 4, 6, runtime="onnxruntime")
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(spec)) == spec
+    int8 = StageSpec("m", "/models/m", 2, 4, 6, quantize="int8")
+    assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(int8)) == int8
+    with pytest.raises(InvalidInput, match="quantize 'int3'"):
+        convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
+                                                num_layers=1, quantize="int3"))
     assert convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
                                                    num_layers=1)).runtime == "torch"     # unsaid: torch
     with pytest.raises(InvalidInput, match="runtime 'tvm'"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig   # (not LlamaForCausalLM: its module imports Triton,
+                                                            # which test_triton_decode must import first)
 
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import parse_config
@@ -34,7 +35,7 @@ def trained_a_little(raw: dict) -> TrainableDecoder:
 def test_logits_match_transformers(tie: bool) -> None:
     raw = small_config(tie)
     model = trained_a_little(raw)
-    reference = LlamaForCausalLM(LlamaConfig(**raw)).eval()
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**raw)).eval()
     missing, unexpected = reference.load_state_dict(model.checkpoint_tensors(), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if tie else set())
     ids = torch.randint(0, raw["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(0))
@@ -58,16 +59,17 @@ def test_what_it_learns_is_what_a_stage_serves() -> None:
 
 
 def test_a_few_steps_lower_the_loss_on_a_repeated_sequence() -> None:
-    model = TrainableDecoder(parse_config(small_config()), seed=0)
-    ids = torch.arange(32).repeat(4, 1) % 128      # [4, 32]: the same easy sequence
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(20):
-        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    with torch.inference_mode(False), torch.enable_grad():   # (whatever an earlier test left on)
+        ids = torch.arange(32).repeat(4, 1) % 128      # [4, 32]: the same easy sequence
+        model = TrainableDecoder(parse_config(small_config()), seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(20):
+            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
     assert losses[-1] < losses[0] / 4, losses
 
 

@@ -1,0 +1,135 @@
+"""int8 weights (StageSpec.quantize = "int8") against float32 on this CPU: memory, quality, speed.
+
+    python benchmarks/int8_weights.py [--prompts 20] [--tokens 64] [--batches 1 32] [--rounds 5]
+
+Quality is measured on the demo model (kernels/demo_model.py), whose held-out chapter the model never saw:
+  - memory per stage: the weights each stage of a 3-stage split holds (StageModel.param_bytes);
+  - held-out perplexity, float32 and int8 (the served computation: kernels.models.decoder);
+  - greedy agreement: `--prompts` prompts (the first six words of sentences of the held-out chapter), each
+    continued greedily for `--tokens` tokens by the float32 and the int8 model (EOS ignored).
+Speed is the stage engine's decode step (scheduler, paged KV, runner) over every layer, per token, float32
+and int8 taking turns round by round, for the demo model and a wider random-weight Llama (hidden 1024) where the
+weights dominate a step (--wide-hidden). Ratio = float32 / int8: above 1, int8 is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from stage_step import decode_times, prefilled
+from tokenizers import Tokenizer
+
+from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
+from stratamesh.kernels.models.config import read_config
+from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
+from stratamesh.kernels.ops.quant import exact_products
+from stratamesh.kernels.tiny_model import write_tiny_model
+
+KINDS = {"float32": "", "int8": "int8"}      # column -> StageSpec.quantize
+STAGES = ((0, 2), (2, 4), (4, 6))
+
+
+def spec(model_dir: Path, quantize: str, start: int = 0, end: int | None = None) -> StageSpec:
+    n = read_config(model_dir).num_layers
+    return StageSpec("m", str(model_dir), start, n if end is None else end, n, quantize=quantize)
+
+
+def memory_rows() -> list[tuple[str, int, int]]:
+    rows = []
+    for start, end in STAGES:
+        sizes = [load_stage(spec(DEMO_DIR, q, start, end)).param_bytes for q in KINDS.values()]
+        rows.append((f"[{start}, {end})", *sizes))
+    return rows
+
+
+def prompts(count: int) -> list[str]:
+    """The first six words of sentences spread over the held-out chapter."""
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", read_book().held_out) if len(s.split()) >= 8]
+    step = max(1, len(sentences) // count)
+    return [" ".join(s.split()[:6]) for s in sentences[::step][:count]]
+
+
+def agreement(num_prompts: int, num_tokens: int) -> tuple[int, float, float, list[str]]:
+    """(prompts identical over all tokens, mean tokens before the first difference, tokens equal position by
+    position as a fraction, the prompts)."""
+    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    stages = {kind: load_stage(spec(DEMO_DIR, q)) for kind, q in KINDS.items()}
+    texts = prompts(num_prompts)
+    identical, prefixes, equal = 0, [], 0
+    for text in texts:
+        ids = tokenizer.encode(text).ids
+        a, b = (greedy_tokens(stages[kind], ids, num_tokens) for kind in KINDS)
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), num_tokens)
+        identical += first_diff == num_tokens
+        prefixes.append(first_diff)
+        equal += sum(x == y for x, y in zip(a, b))
+    return identical, statistics.mean(prefixes), equal / (num_tokens * len(texts)), texts
+
+
+def quality(num_prompts: int, num_tokens: int) -> None:
+    """Prints the held-out perplexities and the greedy agreement of int8 with float32."""
+    held_out = read_book().held_out
+    ppl = {kind: served_perplexity(DEMO_DIR, held_out, quantize=q) for kind, q in KINDS.items()}
+    print(f"held-out perplexity: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f} "
+          f"(delta {ppl['int8'] - ppl['float32']:+.3f}, {100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)")
+    identical, mean_prefix, equal, texts = agreement(num_prompts, num_tokens)
+    print(f"greedy agreement over {num_tokens} tokens on {len(texts)} prompts: {identical}/{len(texts)} identical, "
+          f"{mean_prefix:.1f} tokens before the first difference on average, {100 * equal:.1f}% of tokens equal "
+          f"position by position")
+
+
+def speed_rows(model_dir: Path, batches: list[int], prompt_len: int, steps: int,
+               rounds: int) -> list[tuple[int, float, float]]:
+    """Per batch: (batch, float32 ms per step, int8 ms per step), medians over interleaved rounds."""
+    rows = []
+    for batch in batches:
+        engines = {kind: prefilled(spec(model_dir, q), batch, prompt_len)[0] for kind, q in KINDS.items()}
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for n in range(rounds):
+            for kind, engine in engines.items():
+                times[kind] += decode_times(engine, batch, prompt_len + n * steps, steps, first_step=n * steps)
+        rows.append((batch, *(1e3 * statistics.median(times[kind]) for kind in KINDS)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--wide-hidden", type=int, default=1024, help="the random Llama's width (4 layers)")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"demo model ({DEMO_DIR.name}), {torch.get_num_threads()} threads\n")
+    print("| stage | float32 weights MB | int8 weights MB | ratio |\n|---|---|---|---|")
+    for name, full, int8 in memory_rows():
+        print(f"| {name} | {full / 1e6:.2f} | {int8 / 1e6:.2f} | {full / int8:.2f}x |")
+    print()
+    quality(args.prompts, args.tokens)
+    with exact_products():
+        print("\nthe same with float32 activations in the int8 products (no bfloat16 kernel; slower):")
+        quality(args.prompts, args.tokens)
+    hidden = args.wide_hidden
+    wide = write_tiny_model(Path(tempfile.mkdtemp()) / "wide", num_layers=4, hidden_size=hidden,
+                            intermediate_size=hidden * 11 // 4, num_heads=hidden // 64, num_kv_heads=hidden // 256)
+    for name, model_dir in (("demo model (6 x 256)", DEMO_DIR), (f"random Llama (4 x {hidden})", wide)):
+        print(f"\n{name}: decode step, prompt {args.prompt_len}, {args.rounds} rounds x {args.steps} steps\n")
+        print("| batch | float32 ms/step | int8 ms/step | float32 ms/token | int8 ms/token | ratio |")
+        print("|---|---|---|---|---|---|")
+        for batch, full, int8 in speed_rows(model_dir, args.batches, args.prompt_len, args.steps, args.rounds):
+            print(f"| {batch} | {full:.2f} | {int8:.2f} | {full / batch:.3f} | {int8 / batch:.3f} | "
+                  f"{full / int8:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
