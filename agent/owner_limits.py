@@ -18,7 +18,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -191,22 +191,56 @@ def parse_proc_stat(text: str) -> tuple[int, int]:
 
 
 def own_jiffies(pids: Sequence[int]) -> int:
-    """utime + stime of these processes, in jiffies (a process gone counts 0)."""
+    """utime + stime of these processes, and cutime + cstime of the first (the children it reaped: a rank that
+    exited between two readings stays counted as the agent's), in jiffies (a process gone counts 0)."""
     total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
+    for i, pid in enumerate(pids):
+        fields = _stat_fields(pid)
+        if fields:
+            total += int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if i == 0 else 0)
     return total
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state first), or [] if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def process_tree(root: int, parents: Mapping[int, int]) -> list[int]:
+    """root and every process descended from it, given each process's parent (root first)."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += sorted(children.get(pid, ()))
+    return tree
+
+
+def read_parents() -> dict[int, int]:
+    """Each running process's parent, from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(int(entry))):
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def agent_pids() -> list[int]:
+    """This process and its descendants (a tensor-parallel stage's rank processes): the agent's own CPU."""
+    return process_tree(os.getpid(), read_parents())
 
 
 class HostLoad:
     """The owner's load: cores' worth of CPU that every process but the agent's own used since the last reading."""
 
-    def __init__(self, own_pids: Callable[[], Sequence[int]] = lambda: [os.getpid()],
+    def __init__(self, own_pids: Callable[[], Sequence[int]] = agent_pids,
                  read_stat: Callable[[], str] = lambda: _read("/proc/stat"),
                  read_own: Callable[[Sequence[int]], int] = own_jiffies) -> None:
         self._own_pids, self._read_stat, self._read_own = own_pids, read_stat, read_own

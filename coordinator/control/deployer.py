@@ -18,6 +18,8 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Capabilities, Hop, LinkMeasurement, Peer, Registration, StageStatus, Telemetry
 
 log = logging.getLogger(__name__)
+# While an agent's owner's limits ask it to rest and its rest cannot begin (no spare), how often it is asked again
+REST_RETRY_S = 10.0
 
 
 class Deployer:
@@ -129,14 +131,24 @@ class Deployer:
             self._owner_says(agent_id, telemetry.resting)
 
     def _owner_says(self, agent_id: str, resting: str) -> None:
-        """An agent's telemetry says whether its owner's limits rest it: a rest starts once (the drainer moves its
-        stages off; finish_rest), and ends when it serves again (end_rest) after that."""
-        if resting and agent_id not in self._drains.rest_asked:
-            self._drains.rest_asked.add(agent_id)
-            log.info("agent %s asks to rest: %s", agent_id, resting)
+        """An agent's telemetry says whether its owner's limits rest it: a rest is asked for (the drainer moves its
+        stages off; finish_rest), again every REST_RETRY_S while it could not begin (no spare could take a stage,
+        or a replacement failed), and ends when the agent serves again (end_rest)."""
+        drains = self._drains
+        if resting:
+            if agent_id in drains.resting or agent_id in drains.draining:
+                return
+            now, last = self._clock(), drains.rest_asked.get(agent_id)
+            if last is not None and now - last < REST_RETRY_S:
+                return
+            drains.rest_asked[agent_id] = now
+            if last is None:
+                log.info("agent %s asks to rest: %s", agent_id, resting)
             self._events.rest_asked(agent_id, resting)
-        elif not resting and agent_id in self._drains.resting:
+        elif agent_id in drains.resting:
             self.end_rest(agent_id)
+        else:
+            drains.rest_asked.pop(agent_id, None)      # its limits cleared before it could rest
 
     def report_unreachable(self, address: str) -> None:
         """The data plane could not reach this Stage address: a sign that its agent died."""
@@ -229,7 +241,7 @@ class Deployer:
     def end_rest(self, agent_id: str) -> None:
         """A resting agent serves again: plans may use it (a clearly better plan with it becomes a standby)."""
         why = self._drains.resting.pop(agent_id, None)
-        self._drains.rest_asked.discard(agent_id)
+        self._drains.rest_asked.pop(agent_id, None)
         if why is None:
             return
         self._registry.set_agent_state(agent_id, "connected", self._clock())

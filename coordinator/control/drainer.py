@@ -24,6 +24,7 @@ STAGES_TIMEOUT_S = 300.0
 SESSIONS_TIMEOUT_S = 60.0
 RESUME_TIMEOUT_S = 120.0     # for a restarted coordinator to see the agent and spares for its stages again
 POLL_S = 0.05
+REST_BLOCKED_EVENT_S = 300.0   # while a rest cannot begin, the events list says so at most this often per agent
 
 
 class DrainRefused(MeshError):
@@ -42,16 +43,27 @@ class Drainer:
         self._registry = registry
         self._drains: dict[str, DrainStatus] = {d.agent_id: d for d in registry.drains()}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._blocked: dict[str, float] = {}    # agent id -> when the events list last said its rest cannot begin
         if events is not None:
             events.on_rest(self.rest)
 
     def rest(self, agent_id: str, why: str) -> None:
         """The agent's owner's limits want it resting: its stages and sessions move off it as in a drain, and it
-        stays connected, planned on no more until it serves again. Refused (logged) while a drain of it runs."""
+        stays connected, planned on no more until it serves again. Where it cannot begin (no spare can take a
+        stage, a drain of it runs) the agent serves on, the events list says why (agent_rest_blocked), and the
+        deployer asks again (Deployer._owner_says): nobody's request is dropped for want of a spare."""
         try:
             self.start(agent_id, rest=why)
         except (AgentNotConnected, DrainRefused) as exc:
             log.warning("agent %s cannot rest now: %s", agent_id, exc)
+            now = time.time()
+            if now - self._blocked.get(agent_id, -REST_BLOCKED_EVENT_S) >= REST_BLOCKED_EVENT_S:
+                self._blocked[agent_id] = now
+                self._registry.log_event(
+                    "agent_rest_blocked", f"its owner's limits ask it to rest ({why}), but {exc}; it serves on and "
+                    "rests once a spare can take its stages", now, agent_id=agent_id)
+            return
+        self._blocked.pop(agent_id, None)
 
     def start(self, agent_id: str, rest: str = "") -> DrainStatus:
         """Starts draining the agent (AgentNotConnected, DrainRefused); its progress is in status(). rest: why its

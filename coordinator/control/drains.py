@@ -29,7 +29,7 @@ class Drains:
         self._replacements: dict[str, Move] = {}  # new assignment id -> (old, new)
         self.failures: dict[str, str] = {}     # agent id -> why a replacement of its stages failed
         self.resting: dict[str, str] = {}      # agent id -> why its owner's limits rest it (planned on no more)
-        self.rest_asked: set[str] = set()      # agents whose rest was asked for, until they serve again
+        self.rest_asked: dict[str, float] = {}  # agent id -> when its rest was last asked for (until it serves again)
 
     def start(self, agent_id: str, moves: list[Move]) -> None:
         """Starts loading the replacements of the agent's stages; its stages in a standby plan abandon it."""
@@ -106,4 +106,4 @@ class Drains:
     def forget(self, agent_id: str) -> None:
         """An agent gone: it rests no more (a rest asked for again, if it comes back resting)."""
         self.resting.pop(agent_id, None)
-        self.rest_asked.discard(agent_id)
+        self.rest_asked.pop(agent_id, None)

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from stratamesh.agent.owner_limits import (
-    Decision, HostLoad, OwnerLimits, OwnerPolicy, OwnerWatch, QuietHours, Reading, Sensors, own_jiffies,
-    parse_proc_stat,
+    Decision, HostLoad, OwnerLimits, OwnerPolicy, OwnerWatch, QuietHours, Reading, Sensors, agent_pids, own_jiffies,
+    parse_proc_stat, process_tree,
 )
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import GpuInfo, Telemetry
@@ -134,10 +134,34 @@ def test_the_owners_load_is_the_hosts_busy_time_less_the_agents_own() -> None:
     assert load.read(1.0) == pytest.approx(2.0)
 
 
+def test_the_agents_own_processes_are_it_and_its_descendants() -> None:
+    parents = {1: 0, 10: 1, 20: 10, 21: 10, 30: 20, 40: 1, 50: 40}     # 20 and 21: ranks of agent 10; 30: a helper
+    assert process_tree(10, parents) == [10, 21, 20, 30]
+    assert process_tree(99, parents) == [99]       # gone since: itself alone
+
+
+def test_a_child_of_the_agent_spinning_is_not_the_owners_load() -> None:
+    """A tensor-parallel stage's ranks are the agent's children: their CPU is the agent's, not the owner's."""
+    rank = subprocess.Popen([sys.executable, "-c", "while True: pass"])     # as the agent's rank would
+    try:
+        assert rank.pid in agent_pids() and agent_pids()[0] == os.getpid()
+        used = own_jiffies(agent_pids())
+        other = own_jiffies([rank.pid])
+        while own_jiffies([rank.pid]) < other + os.sysconf("SC_CLK_TCK") // 5:   # a fifth of a second more
+            time.sleep(0.01)
+        assert own_jiffies(agent_pids()) - used >= os.sysconf("SC_CLK_TCK") // 5   # counted as the agent's own
+    finally:
+        rank.kill()
+        rank.wait()
+    # reaped, its time stays the agent's (its children's time), so the own total never drops
+    assert own_jiffies(agent_pids()) >= used + os.sysconf("SC_CLK_TCK") // 5
+
+
 def test_the_owners_load_shows_a_real_process_spinning() -> None:
     owner = subprocess.Popen([sys.executable, "-c", "while True: pass"])     # the owner's job
     try:
-        load, start = HostLoad(), time.monotonic()
+        # (this test's process stands for the agent, but its child for the owner's job: not among its own)
+        load, start = HostLoad(own_pids=lambda: [os.getpid()]), time.monotonic()
         used_before = own_jiffies([owner.pid])
         while own_jiffies([owner.pid]) < used_before + os.sysconf("SC_CLK_TCK") // 5:   # a fifth of a second more
             time.sleep(0.01)

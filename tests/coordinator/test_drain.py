@@ -144,3 +144,40 @@ async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_s
     deployer.heartbeat("a2", Telemetry(401.0, resting=hot))            # and may rest again later
     assert drainer.status("a2") is not status and drainer.status("a2").rest == hot
     await drainer.close()
+
+
+async def test_a_rest_no_spare_can_take_says_why_keeps_serving_and_begins_once_a_spare_joins(model_dir: Path) -> None:
+    from stratamesh.coordinator.control.deployer import REST_RETRY_S, Deployer
+    from stratamesh.coordinator.control.events import ControlEvents
+    from stratamesh.coordinator.liveness import LivenessConfig
+    from stratamesh.coordinator.registry import Registry
+    from stratamesh.fleet.types import Telemetry
+    from tests.coordinator.test_deployer import Agent
+
+    now = [100.0]
+    registry, events = Registry(":memory:"), ControlEvents()
+    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=1e9), events=events)
+    a1, a2, spare = Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, [a1, a2])
+    report_ready(deployer, [a1, a2])
+    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry, events)
+    hot = "at 90 C, above 80 C"
+    deployer.heartbeat("a2", Telemetry(now[0], resting=hot))              # no spare: it cannot rest
+    blocked = [e.detail for e in registry.events() if e.kind == "agent_rest_blocked"]
+    assert len(blocked) == 1 and hot in blocked[0] and "spare" in blocked[0]
+    assert "a2" in deployer._plannable() and registry.agent("a2").state == "connected"   # it serves on
+    assert any(s.agent_id == "a2" for s in registry.active_plan("m").stages)
+    connect_all(deployer, [spare])
+    now[0] += REST_RETRY_S / 2
+    deployer.heartbeat("a2", Telemetry(now[0], resting=hot))              # not asked again yet
+    assert not any(d.agent_id == "a2" for d in drainer.all())
+    now[0] += REST_RETRY_S / 2
+    deployer.heartbeat("a2", Telemetry(now[0], resting=hot))              # asked again: a spare can take it now
+    status = drainer.status("a2")
+    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer._plannable()
+    report_ready(deployer, [spare])
+    await wait_for(lambda: status.state == "drained")
+    assert registry.agent("a2").state == "resting"
+    assert len([e for e in registry.events() if e.kind == "agent_rest_blocked"]) == 1   # said once, not per retry
+    await drainer.close()
