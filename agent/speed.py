@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -9,7 +10,8 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -188,11 +190,28 @@ def cached_speeds(cache_path: Path | None = None, max_age_s: float = DEFAULT_MAX
     ago, else measure() stored in the cache."""
     path = cache_path or default_cache_path()
     now = time.time() if now is None else now
-    speeds = _load(path, fingerprint, now, max_age_s)
-    if speeds is None:
-        speeds = tuple(measure())
-        _store(path, {"fingerprint": fingerprint, "measured_at": now, "speeds": [asdict(s) for s in speeds]})
+    with _one_at_a_time(path):     # agents starting together on one box: one measures, the others read it
+        speeds = _load(path, fingerprint, now, max_age_s)
+        if speeds is None:
+            speeds = tuple(measure())
+            _store(path, {"fingerprint": fingerprint, "measured_at": now, "speeds": [asdict(s) for s in speeds]})
     return speeds
+
+
+@contextmanager
+def _one_at_a_time(path: Path) -> Iterator[None]:
+    """An exclusive lock beside the cache file (flock: released if the holder dies), so that probes on one box do
+    not run at once: each would measure the others' load, and all but one would measure for nothing."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")   # noqa: SIM115 (closed below)
+    except OSError as exc:      # a cache folder it cannot write: it measures without the lock (and the cache)
+        log.warning("no lock beside the speed cache %s: %s", path, exc)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # (released when the file closes)
+        yield
 
 
 def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[SpeedInfo, ...] | None:

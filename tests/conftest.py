@@ -8,10 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # the paged-decode kernel's tests run in Triton's interpreter; it must be chosen before anything imports Triton
+    # (transformers' modeling modules do, when a test module imports one at its top)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
 

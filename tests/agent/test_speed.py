@@ -6,6 +6,7 @@ import json
 import math
 import socket
 from pathlib import Path
+from threading import Event, Thread
 
 import pytest
 import torch
@@ -102,6 +103,39 @@ def test_a_corrupt_cache_is_measured_again_and_overwritten(content: str, tmp_pat
     assert cached_speeds(path, measure=measure, fingerprint="box-a", now=T0) == measure.speeds
     assert cached_speeds(path, measure=measure, fingerprint="box-a", now=T0 + 1) == measure.speeds
     assert measure.calls == 1   # the second call read what the first wrote over the corrupt file
+
+
+def test_probes_on_one_box_take_turns_and_the_second_reads_the_firsts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path, first_inside, release, second_waits = tmp_path / "speeds.json", Event(), Event(), Event()
+    measure = CountingMeasure()
+
+    def slow_measure() -> tuple[SpeedInfo, ...]:
+        first_inside.set()
+        assert release.wait(30)
+        return measure()
+
+    real_flock = speed_module.fcntl.flock
+
+    def flock(fd, op):      # says when the second probe is about to wait for the lock
+        if first_inside.is_set():
+            second_waits.set()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(speed_module.fcntl, "flock", flock)
+    results = {}
+    first = Thread(target=lambda: results.setdefault(1, cached_speeds(path, measure=slow_measure,
+                                                                       fingerprint="box-a", now=T0)))
+    first.start()
+    assert first_inside.wait(30)
+    second = Thread(target=lambda: results.setdefault(2, cached_speeds(path, measure=measure,
+                                                                        fingerprint="box-a", now=T0)))
+    second.start()
+    assert second_waits.wait(30)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert measure.calls == 1 and results[1] == results[2] == measure.speeds
 
 
 def test_an_unwritable_cache_still_returns_measured_speeds(tmp_path: Path) -> None:

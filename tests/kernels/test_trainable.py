@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig   # (not LlamaForCausalLM: its module imports Triton,
-                                                            # which test_triton_decode must import first)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import parse_config
@@ -35,7 +34,7 @@ def trained_a_little(raw: dict) -> TrainableDecoder:
 def test_logits_match_transformers(tie: bool) -> None:
     raw = small_config(tie)
     model = trained_a_little(raw)
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(**raw)).eval()
+    reference = LlamaForCausalLM(LlamaConfig(**raw)).eval()
     missing, unexpected = reference.load_state_dict(model.checkpoint_tensors(), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if tie else set())
     ids = torch.randint(0, raw["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(0))
