@@ -9,7 +9,9 @@ Quality is measured on the demo model (kernels/demo_model.py), whose held-out ch
     continued greedily for `--tokens` tokens by the float32 and the int8 model (EOS ignored).
 Speed is the stage engine's decode step (scheduler, paged KV, runner) over every layer, per token, float32
 and int8 taking turns round by round, for the demo model and a wider random-weight Llama (hidden 1024) where the
-weights dominate a step (--wide-hidden). Ratio = float32 / int8: above 1, int8 is faster.
+weights dominate a step (--wide-hidden). Ratio = float32 / int8: above 1, int8 is faster. Last, whether int4
+weights would pay here: one product of each of that model's MLP shapes, float32, int8 and int4 (torch's CPU int4
+kernel, groups of 128).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import os
 import re
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from stage_step import decode_times, prefilled
 from tokenizers import Tokenizer
 
@@ -29,7 +33,7 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
-from stratamesh.kernels.ops.quant import exact_products
+from stratamesh.kernels.ops.quant import exact_products, linear, quantize_int8
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 KINDS = {"float32": "", "int8": "int8"}      # column -> StageSpec.quantize
@@ -99,6 +103,43 @@ def speed_rows(model_dir: Path, batches: list[int], prompt_len: int, steps: int,
     return rows
 
 
+def int4_pack(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as asymmetric int4 in groups of `group` along K, packed for torch's CPU int4 kernel: (packed
+    weights, scales and zeros [K / group, N, 2])."""
+    n, k = w.shape
+    wg = w.reshape(n, k // group, group)
+    low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = (high - low).clamp(min=1e-8) / 15
+    q = torch.clamp(torch.round((wg - low) / scale), 0, 15).to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale                       # the kernel computes (q - 8) * scale + zero
+    scales_zeros = torch.cat([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+
+
+def int4_rows(hidden: int, batches: list[int], reps: int = 50) -> list[tuple[str, int, float, float, float]]:
+    """Does int4 pay here? One product of each of a layer's MLP shapes, float32 vs int8 vs int4 (groups of 128, or
+    the largest of 64 and 32 that divides the inputs): (shape, batch, float32 us, int8 us, int4 us)."""
+    rows = []
+    for out_features, in_features in ((hidden * 11 // 4, hidden), (hidden, hidden * 11 // 4)):
+        w = torch.randn(out_features, in_features) * 0.02
+        group = next(g for g in (128, 64, 32) if in_features % g == 0)
+        int8, (int4, scales_zeros) = quantize_int8(w), int4_pack(w, group)
+        for batch in batches:
+            x = torch.randn(batch, in_features)
+            kinds = (lambda: F.linear(x, w), lambda: linear(x, int8),
+                     lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), int4, group, scales_zeros).float())
+            rows.append((f"{out_features} x {in_features}", batch, *(1e6 * _best_of(f, reps) for f in kinds)))
+    return rows
+
+
+def _best_of(work, reps: int) -> float:
+    work()
+    start = time.perf_counter()
+    for _ in range(reps):
+        work()
+    return (time.perf_counter() - start) / reps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=20)
@@ -129,6 +170,10 @@ def main() -> None:
         for batch, full, int8 in speed_rows(model_dir, args.batches, args.prompt_len, args.steps, args.rounds):
             print(f"| {batch} | {full:.2f} | {int8:.2f} | {full / batch:.3f} | {int8 / batch:.3f} | "
                   f"{full / int8:.2f}x |")
+    print("\ndoes int4 pay? one product, torch's CPU kernels (int4: groups of 128, bfloat16 activations)\n")
+    print("| shape | batch | float32 us | int8 us | int4 us | int4 / int8 time |\n|---|---|---|---|---|---|")
+    for shape, batch, full, int8, int4 in int4_rows(hidden, args.batches):
+        print(f"| {shape} | {batch} | {full:.0f} | {int8:.0f} | {int4:.0f} | {int4 / int8:.2f} |")
 
 
 if __name__ == "__main__":

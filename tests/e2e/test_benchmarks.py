@@ -52,6 +52,8 @@ def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
     assert re.search(r"greedy agreement over 8 tokens on 2 prompts: \d/2 identical", out), out
     speed_rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
     assert len(speed_rows) == 4, out       # batches 1 and 2, for each of the two models
+    int4_rows = [line for line in out.splitlines() if re.match(r"\| \d+ x \d+ \| [12] \|", line)]
+    assert len(int4_rows) == 4, out        # two shapes, two batches
 
 
 def test_tensor_parallel_benchmark_prints_its_table() -> None:
