@@ -95,10 +95,9 @@ def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS,
             "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}
 
 
-def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, quantize: str = "",
-                   runtime: str = "torch") -> float:
+def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, quantize: str = "") -> float:
     """The median of `steps` decode steps of OVERHEAD_BATCH sequences through a random Llama of that shape (its
-    weights quantized, its layers run by another runtime: StageSpec.quantize and .runtime)."""
+    weights quantized: StageSpec.quantize)."""
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
     from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
@@ -108,8 +107,7 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, qua
         model_dir = write_tiny_model(tmp, num_layers=layers, hidden_size=shape.hidden,
                                      intermediate_size=shape.intermediate, num_heads=shape.heads,
                                      num_kv_heads=shape.kv_heads, vocab_size=512)
-        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize,
-                         runtime=runtime)
+        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize)
         runner = StageRunner.load(spec, 16 << 20)
     engine = StageEngine(Assignment("probe", spec), runner, EngineConfig(enable_prefix_cache=False,
                                                                          cuda_graphs=False))

@@ -3,14 +3,13 @@ answers in words a person recognises.
 
 The text is Botchan (Natsume Soseki; the 1919 English translation by Yasotaro Morri, in the public domain),
 shipped as kernels/data/botchan.txt: Project Gutenberg's eBook #8868, as sentencepiece's source distribution
-carries it for its tests, without Gutenberg's header and licence. Chapters I to X (and the translator's note) train it; chapter XI is held
-out, and the perplexity on it is the model's figure of merit. Its shape is that of `stratamesh model tiny`'s
+carries it for its tests, without Gutenberg's header and licence. Chapters I to X (and the translator's note)
+train it; chapter XI is held out, and the perplexity on it is the model's figure of merit. Its shape is that of `stratamesh model tiny`'s
 random-weight Llama (6 layers of 256, a 1024-token byte-level BPE), so a mesh is as fast serving either; the
 weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it; the shipped copy is DEMO_DIR."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import time
@@ -26,8 +25,7 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import parse_config, read_config
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models.trainable import TrainableDecoder
-from stratamesh.kernels.tiny_model import (IM_END, IM_START, _config, _tokenizer_config, _write_json,
-                                           _write_weights, train_tokenizer)
+from stratamesh.kernels.tiny_model import IM_END, IM_START, _config, train_tokenizer, write_checkpoint
 
 DATA = Path(__file__).parent / "data"
 BOOK = DATA / "botchan.txt"
@@ -117,18 +115,22 @@ def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
                      intermediate=DEMO_SHAPE["intermediate_size"], num_heads=DEMO_SHAPE["num_heads"],
                      num_kv_heads=DEMO_SHAPE["num_kv_heads"], vocab_size=DEMO_SHAPE["vocab_size"])
     started = time.perf_counter()
-    with _autograd():    # every tensor autograd sees is made in here
+    # Gradients on, whatever the thread's mode (an agent's data plane turns inference mode on for its thread);
+    # every tensor autograd sees is made in here.
+    with torch.inference_mode(False), torch.enable_grad():
         train_ids = torch.tensor(tokenizer.encode(book.train).ids)
         chat_ids = torch.tensor(tokenizer.encode(conversations(book.train)).ids)
         model = TrainableDecoder(parse_config(config), seed=settings.seed, dropout=settings.dropout)
+        num_params = sum(p.numel() for p in model.parameters())
         log(f"{len(train_ids)} training tokens, {len(tokenizer.encode(book.held_out).ids)} held out; "
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+            f"{num_params / 1e6:.2f} M parameters")
         loss = _train(model, (train_ids, chat_ids), settings, log)
     seconds = time.perf_counter() - started
-    out = _write(Path(out_dir), config, model, tokenizer)
+    weights = {name: t.to(STORED_DTYPE) for name, t in model.checkpoint_tensors().items()}
+    out = write_checkpoint(out_dir, dict(config, dtype=str(STORED_DTYPE).removeprefix("torch.")), weights, tokenizer)
     perplexity = served_perplexity(out, book.held_out, settings.seq_len)
     log(f"held-out perplexity {perplexity:.2f} after {settings.steps} steps in {seconds:.0f} s")
-    return TrainReport(out, settings.steps, seconds, loss, perplexity, sum(p.numel() for p in model.parameters()),
+    return TrainReport(out, settings.steps, seconds, loss, perplexity, num_params,
                        (out / "model.safetensors").stat().st_size)
 
 
@@ -147,14 +149,6 @@ def _train(model: TrainableDecoder, streams: tuple[torch.Tensor, torch.Tensor], 
         if step % 100 == 0 or step == s.steps - 1:
             log(f"step {step:5d}  loss {loss:.3f}  lr {s.lr_at(step):.2e}")
     return loss
-
-
-def _autograd() -> contextlib.AbstractContextManager:
-    """Gradients on, whatever the thread's mode (an agent's data plane turns inference mode on for its thread)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.enable_grad())
-    return stack
 
 
 def _step(model: TrainableDecoder, optimizer: torch.optim.Optimizer, streams: tuple[torch.Tensor, torch.Tensor],
@@ -207,15 +201,3 @@ def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quan
         return stage.logits(hidden)[None]
 
     return held_out_perplexity(logits_of, ids, seq_len)
-
-
-def _write(out: Path, config: dict, model: TrainableDecoder, tokenizer) -> Path:
-    """The trained model as a Hugging Face folder: config, generation config, float16 weights, ChatML tokenizer."""
-    out.mkdir(parents=True, exist_ok=True)
-    config = dict(config, dtype="float16")
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2], "do_sample": False})
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(config["max_position_embeddings"]))
-    _write_weights(out, {n: t.to(STORED_DTYPE) for n, t in model.checkpoint_tensors().items()}, None)
-    return out

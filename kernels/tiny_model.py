@@ -50,10 +50,7 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
         raise ValueError(f"rope_spelling {rope_spelling!r} is not 'classic' or 'parameters'")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size)
-    tokenizer.save(str(out / "tokenizer.json"))
     config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
     config["dtype"] = dtype
@@ -63,11 +60,21 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
         config["architectures"] = [_BASE_CLASS[arch]]
         del weights["lm_head.weight"]
         weights = {name.removeprefix("model."): t for name, t in weights.items()}
-    else:
-        _write_json(out / "generation_config.json",
-                    {"bos_token_id": 0, "eos_token_id": [0, 2], "do_sample": False})
+    return write_checkpoint(out_dir, config, weights, tokenizer, generation=not embedding,
+                            shard_size_bytes=shard_size_bytes)
+
+
+def write_checkpoint(out_dir: str | Path, config: dict[str, Any], weights: dict[str, torch.Tensor],
+                     tokenizer: Tokenizer, generation: bool = True, shard_size_bytes: int | None = None) -> Path:
+    """A Hugging Face folder: config.json, the ChatML tokenizer and its config, safetensors weights (in shards of
+    at most shard_size_bytes, with their index), and a generation config (generation: a model with an LM head)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    if generation:
+        _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2], "do_sample": False})
     _write_json(out / "config.json", config)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(max_position_embeddings))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(config["max_position_embeddings"]))
     _write_weights(out, weights, shard_size_bytes)
     return out
 

@@ -134,9 +134,9 @@ class Rates(NamedTuple):
 
 
 def _rates(unit: Unit) -> Rates:
-    return Rates(DTYPE_BYTES[unit.weight_dtype], DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth, unit.speed.flops, unit.head_speed.mem_bandwidth,
-                 unit.head_speed.flops, unit.overhead_s, unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s,
-                 unit.token_overhead_s)
+    return Rates(DTYPE_BYTES[unit.weight_dtype], DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth,
+                 unit.speed.flops, unit.head_speed.mem_bandwidth, unit.head_speed.flops, unit.overhead_s,
+                 unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s, unit.token_overhead_s)
 
 
 class StageTables:
@@ -151,16 +151,14 @@ class StageTables:
         a, b = np.meshgrid(np.arange(num + 1), np.arange(num + 1), indexing="ij")   # a: start, b: end
         self.starts, self.ends, self.valid = a, b, b > a
         self.last = b == num
-        self._params = params = _prefix(profile.layer_params)
         self.kv_values = _prefix([k // profile.bytes_per_param for k in profile.layer_kv_bytes_per_token])
         flops = _prefix([f + request.mean_context * c for f, c in
                          zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)])
-        self.read_params = self._span(params)                                            # weights a step reads
+        self.read_params = self._span(_prefix(profile.layer_params))     # weights a step reads (and a stage holds)
         self.read_kv = request.step_tokens * request.mean_context * self._span(self.kv_values)   # and KV entries
         self.flops = self._span(flops)                                                   # per token
         # Memory in values: what a group's ranks share (weights and KV of the layers) and what each holds whole
-        kv_reserve = request.concurrency * request.context_len * self._span(self.kv_values)
-        self._kv_reserve_values = kv_reserve
+        self._kv_reserve_values = request.concurrency * request.context_len * self._span(self.kv_values)
         first = a == 0
         head = np.where(first & profile.tied_embeddings, profile.head_params - profile.embed_params,
                         profile.head_params)
@@ -178,7 +176,7 @@ class StageTables:
         key = (dtype, degree, weights)
         if key not in self._memory:
             bpp, wbpp = DTYPE_BYTES[dtype], DTYPE_BYTES[weights or dtype]
-            shared = wbpp * self._span(self._params) + bpp * self._kv_reserve_values
+            shared = wbpp * self.read_params + bpp * self._kv_reserve_values
             self._memory[key] = np.ceil(shared / degree) + bpp * self._embed_values + wbpp * self._head_values
         return self._memory[key]
 

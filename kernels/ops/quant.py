@@ -3,14 +3,16 @@
 A [out, in] matrix w is stored as q = round(w / scale) in [-127, 127] with scale = max |w[row]| / 127, a quarter
 of float32's bytes (plus 4 bytes a row). Activations stay in floating point. On a CPU the product runs in
 torch's int8-weight kernel (_weight_int8pack_mm) with bfloat16 activations where the CPU computes bfloat16
-natively (it reads the int8 weights once, 3-9x faster than a float32 matmul here); elsewhere the weight is
-dequantized into the activations' dtype for each product (the memory is saved, not the time)."""
+natively (2-4x faster than a float32 product here: benchmarks/int8_weights.py); elsewhere, and within
+exact_products(), the weight is dequantized into the activations' dtype for each product."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +32,6 @@ class Int8Weight:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel_scale", self.scale.to(torch.bfloat16))
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.q.to(dtype) * self.scale.to(dtype)[:, None]
 
@@ -51,7 +49,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | N
     """F.linear for a float weight or an Int8Weight; x [..., in] -> [..., out] in x's dtype."""
     if not isinstance(w, Int8Weight):
         return F.linear(x, w, bias)
-    if x.device.type == "cpu" and _cpu_int8_kernel():
+    if _uses_cpu_kernel(x):
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.aten._weight_int8pack_mm(flat, w.q, w.kernel_scale)
         out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -60,28 +58,31 @@ def linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-_KERNEL: list[bool] = []
+_EXACT: ContextVar[bool] = ContextVar("exact_int8_products", default=False)   # set within exact_products()
 
 
+def _uses_cpu_kernel(x: torch.Tensor) -> bool:
+    """Whether an int8 product with activations x runs in torch's CPU int8-weight kernel."""
+    return x.device.type == "cpu" and not _EXACT.get() and _cpu_int8_kernel()
+
+
+@cache
 def _cpu_int8_kernel() -> bool:
     """Whether torch has its int8-weight kernel and oneDNN computes bfloat16 natively on this CPU (AVX-512 BF16,
-    AMX), where that kernel is fast; decided once per process."""
-    if not _KERNEL:
-        try:
-            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            native = False
-        _KERNEL.append(native and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
-    return _KERNEL[0]
+    AMX), where that kernel is fast."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return native and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 @contextmanager
 def exact_products() -> Iterator[None]:
     """Within it, int8 products keep the activations' own dtype (the weight dequantized for each product) instead
     of the CPU kernel's bfloat16 activations: slower, for measuring what that kernel's rounding costs."""
-    kernel = _cpu_int8_kernel()
-    _KERNEL[0] = False
+    token = _EXACT.set(True)
     try:
         yield
     finally:
-        _KERNEL[0] = kernel
+        _EXACT.reset(token)
