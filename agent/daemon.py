@@ -54,7 +54,8 @@ class AgentOptions:
     remeasure: bool = False             # time the matmul and copy again instead of reading the box's cache
     num_ranks: int = 0                  # ranks a tensor-parallel stage here may have; 0: one per GPU, else 1
     dtype: str = ""                     # what every stage here computes in (--dtype); "" lets the planner pick
-    runtime: str = ""                   # what computes every stage here (--runtime); "" lets the planner pick
+    runtime: str = ""                   # what computes every stage here (--runtime): "" is torch; "auto" lets the
+                                        # planner pick per stage
     use_gpus: bool = True               # False: serve on the CPU alone, reporting no GPU (--no-gpu)
     metrics_port: int | None = 0        # Prometheus /metrics on host; 0 picks a free port, None serves none
     traces_json: str = ""               # append every span as OpenTelemetry JSON to this file

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import DTYPES, MAX_TP_DEGREE, ORT_DTYPES, RUNTIMES, Capabilities, GpuInfo
+from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, RUNTIMES, Capabilities, GpuInfo,
+                                   SpeedInfo)
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +198,23 @@ def ranks_for(num_ranks: int, num_gpus: int) -> int:
     return ranks
 
 
-def check_runtime(runtime: str, dtype: str, onnx_providers: Iterable[str]) -> None:
-    """InvalidInput unless runtime is "" (the planner picks), torch, or onnxruntime where onnxruntime's CPU provider
-    loads and the dtype is one its stages compute in."""
-    if runtime and runtime not in RUNTIMES:
-        raise InvalidInput(f"--runtime {runtime!r} is not one of {RUNTIMES} (or auto)")
+def check_runtime(runtime: str, dtype: str, onnx_providers: Iterable[str]) -> str:
+    """The runtime an agent reports: runtime, where it is "" (torch), torch, AUTO_RUNTIME (the planner picks, which
+    is torch alone where onnxruntime's CPU provider does not load), or onnxruntime where that provider loads and the
+    dtype is one its stages compute in; InvalidInput otherwise."""
+    if runtime and runtime not in (*RUNTIMES, AUTO_RUNTIME):
+        raise InvalidInput(f"--runtime {runtime!r} is not one of {(*RUNTIMES, AUTO_RUNTIME)}")
+    has_ort = "CPUExecutionProvider" in onnx_providers
+    if runtime == AUTO_RUNTIME and not has_ort:
+        log.warning("--runtime auto: onnxruntime's CPU provider does not load on this box: stages run in torch")
+        return "torch"
     if runtime != "onnxruntime":
-        return
-    if "CPUExecutionProvider" not in onnx_providers:
+        return runtime
+    if not has_ort:
         raise InvalidInput("--runtime onnxruntime: onnxruntime's CPU provider does not load on this box")
     if dtype and dtype not in ORT_DTYPES:
         raise InvalidInput(f"--runtime onnxruntime computes in {', '.join(ORT_DTYPES)}, not --dtype {dtype}")
+    return runtime
 
 
 def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: bool = False,
@@ -216,24 +223,44 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     num_ranks: the most ranks of a tensor-parallel stage here (0: one per GPU, else 1; see ranks_for); dtype: the
     operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it);
     use_gpus=False: the agent serves on the CPU alone, and reports no GPU (`stratamesh agent --no-gpu`); runtime:
-    the operator's choice of what computes every stage here ("" lets the planner pick; see check_runtime)."""
+    the operator's choice of what computes every stage here (see check_runtime). An agent that may run ONNX Runtime
+    stages (runtime onnxruntime or auto) measures them too, in a cache of their own (ONNX_CACHE_NAME)."""
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)
     onnx_providers = read_onnx_providers()
-    check_runtime(runtime, dtype, onnx_providers)
+    runtime = check_runtime(runtime, dtype, onnx_providers)
     cpuinfo = read_cpuinfo()
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
     import torch
 
-    from stratamesh.agent.speed import DEFAULT_MAX_AGE_S, box_fingerprint, cached_speeds, measure_speeds
-
-    speeds = cached_speeds(max_age_s=0.0 if remeasure else DEFAULT_MAX_AGE_S,
-                           measure=lambda: measure_speeds(cpu_bf16=cpu_bf16, cuda=bool(gpus)),
-                           fingerprint=box_fingerprint(hostname, cpu_model, gpus)) if measure else ()
+    speeds: tuple[SpeedInfo, ...] = ()
+    if measure:
+        speeds = _measured_speeds(hostname, cpu_model, gpus, cpu_bf16, remeasure,
+                                  onnx=runtime in ("onnxruntime", AUTO_RUNTIME))
     return Capabilities(
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),
         backends=backends_for(gpus, use_gpus and torch.cuda.is_available(), onnx_providers),
         speeds=speeds, site=site, tier=tier, num_ranks=ranks_for(num_ranks, len(gpus)), dtype=dtype,
         cpu_bf16=cpu_bf16, num_threads=torch.get_num_threads(), runtime=runtime)
+
+
+def _measured_speeds(hostname: str, cpu_model: str, gpus: list[GpuInfo], cpu_bf16: bool, remeasure: bool,
+                     onnx: bool) -> tuple[SpeedInfo, ...]:
+    """torch's speeds (agent.speed.measure_speeds), and ONNX Runtime's CPU provider's where onnx, each from its cache
+    or timed now (remeasure: always timed)."""
+    from stratamesh.agent.speed import (DEFAULT_MAX_AGE_S, ONNX_CACHE_NAME, box_fingerprint, cached_speeds,
+                                        default_cache_path, measure_onnx_speeds, measure_speeds)
+
+    max_age_s = 0.0 if remeasure else DEFAULT_MAX_AGE_S
+    speeds = cached_speeds(max_age_s=max_age_s, measure=lambda: measure_speeds(cpu_bf16=cpu_bf16, cuda=bool(gpus)),
+                           fingerprint=box_fingerprint(hostname, cpu_model, gpus))
+    if not onnx:
+        return speeds
+    import onnxruntime
+
+    torch_cpu = next(s for s in speeds if (s.backend, s.dtype) == ("torch-cpu", "float32"))
+    return speeds + cached_speeds(default_cache_path(ONNX_CACHE_NAME), max_age_s,
+                                  measure=lambda: measure_onnx_speeds(torch_cpu),
+                                  fingerprint=box_fingerprint(hostname, cpu_model, gpus, onnxruntime.__version__))

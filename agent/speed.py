@@ -29,12 +29,15 @@ CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
-MEASURES_VERSION = 4                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads, 4: int8)
+MEASURES_VERSION = 5                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads, 4: int8,
+                                    # 5: decode bandwidth)
 # The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
 # count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
 OVERHEAD_BATCH = 8
 OVERHEAD_LAYERS = 4
 OVERHEAD_STEPS = 15
+PROBE_VOCAB = 512
+ONNX_CACHE_NAME = "speeds-onnxruntime.json"   # measured only for agents that may run it: a cache of its own
 
 
 def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[SpeedInfo, ...]:
@@ -50,13 +53,24 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
         speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]
         torch.cuda.empty_cache()   # hand the buffers back before stages load
     cpu = measure_decode("cpu")
-    cpu_int8 = measure_decode("cpu", step_s=partial(_decode_step_s, quantize="int8"))
+    cpu_int8 = measure_decode("cpu", step_s=partial(_decode_step_s, quantize="int8"), bytes_per_param=1.0)
     cuda = measure_decode("cuda:0") if any(s.backend == "torch-cuda" for s in speeds) else {}
+    cuda.pop("decode_bandwidth", None)    # a GPU reads the probe's weights faster than its kernels launch: no figure
 
     def decode(s: SpeedInfo) -> dict[str, float]:
         return cuda if s.backend == "torch-cuda" else cpu_int8 if s.dtype == "int8" else cpu
 
     return tuple(replace(s, **decode(s)) for s in speeds)
+
+
+def measure_onnx_speeds(torch_cpu: SpeedInfo) -> tuple[SpeedInfo, ...]:
+    """ONNX Runtime's CPU provider in float32 ("onnxruntime-cpu"): what a decode step of the real engine costs with
+    ONNX Runtime computing the layers (measure_decode over exports of the probe models, made in a temporary folder:
+    about 15 s on 2 cores, the most of it exporting). Its large matmul and copy are torch_cpu's: the planner prices
+    decode steps at the decode rates where they are lower (coordinator.placement.decode_rate), as they are here."""
+    with tempfile.TemporaryDirectory(prefix="stratamesh-probe-onnx-") as exports:
+        decode = measure_decode("cpu", step_s=partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports))
+    return (replace(torch_cpu, backend="onnxruntime-cpu", dtype="float32", **decode),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +86,10 @@ class _ProbeModel:
         attention = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim) + self.hidden * self.hidden
         return 2.0 * (attention + 3 * self.hidden * self.intermediate)
 
+    def weight_bytes(self, layers: int, bytes_per_param: float) -> float:
+        """Bytes of the matrices a decode step reads: the layers' and the LM head's."""
+        return bytes_per_param * (layers * self.layer_flops_per_token() / 2 + self.hidden * PROBE_VOCAB)
+
 
 # The framework's own cost shows in a model too narrow for its matmuls to count; the decode FLOP/s in one wide
 # enough for them to dominate (a 1B model's layers are wider still: this is a floor on what they reach).
@@ -79,47 +97,60 @@ NARROW = _ProbeModel(64, 128, 2, 1)
 WIDE = _ProbeModel(512, 1408, 8, 2)
 
 
-def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS,
-                   step_s: Callable[[str, _ProbeModel, int, int], float] | None = None) -> dict[str, float]:
+def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS, step_s: Callable[..., float] | None = None,
+                   bytes_per_param: float = 4.0) -> dict[str, float]:
     """What a decode step of the stage engine costs on device beyond the roofline of a large matmul and copy:
-    step_overhead_s and layer_overhead_s (the narrow model's step with 1 and OVERHEAD_LAYERS layers, split into a
-    fixed part and a part per layer), and decode_flops (the wide model's extra time per layer over the narrow
-    one's, for its extra FLOPs), for decode steps of OVERHEAD_BATCH sequences. step_s(device, shape, layers,
-    steps) times the steps (default: _decode_step_s, the real engine's)."""
+    - step_overhead_s and layer_overhead_s: the narrow model's step with 1 and OVERHEAD_LAYERS layers, split into a
+      fixed part and a part per layer;
+    - decode_flops: the wide model's extra time per layer over the narrow one's, for its extra FLOPs;
+    - decode_bandwidth: the wide model's weight bytes over its step of one sequence, less the overheads (a step
+      that small reads its weights slower than a large copy does: matrix-vector products).
+    Steps are of OVERHEAD_BATCH sequences but for decode_bandwidth's; the probe models' weights take bytes_per_param
+    (float32's 4, int8's 1). step_s(device, shape, layers, steps, batch) times the steps (default: _decode_step_s,
+    the real engine's)."""
     step_s = step_s or _decode_step_s
-    narrow = [step_s(device, NARROW, layers, steps) for layers in (1, OVERHEAD_LAYERS)]
+    narrow = [step_s(device, NARROW, layers, steps, OVERHEAD_BATCH) for layers in (1, OVERHEAD_LAYERS)]
     per_layer = max(0.0, (narrow[1] - narrow[0]) / (OVERHEAD_LAYERS - 1))
-    wide_per_layer = (step_s(device, WIDE, OVERHEAD_LAYERS, steps) - narrow[0] + per_layer) / OVERHEAD_LAYERS
+    fixed = max(0.0, narrow[0] - per_layer)
+    wide = step_s(device, WIDE, OVERHEAD_LAYERS, steps, OVERHEAD_BATCH)
+    wide_per_layer = (wide - narrow[0] + per_layer) / OVERHEAD_LAYERS
     extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
-    return {"step_overhead_s": max(0.0, narrow[0] - per_layer), "layer_overhead_s": per_layer,
-            "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}
+    one_sequence = step_s(device, WIDE, OVERHEAD_LAYERS, steps, 1) - fixed - OVERHEAD_LAYERS * per_layer
+    return {"step_overhead_s": fixed, "layer_overhead_s": per_layer,
+            "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7),
+            "decode_bandwidth": WIDE.weight_bytes(OVERHEAD_LAYERS, bytes_per_param) / max(one_sequence, 1e-7)}
 
 
-def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, quantize: str = "") -> float:
-    """The median of `steps` decode steps of OVERHEAD_BATCH sequences through a random Llama of that shape (its
-    weights quantized: StageSpec.quantize)."""
+def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, batch: int = OVERHEAD_BATCH,
+                   quantize: str = "", runtime: str = "torch", onnx_cache: str | Path | None = None) -> float:
+    """The median of `steps` decode steps of `batch` sequences through a random Llama of that shape (its weights
+    quantized: StageSpec.quantize; its layers computed by runtime, an ONNX Runtime export kept in onnx_cache)."""
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
     from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
     from stratamesh.kernels.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as tmp:
-        model_dir = write_tiny_model(tmp, num_layers=layers, hidden_size=shape.hidden,
-                                     intermediate_size=shape.intermediate, num_heads=shape.heads,
-                                     num_kv_heads=shape.kv_heads, vocab_size=512)
-        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize)
-        runner = StageRunner.load(spec, 16 << 20)
+        # beside the exports, one model of each shape: their export serves every batch size
+        model_dir = Path(onnx_cache or tmp, f"probe-{shape.hidden}-{layers}")
+        if not model_dir.exists():
+            write_tiny_model(model_dir, num_layers=layers, hidden_size=shape.hidden,
+                             intermediate_size=shape.intermediate, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                             vocab_size=PROBE_VOCAB)
+        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize,
+                         runtime=runtime)
+        runner = StageRunner.load(spec, 16 << 20, onnx_cache=onnx_cache)
     engine = StageEngine(Assignment("probe", spec), runner, EngineConfig(enable_prefix_cache=False,
                                                                          cuda_graphs=False))
     prompt = tuple(range(1, 17))
-    for i in range(OVERHEAD_BATCH):
+    for i in range(batch):
         engine.open(SessionOpen(f"s{i}", "probe", (), "", SamplingParams(), prompt_token_ids=prompt), Outbox())
         engine.add(StepChunk(f"s{i}", 0, 0, prompt, True), None)
     while (step := engine.schedule()) is not None:
         engine.postprocess(step, engine.run(step), Outbox())
     times = []
     for n in range(steps):
-        for i in range(OVERHEAD_BATCH):
+        for i in range(batch):
             engine.add(StepChunk(f"s{i}", n + 1, len(prompt) + n, (5,), True), None)
         start = time.perf_counter()
         step = engine.schedule()
@@ -170,14 +201,15 @@ def _time_once(work: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start_s
 
 
-def default_cache_path() -> Path:
-    """speeds.json in the cache folder (fleet.state.cache_home)."""
-    return cache_home(os.environ) / "speeds.json"
+def default_cache_path(name: str = "speeds.json") -> Path:
+    """name in the cache folder (fleet.state.cache_home): speeds.json, or ONNX_CACHE_NAME for ONNX Runtime's."""
+    return cache_home(os.environ) / name
 
 
-def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo]) -> str:
-    """Changes when what was measured may have: the host, its CPU, its GPUs, the torch build or what is measured."""
-    box = [hostname, cpu_model, [[g.name, g.uuid] for g in gpus], torch.__version__, MEASURES_VERSION]
+def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo], *builds: str) -> str:
+    """Changes when what was measured may have: the host, its CPU, its GPUs, the torch build (and any other builds
+    measured: onnxruntime's version) or what is measured."""
+    box = [hostname, cpu_model, [[g.name, g.uuid] for g in gpus], torch.__version__, *builds, MEASURES_VERSION]
     return hashlib.sha256(json.dumps(box).encode()).hexdigest()[:16]
 
 
@@ -236,7 +268,8 @@ def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[S
 def _speed(entry: dict) -> SpeedInfo:
     speed = SpeedInfo(str(entry["backend"]), str(entry["dtype"]), float(entry["flops"]),
                       float(entry["mem_bandwidth"]), float(entry.get("step_overhead_s", 0.0)),
-                      float(entry.get("layer_overhead_s", 0.0)), float(entry.get("decode_flops", 0.0)))
+                      float(entry.get("layer_overhead_s", 0.0)), float(entry.get("decode_flops", 0.0)),
+                      float(entry.get("decode_bandwidth", 0.0)))
     if not (0 < speed.flops < math.inf and 0 < speed.mem_bandwidth < math.inf):
         raise ValueError(f"speed {speed} is not positive and finite")
     return speed

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
-from stratamesh.fleet.errors import InvalidInput, PlacementError
-from stratamesh.fleet.types import DTYPES, QUANTIZATIONS, Capabilities, GpuInfo, SpeedInfo, StageSpec, Telemetry
+from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
+from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, QUANTIZATIONS, Capabilities, GpuInfo, SpeedInfo,
+                                   StageSpec, Telemetry, windowed)
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -86,16 +87,18 @@ def _has_bf16(gpu: GpuInfo) -> bool:
 
 
 def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (),
-             checkpoint: str = "float32", hosts: Hosts = Hosts()) -> FleetSnapshot:
+             checkpoint: str = "float32", hosts: Hosts = Hosts(), onnx: bool = True) -> FleetSnapshot:
     """One device per rank of each agent (rank_ids), the agent its node, computing in stage_dtype for a model
     stored in checkpoint; measured links between agents apply to all their devices, and agents of one host that
     never measured theirs talk over loopback (NODE_LINK).
 
     A GPU agent (one whose host measured torch-cuda) runs rank r on its GPU r: that GPU's free memory and the
-    host's torch-cuda speeds. A rank of any other agent has a share of the RAM and of the torch-cpu speeds (the
-    ranks split the cores). Agents on one host share its best speeds: their probes overlapped. CPU agents of one
-    host also share its cores and RAM (cpu_shares): where their threads outnumber the cores, each computes
-    at its share of its measured speed, and each has its share of the RAM.
+    host's torch-cuda speeds. A rank of any other agent has a share of the RAM and of the CPU speeds (the
+    ranks split the cores): torch's, ONNX Runtime's where its operator chose it, or both where it let the planner
+    pick (AUTO_RUNTIME) and the model's layers can be ONNX Runtime stages (onnx: onnx_servable). Agents on one host
+    share its best speeds: their probes overlapped. CPU agents of one host also share its cores and RAM
+    (cpu_shares): where their threads outnumber the cores, each computes at its share of its measured speed, and
+    each has its share of the RAM.
 
     Each device pays its host's serving path per token of a step (Hosts.serving_cpu_s): a CPU agent at its share
     of the cores, a GPU agent in full (its dataplane runs on the host's CPU, with the cores it needs)."""
@@ -109,9 +112,18 @@ def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (
     devices = []
     for agent_id, caps in agents.items():
         speeds = tuple(v for (host, _, _), v in sorted(best.items()) if host == caps.hostname)
-        devices += _rank_devices(agent_id, caps, speeds, checkpoint, hosts.serving_cpu_s(caps.hostname),
+        devices += _rank_devices(agent_id, caps, speeds, checkpoint, hosts.serving_cpu_s(caps.hostname), onnx,
                                  *shares.get(agent_id, (1.0, 1)))
     return FleetSnapshot(tuple(devices), _links(agents, links))
+
+
+def onnx_servable(config: Mapping[str, Any]) -> bool:
+    """Whether ONNX Runtime stages can serve the model's layers (kernels.models.onnx_stage.check_exportable): none
+    of them attends over a sliding window."""
+    try:
+        return not windowed(config)
+    except (CheckpointError, TypeError, ValueError):    # (a model no stage serves: the planner says so, not this)
+        return False
 
 
 def cpu_shares(agents: Mapping[str, Capabilities], origin_host: str = "") -> dict[str, tuple[float, int]]:
@@ -160,10 +172,10 @@ def _on_gpus(caps: Capabilities, speeds: Sequence[Speed | SpeedInfo]) -> bool:
 
 
 def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
-                  serving_cpu_s: float, share: float = 1.0, ram_split: int = 1) -> list[Device]:
+                  serving_cpu_s: float, onnx: bool, share: float = 1.0, ram_split: int = 1) -> list[Device]:
     ranks = num_ranks(caps)
     ids = rank_ids(agent_id, ranks)
-    speeds = tuple(Speed(s.backend, s.dtype, decode_rate(s), s.mem_bandwidth) for s in measured)
+    speeds = tuple(Speed(s.backend, s.dtype, decode_rate(s), decode_bandwidth(s)) for s in measured)
     if _on_gpus(caps, speeds):
         gpus = caps.gpus[:ranks]
         dtypes = [stage_dtype(checkpoint, caps, gpu) for gpu in gpus]
@@ -171,29 +183,48 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
                        caps.site, node=agent_id, dtype=dtype, token_overhead_s=serving_cpu_s,
                        **_overheads(measured, "torch-cuda", dtype))
                 for i, gpu, dtype in zip(ids, gpus, dtypes, strict=True)]
-    dtype, backend = stage_dtype(checkpoint, caps, None), _cpu_backend(caps)
-    # what the host measured of that backend: an agent told to run ONNX Runtime, on a host that measured only torch,
-    # is priced at torch's speeds and overheads
-    priced_as = backend if any(s.backend == backend for s in measured) else "torch-cpu"
-    # (quantized weights run in torch: StageSpec.quantize)
-    cpu = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
-                for s in speeds if s.backend == priced_as and (backend == "torch-cpu" or s.dtype not in QUANTIZATIONS)
-                ) or (replace(UNMEASURED, backend=backend),)
-    overheads = {k: v / share for k, v in {**_overheads(measured, priced_as, dtype),
+    dtype = stage_dtype(checkpoint, caps, None)
+    backends = _cpu_backends(caps, measured, dtype, onnx)
+    cpu: list[Speed] = []
+    for backend in backends:
+        # what the host measured of that backend: an agent told to run ONNX Runtime, on a host that measured only
+        # torch, is priced at torch's speeds and overheads (quantized weights run in torch: StageSpec.quantize)
+        priced_as = backend if any(s.backend == backend for s in measured) else "torch-cpu"
+        own = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
+                    for s in speeds if s.backend == priced_as and (backend == "torch-cpu" or s.dtype not in QUANTIZATIONS)
+                    ) or (replace(UNMEASURED, backend=backend),)
+        if backend != backends[0]:      # the device's overheads are its first backend's; the others carry their own
+            overheads = {k: v / share for k, v in _overheads(measured, priced_as, dtype).items()}
+            own = tuple(replace(s, **overheads) for s in own)
+        cpu += _speeds_for(agent_id, own, backend, dtype)
+    overheads = {k: v / share for k, v in {**_overheads(measured, backends[0], dtype),
                                            "token_overhead_s": serving_cpu_s}.items()}
-    return [Device(i, caps.ram_available_bytes // (ranks * ram_split), _speeds_for(i, cpu, backend, dtype),
-                   caps.tier or "edge", caps.site, node=agent_id, dtype=dtype, **overheads) for i in ids]
+    return [Device(i, caps.ram_available_bytes // (ranks * ram_split), tuple(cpu), caps.tier or "edge", caps.site,
+                   node=agent_id, dtype=dtype, **overheads) for i in ids]
 
 
-def _cpu_backend(caps: Capabilities) -> str:
-    """What computes a CPU agent's stages: ONNX Runtime where its operator chose it (--runtime), else torch."""
-    return "onnxruntime-cpu" if caps.runtime == "onnxruntime" else "torch-cpu"
+def _cpu_backends(caps: Capabilities, measured: Sequence[SpeedInfo], dtype: str, onnx: bool) -> tuple[str, ...]:
+    """What may compute a CPU agent's stages: ONNX Runtime where its operator chose it (--runtime onnxruntime);
+    torch, and ONNX Runtime beside it where the operator let the planner pick (AUTO_RUNTIME), the host measured it,
+    the stages compute in one of its dtypes and the model's layers export (onnx); else torch."""
+    if caps.runtime == "onnxruntime":
+        return ("onnxruntime-cpu",)
+    if (caps.runtime == AUTO_RUNTIME and onnx and dtype in ORT_DTYPES
+            and any(s.backend == "onnxruntime-cpu" for s in measured)):
+        return ("torch-cpu", "onnxruntime-cpu")
+    return ("torch-cpu",)
 
 
 def decode_rate(speed: SpeedInfo) -> float:
     """The FLOP/s the planner prices a step at: it prices decode steps, whose matmuls are small, so the rate the
     host measured for those where it did, else its large matmul's."""
     return min(speed.flops, speed.decode_flops) if speed.decode_flops > 0 else speed.flops
+
+
+def decode_bandwidth(speed: SpeedInfo) -> float:
+    """The bytes/s the planner prices a step's reads at: a decode step's where the host measured one (small
+    products read their weights slower than a large copy), else its large copy's."""
+    return min(speed.mem_bandwidth, speed.decode_bandwidth) if speed.decode_bandwidth > 0 else speed.mem_bandwidth
 
 
 def _overheads(measured: Sequence[SpeedInfo], backend: str, dtype: str) -> dict[str, float]:
@@ -251,7 +282,7 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
     operator's choice of int8 weights for the model: a single-process stage on an agent that measured its speed
     with them holds them so (partitioner.cost.single_unit)."""
     profile, request = _profile(model_id, config, quantize), _request(config, num_stages, pins)
-    fleet, ranks = fleet_of(agents, links, profile.dtype, hosts), _ranks(agents)
+    fleet, ranks = fleet_of(agents, links, profile.dtype, hosts, onnx_servable(config)), _ranks(agents)
     plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
     previous_plan = _as_plan(profile, fleet, request, previous, ranks)
     if previous_plan is not None:
@@ -294,7 +325,7 @@ def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
     has its own device, dtype and quantization. PlacementError if none fit."""
     profile = _profile(model_id, config, quantize)
-    fleet = fleet_of(agents, links, profile.dtype, hosts)
+    fleet = fleet_of(agents, links, profile.dtype, hosts, onnx_servable(config))
     plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))
     if plan is None:
         missing = [f"[{start}, {end})" for agent, start, end, _ in placement if agent not in agents]

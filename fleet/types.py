@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.errors import CheckpointError, InvalidInput
 
 DTYPES = ("float32", "float16", "bfloat16")
 RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
+AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner picks one of RUNTIMES per stage
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
@@ -33,6 +34,33 @@ def model_task(config: Mapping[str, Any]) -> str:
     architectures = config.get("architectures")
     first = architectures[0] if isinstance(architectures, list) and architectures else None
     return "embed" if first in EMBEDDING_ARCHITECTURES else "generate"
+
+
+def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types) of a config.json dict: Mistral windows every layer; Qwen2 only with
+    use_sliding_window, from max_window_layers on (its layer_types name which); (None, ()) is full attention.
+    CheckpointError where layer_types does not name every layer."""
+    window = config.get("sliding_window")
+    if arch == "llama" or window is None:
+        return None, ()
+    if arch == "mistral":
+        return int(window), ()
+    if not config.get("use_sliding_window", False):
+        return None, ()
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = int(config.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return int(window), tuple(layer_types)
+
+
+def windowed(config: Mapping[str, Any]) -> bool:
+    """Whether any layer of a config.json dict attends over a sliding window (attention_windows)."""
+    window, layer_types = attention_windows(config, str(config.get("model_type")),
+                                            int(config.get("num_hidden_layers", 0)))
+    return window is not None and (not layer_types or "sliding_attention" in layer_types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +91,7 @@ class SpeedInfo:
     step_overhead_s: float = 0.0     # per step, whatever its layers
     layer_overhead_s: float = 0.0    # per layer of a step
     decode_flops: float = 0.0        # FLOP/s of the layers of a decode step (small matmuls); 0: not measured
+    decode_bandwidth: float = 0.0    # bytes/s a decode step of one sequence reads its weights at; 0: not measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +112,8 @@ class Capabilities:
     dtype: str = ""             # the operator's choice for this agent's stages (--dtype); "" lets the planner pick
     cpu_bf16: bool = False      # the CPU computes bfloat16 natively (AMX or AVX512-BF16)
     num_threads: int = 0        # CPU threads this agent computes with (agents of one host share its num_cpus)
-    runtime: str = ""           # the operator's choice of RUNTIMES for this agent's stages (--runtime); "" lets the
-                                # planner pick
+    runtime: str = ""           # the operator's choice of RUNTIMES for this agent's stages (--runtime): "" is torch;
+                                # AUTO_RUNTIME lets the planner pick per stage, by the speeds measured of each
 
     @property
     def usable_mem_bytes(self) -> int:

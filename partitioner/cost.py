@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stratamesh.fleet.types import wire_dtype
-from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link, Speed, shards
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile
 
@@ -39,6 +39,9 @@ class Unit:
     layer_overhead_s: float = 0.0  # per layer per step: the framework's cost beyond FLOPs and bytes
     token_overhead_s: float = 0.0  # per token of a step: the serving path's cost beyond the layers
     weights: str = ""              # what its layers' matrices and LM head are stored in where not dtype: "int8"
+    # the device's other backends for the same dtype and weights (a CPU with torch and ONNX Runtime): a range is
+    # priced at the fastest of the unit and these (StageTables.best)
+    options: tuple[Unit, ...] = ()
 
     @property
     def id(self) -> str:
@@ -68,16 +71,23 @@ class Unit:
 def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
     """The device alone in its dtype (the profile's when it names none), or None if it measured nothing for it.
     For a profile of quantized weights (ModelProfile.weights), a device that measured its speed with them holds
-    and computes them so; one that did not holds the model in its dtype."""
+    and computes them so; one that did not holds the model in its dtype. Of several backends it measured for those,
+    the unit is the one of most FLOP/s, the others its options."""
     dtype = device.dtype or profile.dtype
-    speed, weights = device.speed(dtype), ""
-    if speed is None:
+    if device.speed(dtype) is None:
         return None
-    quantized = device.speed(profile.weights) if profile.weights else None
-    if quantized is not None:
-        speed, weights = replace(quantized, dtype=dtype), profile.weights
-    return Unit((device,), speed, speed, device.memory_bytes, device.step_overhead_s, 0.0, device.layer_overhead_s,
-                device.token_overhead_s, weights)
+    weights = profile.weights if profile.weights and device.speed(profile.weights) is not None else ""
+    measured = sorted((s for s in device.speeds if s.dtype == (weights or dtype)),
+                      key=lambda s: (s.flops, s.mem_bandwidth, s.backend), reverse=True)
+    units = [_device_unit(device, replace(s, dtype=dtype), weights) for s in measured]
+    return replace(units[0], options=tuple(units[1:]))
+
+
+def _device_unit(device: Device, speed: Speed, weights: str) -> Unit:
+    """One device computing with speed (and its overheads, where the backend measured its own)."""
+    step_s = device.step_overhead_s if speed.step_overhead_s is None else speed.step_overhead_s
+    layer_s = device.layer_overhead_s if speed.layer_overhead_s is None else speed.layer_overhead_s
+    return Unit((device,), speed, speed, device.memory_bytes, step_s, 0.0, layer_s, device.token_overhead_s, weights)
 
 
 def group_link(fleet: FleetSnapshot, devices: tuple[Device, ...]) -> Link:
@@ -98,7 +108,10 @@ def group_unit(members: tuple[Unit, ...], link: Link, profile: ModelProfile, req
         members = tuple(_unquantized(m, profile) for m in members)
         if any(m is None for m in members):
             return None
-        lead = members[0]
+    members = tuple(next((u for u in (m, *m.options) if shards(u.speed.backend)), None) for m in members)
+    if any(m is None for m in members):
+        return None
+    lead = members[0]
     if len({(m.speed.backend, m.dtype) for m in members}) > 1:
         return None
     scale = degree * TP_EFFICIENCY
@@ -193,21 +206,34 @@ class StageTables:
 
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
+        return self._time_of(self.best(unit, start, end), start, end)
+
+    def best(self, unit: Unit, start: int, end: int) -> Unit:
+        """Of unit and its options, the one fastest on [start, end) (the unit itself on a tie)."""
+        return min((unit, *unit.options), key=lambda u: self._time_of(u, start, end))
+
+    def _time_of(self, unit: Unit, start: int, end: int) -> float:
         return float(self._roofline(_rates(unit), self.read_params[start, end], self.read_kv[start, end],
                                     self.flops[start, end], end == self.profile.num_layers, end - start))
 
     def times(self, unit: Unit) -> np.ndarray:
-        """Step time [L+1, L+1] of unit serving [a, b); inf where a >= b or it does not fit."""
-        t = self._roofline(_rates(unit), self.read_params, self.read_kv, self.flops, self.last,
-                           self.ends - self.starts)
+        """Step time [L+1, L+1] of unit (at its fastest option) serving [a, b); inf where a >= b or it does not fit
+        (its options have its dtype, weights and memory)."""
+        t = np.minimum.reduce([self._roofline(_rates(u), self.read_params, self.read_kv, self.flops, self.last,
+                                              self.ends - self.starts) for u in (unit, *unit.options)])
         fits = self.valid & (self.memory_of(unit) <= unit.memory_bytes)
         return np.where(fits, t, np.inf)
 
     def times_of(self, units: Sequence[Unit], start: int, end: int) -> np.ndarray:
-        """Step time of each unit serving [start, end), ignoring memory: one array operation for many units."""
-        rates = Rates(*np.array([_rates(u) for u in units], dtype=np.float64).reshape(-1, len(Rates._fields)).T)
-        return self._roofline(rates, self.read_params[start, end], self.read_kv[start, end], self.flops[start, end],
-                              end == self.profile.num_layers, end - start)
+        """Step time of each unit (at its fastest option) serving [start, end), ignoring memory: one array operation
+        for many units."""
+        every = [(i, u) for i, unit in enumerate(units) for u in (unit, *unit.options)]
+        rates = Rates(*np.array([_rates(u) for _, u in every], dtype=np.float64).reshape(-1, len(Rates._fields)).T)
+        t = self._roofline(rates, self.read_params[start, end], self.read_kv[start, end], self.flops[start, end],
+                           end == self.profile.num_layers, end - start)
+        out = np.full(len(units), np.inf)
+        np.minimum.at(out, np.array([i for i, _ in every], dtype=np.intp), t)
+        return out
 
     def _roofline(self, rates: Rates, read_params: Any, read_kv: Any, flops: Any, last: Any, layers: Any) -> Any:
         """max(bytes read / bandwidth, FLOPs / FLOP/s) + overheads + all-reduces, over scalars or arrays alike.

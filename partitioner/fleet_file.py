@@ -54,10 +54,16 @@ class _Strict(BaseModel):
 class SpeedEntry(_Strict):
     """What a device measured for one backend and dtype."""
 
-    backend: str = Field(description='what ran it: "torch-cuda", "torch-cpu", "onnxruntime", ...')
+    backend: str = Field(description='what ran it: "torch-cuda", "torch-cpu", "onnxruntime-cpu", ...')
     dtype: str = Field(description='the dtype it computed in, e.g. "bfloat16"')
     flops: float = Field(gt=0, allow_inf_nan=False, description="FLOP/s of a large matmul; finite, above 0")
     mem_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="bytes/s of a large copy; finite, above 0")
+    step_overhead_s: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                          description="this backend's own fixed cost per step, where it differs "
+                                                      "from the device's; default null: the device's")
+    layer_overhead_s: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                           description="this backend's own cost per layer of a step; default null: "
+                                                       "the device's")
 
 
 class DeviceEntry(_Strict):
@@ -128,7 +134,8 @@ def fleet_from_dict(raw: Any) -> FleetSnapshot:
 
 
 def _device(entry: DeviceEntry) -> Device:
-    speeds = tuple(Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth) for s in entry.speeds)
+    speeds = tuple(Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s)
+                   for s in entry.speeds)
     return Device(entry.id, entry.memory_bytes, speeds, tier=entry.tier, site=entry.site, node=entry.node,
                   step_overhead_s=entry.step_overhead_s, dtype=entry.dtype, layer_overhead_s=entry.layer_overhead_s,
                   token_overhead_s=entry.token_overhead_s)

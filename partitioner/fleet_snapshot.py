@@ -16,10 +16,18 @@ TIERS = ("edge", "cloud")   # a device's tier
 class Speed:
     """What a device measured for one backend and dtype."""
 
-    backend: str              # "torch-cuda", "torch-cpu", "onnxruntime"
+    backend: str              # "torch-cuda", "torch-cpu", "onnxruntime-cpu"
     dtype: str
     flops: float              # FLOP/s of a large matmul
     mem_bandwidth: float      # bytes/s of a large copy
+    # the backend's own step and layer overheads, where the device measured them apart (None: the device's)
+    step_overhead_s: float | None = None
+    layer_overhead_s: float | None = None
+
+
+def shards(backend: str) -> bool:
+    """Whether a backend's stages may be tensor-parallel groups: not ONNX Runtime's (one rank: StageSpec)."""
+    return not backend.startswith("onnxruntime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +126,13 @@ class FleetSnapshot:
                 "links": [asdict(link) for link in self.links]}
 
 
+def _speed_dict(speed: Speed) -> dict[str, Any]:
+    """A speed's JSON form: its own overheads only where it has them (most backends use the device's)."""
+    return {k: v for k, v in asdict(speed).items() if v is not None}
+
+
 def _device_dict(device: Device) -> dict[str, Any]:
-    out = {**asdict(device), "speeds": [asdict(s) for s in device.speeds]}
+    out = {**asdict(device), "speeds": [_speed_dict(s) for s in device.speeds]}
     if not device.dtype:
         del out["dtype"]
     for measured in ("layer_overhead_s", "token_overhead_s"):   # (written only where measured, as fleets

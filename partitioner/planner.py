@@ -300,6 +300,7 @@ def _pipeline(units: list[Unit], ranges: list[tuple[int, int]], tables: StageTab
     """Stages with their predicted times and memory, the bottleneck and the step time."""
     enter_transfer, step = links.origin(units[0])
     stages, slowest = [], (enter_transfer, "origin -> first stage")
+    units = [tables.best(unit, a, b) for unit, (a, b) in zip(units, ranges, strict=True)]
     for k, (unit, (a, b)) in enumerate(zip(units, ranges, strict=True)):
         compute = tables.time_of(unit, a, b)
         transfer, hop = links.between(unit, units[k + 1]) if k + 1 < len(units) else links.origin(unit)

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
+    up.add_argument("--runtime", choices=("torch", "onnxruntime", "auto"), default="torch",
+                    help="what computes the agents' stages (see agent)")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -139,9 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="what this agent's stages compute in; auto: the planner picks per device (a GPU: the "
                             "checkpoint's dtype, float16 for bfloat16 before Ampere; a CPU: float32, bfloat16 for a "
                             "bfloat16 checkpoint where the CPU has native bf16)")
-    agent.add_argument("--runtime", choices=("auto", "torch", "onnxruntime"), default="auto",
+    agent.add_argument("--runtime", choices=("torch", "onnxruntime", "auto"), default="torch",
                        help="what computes this agent's stages; onnxruntime: ONNX Runtime's CPU provider, in float32 "
-                            "(each stage is exported once, into the cache folder); auto: the planner picks (torch)")
+                            "(each stage is exported once, into the cache folder: seconds for the demo model, minutes "
+                            "for billions of parameters); auto: the planner picks torch or onnxruntime per stage, by "
+                            "the speeds measured of both (the first start measures ONNX Runtime's: about 15 s)")
     owner = agent.add_argument_group("the owner's limits", "the agent rests (its stages move to other agents) once a "
                                      "limit has been crossed for --limit-grace, and serves again once none has been "
                                      "for --limit-cooldown")
@@ -347,7 +351,7 @@ def _agent(args: argparse.Namespace) -> None:
         interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
         dtype="" if args.dtype == "auto" else args.dtype, use_gpus=not args.no_gpu,
-        runtime="" if args.runtime == "auto" else args.runtime,
+        runtime=args.runtime,
         owner_limits=OwnerLimits(args.max_gpu_temp, args.max_power_w, args.max_host_load,
                                  tuple(QuietHours.parse(q) for q in args.quiet_hours), args.limit_grace,
                                  args.limit_cooldown),
@@ -434,7 +438,8 @@ def _up(args: argparse.Namespace) -> None:
     forget_last_run(state)
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
-                     insecure=args.insecure, coordinator_args=["--quantize", args.quantize] if args.quantize else [])
+                     insecure=args.insecure, coordinator_args=["--quantize", args.quantize] if args.quantize else [],
+                     agent_args=["--runtime", args.runtime])
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)

@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,7 +57,8 @@ class StageRunner:
 
     @classmethod
     def load(cls, spec: StageSpec, kv_cache_bytes: int, on_group_failure: Callable[[str], None] | None = None,
-             gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512, graph_batch: int = 0) -> StageRunner:
+             gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512, graph_batch: int = 0,
+             onnx_cache: str | Path | None = None) -> StageRunner:
         """Loads the stage's own tensors and its paged KV cache (per rank, for a TP stage, whose other ranks it
         launches; on_group_failure hears, from any thread, that the group went down).
 
@@ -64,11 +66,11 @@ class StageRunner:
         the weights and a workspace for steps of max_batch_tokens (agent.engine.memory). graph_batch > 0: a GPU
         stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs). A stage
         whose runtime is onnxruntime runs its layers in ONNX Runtime (kernels.models.onnx_stage), from an export
-        kept in the cache folder (fleet.state.cache_home)."""
+        kept in onnx_cache (default: the cache folder, fleet.state.cache_home)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         if spec.runtime == "onnxruntime":
-            model = OrtStageModel.from_model(load_stage(spec, config), cache_home(os.environ))
+            model = OrtStageModel.from_model(load_stage(spec, config), onnx_cache or cache_home(os.environ))
             return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
         if spec.device.startswith("cuda"):
             return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens,

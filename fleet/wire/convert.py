@@ -12,10 +12,10 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop, KvExportRequest, KvHeader,
-    KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks, Registration, Release,
-    SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad, StageSpec, StageStatus,
-    StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
+    AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
+    KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
+    Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
+    StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -58,7 +58,7 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         dtype=caps.dtype, cpu_bf16=caps.cpu_bf16, num_threads=caps.num_threads, runtime=caps.runtime,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth,
                          step_overhead_s=s.step_overhead_s, layer_overhead_s=s.layer_overhead_s,
-                         decode_flops=s.decode_flops)
+                         decode_flops=s.decode_flops, decode_bandwidth=s.decode_bandwidth)
                 for s in caps.speeds])
 
 
@@ -70,8 +70,8 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if any(not (0 <= s.step_overhead_s < OVERHEAD_LIMIT_S and 0 <= s.layer_overhead_s < OVERHEAD_LIMIT_S)
            for s in msg.speeds):
         raise InvalidInput(f"capabilities: speed overheads must be in [0, {OVERHEAD_LIMIT_S:g}) s")
-    if any(not 0 <= s.decode_flops < math.inf for s in msg.speeds):
-        raise InvalidInput("capabilities: decode_flops must be finite and >= 0")
+    if any(not (0 <= s.decode_flops < math.inf and 0 <= s.decode_bandwidth < math.inf) for s in msg.speeds):
+        raise InvalidInput("capabilities: decode_flops and decode_bandwidth must be finite and >= 0")
     if msg.num_threads < 0:
         raise InvalidInput("capabilities: num_threads must be >= 0")
     if msg.tier not in ("", "edge", "cloud"):
@@ -79,11 +79,11 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
         raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
     _require_dtype(msg.dtype, "capabilities.dtype")
-    if msg.runtime and msg.runtime not in RUNTIMES:
-        raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {RUNTIMES}")
+    if msg.runtime and msg.runtime not in (*RUNTIMES, AUTO_RUNTIME):
+        raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {(*RUNTIMES, AUTO_RUNTIME)}")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
-                             s.decode_flops) for s in msg.speeds)
+                             s.decode_flops, s.decode_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",
                         msg.num_ranks or 1, msg.dtype, msg.cpu_bf16, msg.num_threads, msg.runtime)

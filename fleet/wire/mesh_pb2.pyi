@@ -80,7 +80,7 @@ class Capabilities(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_model: _Optional[str] = ..., num_cpus: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[str]] = ..., speeds: _Optional[_Iterable[_Union[Speed, _Mapping]]] = ..., site: _Optional[str] = ..., tier: _Optional[str] = ..., num_ranks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_bf16: _Optional[bool] = ..., num_threads: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class Speed(_message.Message):
-    __slots__ = ("backend", "dtype", "flops", "mem_bandwidth", "step_overhead_s", "layer_overhead_s", "decode_flops")
+    __slots__ = ("backend", "dtype", "flops", "mem_bandwidth", "step_overhead_s", "layer_overhead_s", "decode_flops", "decode_bandwidth")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Speed(_message.Message):
     STEP_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     LAYER_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     backend: str
     dtype: str
     flops: float
@@ -95,7 +96,8 @@ class Speed(_message.Message):
     step_overhead_s: float
     layer_overhead_s: float
     decode_flops: float
-    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., step_overhead_s: _Optional[float] = ..., layer_overhead_s: _Optional[float] = ..., decode_flops: _Optional[float] = ...) -> None: ...
+    decode_bandwidth: float
+    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., step_overhead_s: _Optional[float] = ..., layer_overhead_s: _Optional[float] = ..., decode_flops: _Optional[float] = ..., decode_bandwidth: _Optional[float] = ...) -> None: ...
 
 class StageSpec(_message.Message):
     __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree", "runtime", "quantize")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.types import model_task
+from stratamesh.fleet.types import attention_windows, model_task
 
 ARCHS = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -100,7 +100,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     num_layers = int(raw["num_hidden_layers"])
     rope_theta, rope_scaling = _parse_rope(raw)
-    sliding_window, layer_types = _parse_window(raw, arch, num_layers)
+    sliding_window, layer_types = attention_windows(raw, arch, num_layers)
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -196,24 +196,6 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = {k: float(params[k]) for k in _LLAMA3_KEYS}
     scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     return theta, {"rope_type": "llama3", **scaling}
-
-
-def _parse_window(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on."""
-    window = raw.get("sliding_window")
-    if arch == "llama" or window is None:
-        return None, ()
-    if arch == "mistral":
-        return int(window), ()
-    if not raw.get("use_sliding_window", False):
-        return None, ()
-    layer_types = raw.get("layer_types")
-    if layer_types is None:
-        first = int(raw.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers:
-        raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
-    return int(window), tuple(layer_types)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -196,6 +196,9 @@ class OrtLayers:
         options.intra_op_num_threads = threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # its threads sleep between runs rather than spin: torch computes the rest of the step (embedding, RoPE
+        # tables, LM head) on the same cores, and spinning threads of both stretched steps tenfold on 2 cores
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.num_layers = num_layers
         self._names = _input_names(num_layers)

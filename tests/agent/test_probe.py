@@ -277,7 +277,10 @@ def test_check_runtime_refuses(runtime: str, dtype: str, providers: list[str], m
 
 
 def test_probe_reports_the_operators_runtime() -> None:
-    check_runtime("", "bfloat16", [])                     # the planner picks: nothing to check
-    check_runtime("torch", "bfloat16", [])
+    assert check_runtime("", "bfloat16", []) == ""          # torch: nothing to check
+    assert check_runtime("torch", "bfloat16", []) == "torch"
+    assert check_runtime("auto", "bfloat16", ["CPUExecutionProvider"]) == "auto"   # the planner picks per stage
+    assert check_runtime("auto", "", []) == "torch"         # ... between torch and nothing else
     assert probe(measure=False, runtime="onnxruntime").runtime == "onnxruntime"   # onnxruntime is installed
+    assert probe(measure=False, runtime="auto").runtime == "auto"
     assert probe(measure=False).runtime == ""

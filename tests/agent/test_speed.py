@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 from pathlib import Path
 from threading import Event, Thread
@@ -169,23 +170,45 @@ def test_a_decode_steps_overheads_and_flops_are_measured_on_the_real_engine() ->
 
     # (timings on a shared box are whatever the box allows: what holds is their form, never their size)
     measured = measure_decode("cpu", steps=3)
-    assert set(measured) == {"step_overhead_s", "layer_overhead_s", "decode_flops"}
-    assert all(0 <= value < math.inf for value in measured.values()) and measured["decode_flops"] > 0
+    assert set(measured) == {"step_overhead_s", "layer_overhead_s", "decode_flops", "decode_bandwidth"}
+    assert all(0 <= value < math.inf for value in measured.values())
+    assert measured["decode_flops"] > 0 and measured["decode_bandwidth"] > 0
 
 
 @pytest.mark.parametrize("times, expected", [
     # 1 narrow layer 1.0 ms, 4 narrow layers 1.6 ms: 0.2 ms a layer over 0.8 ms a step; 4 wide layers 3.6 ms:
-    # 0.7 ms a wide layer, 0.5 ms of it for the wide model's extra FLOPs
-    ((1.0e-3, 1.6e-3, 3.6e-3), (0.8e-3, 0.2e-3, 0.5e-3)),
+    # 0.7 ms a wide layer, 0.5 ms of it for the wide model's extra FLOPs; one sequence through them 2.0 ms, of which
+    # 0.8 + 4 x 0.2 ms overheads: 0.4 ms to read the weights
+    ((1.0e-3, 1.6e-3, 3.6e-3, 2.0e-3), (0.8e-3, 0.2e-3, 0.5e-3, 0.4e-3)),
     # noise made 4 layers no slower than 1: no layer overhead, never a negative one
-    ((1.0e-3, 0.9e-3, 3.0e-3), (1.0e-3, 0.0, 0.5e-3)),
+    ((1.0e-3, 0.9e-3, 3.0e-3, 1.5e-3), (1.0e-3, 0.0, 0.5e-3, 0.5e-3)),
 ])
 def test_the_overheads_split_a_step_into_a_fixed_part_and_a_part_per_layer(times, expected) -> None:
     from stratamesh.agent.speed import NARROW, OVERHEAD_BATCH, OVERHEAD_LAYERS, WIDE, measure_decode
 
-    timed = {(NARROW, 1): times[0], (NARROW, OVERHEAD_LAYERS): times[1], (WIDE, OVERHEAD_LAYERS): times[2]}
-    measured = measure_decode("cpu", step_s=lambda device, shape, layers, steps: timed[(shape, layers)])
-    step, layer, extra_layer_s = expected
+    timed = {(NARROW, 1, OVERHEAD_BATCH): times[0], (NARROW, OVERHEAD_LAYERS, OVERHEAD_BATCH): times[1],
+             (WIDE, OVERHEAD_LAYERS, OVERHEAD_BATCH): times[2], (WIDE, OVERHEAD_LAYERS, 1): times[3]}
+    measured = measure_decode("cpu", step_s=lambda device, shape, layers, steps, batch: timed[(shape, layers, batch)],
+                              bytes_per_param=2.0)
+    step, layer, extra_layer_s, read_s = expected
     assert measured["step_overhead_s"] == pytest.approx(step) and measured["layer_overhead_s"] == pytest.approx(layer)
     extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
     assert measured["decode_flops"] == pytest.approx(extra_flops / extra_layer_s)
+    assert measured["decode_bandwidth"] == pytest.approx(WIDE.weight_bytes(OVERHEAD_LAYERS, 2.0) / read_s)
+    # the weights a decode step reads: its layers' matrices (half their FLOPs a token) and the LM head
+    assert WIDE.weight_bytes(1, 1.0) == WIDE.layer_flops_per_token() / 2 + WIDE.hidden * speed_module.PROBE_VOCAB
+
+
+@pytest.mark.slow
+def test_onnx_runtime_is_measured_through_its_own_stages() -> None:
+    """ONNX Runtime's decode costs come from the real engine running exports of the probe models (its large
+    matmul and copy are torch's); the exports go with the probe, nothing is left in the cache folder."""
+    from stratamesh.agent.speed import measure_onnx_speeds
+    from stratamesh.fleet.state import cache_home
+
+    torch_cpu = SpeedInfo("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
+    before = set(cache_home(os.environ).rglob("*"))
+    (ort,) = measure_onnx_speeds(torch_cpu)
+    assert (ort.backend, ort.dtype, ort.flops, ort.mem_bandwidth) == ("onnxruntime-cpu", "float32", 1e11, 2e10)
+    assert ort.decode_flops > 0 and ort.decode_bandwidth > 0 and 0 <= ort.step_overhead_s < 1
+    assert set(cache_home(os.environ).rglob("*")) == before

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from stratamesh.coordinator.placement import (
-    UNMEASURED, checkpoint_dtype, cpu_shares, fleet_of, plan_stages, repair_stages, stage_device, stage_dtype,
+    UNMEASURED, checkpoint_dtype, cpu_shares, fleet_of, onnx_servable, plan_stages, repair_stages, stage_device,
+    stage_dtype,
 )
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import PlacementError
@@ -212,6 +213,60 @@ def test_an_agent_told_to_run_onnxruntime_gets_an_onnxruntime_float32_cpu_stage(
     (device,) = fleet_of({"g": agents["g"]}, checkpoint="bfloat16").devices
     assert device.speeds == (Speed("onnxruntime-cpu", "float32", CPU_FP32.flops, CPU_FP32.mem_bandwidth),)
     assert cpu_shares({"g": agents["g"]}) == {"g": (1.0, 1)}
+
+
+# What the 2-core VM measured of torch and ONNX Runtime (agent.speed: decode rates beside the large matmul and copy)
+TORCH_MEASURED = SpeedInfo("torch-cpu", "float32", 2e11, 4e10, 2.2e-4, 1.0e-4, 3.7e10, 1.7e10)
+ORT_MEASURED = SpeedInfo("onnxruntime-cpu", "float32", 2e11, 4e10, 4.2e-4, 1.1e-4, 2.5e10, 3.6e10)
+FP32_CONFIG = {**CONFIG, "torch_dtype": "float32"}
+
+
+def test_an_auto_agent_offers_both_runtimes_at_their_decode_rates_with_their_own_overheads() -> None:
+    auto = replace(cpu_box("h", speeds=(TORCH_MEASURED, ORT_MEASURED)), runtime="auto")
+    (device,) = fleet_of({"a": auto}).devices
+    assert device.speeds == (Speed("torch-cpu", "float32", 3.7e10, 1.7e10),
+                             Speed("onnxruntime-cpu", "float32", 2.5e10, 3.6e10, 4.2e-4, 1.1e-4))
+    assert (device.step_overhead_s, device.layer_overhead_s) == (2.2e-4, 1.0e-4)     # torch's
+    # torch alone: an agent left at torch, a model whose layers do not export, a dtype ONNX Runtime does not compute
+    plain = {"a": replace(auto, runtime="")}
+    bf16 = {"a": replace(auto, cpu_bf16=True, speeds=(*auto.speeds, replace(TORCH_MEASURED, dtype="bfloat16")))}
+    for fleet in (fleet_of(plain), fleet_of({"a": auto}, onnx=False), fleet_of(bf16, checkpoint="bfloat16")):
+        assert {s.backend for s in fleet.devices[0].speeds} == {"torch-cpu"}
+
+
+@pytest.mark.parametrize("config, exports", [
+    (FP32_CONFIG, True),
+    ({**FP32_CONFIG, "model_type": "mistral", "sliding_window": 64}, False),      # windowed attention: not yet
+    ({**FP32_CONFIG, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}, True),
+    ({**FP32_CONFIG, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2},
+     False),
+    ({**FP32_CONFIG, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["full_attention"] * 6}, True),
+    ({**FP32_CONFIG, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "layer_types": []},
+     False),      # a config no stage serves
+])
+def test_whether_onnx_runtime_stages_can_serve_a_model(config: dict, exports: bool) -> None:
+    assert onnx_servable(config) is exports
+
+
+def test_the_planner_picks_each_auto_agents_runtime_by_what_it_measured() -> None:
+    """Three CPUs, each its own host: ONNX Runtime measured faster on one, slower on another, and a third left at
+    torch. One mesh mixes both runtimes."""
+    ort_faster = replace(ORT_MEASURED, step_overhead_s=1e-5, layer_overhead_s=1e-6, decode_flops=2e11,
+                         decode_bandwidth=4e10)
+    ort_slower = replace(ORT_MEASURED, step_overhead_s=5e-3, decode_flops=1e9)
+    agents = {"ort": replace(cpu_box("h1", speeds=(TORCH_MEASURED, ort_faster)), runtime="auto"),
+              "torch": replace(cpu_box("h2", speeds=(TORCH_MEASURED, ort_slower)), runtime="auto"),
+              "plain": cpu_box("h3", speeds=(TORCH_MEASURED, ort_faster))}
+    plan, specs = plan_stages("m", "/models/m", FP32_CONFIG, agents, 3)
+    assert {agent: (spec.runtime, spec.dtype) for agent, spec in specs} == {
+        "ort": ("onnxruntime", "float32"), "torch": ("torch", "float32"), "plain": ("torch", "float32")}
+    backends = {s.devices[0]: s.backend for s in plan.pipelines[0].stages}
+    assert backends == {"ort": "onnxruntime-cpu", "torch": "torch-cpu", "plain": "torch-cpu"}
+    # a windowed model's stages stay in torch
+    _, windowed = plan_stages("m", "/models/m", {**FP32_CONFIG, "model_type": "mistral", "sliding_window": 64},
+                              agents, 3)
+    assert {spec.runtime for _, spec in windowed} == {"torch"}
 
 
 # ------------------------------------------------------------------ int8 weights

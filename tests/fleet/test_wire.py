@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -79,12 +80,14 @@ def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
 
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
-                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14),),
+                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14, 1e12),),
                         site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True, num_threads=6,
                         runtime="onnxruntime")
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",
                        metrics_address="127.0.0.1:9100")
     assert convert.registration_from_pb(convert.registration_to_pb(reg).register) == reg
+    auto = Registration("agent1", "box", "127.0.0.1:5000", replace(caps, runtime="auto"))   # the planner picks
+    assert convert.registration_from_pb(convert.registration_to_pb(auto).register) == auto
     assert caps.usable_mem_bytes == 70 << 30
     status = StageStatus("p-0", "ready", param_bytes=123)
     assert convert.stage_status_from_pb(convert.stage_status_to_pb(status).stage_status) == status

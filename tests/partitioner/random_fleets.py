@@ -103,7 +103,11 @@ def _random_device(rng: random.Random, device_id: str, sites: list[str], dtype: 
     elif rng.random() < 0.93:                       # now and then a device that cannot run the dtype
         speeds.append(Speed("torch-cuda", dtype, 10 ** rng.uniform(9, 14), 10 ** rng.uniform(9, 12.5)))
     if rng.random() < 0.4:                          # a second backend, or another dtype
-        speeds.append(Speed("torch-cpu", rng.choice(DTYPES), 10 ** rng.uniform(9, 14), 10 ** rng.uniform(9, 12.5)))
+        cpu = Speed("torch-cpu", rng.choice(DTYPES), 10 ** rng.uniform(9, 14), 10 ** rng.uniform(9, 12.5))
+        if multi_gpu:       # the node's CPU, slower than its GPUs (else it would serve their ranges alone)
+            cpu = replace(cpu, flops=min(cpu.flops, speeds[0].flops / 10),
+                          mem_bandwidth=min(cpu.mem_bandwidth, speeds[0].mem_bandwidth / 10))
+        speeds.append(cpu)
     return Device(
         id=device_id, memory_bytes=int(need * rng.uniform(0.12, 0.8 if multi_gpu else 1.3)), speeds=tuple(speeds),
         tier=rng.choice(["edge", "cloud"]), site=site,
@@ -141,3 +145,8 @@ def speed_of(device: Device, dtype: str) -> tuple[float, float] | None:
     """(FLOP/s, bytes/s) of the device's fastest backend for dtype."""
     matches = [(s.flops, s.mem_bandwidth, s.backend) for s in device.speeds if s.dtype == dtype]
     return max(matches)[:2] if matches else None
+
+
+def speeds_of(device: Device, dtype: str) -> list[tuple[float, float]]:
+    """(FLOP/s, bytes/s) of each of the device's backends for dtype: a stage is priced at the fastest for it."""
+    return [(s.flops, s.mem_bandwidth) for s in device.speeds if s.dtype == dtype]

@@ -22,7 +22,7 @@ from stratamesh.partitioner.fleet_snapshot import (
 from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config
-from tests.partitioner.random_fleets import Case, random_case, shuffled, speed_of
+from tests.partitioner.random_fleets import Case, random_case, shuffled, speed_of, speeds_of
 
 INF = math.inf
 REL = 1e-9
@@ -64,15 +64,15 @@ class Reference:
     def stage_time(self, device: Device, a: int, b: int) -> float:
         """inf if the device cannot run its dtype or hold the layers."""
         p, r, bpp = self.p, self.req, DTYPE_BYTES[self.dtype_of(device)]
-        speed = speed_of(device, self.dtype_of(device))
-        if speed is None or self.stage_memory(device, a, b) > device.memory_bytes:
+        speeds = speeds_of(device, self.dtype_of(device))
+        if not speeds or self.stage_memory(device, a, b) > device.memory_bytes:
             return INF
-        flops_s, bandwidth = speed
         context, tokens, last = r.context_len / 2, r.concurrency, b == p.num_layers
         read = (sum(p.layer_params[a:b]) + last * p.head_params + tokens * context * self.kv_values(a, b)) * bpp
         flops = tokens * (sum(p.layer_flops_per_token[i] + context * p.layer_attn_flops_per_ctx[i]
                               for i in range(a, b)) + last * p.head_flops_per_token)
-        return max(read / bandwidth, flops / flops_s) + device.step_overhead_s
+        # the stage runs on the device's backend fastest for it
+        return min(max(read / bandwidth, flops / flops_s) for flops_s, bandwidth in speeds) + device.step_overhead_s
 
     def transfer_hop(self, x: Device | None, y: Device | None) -> tuple[float, float]:
         """(transfer, hop) of one step's payload from x to y; None is the origin (token ids go there)."""
