@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, RUNTIMES, Capabilities, GpuInfo,
-                                   SpeedInfo)
+from stratamesh.fleet.types import (AGENT_RUNTIMES, AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, Capabilities,
+                                   GpuInfo, SpeedInfo)
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,8 @@ def check_runtime(runtime: str, dtype: str, onnx_providers: Iterable[str]) -> st
     """The runtime an agent reports: runtime, where it is "" (torch), torch, AUTO_RUNTIME (the planner picks, which
     is torch alone where onnxruntime's CPU provider does not load), or onnxruntime where that provider loads and the
     dtype is one its stages compute in; InvalidInput otherwise."""
-    if runtime and runtime not in (*RUNTIMES, AUTO_RUNTIME):
-        raise InvalidInput(f"--runtime {runtime!r} is not one of {(*RUNTIMES, AUTO_RUNTIME)}")
+    if runtime and runtime not in AGENT_RUNTIMES:
+        raise InvalidInput(f"--runtime {runtime!r} is not one of {AGENT_RUNTIMES}")
     has_ort = "CPUExecutionProvider" in onnx_providers
     if runtime == AUTO_RUNTIME and not has_ort:
         log.warning("--runtime auto: onnxruntime's CPU provider does not load on this box: stages run in torch")

@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -130,9 +130,9 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, bat
     from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
     from stratamesh.kernels.tiny_model import write_tiny_model
 
-    with tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as tmp:
-        # beside the exports, one model of each shape: their export serves every batch size
-        model_dir = Path(onnx_cache or tmp, f"probe-{shape.hidden}-{layers}")
+    # beside the exports, one model of each shape: their export serves every batch size
+    with nullcontext(onnx_cache) if onnx_cache else tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as folder:
+        model_dir = Path(folder, f"probe-{shape.hidden}-{layers}")
         if not model_dir.exists():
             write_tiny_model(model_dir, num_layers=layers, hidden_size=shape.hidden,
                              intermediate_size=shape.intermediate, num_heads=shape.heads, num_kv_heads=shape.kv_heads,

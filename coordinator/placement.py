@@ -193,12 +193,13 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
         own = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
                     for s in speeds if s.backend == priced_as and (backend == "torch-cpu" or s.dtype not in QUANTIZATIONS)
                     ) or (replace(UNMEASURED, backend=backend),)
-        if backend != backends[0]:      # the device's overheads are its first backend's; the others carry their own
-            overheads = {k: v / share for k, v in _overheads(measured, priced_as, dtype).items()}
+        overheads = {k: v / share for k, v in _overheads(measured, priced_as, dtype).items()}
+        if backend == backends[0]:      # the device's overheads are its first backend's; the others carry their own
+            device_overheads = overheads
+        else:
             own = tuple(replace(s, **overheads) for s in own)
         cpu += _speeds_for(agent_id, own, backend, dtype)
-    overheads = {k: v / share for k, v in {**_overheads(measured, backends[0], dtype),
-                                           "token_overhead_s": serving_cpu_s}.items()}
+    overheads = {**device_overheads, "token_overhead_s": serving_cpu_s / share}
     return [Device(i, caps.ram_available_bytes // (ranks * ram_split), tuple(cpu), caps.tier or "edge", caps.site,
                    node=agent_id, dtype=dtype, **overheads) for i in ids]
 

@@ -13,6 +13,7 @@ from stratamesh.fleet.errors import CheckpointError, InvalidInput
 DTYPES = ("float32", "float16", "bfloat16")
 RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
 AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner picks one of RUNTIMES per stage
+AGENT_RUNTIMES = (*RUNTIMES, AUTO_RUNTIME)   # what an agent's operator may choose (--runtime)
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most

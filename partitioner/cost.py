@@ -77,9 +77,7 @@ def single_unit(device: Device, profile: ModelProfile) -> Unit | None:
     if device.speed(dtype) is None:
         return None
     weights = profile.weights if profile.weights and device.speed(profile.weights) is not None else ""
-    measured = sorted((s for s in device.speeds if s.dtype == (weights or dtype)),
-                      key=lambda s: (s.flops, s.mem_bandwidth, s.backend), reverse=True)
-    units = [_device_unit(device, replace(s, dtype=dtype), weights) for s in measured]
+    units = [_device_unit(device, replace(s, dtype=dtype), weights) for s in device.speeds_for(weights or dtype)]
     return replace(units[0], options=tuple(units[1:]))
 
 
@@ -206,7 +204,7 @@ class StageTables:
 
     def time_of(self, unit: Unit, start: int, end: int) -> float:
         """Step time of unit serving [start, end), ignoring memory (the scalar form of times)."""
-        return self._time_of(self.best(unit, start, end), start, end)
+        return min(self._time_of(u, start, end) for u in (unit, *unit.options))
 
     def best(self, unit: Unit, start: int, end: int) -> Unit:
         """Of unit and its options, the one fastest on [start, end) (the unit itself on a tie)."""

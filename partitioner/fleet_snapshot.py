@@ -52,12 +52,12 @@ class Device:
 
     def speed(self, dtype: str) -> Speed | None:
         """The fastest measured backend for dtype (ties by backend name), or None."""
-        best = None
-        for s in self.speeds:
-            if s.dtype == dtype and (best is None or (s.flops, s.mem_bandwidth, s.backend)
-                                     > (best.flops, best.mem_bandwidth, best.backend)):
-                best = s
-        return best
+        return next(iter(self.speeds_for(dtype)), None)
+
+    def speeds_for(self, dtype: str) -> list[Speed]:
+        """Every backend measured for dtype, fastest first (most FLOP/s, then bandwidth, then backend name)."""
+        return sorted((s for s in self.speeds if s.dtype == dtype), key=lambda s: (s.flops, s.mem_bandwidth, s.backend),
+                      reverse=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
+from stratamesh.fleet.types import AGENT_RUNTIMES
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
-    up.add_argument("--runtime", choices=("torch", "onnxruntime", "auto"), default="torch",
+    up.add_argument("--runtime", choices=AGENT_RUNTIMES, default="torch",
                     help="what computes the agents' stages (see agent)")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
@@ -141,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="what this agent's stages compute in; auto: the planner picks per device (a GPU: the "
                             "checkpoint's dtype, float16 for bfloat16 before Ampere; a CPU: float32, bfloat16 for a "
                             "bfloat16 checkpoint where the CPU has native bf16)")
-    agent.add_argument("--runtime", choices=("torch", "onnxruntime", "auto"), default="torch",
+    agent.add_argument("--runtime", choices=AGENT_RUNTIMES, default="torch",
                        help="what computes this agent's stages; onnxruntime: ONNX Runtime's CPU provider, in float32 "
                             "(each stage is exported once, into the cache folder: seconds for the demo model, minutes "
                             "for billions of parameters); auto: the planner picks torch or onnxruntime per stage, by "

@@ -12,7 +12,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
+    AGENT_RUNTIMES, DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
     KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
     Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
@@ -79,8 +79,8 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if not 0 <= msg.num_ranks <= MAX_TP_DEGREE:
         raise InvalidInput(f"capabilities: num_ranks must be in 0..{MAX_TP_DEGREE}, got {msg.num_ranks}")
     _require_dtype(msg.dtype, "capabilities.dtype")
-    if msg.runtime and msg.runtime not in (*RUNTIMES, AUTO_RUNTIME):
-        raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {(*RUNTIMES, AUTO_RUNTIME)}")
+    if msg.runtime and msg.runtime not in AGENT_RUNTIMES:
+        raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {AGENT_RUNTIMES}")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
     speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
                              s.decode_flops, s.decode_bandwidth) for s in msg.speeds)

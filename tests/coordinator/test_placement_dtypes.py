@@ -213,6 +213,11 @@ def test_an_agent_told_to_run_onnxruntime_gets_an_onnxruntime_float32_cpu_stage(
     (device,) = fleet_of({"g": agents["g"]}, checkpoint="bfloat16").devices
     assert device.speeds == (Speed("onnxruntime-cpu", "float32", CPU_FP32.flops, CPU_FP32.mem_bandwidth),)
     assert cpu_shares({"g": agents["g"]}) == {"g": (1.0, 1)}
+    # ... and at torch's overheads
+    timed = replace(cpu_box("h", speeds=(replace(CPU_FP32, step_overhead_s=2e-4, layer_overhead_s=1e-4),)),
+                    runtime="onnxruntime")
+    (device,) = fleet_of({"o": timed}).devices
+    assert (device.step_overhead_s, device.layer_overhead_s) == (2e-4, 1e-4)
 
 
 # What the 2-core VM measured of torch and ONNX Runtime (agent.speed: decode rates beside the large matmul and copy)
