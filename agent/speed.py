@@ -29,8 +29,8 @@ CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
-MEASURES_VERSION = 5                # bumped when measure_speeds measures more (2: CPU bfloat16, 3: overheads, 4: int8,
-                                    # 5: decode bandwidth)
+MEASURES_VERSION = 6                # bumped when measure_speeds or measure_onnx_speeds measure more (2: CPU bfloat16,
+                                    # 3: overheads, 4: int8, 5: decode bandwidth, 6: ONNX Runtime's int8)
 # The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
 # count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
 OVERHEAD_BATCH = 8
@@ -64,13 +64,18 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
 
 
 def measure_onnx_speeds(torch_cpu: SpeedInfo) -> tuple[SpeedInfo, ...]:
-    """ONNX Runtime's CPU provider in float32 ("onnxruntime-cpu"): what a decode step of the real engine costs with
-    ONNX Runtime computing the layers (measure_decode over exports of the probe models, made in a temporary folder:
-    about 15 s on 2 cores, the most of it exporting). Its large matmul and copy are torch_cpu's: the planner prices
-    decode steps at the decode rates where they are lower (coordinator.placement.decode_rate), as they are here."""
+    """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with int8 weights (dtype "int8"): what a decode
+    step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports of the probe
+    models, made in a temporary folder: about 30 s on 2 cores, the most of it exporting). Its large matmul and copy
+    are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
+    (coordinator.placement.decode_rate), as they are here."""
+    speeds = []
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-onnx-") as exports:
-        decode = measure_decode("cpu", step_s=partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports))
-    return (replace(torch_cpu, backend="onnxruntime-cpu", dtype="float32", **decode),)
+        for dtype, quantize, bytes_per_param in (("float32", "", 4.0), ("int8", "int8", 1.0)):
+            step_s = partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports, quantize=quantize)
+            decode = measure_decode("cpu", step_s=step_s, bytes_per_param=bytes_per_param)
+            speeds.append(replace(torch_cpu, backend="onnxruntime-cpu", dtype=dtype, **decode))
+    return tuple(speeds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,20 @@
-"""int8 weights (StageSpec.quantize = "int8") against float32 on this CPU: memory, quality, speed.
+"""int8 weights (StageSpec.quantize = "int8") against float32 on this CPU, in torch and in ONNX Runtime (the stage's
+runtime): memory, quality, speed.
 
     python benchmarks/int8_weights.py [--prompts 20] [--tokens 64] [--batches 1 32] [--rounds 5]
+                                      [--runtimes torch onnxruntime]
 
 Quality is measured on the demo model (kernels/demo_model.py), whose held-out chapter the model never saw:
-  - memory per stage: the weights each stage of a 3-stage split holds (StageModel.param_bytes);
-  - held-out perplexity, float32 and int8 (the served computation: kernels.models.decoder);
+  - memory per stage: the weights each stage of a 3-stage split holds (StageModel.param_bytes: for ONNX Runtime,
+    its export's initializers and the embedding and LM head torch keeps);
+  - held-out perplexity, float32 and int8 (the served computation: kernels.models.decoder, or the export);
   - greedy agreement: `--prompts` prompts (the first six words of sentences of the held-out chapter), each
-    continued greedily for `--tokens` tokens by the float32 and the int8 model (EOS ignored).
+    continued greedily for `--tokens` tokens by the float32 and the int8 model of one runtime (EOS ignored).
 Speed is the stage engine's decode step (scheduler, paged KV, runner) over every layer, per token, float32
 and int8 taking turns round by round, for the demo model and a wider random-weight Llama (hidden 1024) where the
-weights dominate a step (--wide-hidden). Ratio = float32 / int8: above 1, int8 is faster. Last, whether int4
-weights would pay here: one product of each of that model's MLP shapes, float32, int8 and int4 (torch's CPU int4
-kernel, groups of 128).
+weights dominate a step (--wide-hidden). Ratio = float32 / int8 of the same runtime: above 1, int8 is faster.
+Last, whether int4 weights would pay in torch here: one product of each of that model's MLP shapes, float32, int8
+and int4 (torch's CPU int4 kernel, groups of 128).
 """
 
 from __future__ import annotations
@@ -32,23 +35,33 @@ from tokenizers import Tokenizer
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
-from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
+from stratamesh.kernels.models.decoder import StageModel, greedy_tokens, load_stage
+from stratamesh.kernels.models.onnx_stage import OrtStageModel
 from stratamesh.kernels.ops.quant import exact_products, linear, quantize_int8
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 KINDS = {"float32": "", "int8": "int8"}      # column -> StageSpec.quantize
+RUNTIMES = ("torch", "onnxruntime")
 STAGES = ((0, 2), (2, 4), (4, 6))
 
 
-def spec(model_dir: Path, quantize: str, start: int = 0, end: int | None = None) -> StageSpec:
+def spec(model_dir: Path, quantize: str, runtime: str = "torch", start: int = 0, end: int | None = None) -> StageSpec:
     n = read_config(model_dir).num_layers
-    return StageSpec("m", str(model_dir), start, n if end is None else end, n, quantize=quantize)
+    return StageSpec("m", str(model_dir), start, n if end is None else end, n, quantize=quantize, runtime=runtime)
 
 
-def memory_rows() -> list[tuple[str, int, int]]:
+def stage(stage_spec: StageSpec) -> StageModel:
+    """The stage as an agent loads it (ONNX Runtime's export kept in the cache folder: main sets it)."""
+    model = load_stage(stage_spec)
+    if stage_spec.runtime == "onnxruntime":
+        return OrtStageModel.from_model(model, os.environ["STRATAMESH_CACHE_DIR"])
+    return model
+
+
+def memory_rows(runtime: str) -> list[tuple[str, int, int]]:
     rows = []
     for start, end in STAGES:
-        sizes = [load_stage(spec(DEMO_DIR, q, start, end)).param_bytes for q in KINDS.values()]
+        sizes = [stage(spec(DEMO_DIR, q, runtime, start, end)).param_bytes for q in KINDS.values()]
         rows.append((f"[{start}, {end})", *sizes))
     return rows
 
@@ -60,11 +73,11 @@ def prompts(count: int) -> list[str]:
     return [" ".join(s.split()[:6]) for s in sentences[::step][:count]]
 
 
-def agreement(num_prompts: int, num_tokens: int) -> tuple[int, float, float, list[str]]:
+def agreement(num_prompts: int, num_tokens: int, runtime: str) -> tuple[int, float, float, list[str]]:
     """(prompts identical over all tokens, mean tokens before the first difference, tokens equal position by
     position as a fraction, the prompts)."""
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
-    stages = {kind: load_stage(spec(DEMO_DIR, q)) for kind, q in KINDS.items()}
+    stages = {kind: stage(spec(DEMO_DIR, q, runtime)) for kind, q in KINDS.items()}
     texts = prompts(num_prompts)
     identical, prefixes, equal = 0, [], 0
     for text in texts:
@@ -77,24 +90,26 @@ def agreement(num_prompts: int, num_tokens: int) -> tuple[int, float, float, lis
     return identical, statistics.mean(prefixes), equal / (num_tokens * len(texts)), texts
 
 
-def quality(num_prompts: int, num_tokens: int) -> None:
+def quality(num_prompts: int, num_tokens: int, runtime: str) -> None:
     """Prints the held-out perplexities and the greedy agreement of int8 with float32."""
     held_out = read_book().held_out
-    ppl = {kind: served_perplexity(DEMO_DIR, held_out, quantize=q) for kind, q in KINDS.items()}
+    onnx_cache = os.environ["STRATAMESH_CACHE_DIR"] if runtime == "onnxruntime" else None
+    ppl = {kind: served_perplexity(DEMO_DIR, held_out, quantize=q, onnx_cache=onnx_cache)
+           for kind, q in KINDS.items()}
     print(f"held-out perplexity: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f} "
           f"(delta {ppl['int8'] - ppl['float32']:+.3f}, {100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)")
-    identical, mean_prefix, equal, texts = agreement(num_prompts, num_tokens)
+    identical, mean_prefix, equal, texts = agreement(num_prompts, num_tokens, runtime)
     print(f"greedy agreement over {num_tokens} tokens on {len(texts)} prompts: {identical}/{len(texts)} identical, "
           f"{mean_prefix:.1f} tokens before the first difference on average, {100 * equal:.1f}% of tokens equal "
           f"position by position")
 
 
-def speed_rows(model_dir: Path, batches: list[int], prompt_len: int, steps: int,
+def speed_rows(model_dir: Path, runtime: str, batches: list[int], prompt_len: int, steps: int,
                rounds: int) -> list[tuple[int, float, float]]:
     """Per batch: (batch, float32 ms per step, int8 ms per step), medians over interleaved rounds."""
     rows = []
     for batch in batches:
-        engines = {kind: prefilled(spec(model_dir, q), batch, prompt_len)[0] for kind, q in KINDS.items()}
+        engines = {kind: prefilled(spec(model_dir, q, runtime), batch, prompt_len)[0] for kind, q in KINDS.items()}
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for n in range(rounds):
             for kind, engine in engines.items():
@@ -149,27 +164,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--wide-hidden", type=int, default=1024, help="the random Llama's width (4 layers)")
+    parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
     args = parser.parse_args()
+    os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp())     # where ONNX Runtime's exports go
     torch.set_num_threads(os.cpu_count() or 1)
-    print(f"demo model ({DEMO_DIR.name}), {torch.get_num_threads()} threads\n")
-    print("| stage | float32 weights MB | int8 weights MB | ratio |\n|---|---|---|---|")
-    for name, full, int8 in memory_rows():
-        print(f"| {name} | {full / 1e6:.2f} | {int8 / 1e6:.2f} | {full / int8:.2f}x |")
-    print()
-    quality(args.prompts, args.tokens)
-    with exact_products():
-        print("\nthe same with float32 activations in the int8 products (no bfloat16 kernel; slower):")
-        quality(args.prompts, args.tokens)
     hidden = args.wide_hidden
     wide = write_tiny_model(Path(tempfile.mkdtemp()) / "wide", num_layers=4, hidden_size=hidden,
                             intermediate_size=hidden * 11 // 4, num_heads=hidden // 64, num_kv_heads=hidden // 256)
-    for name, model_dir in (("demo model (6 x 256)", DEMO_DIR), (f"random Llama (4 x {hidden})", wide)):
-        print(f"\n{name}: decode step, prompt {args.prompt_len}, {args.rounds} rounds x {args.steps} steps\n")
-        print("| batch | float32 ms/step | int8 ms/step | float32 ms/token | int8 ms/token | ratio |")
-        print("|---|---|---|---|---|---|")
-        for batch, full, int8 in speed_rows(model_dir, args.batches, args.prompt_len, args.steps, args.rounds):
-            print(f"| {batch} | {full:.2f} | {int8:.2f} | {full / batch:.3f} | {int8 / batch:.3f} | "
-                  f"{full / int8:.2f}x |")
+    print(f"demo model ({DEMO_DIR.name}), {torch.get_num_threads()} threads")
+    for runtime in args.runtimes:
+        print(f"\n## {runtime}\n")
+        print("| stage | float32 weights MB | int8 weights MB | ratio |\n|---|---|---|---|")
+        for name, full, int8 in memory_rows(runtime):
+            print(f"| {name} | {full / 1e6:.2f} | {int8 / 1e6:.2f} | {full / int8:.2f}x |")
+        print()
+        quality(args.prompts, args.tokens, runtime)
+        if runtime == "torch":
+            with exact_products():
+                print("\nthe same with float32 activations in the int8 products (no bfloat16 kernel; slower):")
+                quality(args.prompts, args.tokens, runtime)
+        for name, model_dir in (("demo model (6 x 256)", DEMO_DIR), (f"random Llama (4 x {hidden})", wide)):
+            print(f"\n{runtime}, {name}: decode step, prompt {args.prompt_len}, {args.rounds} rounds x {args.steps} "
+                  f"steps\n")
+            print("| batch | float32 ms/step | int8 ms/step | float32 ms/token | int8 ms/token | ratio |")
+            print("|---|---|---|---|---|---|")
+            for batch, full, int8 in speed_rows(model_dir, runtime, args.batches, args.prompt_len, args.steps,
+                                                args.rounds):
+                print(f"| {batch} | {full:.2f} | {int8:.2f} | {full / batch:.3f} | {int8 / batch:.3f} | "
+                      f"{full / int8:.2f}x |")
     print("\ndoes int4 pay? one product, torch's CPU kernels (int4: groups of 128, bfloat16 activations)\n")
     print("| shape | batch | float32 us | int8 us | int4 us | int4 / int8 time |\n|---|---|---|---|---|---|")
     for shape, batch, full, int8, int4 in int4_rows(hidden, args.batches):

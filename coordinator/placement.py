@@ -188,11 +188,10 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
     cpu: list[Speed] = []
     for backend in backends:
         # what the host measured of that backend: an agent told to run ONNX Runtime, on a host that measured only
-        # torch, is priced at torch's speeds and overheads (quantized weights run in torch: StageSpec.quantize)
+        # torch, is priced at torch's speeds and overheads (float32 and int8 weights: StageSpec.quantize)
         priced_as = backend if any(s.backend == backend for s in measured) else "torch-cpu"
         own = tuple(Speed(backend, s.dtype, s.flops * share / ranks, s.mem_bandwidth * share / ranks)
-                    for s in speeds if s.backend == priced_as and (backend == "torch-cpu" or s.dtype not in QUANTIZATIONS)
-                    ) or (replace(UNMEASURED, backend=backend),)
+                    for s in speeds if s.backend == priced_as) or (replace(UNMEASURED, backend=backend),)
         overheads = {k: v / share for k, v in _overheads(measured, priced_as, dtype).items()}
         if backend == backends[0]:      # the device's overheads are its first backend's; the others carry their own
             device_overheads = overheads

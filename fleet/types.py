@@ -138,7 +138,7 @@ class StageSpec:
     kv_block_size: int = 16
     tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
     runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
-    quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales
+    quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales (torch or ORT)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
@@ -157,8 +157,8 @@ class StageSpec:
             raise InvalidInput(f"stage runtime {self.runtime!r} is not one of {RUNTIMES}")
         if self.quantize and self.quantize not in QUANTIZATIONS:
             raise InvalidInput(f"stage quantize {self.quantize!r} is not one of {QUANTIZATIONS} (or none)")
-        if self.quantize and (self.tp_degree > 1 or self.runtime != "torch"):
-            raise InvalidInput("int8 weights are for single-process torch stages (tp_degree 1, runtime torch)")
+        if self.quantize and self.tp_degree > 1:
+            raise InvalidInput("int8 weights are for single-process stages (tp_degree 1)")
 
     @property
     def is_first(self) -> bool:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import parse_config, read_config
-from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.kernels.models.decoder import load_stage, one_sequence
 from stratamesh.kernels.models.trainable import TrainableDecoder
 from stratamesh.kernels.tiny_model import IM_END, IM_START, _config, train_tokenizer, write_checkpoint
 
@@ -186,18 +186,23 @@ def held_out_perplexity(model: Callable[[torch.Tensor], torch.Tensor], ids: torc
     return math.exp(total / count)
 
 
-def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quantize: str = "") -> float:
+def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quantize: str = "",
+                      onnx_cache: str | Path | None = None) -> float:
     """held_out_perplexity() of text under the model in model_dir as one stage serves it: its stored weights, read
     by the stage loader (and quantized: StageSpec.quantize), computed by kernels.models.decoder in float32 on this
-    CPU."""
+    CPU, or by ONNX Runtime from an export kept in onnx_cache (kernels.models.onnx_stage) where one is given."""
     config = read_config(model_dir)
     spec = StageSpec(model_id=Path(model_dir).name, model_path=str(model_dir), start_layer=0,
-                     end_layer=config.num_layers, num_layers=config.num_layers, quantize=quantize)
+                     end_layer=config.num_layers, num_layers=config.num_layers, quantize=quantize,
+                     runtime="onnxruntime" if onnx_cache else "torch")
     stage = load_stage(spec, config)
+    if onnx_cache:
+        from stratamesh.kernels.models.onnx_stage import OrtStageModel    # (imports onnxruntime)
+        stage = OrtStageModel.from_model(stage, onnx_cache)
     ids = torch.tensor(Tokenizer.from_file(str(Path(model_dir, "tokenizer.json"))).encode(text).ids)
 
     def logits_of(window: torch.Tensor) -> torch.Tensor:     # [1, T] -> [1, T, vocab]
-        hidden = stage.forward(window[0], torch.arange(window.shape[1]), stage.new_cache())
+        hidden = one_sequence(stage, window.shape[1])(window[0], 0)
         return stage.logits(hidden)[None]
 
     return held_out_perplexity(logits_of, ids, seq_len)

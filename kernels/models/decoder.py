@@ -18,12 +18,13 @@ from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
-from stratamesh.kernels.ops.paged_attention import PagedKVCache
+from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear, quantize_int8
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ONE_SEQUENCE_BLOCK = 16      # a paged one_sequence cache's block
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,8 @@ def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
 class StageModel:
     """Layers [start, end) of a decoder, plus the embedding if first and the final norm + LM head if last (an
     embedding model's last stage has the final norm alone, and pools)."""
+
+    paged_only = False      # whether it attends over a paged KV cache only (new_cache refuses)
 
     def __init__(self, config: ModelConfig, spec: StageSpec, tensors: dict[str, torch.Tensor]) -> None:
         _check_shapes(config, tensors)
@@ -238,13 +241,30 @@ class StageModel:
 
 def greedy_tokens(stage: StageModel, prompt_ids: list[int], num_tokens: int) -> list[int]:
     """num_tokens greedy tokens after prompt_ids (EOS does not stop it) from a stage holding the whole model, through
-    a contiguous KV cache: the single-process way of running what a mesh runs."""
-    cache, out = stage.new_cache(), []
-    hidden = stage.forward(torch.tensor(prompt_ids), torch.arange(len(prompt_ids)), cache)
+    one sequence's KV cache (one_sequence): the single-process way of running what a mesh runs."""
+    forward, out = one_sequence(stage, len(prompt_ids) + num_tokens), []
+    hidden = forward(torch.tensor(prompt_ids), 0)
     for i in range(num_tokens):
         out.append(int(stage.logits(hidden[-1:])[0].argmax()))
-        hidden = stage.forward(torch.tensor(out[-1:]), torch.tensor([len(prompt_ids) + i]), cache)
+        hidden = forward(torch.tensor(out[-1:]), len(prompt_ids) + i)
     return out
+
+
+def one_sequence(stage: StageModel, max_tokens: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """forward(inputs, start) -> hidden: the stage over one sequence's next tokens (or hidden states) at positions
+    start, start + 1, ..., each call after the last, up to max_tokens in all. Its KV cache is contiguous, or paged
+    (one block table) for a stage that attends over a paged cache only (StageModel.paged_only)."""
+    if not stage.paged_only:
+        cache = stage.new_cache()
+        return lambda inputs, start: stage.forward(inputs, torch.arange(start, start + len(inputs)), cache)
+    paged = stage.new_paged_cache(-(-max_tokens // ONE_SEQUENCE_BLOCK), ONE_SEQUENCE_BLOCK)
+    table = list(range(paged.num_blocks))
+
+    def forward(inputs: torch.Tensor, start: int) -> torch.Tensor:
+        batch = PagedBatch(paged, [SeqSlice(0, len(inputs), start, table)])
+        return stage.forward(inputs, batch.positions, batch)
+
+    return forward
 
 
 def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel:

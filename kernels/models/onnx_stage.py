@@ -8,17 +8,25 @@ hidden states out, with attention over the stage's paged KV cache:
 - The step's own K and V are outputs [layers, N, KV, D] that the engine writes into their slots after the run:
   ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
 The embedding, the final norm and the LM head stay in torch (a gather and one matmul). Exports are cached per
-(checkpoint, layer range, dtype, opset) in a cache directory; a changed checkpoint is exported again.
+(checkpoint, layer range, dtype, weights, opset) in a cache directory; a changed checkpoint is exported again.
+
+int8 weights (StageSpec.quantize) are torch's own (kernels.ops.quant: per-output-channel scales) computed by ONNX
+Runtime's MatMulNBits (com.microsoft) at accuracy_level 4: it quantizes each block of INT8_BLOCK activations of a
+token to int8 too and multiplies in integers, 2-3x faster than a float32 MatMul on this CPU; accuracy_level 0
+(float activations) dequantizes the weight for every product and is 10-50x slower than float32. Each row's one scale
+is repeated over its blocks, so the weights are exactly torch's; the activations' rounding is the difference.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import tempfile
 import warnings
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +40,7 @@ from stratamesh.kernels.models.decoder import LayerWeights, StageModel
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin
@@ -41,6 +50,9 @@ log = logging.getLogger(__name__)
 OPSET = 18
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 _INPUTS = ("hidden", "cos", "sin", "past_slots", "rows", "unpad", "past_mask", "new_mask")
+INT8_BLOCK = 128      # activations per int8 scale in MatMulNBits' integer products (1.8e-2 of a product's largest
+                      # value vs 3.5e-2 with one scale per row, at the same speed here; 32 is 30% slower)
+MATMUL_NBITS_ZERO = 128                 # MatMulNBits' 8-bit weights are unsigned, their zero point 2^(bits - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +89,81 @@ class AttentionIndex:
         return cls(past, rows, unpad, past_mask, new_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockInt8Weight:
+    """An Int8Weight [out, in] as MatMulNBits takes it: packed [out, blocks, block] uint8 (q + 128, the last block
+    padded with zero weights: 128; block: _int8_block), scales [out * blocks] float32 (each row's scale once per
+    block)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+
+    @classmethod
+    def of(cls, w: Int8Weight) -> BlockInt8Weight:
+        out_features, in_features = w.q.shape
+        block = _int8_block(in_features)
+        blocks = -(-in_features // block)
+        packed = torch.full((out_features, blocks * block), MATMUL_NBITS_ZERO, dtype=torch.int16)
+        packed[:, :in_features] = w.q.to(torch.int16) + MATMUL_NBITS_ZERO
+        return cls(packed.to(torch.uint8).view(out_features, blocks, block).contiguous(),
+                   w.scale.float().repeat_interleave(blocks).contiguous(), in_features)
+
+
+def _int8_block(in_features: int) -> int:
+    """MatMulNBits' block: INT8_BLOCK, or the power of two (at least 16) that holds a narrower row whole."""
+    return min(INT8_BLOCK, max(16, 1 << (in_features - 1).bit_length()))
+
+
+@torch.library.custom_op("stratamesh::int8_block_linear", mutates_args=())
+def int8_block_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [N, in] times a BlockInt8Weight's matrix, transposed -> [N, out]: what MatMulNBits computes (exported as
+    that node by _translate_int8_block_linear), here with the weight dequantized and float activations."""
+    out_features, blocks, block = packed.shape
+    q = packed.reshape(out_features, blocks * block)[:, :in_features].to(x.dtype) - MATMUL_NBITS_ZERO
+    return x @ (q * scales.view(out_features, blocks)[:, :1].to(x.dtype)).T
+
+
+@int8_block_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+def _translate_int8_block_linear(x, packed, scales, in_features: int):   # (the exporter's symbolic values)
+    """int8_block_linear as ONNX Runtime's MatMulNBits node."""
+    out_features, _, block = packed.shape
+    return _matmul_nbits()(x, packed, scales, K=in_features, N=out_features, bits=8, block_size=block,
+                           accuracy_level=4)
+
+
+@cache
+def _matmul_nbits():
+    """MatMulNBits (com.microsoft) as an onnxscript op: the exporter needs the schema ONNX itself does not know."""
+    from onnx.defs import OpSchema
+    from onnxscript.values import Op, Opset
+
+    floats = ("T1", ["tensor(float)"], "activations and scales")
+    schema = OpSchema("MatMulNBits", "com.microsoft", 1,
+                      inputs=[OpSchema.FormalParameter(name, kind) for name, kind in
+                              (("A", "T1"), ("B", "T2"), ("scales", "T1"))],
+                      outputs=[OpSchema.FormalParameter("Y", "T1")],
+                      type_constraints=[floats, ("T2", ["tensor(uint8)"], "packed weights")],
+                      attributes=[OpSchema.Attribute(name, OpSchema.AttrType.INT, "") for name in
+                                  ("K", "N", "bits", "block_size", "accuracy_level")])
+    return Op(Opset("com.microsoft", 1), "MatMulNBits", schema)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | BlockInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, for a float weight or a BlockInt8Weight."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    out = int8_block_linear(x, w.packed, w.scales, w.in_features)
+    return out if bias is None else out + bias
+
+
 class _Layers(torch.nn.Module):
     """The graph exported: the stage's layers as one function of a step's hidden states, RoPE tables, attention
-    index and the layers' KV pools. Its weights become the ONNX file's initializers."""
+    index and the layers' KV pools. Its weights become the ONNX file's initializers (int8 ones as BlockInt8Weight)."""
 
     def __init__(self, model: StageModel) -> None:
         super().__init__()
@@ -91,7 +175,12 @@ class _Layers(torch.nn.Module):
             own = {}
             for name in ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias"):
                 tensor = getattr(layer, name)
-                if tensor is not None:
+                if isinstance(tensor, Int8Weight):
+                    w = BlockInt8Weight.of(tensor)
+                    self.register_buffer(f"l{i}_{name}_packed", w.packed)
+                    self.register_buffer(f"l{i}_{name}_scales", w.scales)
+                    own[name] = w
+                elif tensor is not None:
                     self.register_buffer(f"l{i}_{name}", tensor.detach().clone().contiguous())
                     own[name] = getattr(self, f"l{i}_{name}")
             self.layers.append(LayerWeights(**own))
@@ -106,7 +195,7 @@ class _Layers(torch.nn.Module):
         x, new_k, new_v = hidden, [], []
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
+            qkv = _linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
             qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
             new_k.append(k)
@@ -119,8 +208,8 @@ class _Layers(torch.nn.Module):
             weights = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
             out = weights @ values.permute(0, 2, 1, 3)[:, :, None]                        # [B, KV, G, T, D]
             out = out.permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)[unpad]
-            x = x + F.linear(out, layer.o, layer.o_bias)
-            x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down)
+            x = x + _linear(out, layer.o, layer.o_bias)
+            x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down, _linear)
         return x, torch.stack(new_k), torch.stack(new_v)
 
 
@@ -130,13 +219,15 @@ def _input_names(num_layers: int) -> list[str]:
 
 
 def export_path(model: StageModel, cache_dir: str | Path) -> Path:
-    """Where the export of the model's layers lives: named by model, layer range, dtype and opset, keyed by the
-    checkpoint files' sizes and times and torch's version (any change exports again)."""
+    """Where the export of the model's layers lives: named by model, layer range, dtype, weights and opset, keyed by
+    the checkpoint files' sizes and times and torch's version (any change exports again)."""
     spec = model.spec
     files = sorted(Path(spec.model_path).glob("*.safetensors")) + [Path(spec.model_path, "config.json")]
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [str(Path(spec.model_path).resolve()), torch.__version__]).encode()).hexdigest()
-    name = f"{Path(spec.model_path).name}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}-opset{OPSET}-{key[:12]}"
+    weights = f"-{spec.quantize}" if spec.quantize else ""
+    name = (f"{Path(spec.model_path).name}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}{weights}-opset{OPSET}"
+            f"-{key[:12]}")
     return Path(cache_dir, "onnx", f"{name}.onnx")
 
 
@@ -165,7 +256,9 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
         warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
         program = torch.onnx.export(_Layers(model).eval(), example, dynamic_shapes=shapes, input_names=names,
                                     output_names=["hidden_out", "new_k", "new_v"], opset_version=OPSET,
-                                    dynamo=True, optimize=True, verbose=False)
+                                    dynamo=True, optimize=True, verbose=False,
+                                    custom_translation_table={
+                                        torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # the .onnx names its .data: save both by their names
         program.save(str(Path(tmp, path.name)), external_data=True)
         Path(tmp, f"{path.name}.data").replace(f"{path}.data")
@@ -201,6 +294,7 @@ class OrtLayers:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.num_layers = num_layers
+        self.weight_bytes = _initializer_bytes(path)
         self._names = _input_names(num_layers)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: AttentionIndex,
@@ -221,6 +315,15 @@ class OrtLayers:
         return outputs
 
 
+def _initializer_bytes(path: Path) -> int:
+    """The bytes of the export's initializers (its weights, the most of them stored beside it as external data)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in graph.initializer)
+
+
 def _bind(bind, name: str, tensor: torch.Tensor) -> None:
     bind(name, "cpu", 0, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
 
@@ -229,12 +332,20 @@ class OrtStageModel(StageModel):
     """A StageModel whose layers ONNX Runtime computes (embedding, final norm and LM head stay in torch); it serves
     the paged attention of a stage runner (PagedBatch) only."""
 
+    paged_only = True
+
+    @property
+    def param_bytes(self) -> int:
+        """The torch tensors' (embedding, LM head) and ONNX Runtime's weights."""
+        return super().param_bytes + self._ort.weight_bytes
+
     @classmethod
     def from_model(cls, model: StageModel, cache_dir: str | Path, threads: int = 0) -> OrtStageModel:
         """Exports (or finds the export of) model's layers and takes its other tensors; the torch layer weights
         are let go (ONNX Runtime holds its own)."""
         layers = OrtLayers(export_layers(model, cache_dir), model.spec.end_layer - model.spec.start_layer, threads)
-        kept = {name: t for name, t in model.tensors.items() if name in (EMBED, FINAL_NORM, LM_HEAD)}
+        kept = {name: t for name, t in model.tensors.items()
+                if name in (EMBED, FINAL_NORM, LM_HEAD, LM_HEAD + SCALE_SUFFIX)}
         ort_model = cls.__new__(cls)
         ort_model.__dict__.update(model.__dict__)
         ort_model._tensors, ort_model._layers, ort_model._ort = kept, [], layers

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from stratamesh.kernels.ops.quant import Int8Weight, linear
+from stratamesh.kernels.ops.quant import linear
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor | Int8Weight, down: torch.Tensor | Int8Weight) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: Any, down: Any,
+           product: Callable[[torch.Tensor, Any], torch.Tensor] = linear) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for x [N, hidden]; gate_up [2 * inter, hidden] holds the gate's rows then the up
-    projection's (one matmul for both), down [hidden, inter] as in the checkpoint -> [N, hidden]."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)         # [N, inter] each
-    return linear(F.silu(gate) * up, down)
+    projection's (one matmul for both), down [hidden, inter] as in the checkpoint -> [N, hidden]. The weights are
+    float or Int8Weight matrices, or whatever product (x, weight) multiplies (an ONNX export's packed int8)."""
+    gate, up = product(x, gate_up).chunk(2, dim=-1)         # [N, inter] each
+    return product(F.silu(gate) * up, down)

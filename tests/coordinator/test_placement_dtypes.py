@@ -278,13 +278,15 @@ def test_the_planner_picks_each_auto_agents_runtime_by_what_it_measured() -> Non
 CPU_INT8 = SpeedInfo("torch-cpu", "int8", 1.5e11, 1e10)
 
 
-def test_int8_weights_go_to_the_single_process_torch_stages_that_measured_them_and_only_when_asked() -> None:
+def test_int8_weights_go_to_the_single_process_stages_that_measured_them_and_only_when_asked() -> None:
     fp32_config = {**CONFIG, "torch_dtype": "float32"}
     agents = {"int8": cpu_box("h1", speeds=(CPU_FP32, CPU_INT8)), "plain": cpu_box("h2"),
               "ort": replace(cpu_box("h3", speeds=(CPU_FP32, CPU_INT8)), runtime="onnxruntime"),
               "gpu": gpu_box("h4", "9.0", speeds=(*CUDA.values(), CPU_FP32, CPU_INT8))}
     _, specs = plan_stages("m", "/models/m", fp32_config, agents, 4, quantize="int8")
-    assert {agent: spec.quantize for agent, spec in specs} == {"int8": "int8", "plain": "", "ort": "", "gpu": ""}
+    # the ONNX Runtime agent's host measured torch's int8 alone: it is priced at that, and holds int8 in ORT
+    assert {agent: (spec.runtime, spec.quantize) for agent, spec in specs} == {
+        "int8": ("torch", "int8"), "plain": ("torch", ""), "ort": ("onnxruntime", "int8"), "gpu": ("torch", "")}
     _, unasked = plan_stages("m", "/models/m", fp32_config, agents, 4)
     assert all(spec.quantize == "" for _, spec in unasked), "never without the operator's choice"
     # a spare taking a drained stage holds int8 weights as the plan would have given it
@@ -294,3 +296,18 @@ def test_int8_weights_go_to_the_single_process_torch_stages_that_measured_them_a
                                   {a: c for a, c in agents.items() if a != "plain"} | spare, placement,
                                   quantize="int8"))
     assert repaired["spare"].quantize == "int8" and repaired["int8"].quantize == "int8"
+
+
+def test_an_auto_agent_holds_int8_weights_in_the_runtime_it_measured_faster_with_them() -> None:
+    """ONNX Runtime measured slower than torch in float32 but faster with int8 weights (its integer products): the
+    same agent computes in torch unless the operator asked for int8."""
+    ort_int8 = replace(ORT_MEASURED, dtype="int8", step_overhead_s=1e-5, layer_overhead_s=1e-6, decode_flops=4e11,
+                       decode_bandwidth=1e11)
+    torch_int8 = replace(TORCH_MEASURED, dtype="int8", decode_flops=1e10, decode_bandwidth=1e10)
+    ort_slower = replace(ORT_MEASURED, step_overhead_s=5e-3, decode_flops=1e9)
+    agents = {"a": replace(cpu_box("h1", speeds=(TORCH_MEASURED, torch_int8, ort_slower, ort_int8)),
+                           runtime="auto")}
+    _, ((_, int8),) = plan_stages("m", "/models/m", FP32_CONFIG, agents, 1, quantize="int8")
+    assert (int8.runtime, int8.quantize) == ("onnxruntime", "int8")
+    _, ((_, full),) = plan_stages("m", "/models/m", FP32_CONFIG, agents, 1)
+    assert (full.runtime, full.quantize) == ("torch", "")

@@ -3,23 +3,34 @@ against Hugging Face transformers, the export cache, and what ONNX Runtime stage
 
 Tolerance: the ONNX Runtime stage computes in float32 like the torch stages, with its own kernels (MLAS matmuls, its
 own softmax); their sums differ from torch's only in rounding, so logits stay within 1e-4 and greedy tokens are
-identical."""
+identical.
+
+int8 weights (StageSpec.quantize) are torch's own, exactly, in ONNX Runtime's MatMulNBits, which rounds each block of
+128 activations to int8 as well: its stage is held to being about as near the float32 stage as torch's int8 stage
+with float32 activations is, and to the demo model's held-out perplexity.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 from transformers import AutoModelForCausalLM
 
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.decoder import load_stage
-from stratamesh.kernels.models.onnx_stage import AttentionIndex, OrtStageModel, export_layers, export_path
+from stratamesh.kernels.models.onnx_stage import (AttentionIndex, BlockInt8Weight, OrtStageModel, export_layers,
+                                                  export_path)
 from stratamesh.kernels.ops.paged_attention import SeqSlice
+from stratamesh.kernels.ops.quant import exact_products
 
 RANGES = ((0, 2), (2, 4), (4, 6))
 PROMPTS = [list(range(40, 77)), [5, 17, 42, 99, 7, 3, 250, 12]]
@@ -100,6 +111,59 @@ def test_a_step_of_the_onnxruntime_stage_equals_the_torch_stage_and_writes_the_s
     for layer in range(2):
         torch.testing.assert_close(ort_runner.cache.k[layer], torch_runner.cache.k[layer], atol=2e-5, rtol=0)
         torch.testing.assert_close(ort_runner.cache.v[layer], torch_runner.cache.v[layer], atol=2e-5, rtol=0)
+
+
+def test_an_int8_export_holds_torchs_int8_weights_in_matmul_nbits(model_dir: Path, cache_dir: Path) -> None:
+    model = load_stage(StageSpec("m", str(model_dir), 2, 4, 6, quantize="int8"))
+    path = export_layers(model, cache_dir)
+    assert path != export_path(load_stage(StageSpec("m", str(model_dir), 2, 4, 6)), cache_dir)   # its own export
+    graph = onnx.load(str(path)).graph
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 4 * 2      # every projection; the float products left are attention's
+    assert not [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & set(initializers)]
+    exported = [(initializers[n.input[1]], initializers[n.input[2]]) for n in nodes]
+    for layer in model._layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            packed = BlockInt8Weight.of(w)
+            assert any(np.array_equal(b, packed.packed.numpy()) and np.array_equal(s, packed.scales.numpy())
+                       for b, s in exported)
+            rows = packed.packed.reshape(w.q.shape[0], -1)           # q + MatMulNBits' zero point, 128
+            assert torch.equal(rows[:, :w.q.shape[1]].to(torch.int16) - 128, w.q.to(torch.int16))
+
+
+def test_an_int8_onnxruntime_stage_is_about_as_near_float32_as_the_torch_int8_stage(model_dir: Path,
+                                                                                   cache_dir: Path) -> None:
+    full = StageRunner(load_stage(StageSpec("m", str(model_dir), 2, 4, 6)), 8)
+    int8 = StageSpec("m", str(model_dir), 2, 4, 6, quantize="int8")
+    torch_int8, ort_int8 = StageRunner(load_stage(int8), 8), StageRunner(OrtStageModel.from_model(load_stage(int8),
+                                                                                                  cache_dir), 8)
+    hidden = torch.randn(10, 256, generator=torch.Generator().manual_seed(0))
+    for seqs, rows in (([SeqSlice(0, 7, 0, [0, 1]), SeqSlice(7, 3, 0, [2])], hidden),
+                       ([SeqSlice(0, 1, 7, [0, 1]), SeqSlice(1, 1, 3, [2])], hidden[:2])):
+        expected = full.forward(rows, seqs)
+        with exact_products():
+            torch_error = (torch_int8.forward(rows, seqs) - expected).abs().max()
+        ort_error = (ort_int8.forward(rows, seqs) - expected).abs().max()
+        # the layers' change to the hidden states is of order 1 here: int8 moves it by a few percent
+        assert 0 < ort_error < 2 * torch_error < 0.1 * (expected - rows).abs().max()
+
+
+def test_an_agent_loads_an_int8_onnxruntime_stage_in_about_a_quarter_of_the_bytes(model_dir: Path,
+                                                                                   cache_dir: Path) -> None:
+    specs = [StageSpec("m", str(model_dir), 2, 4, 6, runtime="onnxruntime", quantize=q) for q in ("", "int8")]
+    full, int8 = (StageRunner.load(s, 1 << 20, onnx_cache=cache_dir).model for s in specs)
+    assert isinstance(int8, OrtStageModel) and int8.tensors == {}       # a middle stage: every weight is ORT's
+    assert 0 < int8.param_bytes < 0.27 * full.param_bytes                # a byte a weight, a scale per 128
+
+
+@pytest.mark.slow
+def test_int8_in_onnx_runtime_keeps_the_demo_models_held_out_perplexity(tmp_path: Path) -> None:
+    held_out = read_book().held_out
+    float32 = served_perplexity(DEMO_DIR, held_out)
+    assert served_perplexity(DEMO_DIR, held_out, onnx_cache=tmp_path) == pytest.approx(float32, abs=1e-3)
+    assert served_perplexity(DEMO_DIR, held_out, quantize="int8", onnx_cache=tmp_path) == pytest.approx(float32,
+                                                                                                         rel=0.01)
 
 
 def test_the_attention_index_places_each_query_and_key() -> None:

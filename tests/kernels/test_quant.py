@@ -90,8 +90,12 @@ def test_int8_weights_take_about_a_quarter_of_the_bytes(tiny_model) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"quantize": "int4"}, "not one of"), ({"quantize": "int8", "tp_degree": 2}, "single-process torch"),
-    ({"quantize": "int8", "runtime": "onnxruntime"}, "single-process torch")])
+    ({"quantize": "int4"}, "not one of"), ({"quantize": "int8", "tp_degree": 2}, "single-process stages")])
 def test_a_stage_spec_refuses_what_int8_does_not_serve(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         replace(StageSpec("m", "/m", 0, 2, 2), **kwargs)
+
+
+def test_int8_weights_serve_in_torch_and_in_onnx_runtime() -> None:
+    for runtime in ("torch", "onnxruntime"):
+        assert StageSpec("m", "/m", 0, 2, 2, runtime=runtime, quantize="int8").quantize == "int8"
