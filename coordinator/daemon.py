@@ -55,6 +55,7 @@ class ModelRequest:
     num_stages: int = 1
     pins: SitePins = SitePins()
     quantize: str = ""             # "int8": int8 weights (the operator's choice; never by default)
+    num_replicas: int = 1          # pipelines serving it side by side, each on agents of its own
 
     @property
     def served_id(self) -> str:
@@ -81,6 +82,7 @@ class CoordinatorOptions:
     enroll_port: int = 0                 # the plaintext endpoint agents present join tokens to
     limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
+    router_mode: str = "round-robin"     # how a request picks among a model's replicas (control.routes)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -190,10 +192,11 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
                     on_hop=last_hop.observe, on_unreachable=events.report_unreachable)
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
-                        sessions=origin, events=events)
+                        sessions=origin, events=events, router_mode=options.router_mode)
     deployer.start()
     for model in options.models:
-        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize)
+        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
+                           model.num_replicas)
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)

@@ -79,10 +79,7 @@ def hop_histogram(registry: CollectorRegistry) -> Histogram:
 
 
 def active_stages(registry: Registry) -> dict[str, tuple[str, int]]:
-    """assignment id -> (model id, stage index) of every stage of every model's active plan."""
-    stages = {}
-    for model in registry.models():
-        plan = registry.active_plan(model.model_id)
-        for stage in plan.stages if plan else ():
-            stages[stage.assignment_id] = (model.model_id, stage.stage_index)
-    return stages
+    """assignment id -> (model id, stage index) of every stage of each model replica's active plan."""
+    return {stage.assignment_id: (model.model_id, stage.stage_index)
+            for model in registry.models() for plan in registry.active_plans(model.model_id)
+            for stage in plan.stages}

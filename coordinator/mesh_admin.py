@@ -57,14 +57,17 @@ class MeshAdmin:
         return out
 
     def plans(self) -> list[dict[str, Any]]:
-        """Each model's active plan, and the standby one loading beside it if any: which agent serves which
+        """Each model replica's active plan, and the standby one loading beside it if any: which agent serves which
         layers, on how many tensor-parallel ranks, in what state."""
         out = []
         for model in self._registry.models():
-            for plan in (self._registry.active_plan(model.model_id), self._registry.standby_plan(model.model_id)):
+            for plan in (plan for replica in range(model.num_replicas)
+                         for plan in (self._registry.active_plan(model.model_id, replica),
+                                      self._registry.standby_plan(model.model_id, replica))):
                 if plan is not None:
                     out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                                 "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
+                                "replica": plan.replica,
                                 "predicted": _predicted(plan.prediction),
                                 "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                             "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
@@ -81,10 +84,10 @@ class MeshAdmin:
         return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
-               quantize: str = "") -> dict[str, Any]:
+               quantize: str = "", num_replicas: int = 1) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or Path(path).resolve().name
-        self._planner().add_model(served_id, path, num_stages, pins, quantize)
+        self._planner().add_model(served_id, path, num_stages, pins, quantize, num_replicas)
         return self._model_json(self._registry.model(served_id), self._planner().model(served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
@@ -99,6 +102,7 @@ class MeshAdmin:
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
                 "max_context": info.max_context, "state": state, "num_stages": deployer.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
+                "num_replicas": model.num_replicas, "ready_replicas": deployer.ready_replicas(model_id),
                 "created": model.created}
 
     def _planner(self) -> Deployer:

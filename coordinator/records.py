@@ -30,6 +30,7 @@ class ModelRecord:
     first_site: str = ""        # the site the first stage (it sees token ids) must run at; "" for any
     last_site: str = ""         # ... and the last stage (it produces them)
     quantize: str = ""          # "int8": the operator chose int8 weights for it (StageSpec.quantize)
+    num_replicas: int = 1       # pipelines serving it side by side, each planned on agents of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class PlanRecord:
     reason: str
     stages: tuple[StageRecord, ...]
     prediction: dict[str, Any] = field(default_factory=dict)   # see coordinator/placement.py prediction()
+    replica: int = 0            # which of the model's pipelines it plans (ModelRecord.num_replicas)
 
 
 @dataclass(frozen=True, slots=True)

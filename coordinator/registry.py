@@ -26,6 +26,8 @@ __all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecor
 
 log = logging.getLogger(__name__)
 
+MAX_REPLICAS = 64           # pipelines one model may run side by side
+
 Migration = Callable[[Database], None]
 
 
@@ -137,13 +139,20 @@ def _m013_model_quantize(db: Database) -> None:
     db["stages"].add_column("quantize", str, not_null_default="")
 
 
+def _m014_replicas(db: Database) -> None:
+    """Each model's number of replicas (pipelines serving it side by side), and the replica each plan is of."""
+    db["models"].add_column("num_replicas", int, not_null_default=1)
+    db["plans"].add_column("replica", int, not_null_default=0)
+    db["plans"].create_index(["model_id", "replica", "state"], if_not_exists=True)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
-                                     _m012_drain_rest, _m013_model_quantize)
+                                     _m012_drain_rest, _m013_model_quantize, _m014_replicas)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -299,16 +308,20 @@ class Registry:
         return ids
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
-                  now: float, first_site: str = "", last_site: str = "", quantize: str = "") -> None:
-        """Add a model, or update its path, config, site pins and quantization if it exists (keeping created)."""
+                  now: float, first_site: str = "", last_site: str = "", quantize: str = "",
+                  num_replicas: int = 1) -> None:
+        """Add a model, or update its path, config, site pins, quantization and replicas if it exists (keeping
+        created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
+        if not 1 <= num_replicas <= MAX_REPLICAS:
+            raise InvalidInput(f"num_replicas must be in 1..{MAX_REPLICAS}, got {num_replicas}")
         with self._tx() as db:
             db["models"].insert({"model_id": model_id, "created": now}, ignore=True)
             db["models"].update(model_id, {"path": path, "num_layers": num_layers,
                                            "config_json": json.dumps(config, sort_keys=True),
                                            "first_site": first_site, "last_site": last_site,
-                                           "quantize": quantize})
+                                           "quantize": quantize, "num_replicas": num_replicas})
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""
@@ -320,35 +333,47 @@ class Registry:
         return _model(rows[0]) if rows else None
 
     def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StagePlacement], reason: str,
-                  now: float, standby: bool = False, prediction: dict[str, Any] | None = None) -> None:
-        """Store a new plan for model_id: active (the previous active plan becomes "superseded"), or a standby
-        that activate_plan() promotes once its stages are loaded (a previous standby is "abandoned")."""
+                  now: float, standby: bool = False, prediction: dict[str, Any] | None = None,
+                  replica: int = 0) -> None:
+        """Store a new plan for a replica of model_id: active (the replica's previous active plan becomes
+        "superseded"), or a standby that activate_plan() promotes once its stages are loaded (a previous standby
+        of the replica is "abandoned")."""
         _check_stages(model_id, stages)
         try:
             with self._tx() as db:
                 replaced = "standby" if standby else "active"
-                db.execute("UPDATE plans SET state = ? WHERE model_id = ? AND state = ?",
-                           ["abandoned" if standby else "superseded", model_id, replaced])
+                db.execute("UPDATE plans SET state = ? WHERE model_id = ? AND replica = ? AND state = ?",
+                           ["abandoned" if standby else "superseded", model_id, replica, replaced])
                 db["plans"].insert({"plan_id": plan_id, "model_id": model_id, "created": now,
-                                    "state": replaced, "reason": reason,
+                                    "state": replaced, "reason": reason, "replica": replica,
                                     "prediction_json": json.dumps(prediction or {})})
                 db["stages"].insert_all(_stage_row(plan_id, s) for s in stages)
         except sqlite3.IntegrityError as exc:
             raise InvalidInput(f"plan {plan_id!r} repeats an existing id: {exc}") from None
 
     def activate_plan(self, model_id: str, plan_id: str) -> None:
-        """Makes the model's standby plan plan_id active; the active one becomes "superseded"."""
+        """Makes the standby plan plan_id of a replica of the model active; the replica's active one becomes
+        "superseded"."""
         with self._tx() as db:
-            if not list(db["plans"].rows_where("plan_id = ? AND model_id = ? AND state = 'standby'",
-                                               [plan_id, model_id])):
+            rows = list(db["plans"].rows_where("plan_id = ? AND model_id = ? AND state = 'standby'",
+                                               [plan_id, model_id]))
+            if not rows:
                 raise InvalidInput(f"plan {plan_id!r} is not a standby plan of model {model_id!r}")
-            db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? AND state = 'active'", [model_id])
+            db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? AND replica = ? AND state = 'active'",
+                       [model_id, rows[0]["replica"]])
             db.execute("UPDATE plans SET state = 'active' WHERE plan_id = ?", [plan_id])
 
-    def abandon_standby(self, model_id: str) -> None:
-        """Drops the model's standby plan, if it has one."""
+    def abandon_standby(self, model_id: str, replica: int = 0) -> None:
+        """Drops the standby plan of the model's replica, if it has one."""
         with self._tx() as db:
-            db.execute("UPDATE plans SET state = 'abandoned' WHERE model_id = ? AND state = 'standby'", [model_id])
+            db.execute("UPDATE plans SET state = 'abandoned' WHERE model_id = ? AND replica = ? "
+                       "AND state = 'standby'", [model_id, replica])
+
+    def drop_replicas(self, model_id: str, keep: int) -> None:
+        """Retires the plans of the model's replicas keep and above (the operator asked for fewer)."""
+        with self._tx() as db:
+            db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? AND replica >= ? "
+                       "AND state IN ('active', 'standby')", [model_id, keep])
 
     def forget_models(self) -> None:
         """Drops every model and retires its plans; agents, events and credentials stay. For a launcher that
@@ -357,16 +382,23 @@ class Registry:
             db.execute("UPDATE plans SET state = 'superseded' WHERE state IN ('active', 'standby')")
             db.execute("DELETE FROM models")
 
-    def active_plan(self, model_id: str) -> PlanRecord | None:
-        """The model's active plan with its stages in pipeline order, or None."""
-        return self._plan_in_state(model_id, "active")
+    def active_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
+        """The active plan of the model's replica with its stages in pipeline order, or None."""
+        return self._plan_in_state(model_id, "active", replica)
 
-    def standby_plan(self, model_id: str) -> PlanRecord | None:
-        """The plan the model moves to once its stages are loaded, or None."""
-        return self._plan_in_state(model_id, "standby")
+    def standby_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
+        """The plan the model's replica moves to once its stages are loaded, or None."""
+        return self._plan_in_state(model_id, "standby", replica)
 
-    def _plan_in_state(self, model_id: str, state: str) -> PlanRecord | None:
-        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = ?", [model_id, state])
+    def active_plans(self, model_id: str) -> list[PlanRecord]:
+        """The active plan of each of the model's replicas that has one, by replica."""
+        rows = self._rows("SELECT replica FROM plans WHERE model_id = ? AND state = 'active' ORDER BY replica",
+                          [model_id])
+        return [plan for r in rows if (plan := self.active_plan(model_id, r["replica"])) is not None]
+
+    def _plan_in_state(self, model_id: str, state: str, replica: int) -> PlanRecord | None:
+        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = ? AND replica = ?",
+                           [model_id, state, replica])
         if not plans:
             return None
         stages = self._rows("SELECT * FROM stages WHERE plan_id = ? ORDER BY stage_index",

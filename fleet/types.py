@@ -14,6 +14,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
 AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner picks one of RUNTIMES per stage
 AGENT_RUNTIMES = (*RUNTIMES, AUTO_RUNTIME)   # what an agent's operator may choose (--runtime)
+# How the coordinator's router picks one of a model's ready replicas for a request (coordinator.control.routes).
+ROUTER_MODES = ("round-robin", "least-load")
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most

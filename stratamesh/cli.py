@@ -20,7 +20,7 @@ from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
-from stratamesh.fleet.types import AGENT_RUNTIMES
+from stratamesh.fleet.types import AGENT_RUNTIMES, ROUTER_MODES
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
     up.add_argument("--runtime", choices=AGENT_RUNTIMES, default="torch",
                     help="what computes the agents' stages (see agent)")
+    up.add_argument("--replicas", type=int, default=1,
+                    help="pipelines serving the model side by side (see coordinator); --stages defaults to "
+                         "agents / replicas")
+    up.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="see coordinator")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -95,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--quantize", choices=("int8",), default="",
                              help="--model's weights in int8 (per output channel) on the single-process stages of "
                                   "agents that measured them (a quarter of float32's memory)")
+    coordinator.add_argument("--replicas", type=int, default=1, metavar="N",
+                             help="pipelines serving --model side by side, each on agents of its own; a replica "
+                                  "is planned once the agents the others leave can hold one")
+    coordinator.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin",
+                             help="how a request picks one of a model's ready replicas: in turn (round-robin), or "
+                                  "the one whose busiest stage runs and queues the fewest sequences (least-load)")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
@@ -284,7 +294,7 @@ def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.placement import SitePins
 
     models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site),
-                           args.quantize),
+                           args.quantize, args.replicas),
               ) if args.model else ()
     options = CoordinatorOptions(
         db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
@@ -293,6 +303,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
         insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
+        router_mode=args.router_mode,
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
     set_process_fields(component="coordinator", mesh=args.mesh)
@@ -437,10 +448,12 @@ def _up(args: argparse.Namespace) -> None:
     model_dir = args.model or builtin_model_dir()
     state = open_up_state(up_folder(os.environ), args.fresh, time.time())
     forget_last_run(state)
-    mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=args.stages or None, mesh=state.mesh,
+    coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
+    coordinator_args += ["--quantize", args.quantize] if args.quantize else []
+    num_stages = args.stages or max(1, args.agents // max(1, args.replicas))
+    mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
-                     insecure=args.insecure, coordinator_args=["--quantize", args.quantize] if args.quantize else [],
-                     agent_args=["--runtime", args.runtime])
+                     insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime])
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)

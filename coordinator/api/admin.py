@@ -81,7 +81,8 @@ def admin_router(admin: Admin) -> APIRouter:
         """Deploys a Hugging Face folder; it loads as soon as enough agents can take its stages."""
         try:
             return {"model": admin.deploy(body.path, body.model_id, body.num_stages,
-                                          SitePins(body.first_site or "", body.last_site or ""), body.quantize)}
+                                          SitePins(body.first_site or "", body.last_site or ""), body.quantize,
+                                          body.num_replicas)}
         except (CheckpointError, InvalidInput) as exc:
             return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
 

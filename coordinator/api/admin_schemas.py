@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stratamesh.coordinator.registry import MAX_REPLICAS
 from stratamesh.fleet.types import Capabilities, GpuInfo, StageLoad
 
 MAX_STAGES = 64
@@ -27,6 +28,8 @@ class DeployModel(_Request):
     last_site: str | None = Field(None, max_length=128, description="the site the last stage must run at")
     quantize: Literal["", "int8"] = Field("", description='"int8": int8 weights (per output channel) on the '
                                           "single-process stages of agents that measured them; never by default")
+    num_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="pipelines serving it side by side, each on "
+                              "agents of its own (planned once the agents the others leave can hold one)")
 
 
 class Replan(_Request):
@@ -91,6 +94,7 @@ class PlanView(BaseModel):
     created: float
     reason: str
     num_layers: int
+    replica: int = Field(0, description="which of the model's pipelines it plans")
     predicted: PredictedView | None = None
     stages: list[StageView]
 
@@ -109,6 +113,8 @@ class ModelView(BaseModel):
     first_site: str
     last_site: str
     quantize: str = ""           # the operator's choice: "" (as stored) or "int8"
+    num_replicas: int = 1        # the operator's choice: pipelines serving it side by side
+    ready_replicas: int = 0      # of them, those whose every stage is loaded
     created: float
 
 

@@ -31,12 +31,13 @@ class Deployer:
 
     def __init__(self, registry: Registry, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
-                 origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None):
+                 origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None,
+                 router_mode: str = "round-robin"):
         self._registry = registry
         self._clock = clock
         self._sessions = sessions
         self._roster = Roster(registry, clock, liveness, link_probe_every_s)
-        self._routes = Routes(registry, self._roster)
+        self._routes = Routes(registry, self._roster, router_mode)
         self._drains = Drains(registry, clock, self._roster)
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
         self._events = events or ControlEvents()
@@ -65,13 +66,17 @@ class Deployer:
 
     # ------------------------------------------------------------ models
     def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
-                  quantize: str = "") -> None:
-        """Registers a model (or updates its path, site pins and quantization) and asks for a plan of num_stages
-        stages."""
-        self._plans.add_model(model_id, path, num_stages, pins, quantize)
+                  quantize: str = "", num_replicas: int = 1) -> None:
+        """Registers a model (or updates its path, site pins, quantization and replicas) and asks for a plan of
+        num_stages stages for each of num_replicas replicas."""
+        self._plans.add_model(model_id, path, num_stages, pins, quantize, num_replicas)
 
     def num_stages(self, model_id: str) -> int:
         return self._plans.num_stages(model_id)
+
+    def ready_replicas(self, model_id: str) -> int:
+        """How many of the model's replicas have every stage loaded."""
+        return sum(self._routes.serves(plan) for plan in self._registry.active_plans(model_id))
 
     def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
         return self._plans.replan(model_id, num_stages)

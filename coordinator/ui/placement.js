@@ -41,7 +41,9 @@ function modelsOf(view) {
     byModel.get(plan.model_id).plans.push({ ...plan, num_layers: numLayersOf(plan, view.models) });
   }
   const rank = (p) => (p.state === "active" ? 0 : 1);
-  for (const m of byModel.values()) m.plans.sort((a, b) => rank(a) - rank(b) || a.created - b.created);
+  for (const m of byModel.values()) {
+    m.plans.sort((a, b) => (a.replica || 0) - (b.replica || 0) || rank(a) - rank(b) || a.created - b.created);
+  }
   return [...byModel.values()];
 }
 
@@ -62,6 +64,7 @@ function renderPlan(plan, view, width) {
   return el("div", { class: `placement-plan ${plan.state}` },
     el("div", { class: "plan-meta" },
       el("span", { class: `badge ${plan.state === "active" ? "healthy" : "warn"}`, text: plan.state }),
+      el("span", { class: "badge", "data-testid": "plan-replica", text: `replica ${plan.replica || 0}` }),
       el("span", { class: "mono muted", text: `plan ${plan.plan_id}` }),
       el("span", { class: "muted", text: `${stages.length} stage${stages.length === 1 ? "" : "s"} · `
         + `${plan.num_layers} layers · ${fmtClock(plan.created)}` })),

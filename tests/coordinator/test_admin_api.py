@@ -49,7 +49,7 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert "config.json" in missing.json()["error"]["message"]
         for bad in ({"path": str(model_dir), "num_stages": 0}, {"path": str(model_dir), "stages": 2}, {},
                     {"path": "\u0000"},         # the NUL: once a 500, found by the fuzzer
-                    {"path": str(model_dir), "quantize": "int4"}):
+                    {"path": str(model_dir), "quantize": "int4"}, {"path": str(model_dir), "num_replicas": 0}):
             refused = await client.post("/admin/api/models", json=bad)
             assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", bad
         deployed = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m2",
@@ -57,7 +57,8 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert deployed.status_code == 202
         assert deployed.json()["model"] | {"created": 0} == {
             "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
-            "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "created": 0}
+            "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
+            "ready_replicas": 0, "created": 0}
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"

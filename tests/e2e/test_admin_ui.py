@@ -248,7 +248,8 @@ def agent(agent_id: str, name: str, site: str, tier: str, gpus: list[dict], stat
 
 
 def fixture_snapshot(now: float) -> dict:
-    """12 agents on 2 edge sites and a cloud one; a 4-stage plan with a standby beside it and a TP=2 model."""
+    """12 agents on 2 edge sites and a cloud one; a 4-stage plan with a standby beside it and a model served by
+    two replicas, one of them a TP=2 stage."""
     h100 = [gpu("NVIDIA H100 80GB HBM3", i, 80, 0.7) for i in range(8)]
     specs = [("e1", EVIL, "lab", "edge", [], "connected"), ("e2", "lab-nuc", "lab", "edge", [], "connected"),
              ("e3", "lab-pi", "lab", "edge", [], "dead"), ("e4", "lab-old", "lab", "edge", [], "drained"),
@@ -263,16 +264,17 @@ def fixture_snapshot(now: float) -> dict:
     links += [{"agent_id": "origin", "peer_id": a, "rtt_s": 0.002, "bandwidth_bytes_per_s": 1e8, "error": "",
                "ts": now} for a in live]
 
-    def plan(plan_id, model_id, state, layers, stages):
+    def plan(plan_id, model_id, state, layers, stages, replica=0):
         return {"plan_id": plan_id, "model_id": model_id, "state": state, "created": now - 300, "reason": "fixture",
-                "num_layers": layers, "stages": [{"assignment_id": f"{plan_id}-{i}", "agent_id": a, "start_layer": s,
+                "num_layers": layers, "replica": replica, "stages": [{"assignment_id": f"{plan_id}-{i}", "agent_id": a, "start_layer": s,
                                                   "end_layer": e, "tp_degree": tp, "state": st}
                                                  for i, (a, s, e, tp, st) in enumerate(stages)]}
     plans = [plan("p1", "llama-8b", "active", 32, [("e1", 0, 2, 1, "ready"), ("c1", 2, 20, 1, "ready"),
                                                    ("c2", 20, 30, 1, "ready"), ("s1", 30, 32, 1, "ready")]),
              plan("p2", "llama-8b", "standby", 32, [("e2", 0, 2, 1, "ready"), ("c3", 2, 30, 2, "loading"),
                                                     ("s2", 30, 32, 1, "pending")]),
-             plan("p3", "qwen-0.5b", "active", 24, [("c4", 0, 24, 2, "ready")])]
+             plan("p3", "qwen-0.5b", "active", 24, [("c4", 0, 24, 2, "ready")]),
+             plan("p4", "qwen-0.5b", "active", 24, [("s3", 0, 24, 1, "ready")], replica=1)]
     models = [{"model_id": m, "path": f"/models/{m}", "num_layers": n, "max_context": 8192, "state": "ready",
                "num_stages": k, "first_site": "lab" if m == "llama-8b" else None, "last_site": None,
                "created": now - 900} for m, n, k in (("llama-8b", 32, 4), ("qwen-0.5b", 24, 1))]
@@ -333,7 +335,8 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.get_by_test_id("login-form")).to_be_hidden()
         expect(page.get_by_test_id("topology-node")).to_have_count(12)
         expect(page.get_by_test_id("topology-site")).to_have_count(3)
-        expect(page.get_by_test_id("placement-segment")).to_have_count(8)
+        expect(page.get_by_test_id("placement-segment")).to_have_count(9)
+        expect(page.get_by_test_id("plan-replica").filter(has_text="replica 1")).to_have_count(1)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)
