@@ -18,15 +18,13 @@ from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
                                             PlanRecord, StagePlacement, StageRecord)
-from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
-                                    Telemetry)
+from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad,
+                                    StageSpec, Telemetry)
 
 __all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StagePlacement",
            "StageRecord"]
 
 log = logging.getLogger(__name__)
-
-MAX_REPLICAS = 64           # pipelines one model may run side by side
 
 Migration = Callable[[Database], None]
 

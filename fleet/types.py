@@ -16,6 +16,7 @@ AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner pick
 AGENT_RUNTIMES = (*RUNTIMES, AUTO_RUNTIME)   # what an agent's operator may choose (--runtime)
 # How the coordinator's router picks one of a model's ready replicas for a request (coordinator.control.routes).
 ROUTER_MODES = ("round-robin", "least-load")
+MAX_REPLICAS = 64               # pipelines one model may run side by side
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most

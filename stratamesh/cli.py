@@ -20,7 +20,7 @@ from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
-from stratamesh.fleet.types import AGENT_RUNTIMES, ROUTER_MODES
+from stratamesh.fleet.types import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
     up.add_argument("--runtime", choices=AGENT_RUNTIMES, default="torch",
                     help="what computes the agents' stages (see agent)")
-    up.add_argument("--replicas", type=int, default=1,
+    up.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1,
                     help="pipelines serving the model side by side (see coordinator); --stages defaults to "
                          "agents / replicas")
     up.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="see coordinator")
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--quantize", choices=("int8",), default="",
                              help="--model's weights in int8 (per output channel) on the single-process stages of "
                                   "agents that measured them (a quarter of float32's memory)")
-    coordinator.add_argument("--replicas", type=int, default=1, metavar="N",
+    coordinator.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1, metavar="N",
                              help="pipelines serving --model side by side, each on agents of its own; a replica "
                                   "is planned once the agents the others leave can hold one")
     coordinator.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin",
@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="run a GPU stage's decode steps eagerly, not as CUDA graphs (as vLLM's flag)")
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
-    agent.add_argument("--ranks", type=_num_ranks, default=0, metavar="N",
+    agent.add_argument("--ranks", type=_int_in(1, MAX_TP_DEGREE), default=0, metavar="N",
                        help="ranks a tensor-parallel stage here may have; default: the number of GPUs, else 1")
     agent.add_argument("--no-gpu", action="store_true",
                        help="serve on the CPU only, as if the box had no GPU (it reports none to the planner)")
@@ -334,17 +334,19 @@ def _duration(text: str) -> float:
     return seconds
 
 
-def _num_ranks(text: str) -> int:
-    """--ranks: an integer in 1..MAX_TP_DEGREE."""
-    from stratamesh.fleet.types import MAX_TP_DEGREE
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high (--ranks, --replicas)."""
 
-    try:
-        ranks = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= ranks <= MAX_TP_DEGREE:
-        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_TP_DEGREE}, got {ranks}")
-    return ranks
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+
+    return parse
 
 
 def _agent(args: argparse.Namespace) -> None:
@@ -445,12 +447,15 @@ def _up(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
     from stratamesh.up_state import forget_last_run, open_up_state
 
+    num_stages = args.stages or max(1, args.agents // args.replicas)
+    if args.agents < num_stages * args.replicas:      # a local mesh has only its own agents: say so, start nothing
+        sys.exit(f"stratamesh up: {args.replicas} replicas of {num_stages} stages need {num_stages * args.replicas} "
+                 f"agents; --agents is {args.agents}")
     model_dir = args.model or builtin_model_dir()
     state = open_up_state(up_folder(os.environ), args.fresh, time.time())
     forget_last_run(state)
     coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
-    num_stages = args.stages or max(1, args.agents // max(1, args.replicas))
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime])

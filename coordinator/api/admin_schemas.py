@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stratamesh.coordinator.registry import MAX_REPLICAS
-from stratamesh.fleet.types import Capabilities, GpuInfo, StageLoad
+from stratamesh.fleet.types import MAX_REPLICAS, Capabilities, GpuInfo, StageLoad
 
 MAX_STAGES = 64
 

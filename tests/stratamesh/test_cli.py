@@ -52,6 +52,15 @@ def test_an_agent_asked_for_too_many_ranks_is_refused_with_the_range() -> None:
     assert result.returncode == 2 and "--ranks: must be in 1..8, got 9" in result.stderr
 
 
+def test_up_refuses_more_replicas_than_its_agents_hold(tmp_path: Path) -> None:
+    env = {**os.environ, "STRATAMESH_HOME": str(tmp_path / "home")}
+    result = stratamesh("up", "--agents", "3", "--replicas", "2", "--stages", "2", env=env)
+    assert result.returncode == 1 and "2 replicas of 2 stages need 4 agents; --agents is 3" in result.stderr
+    assert not (tmp_path / "home").exists()            # nothing was started, nor any state made
+    result = stratamesh("coordinator", "--replicas", "0")
+    assert result.returncode == 2 and "--replicas: must be in 1..64, got 0" in result.stderr
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
