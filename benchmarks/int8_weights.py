@@ -35,8 +35,8 @@ from tokenizers import Tokenizer
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
-from stratamesh.kernels.models.decoder import StageModel, greedy_tokens, load_stage
-from stratamesh.kernels.models.onnx_stage import OrtStageModel
+from stratamesh.kernels.models.decoder import StageModel, greedy_tokens
+from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.ops.quant import exact_products, linear, quantize_int8
 from stratamesh.kernels.tiny_model import write_tiny_model
 
@@ -52,10 +52,7 @@ def spec(model_dir: Path, quantize: str, runtime: str = "torch", start: int = 0,
 
 def stage(stage_spec: StageSpec) -> StageModel:
     """The stage as an agent loads it (ONNX Runtime's export kept in the cache folder: main sets it)."""
-    model = load_stage(stage_spec)
-    if stage_spec.runtime == "onnxruntime":
-        return OrtStageModel.from_model(model, os.environ["STRATAMESH_CACHE_DIR"])
-    return model
+    return load_runtime_stage(stage_spec, os.environ["STRATAMESH_CACHE_DIR"])
 
 
 def memory_rows(runtime: str) -> list[tuple[str, int, int]]:

@@ -61,21 +61,18 @@ class MeshAdmin:
         layers, on how many tensor-parallel ranks, in what state."""
         out = []
         for model in self._registry.models():
-            for plan in (plan for replica in range(model.num_replicas)
-                         for plan in (self._registry.active_plan(model.model_id, replica),
-                                      self._registry.standby_plan(model.model_id, replica))):
-                if plan is not None:
-                    out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
-                                "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
-                                "replica": plan.replica,
-                                "predicted": _predicted(plan.prediction),
-                                "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
-                                            "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
-                                            "tp_degree": s.spec.tp_degree, "device": s.spec.device,
-                                            "dtype": s.spec.dtype, "runtime": s.spec.runtime,
-                                            "quantize": s.spec.quantize, "state": s.state,
-                                            "predicted_step_s": _stage_step(plan.prediction, i)}
-                                           for i, s in enumerate(plan.stages)]})
+            for plan in self._registry.live_plans(model.model_id):
+                out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
+                            "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
+                            "replica": plan.replica,
+                            "predicted": _predicted(plan.prediction),
+                            "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
+                                        "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
+                                        "tp_degree": s.spec.tp_degree, "device": s.spec.device,
+                                        "dtype": s.spec.dtype, "runtime": s.spec.runtime,
+                                        "quantize": s.spec.quantize, "state": s.state,
+                                        "predicted_step_s": _stage_step(plan.prediction, i)}
+                                       for i, s in enumerate(plan.stages)]})
         return out
 
     def models(self) -> list[dict[str, Any]]:

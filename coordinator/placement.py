@@ -11,7 +11,7 @@ from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
-from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, QUANTIZATIONS, Capabilities, GpuInfo, SpeedInfo,
+from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, Capabilities, GpuInfo, SpeedInfo,
                                    StageSpec, Telemetry, windowed)
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed

@@ -178,6 +178,11 @@ def _model(row: dict[str, Any]) -> ModelRecord:
     return ModelRecord(config=json.loads(row.pop("config_json")), **row)
 
 
+def _plan(row: dict[str, Any], stages: list[StageRecord]) -> PlanRecord:
+    prediction = json.loads(row.pop("prediction_json") or "{}")
+    return PlanRecord(**row, stages=tuple(stages), prediction=prediction)
+
+
 def _stage(row: dict[str, Any], model_id: str) -> StageRecord:
     spec = StageSpec(model_id, *(row.pop(k) for k in _SPEC_COLUMNS))
     return StageRecord(**row, spec=spec)
@@ -382,27 +387,36 @@ class Registry:
 
     def active_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
         """The active plan of the model's replica with its stages in pipeline order, or None."""
-        return self._plan_in_state(model_id, "active", replica)
+        return next(iter(self._plans(model_id, ("active",), replica)), None)
 
     def standby_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
         """The plan the model's replica moves to once its stages are loaded, or None."""
-        return self._plan_in_state(model_id, "standby", replica)
+        return next(iter(self._plans(model_id, ("standby",), replica)), None)
 
     def active_plans(self, model_id: str) -> list[PlanRecord]:
         """The active plan of each of the model's replicas that has one, by replica."""
-        rows = self._rows("SELECT replica FROM plans WHERE model_id = ? AND state = 'active' ORDER BY replica",
-                          [model_id])
-        return [plan for r in rows if (plan := self.active_plan(model_id, r["replica"])) is not None]
+        return self._plans(model_id, ("active",))
 
-    def _plan_in_state(self, model_id: str, state: str, replica: int) -> PlanRecord | None:
-        plans = self._rows("SELECT * FROM plans WHERE model_id = ? AND state = ? AND replica = ?",
-                           [model_id, state, replica])
+    def live_plans(self, model_id: str) -> list[PlanRecord]:
+        """Every replica's active plan and the standby it moves to next, by replica (active first)."""
+        return self._plans(model_id, ("active", "standby"))
+
+    def _plans(self, model_id: str, states: Sequence[str], replica: int | None = None) -> list[PlanRecord]:
+        """The model's plans in these states (of one replica, or of all), by replica then state, each with its
+        stages in pipeline order: two queries, whatever their number."""
+        where = f"model_id = ? AND state IN ({', '.join('?' * len(states))})"
+        args: list[Any] = [model_id, *states]
+        if replica is not None:
+            where, args = where + " AND replica = ?", [*args, replica]
+        plans = self._rows(f"SELECT * FROM plans WHERE {where} ORDER BY replica, state = 'standby'", args)
         if not plans:
-            return None
-        stages = self._rows("SELECT * FROM stages WHERE plan_id = ? ORDER BY stage_index",
-                            [plans[0]["plan_id"]])
-        prediction = json.loads(plans[0].pop("prediction_json") or "{}")
-        return PlanRecord(**plans[0], stages=tuple(_stage(r, model_id) for r in stages), prediction=prediction)
+            return []
+        ids = [plan["plan_id"] for plan in plans]
+        stages: dict[str, list[StageRecord]] = {plan_id: [] for plan_id in ids}
+        for row in self._rows(f"SELECT * FROM stages WHERE plan_id IN ({', '.join('?' * len(ids))}) "
+                              "ORDER BY stage_index", ids):
+            stages[row["plan_id"]].append(_stage(row, model_id))
+        return [_plan(plan, stages[plan["plan_id"]]) for plan in plans]
 
     def replace_stage(self, assignment_id: str, stage: StagePlacement) -> None:
         """Puts stage in place of the stage assignment_id in its plan (same index; a drain moved it), as ready."""

@@ -4,9 +4,10 @@ answers in words a person recognises.
 The text is Botchan (Natsume Soseki; the 1919 English translation by Yasotaro Morri, in the public domain),
 shipped as kernels/data/botchan.txt: Project Gutenberg's eBook #8868, as sentencepiece's source distribution
 carries it for its tests, without Gutenberg's header and licence. Chapters I to X (and the translator's note)
-train it; chapter XI is held out, and the perplexity on it is the model's figure of merit. Its shape is that of `stratamesh model tiny`'s
-random-weight Llama (6 layers of 256, a 1024-token byte-level BPE), so a mesh is as fast serving either; the
-weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it; the shipped copy is DEMO_DIR."""
+train it; chapter XI is held out, and the perplexity on it is the model's figure of merit. Its shape is that of
+`stratamesh model tiny`'s random-weight Llama (6 layers of 256, a 1024-token byte-level BPE), so a mesh is as
+fast serving either; the weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it; the
+shipped copy is DEMO_DIR."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import parse_config, read_config
 from stratamesh.kernels.models.decoder import load_stage, one_sequence
+from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.models.trainable import TrainableDecoder
 from stratamesh.kernels.tiny_model import IM_END, IM_START, _config, train_tokenizer, write_checkpoint
 
@@ -195,10 +197,7 @@ def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quan
     spec = StageSpec(model_id=Path(model_dir).name, model_path=str(model_dir), start_layer=0,
                      end_layer=config.num_layers, num_layers=config.num_layers, quantize=quantize,
                      runtime="onnxruntime" if onnx_cache else "torch")
-    stage = load_stage(spec, config)
-    if onnx_cache:
-        from stratamesh.kernels.models.onnx_stage import OrtStageModel    # (imports onnxruntime)
-        stage = OrtStageModel.from_model(stage, onnx_cache)
+    stage = load_runtime_stage(spec, onnx_cache, config) if onnx_cache else load_stage(spec, config)
     ids = torch.tensor(Tokenizer.from_file(str(Path(model_dir, "tokenizer.json"))).encode(text).ids)
 
     def logits_of(window: torch.Tensor) -> torch.Tensor:     # [1, T] -> [1, T, vocab]

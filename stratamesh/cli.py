@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="what computes this agent's stages; onnxruntime: ONNX Runtime's CPU provider, in float32 "
                             "(each stage is exported once, into the cache folder: seconds for the demo model, minutes "
                             "for billions of parameters); auto: the planner picks torch or onnxruntime per stage, by "
-                            "the speeds measured of both (the first start measures ONNX Runtime's: about 15 s)")
+                            "the speeds measured of both (the first start measures ONNX Runtime's: about 25 s)")
     owner = agent.add_argument_group("the owner's limits", "the agent rests (its stages move to other agents) once a "
                                      "limit has been crossed for --limit-grace, and serves again once none has been "
                                      "for --limit-cooldown")

@@ -18,7 +18,7 @@ from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.types import SamplingParams, StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
-from stratamesh.kernels.models.onnx_stage import OrtStageModel
+from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.sampler import sample
@@ -70,7 +70,7 @@ class StageRunner:
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         if spec.runtime == "onnxruntime":
-            model = OrtStageModel.from_model(load_stage(spec, config), onnx_cache or cache_home(os.environ))
+            model = load_runtime_stage(spec, onnx_cache or cache_home(os.environ), config)
             return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
         if spec.device.startswith("cuda"):
             return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens,

@@ -76,7 +76,7 @@ class Deployer:
 
     def ready_replicas(self, model_id: str) -> int:
         """How many of the model's replicas have every stage loaded."""
-        return sum(self._routes.serves(plan) for plan in self._registry.active_plans(model_id))
+        return len(self._routes.ready_plans(model_id))
 
     def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
         return self._plans.replan(model_id, num_stages)

@@ -37,11 +37,9 @@ class Drains:
         self.failures.pop(agent_id, None)
         for old, new in moves:
             self._replacements[new.assignment_id] = (old, new)
-            model = self._registry.model(old.spec.model_id)
-            for replica in range(model.num_replicas if model else 1):
-                standby = self._registry.standby_plan(old.spec.model_id, replica)
-                if standby is not None and any(s.agent_id == agent_id for s in standby.stages):
-                    self._registry.abandon_standby(old.spec.model_id, replica)
+            for standby in self._registry.live_plans(old.spec.model_id):
+                if standby.state == "standby" and any(s.agent_id == agent_id for s in standby.stages):
+                    self._registry.abandon_standby(old.spec.model_id, standby.replica)
         described = ", ".join(f"{o.spec.model_id} [{o.spec.start_layer}, {o.spec.end_layer}) to {n.agent_id}"
                               for o, n in moves)
         self._registry.log_event("drain", described or "no stages", self._clock(), agent_id=agent_id)

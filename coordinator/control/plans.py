@@ -76,7 +76,7 @@ class Plans:
         replicas leave) loads beside the serving one and takes over once ready ("standby"). ("unchanged", why) if
         every serving plan is that plan; ("waiting", why) if the model has no plan yet and too few agents.
         ModelNotFound, or PlacementError if no plan fits."""
-        model = find_model(self._registry, model_id)
+        find_model(self._registry, model_id)
         num_stages = num_stages or self.num_stages(model_id) or 1
         if num_stages < 1:
             raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
@@ -110,18 +110,13 @@ class Plans:
         """Every stage of each replica's active plan, of the standby plan it moves to next, and of a drain."""
         stages = self._drains.stages()
         for model in self._registry.models():
-            for replica in range(model.num_replicas):
-                for plan in (self._registry.active_plan(model.model_id, replica),
-                             self._registry.standby_plan(model.model_id, replica)):
-                    stages += plan.stages if plan else ()
+            for plan in self._registry.live_plans(model.model_id):
+                stages += plan.stages
         return stages
 
     def _taken(self, model_id: str, replica: int) -> frozenset[str]:
         """The agents the model's other replicas plan on (active and standby): a replica's own are apart."""
-        model = self._registry.model(model_id)
-        return frozenset(s.agent_id for other in range(model.num_replicas if model else 1) if other != replica
-                         for plan in (self._registry.active_plan(model_id, other),
-                                      self._registry.standby_plan(model_id, other)) if plan
+        return frozenset(s.agent_id for plan in self._registry.live_plans(model_id) if plan.replica != replica
                          for s in plan.stages)
 
     def set_stage_state(self, assignment_id: str, state: str) -> None:
@@ -183,15 +178,13 @@ class Plans:
         """Switches each replica whose standby plan is loaded to it; the replaced stages retire."""
         now = self._clock()
         for model in self._registry.models():
-            for replica in range(model.num_replicas):
-                standby = self._registry.standby_plan(model.model_id, replica)
-                if standby is None or not self._routes.serves(standby):
-                    continue
-                replaced = self._registry.active_plan(model.model_id, replica)
+            plans = self._registry.live_plans(model.model_id)
+            for standby in (p for p in plans if p.state == "standby" and self._routes.serves(p)):
+                replaced = next((p for p in plans if p.state == "active" and p.replica == standby.replica), None)
                 self._registry.activate_plan(model.model_id, standby.plan_id)
                 self._registry.log_event("plan_activated", standby.reason, now)
                 log.info("%s switched to plan %s; the stages it replaces retire once idle",
-                         _named(model.model_id, replica), standby.plan_id)
+                         _named(model.model_id, standby.replica), standby.plan_id)
                 self.retire([stage.assignment_id for stage in replaced.stages] if replaced else [], now)
         self.release_unplanned()
 

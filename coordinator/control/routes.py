@@ -33,8 +33,12 @@ class Routes:
         """Whether every stage of the plan is loaded on a connected agent."""
         return all(self._roster.serving(s) for s in plan.stages)
 
+    def ready_plans(self, model_id: str) -> list[PlanRecord]:
+        """The active plans of the model's replicas that serve, by replica."""
+        return [plan for plan in self._registry.active_plans(model_id) if self.serves(plan)]
+
     def is_ready(self, model_id: str) -> bool:
-        return any(self.serves(plan) for plan in self._registry.active_plans(model_id))
+        return bool(self.ready_plans(model_id))
 
     def accepts(self, model_id: str) -> bool:
         """Ready, or recovering from a lost agent after having been ready: requests wait for a route."""
@@ -45,7 +49,7 @@ class Routes:
 
         avoid: Stage addresses just found unreachable; a route through one of them is not ready."""
         find_model(self._registry, model_id)
-        ready = [plan for plan in self._registry.active_plans(model_id) if self.serves(plan)]
+        ready = self.ready_plans(model_id)
         if not ready:
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
         routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype)

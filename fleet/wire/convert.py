@@ -12,7 +12,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 
 from stratamesh.fleet.types import (
-    AGENT_RUNTIMES, DTYPES, MAX_TP_DEGREE, RUNTIMES, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
+    AGENT_RUNTIMES, DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
     KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
     Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,

@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import ORT_DTYPES
+from stratamesh.fleet.types import ORT_DTYPES, StageSpec
 from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
-from stratamesh.kernels.models.decoder import LayerWeights, StageModel
+from stratamesh.kernels.models.config import ModelConfig
+from stratamesh.kernels.models.decoder import LayerWeights, StageModel, load_stage
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
@@ -277,6 +278,13 @@ def check_exportable(model: StageModel) -> None:
         raise InvalidInput("ONNX Runtime stages run on one CPU rank here")
     if any(c.window_for_layer(i) is not None for i in range(spec.start_layer, spec.end_layer)):
         raise InvalidInput("ONNX Runtime stages do not serve sliding-window attention yet")
+
+
+def load_runtime_stage(spec: StageSpec, onnx_cache: str | Path, config: ModelConfig | None = None) -> StageModel:
+    """The stage spec names as its runtime computes it: load_stage's, with its layers in ONNX Runtime (from an export
+    kept in onnx_cache) where spec.runtime is onnxruntime."""
+    model = load_stage(spec, config)
+    return OrtStageModel.from_model(model, onnx_cache) if spec.runtime == "onnxruntime" else model
 
 
 class OrtLayers:

@@ -3,7 +3,6 @@ transformers' own, and when one replica's agent dies (kill -9) the other serves 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ from stratamesh.fleet.launcher import LocalMesh
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
+from .test_supervision import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +25,6 @@ def admin(mesh: LocalMesh, path: str) -> dict:
     return response.json()
 
 
-def wait_for(condition, what: str, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
-
-
 def test_two_replicas_share_the_requests_and_one_serves_them_all_when_the_other_dies(
         tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
@@ -41,7 +33,7 @@ def test_two_replicas_share_the_requests_and_one_serves_them_all_when_the_other_
     expected = [greedy_tokens(model_dir, ids, 12) for ids in prompts]
     with LocalMesh(str(model_dir), num_agents=2, num_stages=1, coordinator_args=["--replicas", "2"],
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
-        wait_for(lambda: admin(mesh, "models")["models"][0]["ready_replicas"] == 2, "both replicas to load")
+        assert wait_until(lambda: admin(mesh, "models")["models"][0]["ready_replicas"] == 2), "both replicas load"
         plans = [p for p in admin(mesh, "plans")["plans"] if p["state"] == "active"]
         assert sorted(p["replica"] for p in plans) == [0, 1]
         replica_of = {p["stages"][0]["assignment_id"]: p["replica"] for p in plans}
@@ -54,7 +46,7 @@ def test_two_replicas_share_the_requests_and_one_serves_them_all_when_the_other_
 
         victim = mesh.agent_ids.index(agent_of[1])
         mesh.kill_agent(victim)
-        wait_for(lambda: admin(mesh, "models")["models"][0]["ready_replicas"] == 1, "the dead replica to drop")
+        assert wait_until(lambda: admin(mesh, "models")["models"][0]["ready_replicas"] == 1), "the dead one drops"
         for ids, tokens in zip(prompts[4:], expected[4:], strict=True):
             assert complete_ids(mesh, model_dir, ids, 12) == tokens
         served = [replica_of.get(r["route"][0]["assignment_id"]) for r in admin(mesh, "requests?limit=2")["requests"]]

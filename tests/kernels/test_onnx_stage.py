@@ -13,6 +13,7 @@ with float32 activations is, and to the demo model's held-out perplexity.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models.onnx_stage import (AttentionIndex, BlockInt8Weight, OrtStageModel, export_layers,
-                                                  export_path)
+                                                  export_path, load_runtime_stage)
 from stratamesh.kernels.ops.paged_attention import SeqSlice
 from stratamesh.kernels.ops.quant import exact_products
 
@@ -101,7 +102,7 @@ def test_a_step_of_the_onnxruntime_stage_equals_the_torch_stage_and_writes_the_s
                                                                                          cache_dir: Path) -> None:
     spec = StageSpec("m", str(model_dir), 2, 4, 6)
     torch_runner = StageRunner(load_stage(spec), 8)
-    ort_runner = StageRunner(OrtStageModel.from_model(load_stage(spec), cache_dir), 8)
+    ort_runner = StageRunner(load_runtime_stage(replace(spec, runtime="onnxruntime"), cache_dir), 8)
     hidden = torch.randn(10, 256, generator=torch.Generator().manual_seed(0))
     for seqs, rows in (([SeqSlice(0, 7, 0, [0, 1]), SeqSlice(7, 3, 0, [2])], hidden),       # two prefills
                        ([SeqSlice(0, 1, 7, [0, 1]), SeqSlice(1, 1, 3, [2])], hidden[:2]),   # two decodes
@@ -136,8 +137,8 @@ def test_an_int8_onnxruntime_stage_is_about_as_near_float32_as_the_torch_int8_st
                                                                                    cache_dir: Path) -> None:
     full = StageRunner(load_stage(StageSpec("m", str(model_dir), 2, 4, 6)), 8)
     int8 = StageSpec("m", str(model_dir), 2, 4, 6, quantize="int8")
-    torch_int8, ort_int8 = StageRunner(load_stage(int8), 8), StageRunner(OrtStageModel.from_model(load_stage(int8),
-                                                                                                  cache_dir), 8)
+    torch_int8 = StageRunner(load_stage(int8), 8)
+    ort_int8 = StageRunner(load_runtime_stage(replace(int8, runtime="onnxruntime"), cache_dir), 8)
     hidden = torch.randn(10, 256, generator=torch.Generator().manual_seed(0))
     for seqs, rows in (([SeqSlice(0, 7, 0, [0, 1]), SeqSlice(7, 3, 0, [2])], hidden),
                        ([SeqSlice(0, 1, 7, [0, 1]), SeqSlice(1, 1, 3, [2])], hidden[:2])):
