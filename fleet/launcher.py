@@ -180,16 +180,18 @@ class LocalMesh:
         """kill -9 of one agent: no goodbye to anyone, as when a box loses power."""
         _kill(self.agents[index])
 
-    def rank_pids(self, index: int) -> dict[int, int]:
-        """rank -> pid of the tensor-parallel ranks (1..N-1) that agent number index launched (Linux /proc)."""
-        out = {}
+    def rank_pids(self, index: int) -> dict[int, list[int]]:
+        """rank -> pids of the tensor-parallel ranks (1..N-1) that agent number index launched (Linux /proc): one
+        per group it holds, and it may hold two of a stage for a while (a standby plan's, loading beside the
+        serving one; a released stage's, kept for reuse)."""
+        out: dict[int, list[int]] = {}
         for pid in _children(self.agents[index].pid):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             except OSError:
                 continue
             if "stratamesh.agent.engine.tp_worker" in argv:
-                out[int(argv[argv.index("--rank") + 1])] = pid
+                out.setdefault(int(argv[argv.index("--rank") + 1]), []).append(pid)
         return dict(sorted(out.items()))
 
     def agent_index(self, address: str) -> int:

@@ -203,10 +203,13 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
 async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[StreamJob], stage: int = 1,
                                rank: int = 1, after_tokens: int = 16) -> FailoverRun:
     """As kill_stage_mid_stream, but kill -9 of one rank > 0 of the tensor-parallel group serving `stage`: a
-    process its agent launched. The agent takes the group down and exits; the rest is the failover path."""
+    process its agent launched. The agent takes the group down and exits; the rest is the failover path.
+
+    That rank is killed in every group the agent holds: beside the serving group it may hold another of the
+    stage (a standby plan's, or a replaced stage's kept for reuse), and which process serves is not visible."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
-        index = mesh.agent_index(run.killed_address)
-        os.kill(mesh.rank_pids(index)[rank], signal.SIGKILL)
+        for pid in mesh.rank_pids(mesh.agent_index(run.killed_address))[rank]:
+            os.kill(pid, signal.SIGKILL)
         await wait_for_failover(mesh.url, mesh.headers, run.killed_address)
 
     return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, kill)
