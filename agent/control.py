@@ -12,7 +12,7 @@ import grpc
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import MeshError, Refused
 from stratamesh.fleet.links import measure_peers
-from stratamesh.fleet.types import Capabilities, Registration, StageStatus, Telemetry
+from stratamesh.fleet.types import Capabilities, KvEvents, Registration, StageStatus, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -21,6 +21,10 @@ from stratamesh.fleet.wire.channels import describe_error, make_channel, revoked
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
+# How often the stages' prefix-cache changes go to the coordinator's router, and the block hashes one message
+# carries at most (a stage's whole cache, after a reconnect, may take several).
+KV_EVENTS_EVERY_S = 0.05
+MAX_HASHES_PER_MESSAGE = 16384
 # What the coordinator answers a certificate it will not take: retrying cannot help.
 _REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
@@ -86,6 +90,7 @@ class ControlClient:
         outbox.put_nowait(convert.registration_to_pb(self._registration()))
         channel = make_channel(address)
         heartbeat: asyncio.Task[None] | None = None
+        kv_events: asyncio.Task[None] | None = None
         tasks: set[asyncio.Task[None]] = set()
         try:
             call = pb_grpc.ControlStub(channel).Connect(_drain(outbox))
@@ -94,10 +99,12 @@ class ControlClient:
                 if kind == "welcome":
                     log.info("registered with coordinator %s as %s", address, message.welcome.agent_id)
                     self.connected.set()
-                    if heartbeat is not None:
-                        heartbeat.cancel()
+                    for task in (heartbeat, kv_events):
+                        if task is not None:
+                            task.cancel()
                     heartbeat = asyncio.create_task(
                         self._heartbeat(outbox, message.welcome.heartbeat_interval_s))
+                    kv_events = asyncio.create_task(self._kv_events(outbox))
                 elif kind == "assign":
                     task = asyncio.create_task(self._assign(outbox, message.assign))
                     tasks.add(task)
@@ -114,8 +121,9 @@ class ControlClient:
                     log.info("the coordinator asks this agent to exit: %s", message.shutdown.reason)
                     self._on_shutdown(message.shutdown.reason)
         finally:
-            if heartbeat is not None:
-                heartbeat.cancel()
+            for task in (heartbeat, kv_events):
+                if task is not None:
+                    task.cancel()
             outbox.put_nowait(_CLOSE)
             await channel.close(grace=None)
 
@@ -136,6 +144,16 @@ class ControlClient:
                     log.warning("could not take telemetry", exc_info=True)
             outbox.put_nowait(convert.heartbeat_to_pb(seq, self._host.num_sessions, telemetry))
             await asyncio.sleep(max(interval_s, 0.05))
+
+    async def _kv_events(self, outbox: asyncio.Queue[object]) -> None:
+        """Reports the stages' prefix-cache changes as they happen; the first report is everything they hold (this
+        coordinator, or this stream of it, knows nothing yet)."""
+        resend_all = True
+        while True:
+            for message in _messages(self._host.kv_events(resend_all)):
+                outbox.put_nowait(convert.kv_events_to_pb(message))
+            resend_all = False
+            await asyncio.sleep(KV_EVENTS_EVERY_S)
 
     async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment) -> None:
         try:
@@ -167,6 +185,32 @@ class ControlClient:
         async with self._probing:
             measurements = await measure_peers(peers)
         outbox.put_nowait(convert.link_report_to_pb(measurements))
+
+
+def _messages(reports: list[KvEvents], max_hashes: int = MAX_HASHES_PER_MESSAGE) -> list[list[KvEvents]]:
+    """The reports in messages of at most max_hashes hashes; a stage's report too big for one is cut in pieces
+    that follow each other (only the first clears)."""
+    messages: list[list[KvEvents]] = []
+    current: list[KvEvents] = []
+    room = max_hashes
+    for report in reports:
+        hashes = [(True, h) for h in report.stored] + [(False, h) for h in report.evicted]
+        cleared = report.cleared
+        while True:
+            if room == 0:
+                messages.append(current)
+                current, room = [], max_hashes
+            piece, hashes = hashes[:room], hashes[room:]
+            current.append(KvEvents(report.assignment_id, report.block_size, cleared,
+                                    tuple(h for stored, h in piece if stored),
+                                    tuple(h for stored, h in piece if not stored)))
+            room -= len(piece)
+            cleared = False
+            if not hashes:
+                break
+    if current:
+        messages.append(current)
+    return messages
 
 
 async def _drain(outbox: asyncio.Queue[object]) -> AsyncIterator[object]:

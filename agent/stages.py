@@ -12,7 +12,7 @@ from typing import TypeVar
 from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment
+from stratamesh.fleet.types import Assignment, KvEvents
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,18 @@ class StageHost:
 
     def assignments(self) -> list[Assignment]:
         return [engine.assignment for engine in self.engines.values()]
+
+    def kv_events(self, resend_all: bool = False) -> list[KvEvents]:
+        """Each loaded stage's prefix-cache changes since the last call; resend_all: everything each holds, for a
+        coordinator that knows nothing yet (a new control stream)."""
+        reports = []
+        for assignment_id, engine in self.engines.items():
+            blocks = engine.scheduler.block_manager
+            if resend_all:
+                blocks.resend_all_kv()
+            if (events := blocks.take_kv_events(assignment_id)) is not None:
+                reports.append(events)
+        return reports
 
     def tensor_names(self) -> list[str]:
         return sorted({n for e in self.engines.values() for n in e.runner.model.tensor_names})

@@ -40,6 +40,7 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.service import MeshGenerator
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
+from stratamesh.fleet.types import DEFAULT_ROUTER_MODE
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server, revoked, use_tls, warn_insecure
 
@@ -82,7 +83,7 @@ class CoordinatorOptions:
     enroll_port: int = 0                 # the plaintext endpoint agents present join tokens to
     limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
-    router_mode: str = "round-robin"     # how a request picks among a model's replicas (control.routes)
+    router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (control.routes)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.

@@ -71,9 +71,13 @@ class MeshAdmin:
                                         "tp_degree": s.spec.tp_degree, "device": s.spec.device,
                                         "dtype": s.spec.dtype, "runtime": s.spec.runtime,
                                         "quantize": s.spec.quantize, "state": s.state,
+                                        "cached_blocks": self._cached_blocks(s.assignment_id),
                                         "predicted_step_s": _stage_step(plan.prediction, i)}
                                        for i, s in enumerate(plan.stages)]})
         return out
+
+    def _cached_blocks(self, assignment_id: str) -> int:
+        return self._deployer.cached_blocks(assignment_id) if self._deployer is not None else 0
 
     def models(self) -> list[dict[str, Any]]:
         """Every deployed model, its state and its stage count."""

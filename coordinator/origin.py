@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from stratamesh.coordinator.control.events import RouteWork
 from stratamesh.coordinator.kv_moves import move_kv
 from stratamesh.fleet.errors import MeshError, StageFailed
 from stratamesh.fleet.tracing import SpanStore, new_span_id, new_trace_id, traceparent
@@ -33,8 +34,9 @@ REPLAY_BACKOFF_S = 0.05
 # A generation whose route loses a stage resumes on a new route; after this many losses it fails.
 MAX_FAILOVERS = 8
 
-# Where a generation gets its route (and KV block size) for each attempt, avoiding addresses just lost.
-RouteSource = Callable[[Collection[str]], Awaitable[tuple[Sequence[Hop], int]]]
+# Where a generation gets its route (and KV block size) for each attempt: given the addresses just lost, to avoid,
+# and the token ids the route will prefill (a router may pick by what its replicas' prefix caches hold).
+RouteSource = Callable[[Collection[str], Sequence[int]], Awaitable[tuple[Sequence[Hop], int]]]
 
 
 def chunk_tokens(hidden_size: int, activation_bytes: int = 4) -> int:
@@ -89,6 +91,7 @@ class _Live:
     leaving: str = ""           # a Stage address being drained: the session holds, then moves off it
     moved: bool = False         # it moved: the stages keep the session for its next route to adopt
     stream: OutboundStream | None = None    # to its first stage
+    prefill_tokens: int = 0     # tokens it has still to prefill: its prompt's uncached ones, until the first token
 
     def runs_through(self, address: str) -> bool:
         return any(hop.address == address for hop in self.route)
@@ -179,6 +182,7 @@ class _Request:
         decode: (max new tokens, 0 for no limit; stop token ids) of a generation, whose last stage then feeds
         each token it samples to the first stage; None (an embedding): it samples once."""
         record, origin = self.record, self._origin
+        live.prefill_tokens = len(token_ids)
         cacheable = bool(resume_from) or len(token_ids) > block_size
         opened_ns = time.time_ns()
         max_new_tokens, stop_ids = decode or (0, ())
@@ -192,6 +196,7 @@ class _Request:
         if cacheable:
             cached = (await origin.next_event(live, session_id, opened=True)).cached_tokens
             origin.span(live, "open", opened_ns, time.time_ns(), session_id, {})
+            live.prefill_tokens = len(token_ids) - cached
         origin.moving.pop(resume_from, None)   # resumed: the stages it left hold nothing of it now
         if first:
             self.cached_tokens = cached
@@ -242,7 +247,7 @@ class Generation(_Request):
         resume_from = left = ""     # the session a move left quiet on the stages (for the next attempt; for good)
         try:
             while True:
-                route, block_size = await self._routes(frozenset(self._lost))
+                route, block_size = await self._routes(frozenset(self._lost), self._prompt + emitted)
                 if resume_from:
                     moved_bytes = await move_kv(resume_from, record.route, route)
                     stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
@@ -284,6 +289,7 @@ class Generation(_Request):
             self._send_prefill(stream, session_id, token_ids, cached, trace_id)
             while True:
                 event = await self._origin.next_event(live, session_id)
+                live.prefill_tokens = 0
                 yield event.token_id
                 if tokens_left is not None:
                     tokens_left -= 1
@@ -307,7 +313,7 @@ class Embedding(_Request):
         """Runs the request: the embedding; StageFailed (or ModelNotReady from the routes) when it cannot."""
         try:
             while True:
-                route, block_size = await self._routes(frozenset(self._lost))
+                route, block_size = await self._routes(frozenset(self._lost), self._prompt)
                 self.record.route = tuple(route)
                 try:
                     return await self._attempt(route, block_size)
@@ -456,6 +462,16 @@ class Origin:
     def assignments_in_use(self) -> set[str]:
         """The assignment ids of every stage a live (or moving) session runs on."""
         return {hop.assignment_id for route in self._routes() for hop in route}
+
+    def work(self) -> dict[str, RouteWork]:
+        """The live generations' work by the assignment id of their route's first stage (the router weighs it)."""
+        work: dict[str, RouteWork] = {}
+        for live in self._sessions.values():
+            first = live.route[0].assignment_id
+            there = work.get(first, RouteWork())
+            work[first] = RouteWork(there.prefill_tokens + live.prefill_tokens,
+                                    there.num_decoding + (live.prefill_tokens == 0))
+        return work
 
     def _routes(self) -> list[tuple[Hop, ...]]:
         return [live.route for live in self._sessions.values()] + list(self.moving.values())

@@ -15,11 +15,13 @@ RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its d
 AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner picks one of RUNTIMES per stage
 AGENT_RUNTIMES = (*RUNTIMES, AUTO_RUNTIME)   # what an agent's operator may choose (--runtime)
 # How the coordinator's router picks one of a model's ready replicas for a request (coordinator.control.routes).
-ROUTER_MODES = ("round-robin", "least-load")
+ROUTER_MODES = ("kv", "round-robin", "least-load")   # how a request picks one of a model's replicas
+DEFAULT_ROUTER_MODE = "kv"
 MAX_REPLICAS = 64               # pipelines one model may run side by side
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
+MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
 
@@ -146,8 +148,8 @@ class StageSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
             raise InvalidInput(f"stage tp_degree must be in 1..{MAX_TP_DEGREE}, got {self.tp_degree}")
-        if not 1 <= self.kv_block_size <= 1024:
-            raise InvalidInput(f"stage kv_block_size must be in 1..1024, got {self.kv_block_size}")
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:
+            raise InvalidInput(f"stage kv_block_size must be in 1..{MAX_KV_BLOCK_SIZE}, got {self.kv_block_size}")
         if not 0 <= self.start_layer < self.end_layer <= self.num_layers:
             raise InvalidInput(
                 f"stage layer range [{self.start_layer}, {self.end_layer}) is not inside "
@@ -419,6 +421,18 @@ class StageLoad:
     def kv_usage(self) -> float:
         """Fraction of the stage's KV blocks in use (0 with no blocks)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """What a stage's prefix cache gained (stored) and lost (evicted) since its last report, as block hashes
+    (fleet.prefix); cleared: forget what it said before, stored is all it holds. The router's index feeds on them."""
+
+    assignment_id: str
+    block_size: int
+    cleared: bool
+    stored: tuple[bytes, ...]
+    evicted: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

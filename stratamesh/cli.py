@@ -20,7 +20,7 @@ from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
-from stratamesh.fleet.types import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
+from stratamesh.fleet.types import AGENT_RUNTIMES, DEFAULT_ROUTER_MODE, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1,
                     help="pipelines serving the model side by side (see coordinator); --stages defaults to "
                          "agents / replicas")
-    up.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin", help="see coordinator")
+    up.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE, help="see coordinator")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -102,9 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1, metavar="N",
                              help="pipelines serving --model side by side, each on agents of its own; a replica "
                                   "is planned once the agents the others leave can hold one")
-    coordinator.add_argument("--router-mode", choices=ROUTER_MODES, default="round-robin",
-                             help="how a request picks one of a model's ready replicas: in turn (round-robin), or "
-                                  "the one whose busiest stage runs and queues the fewest sequences (least-load)")
+    coordinator.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE,
+                             help="how a request picks one of a model's ready replicas: the one with the least "
+                                  "work ahead of its prompt, counting what the replicas' prefix caches hold (kv); "
+                                  "in turn (round-robin); or the one whose busiest stage runs and queues the fewest "
+                                  "sequences (least-load)")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",

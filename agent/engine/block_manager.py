@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.prefix import ROOT_HASH, chain_hash
+from stratamesh.fleet.types import KvEvents
 
-ROOT_HASH = b""
+# Changes of the prefix cache kept for the next KV event report, at most; past that the report starts over
+# from every cached hash (cheaper to send than a longer backlog, and nothing is lost when no one collects them).
+MAX_PENDING_KV_CHANGES = 65536
 
 
 class NoFreeBlocks(MeshError):
     """A reservation needs more KV blocks than are free or evictable."""
-
-
-def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The hash of a full block given its parent's hash: the same in every process and on every box."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
 
 
 @dataclass(slots=True)
@@ -47,6 +42,10 @@ class BlockManager:
         self.hashes: dict[str, list[bytes]] = {}                  # chained hashes of a table's cached blocks
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # for the coordinator's router (take_kv_events): hashes cached or dropped since the last report, and
+        # whether the next report starts over from every cached hash (the first does)
+        self._changed: set[bytes] = set()
+        self._resend_all = True
 
     # ------------------------------------------------------------ queries
     @property
@@ -107,6 +106,7 @@ class BlockManager:
         del self.hashes[seq_id][num_tokens // bs:]
         if partial is not None and partial.hash is not None:
             del self.hash_to_block[partial.hash]    # ours alone now, and its tail is about to change
+            self._changed_hash(partial.hash)
             partial.hash = None
 
     def can_reserve(self, seq_id: str, end_pos: int) -> bool:
@@ -140,6 +140,7 @@ class BlockManager:
             if h not in self.hash_to_block and block.hash is None:
                 block.hash = h
                 self.hash_to_block[h] = block.block_id
+                self._changed_hash(h)
             # else: another block already caches this content; ours stays private and is freed plain.
 
     def rename(self, seq_id: str, new_id: str) -> None:
@@ -179,5 +180,35 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.hash is not None
         del self.hash_to_block[block.hash]
+        self._changed_hash(block.hash)
         block.hash = None
         return block_id
+
+    # ------------------------------------------------------------ KV events
+    def _changed_hash(self, h: bytes) -> None:
+        if self._resend_all:
+            return
+        self._changed.add(h)
+        if len(self._changed) > MAX_PENDING_KV_CHANGES:
+            self.resend_all_kv()
+
+    def resend_all_kv(self) -> None:
+        """The next report starts over from every cached hash (its receiver lost track, or may have)."""
+        self._changed.clear()
+        self._resend_all = True
+
+    def take_kv_events(self, assignment_id: str) -> KvEvents | None:
+        """What the prefix cache gained (stored) and lost (evicted) since the last call, None if nothing: a hash
+        cached and dropped in between is reported as its state now. The first report, and one after
+        resend_all_kv(), is `cleared`: every cached hash, to replace whatever its receiver knew."""
+        if not self.enable_prefix_cache:
+            return None
+        if self._resend_all:
+            self._resend_all = False
+            return KvEvents(assignment_id, self.block_size, True, tuple(self.hash_to_block))
+        if not self._changed:
+            return None
+        changed, self._changed = self._changed, set()
+        return KvEvents(assignment_id, self.block_size, False,
+                        tuple(h for h in changed if h in self.hash_to_block),
+                        tuple(h for h in changed if h not in self.hash_to_block))

@@ -75,6 +75,7 @@ class StageView(BaseModel):
     runtime: str = "torch"       # what computes its layers: "torch" or "onnxruntime"
     quantize: str = ""           # "int8": its weights in int8
     state: str
+    cached_blocks: int = Field(0, description="KV blocks its prefix cache holds, as its KV events told the router")
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from stratamesh.coordinator.control.drains import Drains, Move
 from stratamesh.coordinator.control.events import ControlEvents, NoSessions, Sessions
@@ -15,7 +15,9 @@ from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.liveness import Liveness, LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import Capabilities, Hop, LinkMeasurement, Peer, Registration, StageStatus, Telemetry
+from stratamesh.fleet.types import (
+    DEFAULT_ROUTER_MODE, Capabilities, Hop, KvEvents, LinkMeasurement, Peer, Registration, StageStatus, Telemetry,
+)
 
 log = logging.getLogger(__name__)
 # While an agent's owner's limits ask it to rest and its rest cannot begin (no spare), how often it is asked again
@@ -32,12 +34,12 @@ class Deployer:
     def __init__(self, registry: Registry, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
                  origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None,
-                 router_mode: str = "round-robin"):
+                 router_mode: str = DEFAULT_ROUTER_MODE):
         self._registry = registry
         self._clock = clock
         self._sessions = sessions
         self._roster = Roster(registry, clock, liveness, link_probe_every_s)
-        self._routes = Routes(registry, self._roster, router_mode)
+        self._routes = Routes(registry, self._roster, router_mode, sessions, clock)
         self._drains = Drains(registry, clock, self._roster)
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
         self._events = events or ControlEvents()
@@ -78,6 +80,10 @@ class Deployer:
         """How many of the model's replicas have every stage loaded."""
         return len(self._routes.ready_plans(model_id))
 
+    def cached_blocks(self, assignment_id: str) -> int:
+        """The KV blocks the stage's prefix cache holds, as its KV events told the router."""
+        return self._routes.prefixes.num_cached(assignment_id)
+
     def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
         return self._plans.replan(model_id, num_stages)
 
@@ -94,12 +100,12 @@ class Deployer:
     def accepts(self, model_id: str) -> bool:
         return self._routes.accepts(model_id)
 
-    def route(self, model_id: str, avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
-        return self._routes.route(model_id, avoid)
+    def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
+        return self._routes.route(model_id, avoid, token_ids)
 
-    async def wait_route(self, model_id: str, timeout_s: float,
-                         avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
-        return await self._routes.wait_route(model_id, timeout_s, avoid)
+    async def wait_route(self, model_id: str, timeout_s: float, avoid: Collection[str] = (),
+                         token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
+        return await self._routes.wait_route(model_id, timeout_s, avoid, token_ids)
 
     # ------------------------------------------------------------ agents
     @property
@@ -129,6 +135,10 @@ class Deployer:
             if self._roster.lost(link.agent_id):
                 self._agent_dead(link.agent_id)
         self._routes.notify()
+
+    def kv_events(self, agent_id: str, reports: list[KvEvents]) -> None:
+        """An agent's stages' prefix-cache changes, for the router (a stage it does not hold is not its to report)."""
+        self._routes.kv_events([r for r in reports if self._roster.holds(agent_id, r.assignment_id)])
 
     def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
         self._roster.heartbeat(agent_id, telemetry)
@@ -198,6 +208,7 @@ class Deployer:
         self._plans.replan_lost()
         self._plans.improve()
         self._plans.release_unplanned()
+        self._routes.prune()
 
     def reconcile(self) -> None:
         """Plans models that wait for agents, and assigns planned stages whose agent lacks them."""

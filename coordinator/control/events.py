@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RouteWork:
+    """The live generations whose route starts at one stage: the prompt tokens they have still to prefill, and how
+    many are decoding."""
+
+    prefill_tokens: int = 0
+    num_decoding: int = 0
 
 
 class Sessions(Protocol):
@@ -15,6 +25,9 @@ class Sessions(Protocol):
     def assignments_in_use(self) -> Collection[str]:
         """The assignment ids of every stage a live generation runs on."""
 
+    def work(self) -> Mapping[str, RouteWork]:
+        """The live generations' work, by the assignment id of their route's first stage."""
+
 
 class NoSessions:
     """No origin: no session to fail over, no stage in use."""
@@ -24,6 +37,9 @@ class NoSessions:
 
     def assignments_in_use(self) -> Collection[str]:
         return frozenset()
+
+    def work(self) -> Mapping[str, RouteWork]:
+        return {}
 
 
 class ControlEvents:

@@ -88,6 +88,10 @@ class Roster:
         """Whether the stage's agent is connected and has not loaded it."""
         return stage.agent_id in self._links and not self.serving(stage)
 
+    def holds(self, agent_id: str, assignment_id: str) -> bool:
+        """Whether the agent reported the stage loaded (and has not released it since)."""
+        return assignment_id in self._loaded.get(agent_id, ())
+
     def send(self, agent_id: str, message: ControlMessage) -> None:
         self._links[agent_id].send(message)
 

@@ -4,13 +4,21 @@ of a model's ready replicas (--router-mode)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection, Sequence
 
+from stratamesh.coordinator.control.events import NoSessions, RouteWork, Sessions
 from stratamesh.coordinator.control.models import find_model
+from stratamesh.coordinator.control.prefix_index import PrefixIndex
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.registry import PlanRecord, Registry
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
-from stratamesh.fleet.types import ROUTER_MODES, Hop
+from stratamesh.fleet.prefix import block_hashes
+from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents
+
+# kv mode weighs a generation decoding on a replica as this many prompt tokens to prefill there: each decode
+# step of the batch costs about one token's compute per sequence, and a prefill takes a few such steps.
+DECODE_WORK_TOKENS = 32
 
 
 class Routes:
@@ -19,12 +27,15 @@ class Routes:
     accept requests while recovering) and the callers of wait_route() to wake when a plan, a stage or an agent
     changes."""
 
-    def __init__(self, registry: Registry, roster: Roster, mode: str = "round-robin"):
+    def __init__(self, registry: Registry, roster: Roster, mode: str = DEFAULT_ROUTER_MODE,
+                 sessions: Sessions = NoSessions(), clock: Callable[[], float] = time.monotonic):
         if mode not in ROUTER_MODES:
             raise InvalidInput(f"router mode {mode!r} is not one of {', '.join(ROUTER_MODES)}")
         self._registry = registry
         self._roster = roster
+        self._sessions = sessions
         self.mode = mode
+        self.prefixes = PrefixIndex(clock)     # kv mode: what each replica's stages hold in their prefix caches
         self._served: set[str] = set()         # models that were ready since this coordinator started
         self._turns: dict[str, int] = {}       # model id -> routes handed out (whose turn is next)
         self._waiters: list[asyncio.Future[None]] = []
@@ -44,10 +55,11 @@ class Routes:
         """Ready, or recovering from a lost agent after having been ready: requests wait for a route."""
         return model_id in self._served or self.is_ready(model_id)
 
-    def route(self, model_id: str, avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+    def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
         """The hops of a ready replica of the model in pipeline order, and its KV block size.
 
-        avoid: Stage addresses just found unreachable; a route through one of them is not ready."""
+        avoid: Stage addresses just found unreachable; a route through one of them is not ready.
+        token_ids: what the route will prefill (kv mode routes by it)."""
         find_model(self._registry, model_id)
         ready = self.ready_plans(model_id)
         if not ready:
@@ -57,19 +69,52 @@ class Routes:
         routes = [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
         if not routes:
             raise ModelNotReady(f"the model '{model_id}' is recovering: its route lost a stage")
-        plan, hops = self._choose(model_id, routes)
+        plan, hops = self._choose(model_id, routes, token_ids)
         return hops, plan.stages[0].spec.kv_block_size
 
-    def _choose(self, model_id: str, routes: list[tuple[PlanRecord, list[Hop]]]) -> tuple[PlanRecord, list[Hop]]:
-        """The router's pick of the ready routes (by replica): the next in turn (round-robin), or the one whose
-        busiest stage runs and queues the fewest sequences as its agents' newest heartbeats say, ties in turn
-        (least-load)."""
+    def _choose(self, model_id: str, routes: list[tuple[PlanRecord, list[Hop]]],
+                token_ids: Sequence[int]) -> tuple[PlanRecord, list[Hop]]:
+        """The router's pick of the ready routes (by replica): the next in turn (round-robin); the one whose
+        busiest stage runs and queues the fewest sequences as its agents' newest heartbeats say (least-load); or
+        the one with the least work ahead of this prompt (kv, see _prefill_work). Ties go to the next in turn."""
         turn = self._turns.get(model_id, 0)
         self._turns[model_id] = turn + 1
         in_turn = routes[turn % len(routes):] + routes[:turn % len(routes)]
         if self.mode == "least-load":
             return min(in_turn, key=lambda route: self._load(route[0]))
+        if self.mode == "kv" and token_ids:
+            return self._by_prefix(in_turn, token_ids)
         return in_turn[0]
+
+    def _by_prefix(self, routes: list[tuple[PlanRecord, list[Hop]]],
+                   token_ids: Sequence[int]) -> tuple[PlanRecord, list[Hop]]:
+        """kv mode: the route whose replica has the least work ahead of the prompt, in prompt tokens: those of its
+        own that no stage there holds, those of generations routed there still to prefill, and DECODE_WORK_TOKENS
+        per generation decoding there. The prompt then counts as cached there (PrefixIndex.expect)."""
+        work, hashes = self._sessions.work(), {}
+
+        def cost(route: tuple[PlanRecord, list[Hop]]) -> int:
+            plan = route[0]
+            size = plan.stages[0].spec.kv_block_size
+            prompt = hashes[size] = hashes.get(size) or block_hashes(token_ids, size)
+            cached = self.prefixes.cached_blocks(plan.plan_id, [s.assignment_id for s in plan.stages], prompt) * size
+            there = work.get(plan.stages[0].assignment_id, RouteWork())
+            return len(token_ids) - cached + there.prefill_tokens + DECODE_WORK_TOKENS * there.num_decoding
+
+        plan, hops = chosen = min(routes, key=cost)
+        self.prefixes.expect(plan.plan_id, [s.assignment_id for s in plan.stages],
+                             hashes[plan.stages[0].spec.kv_block_size])
+        return chosen
+
+    def kv_events(self, reports: Sequence[KvEvents]) -> None:
+        """Stages' prefix-cache changes (only those of stages their agent holds)."""
+        for report in reports:
+            self.prefixes.apply(report)
+
+    def prune(self) -> None:
+        """The prefix index keeps only the replicas of active plans and their stages."""
+        plans = [plan for model in self._registry.models() for plan in self._registry.active_plans(model.model_id)]
+        self.prefixes.keep({plan.plan_id for plan in plans}, {s.assignment_id for plan in plans for s in plan.stages})
 
     def _load(self, plan: PlanRecord) -> int:
         """The sequences the plan's busiest stage runs and queues, as its agent's newest heartbeat says."""
@@ -78,8 +123,8 @@ class Routes:
                  for load in telemetry.stages}
         return max((loads.get(s.assignment_id, 0) for s in plan.stages), default=0)
 
-    async def wait_route(self, model_id: str, timeout_s: float,
-                         avoid: Collection[str] = ()) -> tuple[list[Hop], int]:
+    async def wait_route(self, model_id: str, timeout_s: float, avoid: Collection[str] = (),
+                         token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
         """route(), waiting up to timeout_s while the model loads or recovers (ModelNotReady after).
 
         The addresses in avoid are trusted again after an agent's lease: if nobody declared their agent
@@ -90,7 +135,7 @@ class Routes:
         while True:
             now = loop.time()
             try:
-                return self.route(model_id, avoid if now < trust_at else ())
+                return self.route(model_id, avoid if now < trust_at else (), token_ids)
             except ModelNotReady:
                 if now >= deadline:
                     raise

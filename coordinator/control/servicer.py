@@ -87,6 +87,8 @@ class ControlService(pb_grpc.ControlServicer):
                 self._deployer.stage_status(agent_id, convert.stage_status_from_pb(message.stage_status))
             elif kind == "links":
                 self._deployer.links_reported(agent_id, convert.link_report_from_pb(message.links))
+            elif kind == "kv_events":
+                self._deployer.kv_events(agent_id, convert.kv_events_from_pb(message.kv_events))
             else:
                 log.info("agent %s sent an unexpected %s", agent_id, kind)
         except InvalidInput as exc:

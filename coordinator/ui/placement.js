@@ -85,6 +85,8 @@ function stageList(stages, view) {
       el("td", { class: "mono", text: `[${s.start_layer}, ${s.end_layer})` }),
       el("td", { class: "muted", text: `TP=${s.tp_degree || 1}` }),
       el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.quantize ? ` ${s.quantize} weights` : ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
+      el("td", { class: "muted", "data-testid": "stage-cached", title: "KV blocks its prefix cache holds, as its agent reported them to the router",
+        text: `${s.cached_blocks || 0} blocks cached` }),
       el("td", {}, el("span", { class: `badge ${stateClass(s.state)}`, text: s.state })));
   })));
 }

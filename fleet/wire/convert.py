@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from stratamesh.fleet.enrollment import EnrollReply, EnrollRequest
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
+from stratamesh.fleet.prefix import HASH_BYTES
 
 from stratamesh.fleet.types import (
-    AGENT_RUNTIMES, DTYPES, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
-    KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
+    AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
+    KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
     Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
@@ -403,6 +404,27 @@ def link_report_from_pb(msg: pb.LinkReport) -> list[LinkMeasurement]:
                                f"and finite, got {m.rtt_s}, {m.bandwidth_bytes_per_s}")
         links.append(LinkMeasurement(m.peer_agent_id, m.rtt_s, m.bandwidth_bytes_per_s, m.error))
     return links
+
+
+def kv_events_to_pb(reports: Iterable[KvEvents]) -> pb.AgentMessage:
+    return pb.AgentMessage(kv_events=pb.KvEventReport(stages=[
+        pb.KvEvents(assignment_id=e.assignment_id, block_size=e.block_size, cleared=e.cleared, stored=e.stored,
+                    evicted=e.evicted) for e in reports]))
+
+
+def kv_events_from_pb(msg: pb.KvEventReport) -> list[KvEvents]:
+    """The stages' prefix-cache changes; InvalidInput for a missing assignment, a bad block size or a hash that is
+    not one."""
+    reports = []
+    for e in msg.stages:
+        if not e.assignment_id:
+            raise InvalidInput("kv_events.stages[].assignment_id is empty")
+        if not 0 < e.block_size <= MAX_KV_BLOCK_SIZE:
+            raise InvalidInput(f"kv_events[{e.assignment_id!r}]: block_size must be in 1..{MAX_KV_BLOCK_SIZE}")
+        if any(len(h) != HASH_BYTES for h in (*e.stored, *e.evicted)):
+            raise InvalidInput(f"kv_events[{e.assignment_id!r}]: block hashes are {HASH_BYTES} bytes")
+        reports.append(KvEvents(e.assignment_id, e.block_size, e.cleared, tuple(e.stored), tuple(e.evicted)))
+    return reports
 
 
 def probe_links_to_pb(peers: list[Peer]) -> pb.CoordinatorMessage:

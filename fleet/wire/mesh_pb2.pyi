@@ -246,16 +246,38 @@ class StageStatus(_message.Message):
     def __init__(self, assignment_id: _Optional[str] = ..., state: _Optional[_Union[StageStatus.State, str]] = ..., error: _Optional[str] = ..., param_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "stage_status", "links")
+    __slots__ = ("register", "heartbeat", "stage_status", "links", "kv_events")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATUS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     stage_status: StageStatus
     links: LinkReport
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ...) -> None: ...
+    kv_events: KvEventReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventReport, _Mapping]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("assignment_id", "block_size", "cleared", "stored", "evicted")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    block_size: int
+    cleared: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, assignment_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvEventReport(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[KvEvents]
+    def __init__(self, stages: _Optional[_Iterable[_Union[KvEvents, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("agent_id", "heartbeat_interval_s")

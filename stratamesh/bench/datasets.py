@@ -68,22 +68,31 @@ def random_requests(vocab_ids: list[int], num_prompts: int, input_len: int, outp
 
 
 def shared_prefix_requests(vocab_ids: list[int], num_prompts: int, prefix_len: int, input_len: int,
-                           output_len: int, seed: int) -> list[BenchRequest]:
-    """Every prompt is the same prefix_len ids followed by its own random input_len ids."""
+                           output_len: int, seed: int, num_prefixes: int = 1) -> list[BenchRequest]:
+    """Each prompt is one of num_prefixes random prefixes of prefix_len ids followed by its own random input_len
+    ids (as SGLang's generated-shared-prefix: a system prompt per group): the prompts are spread evenly over the
+    prefixes, in a seeded random order when there are several."""
     _check_lengths(vocab_ids, input_len, output_len)
+    if not 1 <= num_prefixes <= num_prompts:
+        raise BenchError(f"num-prefixes {num_prefixes} must be in 1..num-prompts ({num_prompts})")
     rng = random.Random(seed)
-    prefix = tuple(rng.choices(vocab_ids, k=prefix_len))
-    return [BenchRequest(prefix + tuple(rng.choices(vocab_ids, k=input_len)), output_len)
-            for _ in range(num_prompts)]
+    prefixes = [tuple(rng.choices(vocab_ids, k=prefix_len)) for _ in range(num_prefixes)]
+    groups = [i % num_prefixes for i in range(num_prompts)]
+    if num_prefixes > 1:
+        rng.shuffle(groups)
+    return [BenchRequest(prefixes[group] + tuple(rng.choices(vocab_ids, k=input_len)), output_len)
+            for group in groups]
 
 
 def make_requests(dataset: str, vocab_ids: list[int], num_prompts: int, input_len: int, output_len: int,
-                  seed: int, prefix_len: int = 0, range_ratio: float = 0.0) -> list[BenchRequest]:
-    """The prompts of a named dataset (one of DATASETS); range_ratio applies to random."""
+                  seed: int, prefix_len: int = 0, range_ratio: float = 0.0,
+                  num_prefixes: int = 1) -> list[BenchRequest]:
+    """The prompts of a named dataset (one of DATASETS); range_ratio applies to random, num_prefixes to
+    shared-prefix."""
     if dataset == "random":
         return random_requests(vocab_ids, num_prompts, input_len, output_len, seed, range_ratio)
     if dataset == "shared-prefix":
-        return shared_prefix_requests(vocab_ids, num_prompts, prefix_len, input_len, output_len, seed)
+        return shared_prefix_requests(vocab_ids, num_prompts, prefix_len, input_len, output_len, seed, num_prefixes)
     raise BenchError(f"dataset {dataset!r} is not one of {DATASETS}")
 
 

@@ -66,9 +66,15 @@ class BenchMetrics:
     e2el: LatencyStats
     errors: tuple[str, ...] = field(default=())
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The fraction of the completed requests' prompt tokens that the server's prefix cache served."""
+        return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; latencies flattened as vLLM's result file names them (mean_ttft_ms, ...)."""
         flat = {k: v for k, v in asdict(self).items() if k not in SLO_METRICS + ("itl", "errors")}
+        flat["prefix_hit_rate"] = self.prefix_hit_rate
         for name in ("ttft", "tpot", "itl", "e2el"):
             for stat, value in asdict(getattr(self, name)).items():
                 flat[f"{stat.removesuffix('_ms')}_{name}_ms"] = value

@@ -26,6 +26,7 @@ class ServeOptions:
     input_len: int = 128
     output_len: int = 64
     prefix_len: int = 256                  # shared-prefix only
+    num_prefixes: int = 1                  # shared-prefix only: prompts spread over this many prefixes
     range_ratio: float = 0.0               # random only: lengths uniform in [len * (1 - r), len * (1 + r)]
     seed: int = 0
     goodput_ms: dict[str, float] = field(default_factory=dict)
@@ -62,6 +63,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=d.input_len)
     parser.add_argument("--output-len", type=int, default=d.output_len)
     parser.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix: prefix tokens")
+    parser.add_argument("--num-prefixes", type=int, default=d.num_prefixes,
+                        help="shared-prefix: prompts spread evenly over this many prefixes")
     parser.add_argument("--random-range-ratio", type=float, default=d.range_ratio,
                         help="random: draw each input and output length from [len*(1-r), len*(1+r)]")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -79,5 +82,5 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        prefix_len=args.prefix_len, range_ratio=args.random_range_ratio, seed=args.seed,
-        goodput_ms=parse_goodput(args.goodput), warmup=args.warmup)
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, range_ratio=args.random_range_ratio,
+        seed=args.seed, goodput_ms=parse_goodput(args.goodput), warmup=args.warmup)

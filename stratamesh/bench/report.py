@@ -37,6 +37,7 @@ def format_report(metrics: BenchMetrics, options: ServeOptions) -> str:
              _row("Total input tokens:", metrics.total_input_tokens),
              _row("Total generated tokens:", metrics.total_output_tokens),
              _row("Total cached prompt tokens:", metrics.total_cached_tokens),
+             _row("Prefix cache hit rate (%):", 100.0 * metrics.prefix_hit_rate),
              _row("Request throughput (req/s):", metrics.request_throughput)]
     if metrics.request_goodput is not None:
         rows.append(_row("Request goodput (req/s):", metrics.request_goodput))
@@ -56,7 +57,7 @@ def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[
                 "max_concurrency": options.max_concurrency, "input_len": options.input_len,
                 "output_len": options.output_len, "seed": options.seed, "goodput_ms": options.goodput_ms}
     if options.dataset == "shared-prefix":
-        settings["prefix_len"] = options.prefix_len
+        settings["prefix_len"], settings["num_prefixes"] = options.prefix_len, options.num_prefixes
     per_request = {"input_lens": [r.prompt_len for r in records], "output_lens": [r.output_tokens for r in records],
                    "ttfts": [r.ttft_s for r in records], "e2els": [r.latency_s for r in records],
                    "itls": [list(r.itl_s) for r in records], "successes": [r.success for r in records]}

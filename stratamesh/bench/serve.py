@@ -163,7 +163,7 @@ def build_requests(options: ServeOptions) -> tuple[list[BenchRequest], list[Benc
     """(warm-up, measured) requests; warm-ups are random prompts so they never warm a shared prefix."""
     vocab = regular_token_ids(options.tokenizer) if options.tokenizer else list(range(options.vocab_size or 0))
     measured = make_requests(options.dataset, vocab, options.num_prompts, options.input_len, options.output_len,
-                             options.seed, options.prefix_len, options.range_ratio)
+                             options.seed, options.prefix_len, options.range_ratio, options.num_prefixes)
     warmup = random_requests(vocab, options.warmup, options.input_len, options.output_len, options.seed + 1)
     return warmup, measured
 

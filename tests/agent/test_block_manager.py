@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from stratamesh.agent.engine.block_manager import ROOT_HASH, BlockManager, NoFreeBlocks, chain_hash
+from stratamesh.agent.engine.block_manager import BlockManager, NoFreeBlocks
+from stratamesh.fleet.prefix import ROOT_HASH, block_hashes, chain_hash
 from stratamesh.fleet.errors import InvalidInput, MeshError
 
 BS = 4
@@ -27,7 +28,7 @@ def refs(bm: BlockManager, table: list[int]) -> list[int]:
 
 def test_chain_hash_is_fixed_across_processes() -> None:
     assert chain_hash(ROOT_HASH, [1, 2, 3, 4]).hex() == "087a24230771ee662be37e5493b333d7"
-    code = ("from stratamesh.agent.engine.block_manager import chain_hash;"
+    code = ("from stratamesh.fleet.prefix import chain_hash;"
             "print(chain_hash(chain_hash(b'', [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123"})
@@ -196,3 +197,51 @@ def test_disabled_cache_never_matches() -> None:
     assert bm.match_prefix(list(range(8))) == 0
     assert bm.open("b", list(range(8)), 8) == 0
     assert not bm.hash_to_block and not bm.evictable and bm.num_free_blocks == 4
+
+
+# ------------------------------------------------------------------ KV events, for the coordinator's router
+def test_kv_events_report_what_the_cache_gained_and_lost_since_the_last_report() -> None:
+    bm = BlockManager(3, BS)
+    first = bm.take_kv_events("s1")
+    assert first is not None and first.cleared and first.stored == () and first.assignment_id == "s1"
+    assert bm.take_kv_events("s1") is None                       # nothing changed since
+    run_session(bm, "a", [1] * 8)
+    a = block_hashes([1] * 8, BS)
+    report = bm.take_kv_events("s1")
+    assert (report.cleared, set(report.stored), report.evicted, report.block_size) == (False, set(a), (), BS)
+    bm.free("a")                                                 # freed but still cached: no change
+    assert bm.take_kv_events("s1") is None
+    run_session(bm, "b", [2] * 8)                                # needs 2 blocks: the older of a's is evicted
+    b = block_hashes([2] * 8, BS)
+    report = bm.take_kv_events("s1")
+    assert set(report.stored) == set(b) and set(report.evicted) <= set(a) and report.evicted
+    assert set(bm.hash_to_block) == (set(a) - set(report.evicted)) | set(b)
+
+
+def test_a_hash_cached_and_evicted_between_two_reports_is_reported_as_it_is_now() -> None:
+    bm = BlockManager(1, BS)
+    bm.take_kv_events("s")
+    run_session(bm, "a", [1] * 4)
+    bm.free("a")
+    run_session(bm, "b", [2] * 4)                                # evicts a's block before anyone heard of it
+    report = bm.take_kv_events("s")
+    assert report.stored == tuple(block_hashes([2] * 4, BS)) and report.evicted == tuple(block_hashes([1] * 4, BS))
+
+
+def test_kv_events_start_over_after_resend_all_or_too_many_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    bm = BlockManager(8, BS)
+    bm.take_kv_events("s")
+    run_session(bm, "a", [1] * 8)
+    bm.resend_all_kv()                                           # e.g. a new control stream: its coordinator knows nothing
+    report = bm.take_kv_events("s")
+    assert report.cleared and set(report.stored) == set(block_hashes([1] * 8, BS))
+    monkeypatch.setattr("stratamesh.agent.engine.block_manager.MAX_PENDING_KV_CHANGES", 2)
+    run_session(bm, "b", [2] * 12)                               # 3 changes pile up, more than are kept
+    report = bm.take_kv_events("s")
+    assert report.cleared and set(report.stored) == set(bm.hash_to_block) and len(report.stored) == 5
+
+
+def test_a_disabled_prefix_cache_reports_no_kv_events() -> None:
+    bm = BlockManager(4, BS, enable_prefix_cache=False)
+    run_session(bm, "a", [1] * 8)
+    assert bm.take_kv_events("s") is None

@@ -4,7 +4,7 @@ real origin; sessions batch, prefill in chunks, end after their prompt, and give
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,7 @@ class TwoStages:
     route: list[Hop]
     origin: Origin
 
-    async def routes(self, avoid: Collection[str]) -> tuple[list[Hop], int]:
+    async def routes(self, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
         return self.route, BLOCK_SIZE
 
     async def embed(self, prompt: list[int], request_id: str) -> tuple[float, ...]:
@@ -144,7 +144,7 @@ async def test_an_embedding_whose_first_stage_is_unreachable_replays_on_the_next
         asked: list[frozenset[str]] = []
         dead = [Hop("127.0.0.1:1", "gone"), mesh.route[1]]
 
-        async def routes(avoid: Collection[str]) -> tuple[list[Hop], int]:
+        async def routes(avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
             asked.append(frozenset(avoid))
             return (mesh.route if "127.0.0.1:1" in avoid else dead), BLOCK_SIZE
 

@@ -17,7 +17,7 @@ from stratamesh.fleet.errors import InvalidInput
 BS = 4
 ENGINE = Path(__file__).resolve().parents[2] / "agent" / "engine"
 PURE = ("block_manager.py", "scheduler.py", "sequence.py")
-ALLOWED = {"stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.agent.engine.block_manager",
+ALLOWED = {"stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.agent.engine.block_manager",
            "stratamesh.agent.engine.scheduler", "stratamesh.agent.engine.sequence"}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.control.events import NoSessions, Sessions
+from stratamesh.coordinator.control.events import NoSessions, RouteWork, Sessions
 from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, SitePins
@@ -50,12 +50,16 @@ class OriginSessions:
 
     lost: list[str] = field(default_factory=list)
     in_use: set[str] = field(default_factory=set)
+    routed: dict[str, RouteWork] = field(default_factory=dict)    # the live generations' work, by first stage
 
     def route_lost(self, address: str) -> None:
         self.lost.append(address)
 
     def assignments_in_use(self) -> set[str]:
         return self.in_use
+
+    def work(self) -> dict[str, RouteWork]:
+        return self.routed
 
 
 def connect_all(deployer: Deployer, agents: list[Agent]) -> None:

@@ -8,10 +8,14 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.events import RouteWork
+from stratamesh.coordinator.control.prefix_index import EXPECTED_FOR_S
+from stratamesh.coordinator.control.routes import DECODE_WORK_TOKENS
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
-from stratamesh.fleet.types import StageLoad, Telemetry
+from stratamesh.fleet.prefix import block_hashes
+from stratamesh.fleet.types import KvEvents, StageLoad, Telemetry
 from tests.coordinator.test_deployer import (Agent, OriginSessions, connect_all, heartbeats, model_dir,  # noqa: F401
                                             report_ready)
 
@@ -121,3 +125,96 @@ def test_asking_for_fewer_replicas_retires_the_others(model_dir: Path) -> None:
     assert released == {s.assignment_id for s in second.stages}
     with pytest.raises(InvalidInput, match="num_replicas"):
         deployer.add_model("m", str(model_dir), num_stages=2, num_replicas=0)
+
+
+# ------------------------------------------------------------------ kv: by what the replicas' prefix caches hold
+def kv_replicas(model_dir: Path) -> tuple[Registry, Deployer, list[Agent], OriginSessions, list[float]]:
+    """two_replicas, loaded, routing by prefix; the deployer's clock is the returned list's first item."""
+    sessions, now = OriginSessions(), [100.0]
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: now[0], sessions=sessions, router_mode="kv")
+    agents = [Agent(f"a{i}", 8) for i in range(1, 5)]
+    deployer.add_model("m", str(model_dir), num_stages=2, num_replicas=2)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    return registry, deployer, agents, sessions, now
+
+
+def cached(deployer: Deployer, plan, token_ids: list[int], cleared: bool = False) -> None:
+    """Every stage of the plan reports the prompt's full blocks stored, as its agent's KV events would."""
+    size = plan.stages[0].spec.kv_block_size
+    for stage in plan.stages:
+        deployer.kv_events(stage.agent_id, [KvEvents(stage.assignment_id, size, cleared,
+                                                     tuple(block_hashes(token_ids, size)))])
+
+
+def replica_of(registry: Registry, route) -> int:
+    first = route[0].assignment_id
+    return next(p.replica for p in registry.active_plans("m") if p.stages[0].assignment_id == first)
+
+
+def test_kv_routes_a_prompt_to_the_replica_whose_stages_hold_its_prefix(model_dir: Path) -> None:
+    registry, deployer, _, _, _ = kv_replicas(model_dir)
+    first, second = registry.active_plans("m")
+    system = list(range(1, 65))                       # 4 blocks of 16
+    cached(deployer, second, system)
+    for suffix in ([100, 101], [200] * 20, [300] * 7):
+        assert replica_of(registry, deployer.route("m", token_ids=system + suffix)[0]) == 1
+    assert deployer.cached_blocks(second.stages[0].assignment_id) == 4
+    # a prefix only one stage of a replica holds is not cached there: the pipeline would prefill it anyway
+    other = list(range(500, 564))
+    stage = first.stages[0]
+    deployer.kv_events(stage.agent_id, [KvEvents(stage.assignment_id, 16, False, tuple(block_hashes(other, 16)))])
+    turns = {replica_of(registry, deployer.route("m", token_ids=list(range(900 + 64 * i, 964 + 64 * i)))[0])
+             for i in range(2)}
+    assert turns == {0, 1}                            # unrelated prompts: nothing cached, in turn
+    # evicted blocks count no more; a cleared report starts a stage over
+    size = second.stages[0].spec.kv_block_size
+    for s in second.stages:
+        deployer.kv_events(s.agent_id, [KvEvents(s.assignment_id, size, False, (), tuple(block_hashes(system, size)))])
+    assert deployer.cached_blocks(second.stages[0].assignment_id) == 0
+    cached(deployer, first, system, cleared=True)
+    assert deployer.cached_blocks(first.stages[0].assignment_id) == 4
+    assert replica_of(registry, deployer.route("m", token_ids=system + [7])[0]) == 0
+
+
+def test_kv_sends_a_prompt_after_the_one_routed_just_before_it_with_the_same_prefix(model_dir: Path) -> None:
+    """Before any stage reports a prompt's blocks, the replica it was routed to counts as holding them, for
+    EXPECTED_FOR_S: a burst of one prefix stays together."""
+    registry, deployer, _, _, now = kv_replicas(model_dir)
+    system = list(range(1, 129))
+    first = replica_of(registry, deployer.route("m", token_ids=system + [1])[0])
+    assert [replica_of(registry, deployer.route("m", token_ids=system + [i])[0]) for i in range(2, 6)] == [first] * 4
+    assert first == 0                                 # the first in turn; the fifth route's turn is replica 1's
+    now[0] += EXPECTED_FOR_S + 1                      # never reported: forgotten, and the turn decides again
+    assert replica_of(registry, deployer.route("m", token_ids=system + [6])[0]) == 1
+
+
+def test_kv_weighs_the_prefix_against_the_work_already_routed_to_each_replica(model_dir: Path) -> None:
+    registry, deployer, _, sessions, _ = kv_replicas(model_dir)
+    first, second = registry.active_plans("m")
+    system = list(range(1, 65))
+    cached(deployer, second, system)
+    prompt = system + [7] * 16                         # 80 tokens, 64 of them cached on replica 1
+    # replica 1 is busier, but by less than the prefill its cache saves
+    sessions.routed = {second.stages[0].assignment_id: RouteWork(prefill_tokens=40, num_decoding=0)}
+    assert replica_of(registry, deployer.route("m", token_ids=prompt)[0]) == 1
+    # decoding generations weigh DECODE_WORK_TOKENS each: replica 1's work is 16 + 4 of them, replica 0's 80 + 1
+    sessions.routed = {second.stages[0].assignment_id: RouteWork(0, 4),
+                       first.stages[0].assignment_id: RouteWork(0, 1)}
+    assert 16 + 4 * DECODE_WORK_TOKENS > 80 + DECODE_WORK_TOKENS
+    assert replica_of(registry, deployer.route("m", token_ids=prompt)[0]) == 0
+
+
+def test_kv_events_of_a_stage_the_agent_does_not_hold_are_ignored(model_dir: Path) -> None:
+    registry, deployer, agents, _, _ = kv_replicas(model_dir)
+    first, second = registry.active_plans("m")
+    stranger = next(a for a in agents if a.link.agent_id not in {s.agent_id for s in second.stages})
+    deployer.kv_events(stranger.link.agent_id, [KvEvents(second.stages[0].assignment_id, 16, False,
+                                                         tuple(block_hashes(list(range(32)), 16)))])
+    assert deployer.cached_blocks(second.stages[0].assignment_id) == 0
+
+
+def test_kv_without_token_ids_takes_replicas_in_turn(model_dir: Path) -> None:
+    registry, deployer, _, _, _ = kv_replicas(model_dir)
+    assert [replica_of(registry, deployer.route("m")[0]) for _ in range(4)] == [0, 1, 0, 1]

@@ -267,7 +267,8 @@ def fixture_snapshot(now: float) -> dict:
     def plan(plan_id, model_id, state, layers, stages, replica=0):
         return {"plan_id": plan_id, "model_id": model_id, "state": state, "created": now - 300, "reason": "fixture",
                 "num_layers": layers, "replica": replica, "stages": [{"assignment_id": f"{plan_id}-{i}", "agent_id": a, "start_layer": s,
-                                                  "end_layer": e, "tp_degree": tp, "state": st}
+                                                  "end_layer": e, "tp_degree": tp, "state": st,
+                                                  "cached_blocks": 40 * i}
                                                  for i, (a, s, e, tp, st) in enumerate(stages)]}
     plans = [plan("p1", "llama-8b", "active", 32, [("e1", 0, 2, 1, "ready"), ("c1", 2, 20, 1, "ready"),
                                                    ("c2", 20, 30, 1, "ready"), ("s1", 30, 32, 1, "ready")]),
@@ -337,6 +338,7 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.get_by_test_id("topology-site")).to_have_count(3)
         expect(page.get_by_test_id("placement-segment")).to_have_count(9)
         expect(page.get_by_test_id("plan-replica").filter(has_text="replica 1")).to_have_count(1)
+        expect(page.get_by_test_id("stage-cached").filter(has_text="120 blocks cached")).to_have_count(1)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)

@@ -11,7 +11,7 @@ import pytest
 
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Hop, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
+    Assignment, Capabilities, GpuInfo, Hop, KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
     LinkMeasurement, Peer, ProbeLinks, Registration, Release, SamplingParams, SessionClose, SessionOpen, Shutdown,
     SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
@@ -292,6 +292,23 @@ def test_a_serving_cpu_figure_that_is_no_duration_is_rejected(value: float) -> N
 def test_bad_link_measurements_are_rejected(link, match) -> None:
     with pytest.raises(InvalidInput, match=match):
         convert.link_report_from_pb(pb.LinkReport(links=[link]))
+
+
+def test_kv_events_round_trip() -> None:
+    reports = [KvEvents("p-0", 16, True, (b"\x01" * 16, b"\x02" * 16)), KvEvents("p-1", 32, False, (), (b"\x03" * 16,))]
+    wire = pb.AgentMessage.FromString(convert.kv_events_to_pb(reports).SerializeToString())
+    assert wire.WhichOneof("kind") == "kv_events" and convert.kv_events_from_pb(wire.kv_events) == reports
+
+
+@pytest.mark.parametrize("report, match", [
+    (pb.KvEvents(assignment_id="", block_size=16), "assignment_id"),
+    (pb.KvEvents(assignment_id="p", block_size=0), "block_size"),
+    (pb.KvEvents(assignment_id="p", block_size=16, stored=[b"short"]), "16 bytes"),
+    (pb.KvEvents(assignment_id="p", block_size=16, evicted=[b"x" * 17]), "16 bytes"),
+], ids=["no-assignment", "no-block-size", "short-hash", "long-hash"])
+def test_bad_kv_events_are_rejected(report, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        convert.kv_events_from_pb(pb.KvEventReport(stages=[report]))
 
 
 @pytest.mark.parametrize("message, match", [
