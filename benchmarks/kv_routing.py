@@ -94,22 +94,20 @@ def rounds(model_dir: Path, args: argparse.Namespace) -> dict[str, list[BenchMet
     return results
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def report(results: dict[str, list[BenchMetrics]], args: argparse.Namespace) -> None:
     print(f"2 replicas x 1 stage; {args.num_prompts} prompts over {args.num_prefixes} prefixes of {args.prefix_len} "
           f"tokens + {args.input_len}-token suffixes, {args.output_len} output tokens, max-concurrency "
-          f"{args.max_concurrency}, request rate {args.request_rate}/s; KV cache {args.kv_cache_gib} GiB per agent; median of {args.rounds} round(s)\n")
+          f"{args.max_concurrency}, request rate {args.request_rate}/s; KV cache {args.kv_cache_gib} GiB per agent; "
+          f"median of {args.rounds} round(s)\n")
     print(f"| {'router mode':<12} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | "
           f"{'output tok/s':>12} |")
     print(f"|{'-' * 14}|{'-' * 17}|{'-' * 13}|{'-' * 13}|{'-' * 14}|")
     rows = {}
     for mode in MODES:
         runs = results[mode]
-        rows[mode] = (median([m.prefix_hit_rate for m in runs]), median([m.ttft.median_ms for m in runs]),
-                      median([m.ttft.p99_ms for m in runs]), median([m.output_throughput for m in runs]))
+        rows[mode] = tuple(statistics.median(figure(m) for m in runs) for figure in (
+            lambda m: m.prefix_hit_rate, lambda m: m.ttft.median_ms, lambda m: m.ttft.p99_ms,
+            lambda m: m.output_throughput))
         hit, p50, p99, tok_s = rows[mode]
         print(f"| {mode:<12} | {100 * hit:14.1f}% | {p50:11.1f} | {p99:11.1f} | {tok_s:12.1f} |")
     kv, rr = rows["kv"], rows["round-robin"]

@@ -76,7 +76,7 @@ class Routes:
                 token_ids: Sequence[int]) -> tuple[PlanRecord, list[Hop]]:
         """The router's pick of the ready routes (by replica): the next in turn (round-robin); the one whose
         busiest stage runs and queues the fewest sequences as its agents' newest heartbeats say (least-load); or
-        the one with the least work ahead of this prompt (kv, see _prefill_work). Ties go to the next in turn."""
+        the one with the least work ahead of this prompt (kv, see _by_prefix). Ties go to the next in turn."""
         turn = self._turns.get(model_id, 0)
         self._turns[model_id] = turn + 1
         in_turn = routes[turn % len(routes):] + routes[:turn % len(routes)]
@@ -93,27 +93,34 @@ class Routes:
         per generation decoding there. The prompt then counts as cached there (PrefixIndex.expect)."""
         work, hashes = self._sessions.work(), {}
 
+        def prompt_hashes(plan: PlanRecord) -> list[bytes]:     # once per block size (replicas share theirs)
+            size = plan.stages[0].spec.kv_block_size
+            if size not in hashes:
+                hashes[size] = block_hashes(token_ids, size)
+            return hashes[size]
+
         def cost(route: tuple[PlanRecord, list[Hop]]) -> int:
             plan = route[0]
-            size = plan.stages[0].spec.kv_block_size
-            prompt = hashes[size] = hashes.get(size) or block_hashes(token_ids, size)
-            cached = self.prefixes.cached_blocks(plan.plan_id, [s.assignment_id for s in plan.stages], prompt) * size
+            cached = self.prefixes.cached_blocks(plan.plan_id, [s.assignment_id for s in plan.stages],
+                                                 prompt_hashes(plan))
             there = work.get(plan.stages[0].assignment_id, RouteWork())
-            return len(token_ids) - cached + there.prefill_tokens + DECODE_WORK_TOKENS * there.num_decoding
+            return (len(token_ids) - cached * plan.stages[0].spec.kv_block_size + there.prefill_tokens
+                    + DECODE_WORK_TOKENS * there.num_decoding)
 
-        plan, hops = chosen = min(routes, key=cost)
-        self.prefixes.expect(plan.plan_id, [s.assignment_id for s in plan.stages],
-                             hashes[plan.stages[0].spec.kv_block_size])
+        chosen = min(routes, key=cost)
+        plan = chosen[0]
+        self.prefixes.expect(plan.plan_id, [s.assignment_id for s in plan.stages], prompt_hashes(plan))
         return chosen
 
     def kv_events(self, reports: Sequence[KvEvents]) -> None:
-        """Stages' prefix-cache changes (only those of stages their agent holds)."""
+        """Stages' prefix-cache changes, each from the agent that holds its stage (the deployer checks)."""
         for report in reports:
             self.prefixes.apply(report)
 
     def prune(self) -> None:
-        """The prefix index keeps only the replicas of active plans and their stages."""
-        plans = [plan for model in self._registry.models() for plan in self._registry.active_plans(model.model_id)]
+        """The prefix index keeps only the replicas of live plans (active, and standby: what a standby's stages
+        report before it takes over counts once it does) and their stages."""
+        plans = [plan for model in self._registry.models() for plan in self._registry.live_plans(model.model_id)]
         self.prefixes.keep({plan.plan_id for plan in plans}, {s.assignment_id for plan in plans for s in plan.stages})
 
     def _load(self, plan: PlanRecord) -> int:

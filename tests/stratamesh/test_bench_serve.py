@@ -78,6 +78,7 @@ def test_metrics_of_a_hand_computed_run() -> None:
     m = compute_metrics(records, duration_s=2.0)
     assert (m.completed, m.failed) == (3, 1)
     assert (m.total_input_tokens, m.total_output_tokens, m.total_cached_tokens) == (60, 10, 4)
+    assert m.prefix_hit_rate == pytest.approx(4 / 60) and m.to_dict()["prefix_hit_rate"] == m.prefix_hit_rate
     assert m.request_throughput == pytest.approx(1.5)
     assert m.output_throughput == pytest.approx(5.0)
     assert m.total_token_throughput == pytest.approx(35.0)
@@ -200,6 +201,18 @@ def test_shared_prefix_prompts_share_exactly_the_prefix() -> None:
     assert len({r.prompt_ids[12:] for r in requests}) == 4
     with pytest.raises(BenchError):
         make_requests("sharegpt", [1], 1, 1, 1, seed=0)
+
+
+def test_shared_prefix_prompts_spread_evenly_over_several_prefixes_in_a_seeded_order() -> None:
+    requests = shared_prefix_requests(list(range(100, 200)), 12, prefix_len=8, input_len=3, output_len=2, seed=1,
+                                      num_prefixes=3)
+    groups = [r.prompt_ids[:8] for r in requests]
+    assert len(set(groups)) == 3 and sorted(groups.count(g) for g in set(groups)) == [4, 4, 4]
+    assert groups != groups[:3] * 4                          # shuffled, not each prefix in turn
+    assert requests == make_requests("shared-prefix", list(range(100, 200)), 12, 3, 2, seed=1, prefix_len=8,
+                                     num_prefixes=3)
+    with pytest.raises(BenchError, match="num-prefixes"):
+        shared_prefix_requests([1], 2, prefix_len=4, input_len=1, output_len=1, seed=0, num_prefixes=3)
 
 
 def test_regular_token_ids_leave_out_special_tokens(tiny_model) -> None:
