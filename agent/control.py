@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from stratamesh.agent.stages import StageHost
+from stratamesh.agent.weights import WeightFetcher
 from stratamesh.fleet.errors import MeshError, Refused
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.types import Capabilities, KvEvents, Registration, StageStatus, Telemetry
@@ -51,8 +52,10 @@ class ControlClient:
     def __init__(self, identity: Identity, host: StageHost,
                  find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5,
                  telemetry: Callable[[], Awaitable[Telemetry]] | None = None,
-                 on_shutdown: Callable[[str], None] = lambda reason: None):
+                 on_shutdown: Callable[[str], None] = lambda reason: None, weights: WeightFetcher | None = None):
+        """weights: fetches a stage's tensors that are not on this box before it loads (None: never fetch)."""
         self._identity = identity
+        self._weights = weights
         self._on_shutdown = on_shutdown     # the coordinator drained (or refuses) this agent: it should exit
         self.refused = ""                   # why the coordinator refuses this agent, once it does
         self._host = host
@@ -106,7 +109,7 @@ class ControlClient:
                         self._heartbeat(outbox, message.welcome.heartbeat_interval_s))
                     kv_events = asyncio.create_task(self._kv_events(outbox))
                 elif kind == "assign":
-                    task = asyncio.create_task(self._assign(outbox, message.assign))
+                    task = asyncio.create_task(self._assign(outbox, message.assign, channel))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 elif kind == "release":
@@ -155,7 +158,8 @@ class ControlClient:
             resend_all = False
             await asyncio.sleep(KV_EVENTS_EVERY_S)
 
-    async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment) -> None:
+    async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment,
+                      coordinator: grpc.aio.Channel) -> None:
         try:
             assignment = convert.assignment_from_pb(message)
         except MeshError as exc:
@@ -164,7 +168,12 @@ class ControlClient:
             return
         outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, "loading")))
         try:
-            param_bytes = await self._host.load(assignment)
+            spec = assignment.stage
+            if self._weights is not None:
+                spec = await self._weights.localize(
+                    assignment.assignment_id, spec, coordinator,
+                    lambda progress: outbox.put_nowait(convert.weights_progress_to_pb(progress)))
+            param_bytes = await self._host.load(assignment, spec)
             status = StageStatus(assignment.assignment_id, "ready", param_bytes=param_bytes)
         except Exception as exc:  # a stage that cannot load is reported, never fatal to the agent
             log.exception("could not load %s", assignment.assignment_id)

@@ -24,10 +24,13 @@ from stratamesh.agent.engine.tp_group import GroupFailed
 from stratamesh.agent.probe import probe
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.telemetry import TelemetrySampler
+from stratamesh.agent.weights import WeightFetcher
 from stratamesh.fleet import discovery
 from stratamesh.fleet.links import LinkService
+from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, bind, make_server, use_tls, warn_insecure
 
@@ -66,6 +69,9 @@ class AgentOptions:
     enroll: str | None = None           # host:port of the coordinator's enrollment endpoint; None: zeroconf
     owner_limits: OwnerLimits = field(default_factory=OwnerLimits)   # when the box's owner wants it to rest
     sensor_file: str = ""               # the owner's sensor readings (agent/owner_limits.py Sensors)
+    fetch_weights: str = "missing"      # agent.weights.FETCH_MODES: fetch a stage's tensors when its folder is not
+                                        # on this box ("missing"), or always ("always")
+    weights_dir: str = ""               # where fetched tensors are kept; "": the cache folder's weights/
 
 
 async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
@@ -127,6 +133,11 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     server = make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
     pb_grpc.add_LinkServicer_to_server(LinkService(), server)
+    weights = WeightFetcher(options.weights_dir or cache_home(os.environ) / "weights", options.agent_id,
+                            options.fetch_weights)
+    # peers fetch from what this agent holds: its fetched copies, and the folders its stages read
+    pb_grpc.add_WeightsServicer_to_server(WeightsService(
+        lambda model_id, revision: [weights.mirror_dir(model_id, revision), *host.model_paths(model_id)]), server)
     port = bind(server, options.host, options.port)
     await server.start()
     service.start()
@@ -163,7 +174,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         return telemetry
 
     control_client = ControlClient(identity, host, find_coordinator, telemetry=sample,
-                                   on_shutdown=lambda reason: stop.set())
+                                   on_shutdown=lambda reason: stop.set(), weights=weights)
     control = asyncio.create_task(control_client.run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",

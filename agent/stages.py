@@ -7,12 +7,13 @@ import functools
 import logging
 from collections.abc import Callable
 import threading
+from pathlib import Path
 from typing import TypeVar
 
 from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment, KvEvents
+from stratamesh.fleet.types import Assignment, KvEvents, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,14 @@ class StageHost:
         # and assigns the survivors theirs again under new ids; reusing it skips reading weights again.
         self._released: StageRunner | None = None
 
-    async def load(self, assignment: Assignment) -> int:
-        """Loads a stage (once per assignment id, however often asked); returns its parameter bytes."""
+    async def load(self, assignment: Assignment, spec: StageSpec | None = None) -> int:
+        """Loads a stage (once per assignment id, however often asked) as spec says (default: the assignment's
+        own; agent.weights may point it at a fetched copy of its folder); returns its parameter bytes."""
         engine = self.engines.get(assignment.assignment_id)
         if engine is None:
             pending = self._loading.get(assignment.assignment_id)
             if pending is None:
-                pending = asyncio.ensure_future(self._load(assignment))
+                pending = asyncio.ensure_future(self._load(assignment, spec or assignment.stage))
                 self._loading[assignment.assignment_id] = pending
             try:
                 engine = await asyncio.shield(pending)
@@ -75,15 +77,15 @@ class StageHost:
                 self._loading.pop(assignment.assignment_id, None)
         return engine.runner.model.param_bytes
 
-    async def _load(self, assignment: Assignment) -> StageEngine:
+    async def _load(self, assignment: Assignment, spec: StageSpec) -> StageEngine:
         runner, self._released = self._released, None     # dropped either way: its memory may be needed
-        if runner is not None and runner.model.spec != assignment.stage:
+        if runner is not None and runner.model.spec != spec:
             runner.close()
             runner = None
         if runner is None:
             config = self.config
             runner = await in_own_thread(functools.partial(
-                StageRunner.load, assignment.stage, config.kv_cache_bytes, self._group_failed,
+                StageRunner.load, spec, config.kv_cache_bytes, self._group_failed,
                 config.gpu_memory_utilization, config.max_batch_tokens,
                 config.max_batch_seqs if config.cuda_graphs else 0))
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
@@ -141,6 +143,11 @@ class StageHost:
             if (events := blocks.take_kv_events(assignment_id)) is not None:
                 reports.append(events)
         return reports
+
+    def model_paths(self, model_id: str) -> list[Path]:
+        """The folders the loaded stages of a model read their tensors from."""
+        return list(dict.fromkeys(Path(e.runner.model.spec.model_path) for e in self.engines.values()
+                                  if e.runner.model.spec.model_id == model_id))
 
     def tensor_names(self) -> list[str]:
         return sorted({n for e in self.engines.values() for n in e.runner.model.tensor_names})

@@ -38,9 +38,11 @@ from stratamesh.coordinator.origin import Origin, OriginService
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.service import MeshGenerator
+from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.types import DEFAULT_ROUTER_MODE
+from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server, revoked, use_tls, warn_insecure
 
@@ -200,8 +202,10 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                            model.num_replicas)
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
-    control = ControlService(deployer, options.mesh, options.heartbeat_interval_s)
+    weights = ModelWeights(deployer.model_path, deployer.weight_sources)
+    control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)
+    pb_grpc.add_WeightsServicer_to_server(WeightsService(weights.roots), server)
     pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
     enrollment = await _start_enrollment(options, ca, registry, control) if ca is not None else None
     await server.start()

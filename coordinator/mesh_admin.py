@@ -72,12 +72,18 @@ class MeshAdmin:
                                         "dtype": s.spec.dtype, "runtime": s.spec.runtime,
                                         "quantize": s.spec.quantize, "state": s.state,
                                         "cached_blocks": self._cached_blocks(s.assignment_id),
+                                        "weights": self._weights(s.assignment_id),
                                         "predicted_step_s": _stage_step(plan.prediction, i)}
                                        for i, s in enumerate(plan.stages)]})
         return out
 
     def _cached_blocks(self, assignment_id: str) -> int:
         return self._deployer.cached_blocks(assignment_id) if self._deployer is not None else 0
+
+    def _weights(self, assignment_id: str) -> dict[str, Any] | None:
+        progress = self._deployer.weights.get(assignment_id) if self._deployer is not None else None
+        return None if progress is None else {f: getattr(progress, f) for f in (
+            "fetched_bytes", "reused_bytes", "total_bytes", "tensor_bytes", "done", "source", "num_corrupt")}
 
     def models(self) -> list[dict[str, Any]]:
         """Every deployed model, its state and its stage count."""

@@ -175,6 +175,12 @@ def _parser() -> argparse.ArgumentParser:
     owner.add_argument("--sensor-file", default="", metavar="PATH",
                        help='JSON the owner\'s script keeps current for sensors NVML does not see: '
                             '{"temperatures_c": [71.5], "power_w": 35}')
+    agent.add_argument("--fetch-weights", choices=("missing", "always"), default="missing",
+                       help="fetch a stage's tensors from peers or the coordinator (sha256-checked, kept in the "
+                            "cache folder): only when its model folder is not on this box (default), or always")
+    agent.add_argument("--weights-dir", default="", metavar="PATH",
+                       help="where fetched tensors are kept, one sparse copy per checkpoint (default: the cache "
+                            "folder's weights/)")
     agent.add_argument("--remeasure", action="store_true",
                        help="measure matmul and copy speed again instead of reusing this box's cached figures")
     agent.add_argument("--metrics-port", type=int, default=0,
@@ -371,7 +377,8 @@ def _agent(args: argparse.Namespace) -> None:
         owner_limits=OwnerLimits(args.max_gpu_temp, args.max_power_w, args.max_host_load,
                                  tuple(QuietHours.parse(q) for q in args.quiet_hours), args.limit_grace,
                                  args.limit_cooldown),
-        sensor_file=args.sensor_file,
+        sensor_file=args.sensor_file, fetch_weights=args.fetch_weights,
+        weights_dir=args.weights_dir,
         engine=EngineConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_batch_tokens=args.max_batch_tokens, max_batch_seqs=args.max_batch_seqs,

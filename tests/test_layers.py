@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"stratamesh": "stratamesh", "fleet": "stratamesh.fleet", "agent": "stratamesh.agent",
            "coordinator": "stratamesh.coordinator", "partitioner": "stratamesh.partitioner",
            "kernels": "stratamesh.kernels"}
-PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix")
+PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.fleet.weights")
 IO_AND_DEVICE = ("torch", "grpc", "zeroconf", "sqlite_utils", "sqlite3", "onnxruntime")
 
 # module prefix -> (stratamesh packages it may import, external modules it must not import)
@@ -19,6 +19,7 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("stratamesh.fleet.types", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet.errors", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet.prefix", PURE, IO_AND_DEVICE),
+    ("stratamesh.fleet.weights", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet", ("stratamesh.fleet",), ("torch",)),
     ("stratamesh.partitioner", ("stratamesh.partitioner", *PURE), IO_AND_DEVICE),
     ("stratamesh.kernels", ("stratamesh.kernels", *PURE), ("grpc", "zeroconf", "sqlite_utils")),

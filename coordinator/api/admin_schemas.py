@@ -64,6 +64,16 @@ class Agents(BaseModel):
     agents: list[AgentView]
 
 
+class WeightsView(BaseModel):
+    fetched_bytes: int = Field(description="bytes of the stage's files its agent received and verified")
+    reused_bytes: int = Field(description="bytes it found verified on its disk already")
+    total_bytes: int = Field(description="everything the stage needs: its tensors, the files' headers, config.json")
+    tensor_bytes: int = Field(description="of total_bytes, the stage's tensors")
+    done: bool
+    source: str = Field(description="where the latest chunk came from: a peer's address, or coordinator")
+    num_corrupt: int = Field(description="chunks that failed their sha256 check and were fetched again")
+
+
 class StageView(BaseModel):
     assignment_id: str
     agent_id: str
@@ -77,6 +87,8 @@ class StageView(BaseModel):
     state: str
     cached_blocks: int = Field(0, description="KV blocks its prefix cache holds, as its KV events told the router")
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
+    weights: WeightsView | None = Field(None, description="how its agent's fetch of its tensors went; null: the "
+                                        "agent read them from a folder of its own")
 
 
 class PredictedView(BaseModel):

@@ -18,8 +18,11 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import (
     DEFAULT_ROUTER_MODE, Capabilities, Hop, KvEvents, LinkMeasurement, Peer, Registration, StageStatus, Telemetry,
 )
+from stratamesh.fleet.weights import WeightsProgress
 
 log = logging.getLogger(__name__)
+# Peers an agent fetching weights is told to try before the coordinator, at most
+MAX_WEIGHT_SOURCES = 4
 # While an agent's owner's limits ask it to rest and its rest cannot begin (no spare), how often it is asked again
 REST_RETRY_S = 10.0
 
@@ -44,6 +47,7 @@ class Deployer:
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
         self._events = events or ControlEvents()
         self._events.on_unreachable(self.report_unreachable)
+        self.weights: dict[str, WeightsProgress] = {}   # assignment id -> how its agent's fetch of its tensors went
 
     @property
     def liveness(self) -> Liveness:
@@ -140,6 +144,29 @@ class Deployer:
         """An agent's stages' prefix-cache changes, for the router (a stage it does not hold is not its to report)."""
         self._routes.kv_events([r for r in reports if self._roster.holds(agent_id, r.assignment_id)])
 
+    def weights_progress(self, agent_id: str, progress: WeightsProgress) -> None:
+        """An agent's report on fetching a planned stage's tensors (kept while the stage is planned)."""
+        if progress.assignment_id not in self._plans.planned_for(agent_id):
+            return
+        self.weights[progress.assignment_id] = progress
+        if progress.done:
+            self._registry.log_event(
+                "weights_fetched", f"{progress.assignment_id}: {progress.fetched_bytes} bytes fetched (its tensors: "
+                f"{progress.tensor_bytes}), {progress.reused_bytes} already on disk, {progress.num_corrupt} corrupt "
+                f"chunk(s) fetched again", self._clock(), agent_id=agent_id)
+
+    def weight_sources(self, model_id: str, agent_id: str) -> list[str]:
+        """Where an agent may fetch a model's chunks before asking the coordinator: the other agents serving a stage
+        of it, those on its site first (a peer without a chunk says so, and the agent asks the next)."""
+        holders = [s.agent_id for plan in self._registry.live_plans(model_id) for s in plan.stages
+                   if self._roster.serving(s)]
+        return self._roster.nearest(agent_id, holders)[:MAX_WEIGHT_SOURCES]
+
+    def model_path(self, model_id: str) -> str | None:
+        """A deployed model's folder on the coordinator's disk; None if there is no such model."""
+        model = self._registry.model(model_id)
+        return model.path if model is not None else None
+
     def heartbeat(self, agent_id: str, telemetry: Telemetry | None = None) -> None:
         self._roster.heartbeat(agent_id, telemetry)
         if telemetry is not None and self._roster.is_connected(agent_id):
@@ -209,6 +236,9 @@ class Deployer:
         self._plans.improve()
         self._plans.release_unplanned()
         self._routes.prune()
+        if self.weights:
+            planned = self._plans.planned_ids()
+            self.weights = {a: p for a, p in self.weights.items() if a in planned}
 
     def reconcile(self) -> None:
         """Plans models that wait for agents, and assigns planned stages whose agent lacks them."""

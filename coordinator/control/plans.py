@@ -106,6 +106,10 @@ class Plans:
     def planned_for(self, agent_id: str) -> dict[str, StageRecord]:
         return {s.assignment_id: s for s in self._planned_stages() if s.agent_id == agent_id}
 
+    def planned_ids(self) -> set[str]:
+        """The assignment id of every planned stage."""
+        return {s.assignment_id for s in self._planned_stages()}
+
     def _planned_stages(self) -> list[StageRecord]:
         """Every stage of each replica's active plan, of the standby plan it moves to next, and of a drain."""
         stages = self._drains.stages()

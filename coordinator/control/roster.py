@@ -74,6 +74,13 @@ class Roster:
             raise AgentNotConnected(f"agent {agent_id!r} is not connected")
         return link.stage_address
 
+    def nearest(self, agent_id: str, others: Collection[str]) -> list[str]:
+        """The Stage addresses of the connected agents among others, those on agent_id's site first."""
+        link = self._links.get(agent_id)
+        site = link.capabilities.site if link is not None else None
+        near = [self._links[a] for a in dict.fromkeys(others) if a in self._links and a != agent_id]
+        return [o.stage_address for o in sorted(near, key=lambda o: not site or o.capabilities.site != site)]
+
     def plannable(self, excluded: Collection[str]) -> dict[str, Capabilities]:
         """Connected agents not banned for flapping nor excluded, and what they can do."""
         now = self._clock()

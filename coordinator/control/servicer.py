@@ -10,7 +10,8 @@ import grpc
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
-from stratamesh.fleet.errors import InvalidInput
+from stratamesh.coordinator.weights import ModelWeights
+from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -22,8 +23,10 @@ log = logging.getLogger(__name__)
 class ControlService(pb_grpc.ControlServicer):
     """Registers agents, relays their heartbeats and stage reports, and sends them assignments."""
 
-    def __init__(self, deployer: Deployer, mesh: str, heartbeat_interval_s: float = 0.5):
+    def __init__(self, deployer: Deployer, mesh: str, heartbeat_interval_s: float = 0.5,
+                 weights: ModelWeights | None = None):
         self._deployer = deployer
+        self._weights = weights
         self._mesh = mesh
         self._heartbeat_interval_s = heartbeat_interval_s
         self._outboxes: dict[str, Callable[[pb.CoordinatorMessage], None]] = {}   # agent id -> its stream
@@ -73,6 +76,20 @@ class ControlService(pb_grpc.ControlServicer):
                 del self._outboxes[registration.agent_id]
             writer.cancel()
 
+    async def GetWeightManifest(self, request: pb.WeightManifestRequest,
+                                context: grpc.aio.ServicerContext) -> pb.WeightManifest:
+        if self._weights is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this coordinator does not deliver weights")
+        try:
+            model_id, names, agent_id = convert.weight_manifest_request_from_pb(request)
+            return convert.weight_manifest_to_pb(await self._weights.manifest(model_id, names, agent_id))
+        except ModelNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CheckpointError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
     async def _read(self, agent_id: str, request_iterator: AsyncIterator[pb.AgentMessage]) -> None:
         async for message in request_iterator:
             self._handle(agent_id, message)
@@ -89,6 +106,8 @@ class ControlService(pb_grpc.ControlServicer):
                 self._deployer.links_reported(agent_id, convert.link_report_from_pb(message.links))
             elif kind == "kv_events":
                 self._deployer.kv_events(agent_id, convert.kv_events_from_pb(message.kv_events))
+            elif kind == "weights_progress":
+                self._deployer.weights_progress(agent_id, convert.weights_progress_from_pb(message.weights_progress))
             else:
                 log.info("agent %s sent an unexpected %s", agent_id, kind)
         except InvalidInput as exc:

@@ -2,7 +2,7 @@
 // Placement: for each model, one bar per plan (the serving one, and a standby loading beside it) over
 // its layers, with a segment per stage coloured by the agent that holds it.
 
-import { agentColour, agentLabel, el, fmtClock, stateClass, svg } from "./dom.js";
+import { agentColour, agentLabel, el, fmtBytes, fmtClock, stateClass, svg } from "./dom.js";
 import { numLayersOf } from "./state.js";
 
 const BAR_H = 30;
@@ -87,8 +87,22 @@ function stageList(stages, view) {
       el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.quantize ? ` ${s.quantize} weights` : ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
       el("td", { class: "muted", "data-testid": "stage-cached", title: "KV blocks its prefix cache holds, as its agent reported them to the router",
         text: `${s.cached_blocks || 0} blocks cached` }),
+      el("td", { class: "muted" }, s.weights ? weightsCell(s.weights) : null),
       el("td", {}, el("span", { class: `badge ${stateClass(s.state)}`, text: s.state })));
   })));
+}
+
+/** How the agent's fetch of the stage's tensors goes (or went): a progress bar, the bytes, corrupt chunks. */
+function weightsCell(w) {
+  const have = w.fetched_bytes + w.reused_bytes;
+  const text = w.done
+    ? `weights fetched: ${fmtBytes(w.fetched_bytes)}` + (w.reused_bytes ? `, ${fmtBytes(w.reused_bytes)} on disk` : "")
+    : `weights ${w.total_bytes ? Math.floor((100 * have) / w.total_bytes) : 100}% · `
+      + `${fmtBytes(have)} of ${fmtBytes(w.total_bytes)}`;
+  return el("span", { "data-testid": "stage-weights", title: `latest chunk from ${w.source || "-"}; its tensors: `
+      + fmtBytes(w.tensor_bytes) },
+    el("progress", { max: w.total_bytes || 1, value: have }), " ",
+    el("span", { text: text + (w.num_corrupt ? ` · ${w.num_corrupt} corrupt chunk(s) fetched again` : "") }));
 }
 
 function defs() {

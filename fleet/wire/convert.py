@@ -19,6 +19,7 @@ from stratamesh.fleet.types import (
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
+from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
 StageMessage = SessionOpen | StepChunk | StepChunks | SessionClose | SessionHold | StepBatch
@@ -425,6 +426,70 @@ def kv_events_from_pb(msg: pb.KvEventReport) -> list[KvEvents]:
             raise InvalidInput(f"kv_events[{e.assignment_id!r}]: block hashes are {HASH_BYTES} bytes")
         reports.append(KvEvents(e.assignment_id, e.block_size, e.cleared, tuple(e.stored), tuple(e.evicted)))
     return reports
+
+
+def weights_progress_to_pb(progress: WeightsProgress) -> pb.AgentMessage:
+    p = progress
+    return pb.AgentMessage(weights_progress=pb.WeightsProgress(
+        assignment_id=p.assignment_id, fetched_bytes=p.fetched_bytes, reused_bytes=p.reused_bytes,
+        total_bytes=p.total_bytes, tensor_bytes=p.tensor_bytes, done=p.done, source=p.source,
+        num_corrupt=p.num_corrupt))
+
+
+def weights_progress_from_pb(msg: pb.WeightsProgress) -> WeightsProgress:
+    if not msg.assignment_id:
+        raise InvalidInput("weights_progress.assignment_id is empty")
+    return WeightsProgress(msg.assignment_id, msg.fetched_bytes, msg.reused_bytes, msg.total_bytes,
+                           msg.tensor_bytes, msg.done, msg.source[:MAX_REASON], msg.num_corrupt)
+
+
+def weight_manifest_request_to_pb(model_id: str, tensor_names: Iterable[str],
+                                  agent_id: str) -> pb.WeightManifestRequest:
+    return pb.WeightManifestRequest(model_id=model_id, tensor_names=list(tensor_names), agent_id=agent_id)
+
+
+def weight_manifest_request_from_pb(msg: pb.WeightManifestRequest) -> tuple[str, tuple[str, ...], str]:
+    """(model id, tensor names, asking agent's id)."""
+    if not msg.model_id:
+        raise InvalidInput("weight_manifest_request.model_id is empty")
+    return msg.model_id, tuple(msg.tensor_names), msg.agent_id
+
+
+def _weight_chunk_to_pb(c: WeightChunk) -> pb.WeightChunk:
+    return pb.WeightChunk(file=c.file, offset=c.offset, length=c.length, sha256=c.sha256)
+
+
+def _weight_chunks_from_pb(chunks: Iterable[pb.WeightChunk]) -> tuple[WeightChunk, ...]:
+    return tuple(WeightChunk(c.file, c.offset, c.length, c.sha256) for c in chunks)
+
+
+def weight_manifest_to_pb(m: WeightManifest) -> pb.WeightManifest:
+    return pb.WeightManifest(model_id=m.model_id, revision=m.revision,
+                             files=[pb.WeightFile(name=f.name, size=f.size) for f in m.files],
+                             chunks=[_weight_chunk_to_pb(c) for c in m.chunks], tensor_bytes=m.tensor_bytes,
+                             sources=list(m.sources))
+
+
+def weight_manifest_from_pb(msg: pb.WeightManifest) -> WeightManifest:
+    for i, address in enumerate(msg.sources):
+        _require_address(address, f"weight_manifest.sources[{i}]")
+    return WeightManifest(msg.model_id, msg.revision, tuple(WeightFile(f.name, f.size) for f in msg.files),
+                          _weight_chunks_from_pb(msg.chunks), msg.tensor_bytes, tuple(msg.sources))
+
+
+def weight_fetch_to_pb(model_id: str, revision: str, chunks: Iterable[WeightChunk]) -> pb.WeightFetch:
+    return pb.WeightFetch(model_id=model_id, revision=revision, chunks=[_weight_chunk_to_pb(c) for c in chunks])
+
+
+def weight_fetch_from_pb(msg: pb.WeightFetch) -> tuple[str, str, tuple[WeightChunk, ...]]:
+    """(model id, revision, the chunks asked for)."""
+    if not msg.model_id:
+        raise InvalidInput("weight_fetch.model_id is empty")
+    return msg.model_id, msg.revision, _weight_chunks_from_pb(msg.chunks)
+
+
+def weight_data_to_pb(index: int, data: bytes | None) -> pb.WeightData:
+    return pb.WeightData(index=index, data=data or b"", missing=data is None)
 
 
 def probe_links_to_pb(peers: list[Peer]) -> pb.CoordinatorMessage:

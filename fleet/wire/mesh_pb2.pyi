@@ -246,18 +246,40 @@ class StageStatus(_message.Message):
     def __init__(self, assignment_id: _Optional[str] = ..., state: _Optional[_Union[StageStatus.State, str]] = ..., error: _Optional[str] = ..., param_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "stage_status", "links", "kv_events")
+    __slots__ = ("register", "heartbeat", "stage_status", "links", "kv_events", "weights_progress")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATUS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     stage_status: StageStatus
     links: LinkReport
     kv_events: KvEventReport
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventReport, _Mapping]] = ...) -> None: ...
+    weights_progress: WeightsProgress
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventReport, _Mapping]] = ..., weights_progress: _Optional[_Union[WeightsProgress, _Mapping]] = ...) -> None: ...
+
+class WeightsProgress(_message.Message):
+    __slots__ = ("assignment_id", "fetched_bytes", "reused_bytes", "total_bytes", "tensor_bytes", "done", "source", "num_corrupt")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    fetched_bytes: int
+    reused_bytes: int
+    total_bytes: int
+    tensor_bytes: int
+    done: bool
+    source: str
+    num_corrupt: int
+    def __init__(self, assignment_id: _Optional[str] = ..., fetched_bytes: _Optional[int] = ..., reused_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., tensor_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., source: _Optional[str] = ..., num_corrupt: _Optional[int] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("assignment_id", "block_size", "cleared", "stored", "evicted")
@@ -366,6 +388,72 @@ class EnrollReply(_message.Message):
     ca_pem: bytes
     mac: bytes
     def __init__(self, cert_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class WeightManifestRequest(_message.Message):
+    __slots__ = ("model_id", "tensor_names", "agent_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAMES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tensor_names: _containers.RepeatedScalarFieldContainer[str]
+    agent_id: str
+    def __init__(self, model_id: _Optional[str] = ..., tensor_names: _Optional[_Iterable[str]] = ..., agent_id: _Optional[str] = ...) -> None: ...
+
+class WeightFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("file", "offset", "length", "sha256")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    length: int
+    sha256: bytes
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("model_id", "revision", "files", "chunks", "tensor_bytes", "sources")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    revision: str
+    files: _containers.RepeatedCompositeFieldContainer[WeightFile]
+    chunks: _containers.RepeatedCompositeFieldContainer[WeightChunk]
+    tensor_bytes: int
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[WeightChunk, _Mapping]]] = ..., tensor_bytes: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightFetch(_message.Message):
+    __slots__ = ("model_id", "revision", "chunks")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    revision: str
+    chunks: _containers.RepeatedCompositeFieldContainer[WeightChunk]
+    def __init__(self, model_id: _Optional[str] = ..., revision: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[WeightChunk, _Mapping]]] = ...) -> None: ...
+
+class WeightData(_message.Message):
+    __slots__ = ("index", "data", "missing")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    missing: bool
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids")

@@ -111,6 +111,11 @@ class ControlStub:
                 request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.AgentMessage.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.GetWeightManifest = channel.unary_unary(
+                '/stratamesh.v1.Control/GetWeightManifest',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifestRequest.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifest.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -123,6 +128,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetWeightManifest(self, request, context):
+        """Which byte ranges of a model's files hold these tensors, with the sha256 of each chunk, and the peers to
+        fetch them from before the coordinator (see fleet/weight_files.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.AgentMessage.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'GetWeightManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightManifest,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifestRequest.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -159,6 +177,111 @@ class Control:
             '/stratamesh.v1.Control/Connect',
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.AgentMessage.SerializeToString,
             stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratamesh.v1.Control/GetWeightManifest',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifestRequest.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WeightsStub:
+    """Served by the coordinator (from the model folders it deploys) and by every agent (from the folders and fetched
+    copies it holds): a server sends a chunk only after checking it against the sha256 asked for.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Fetch = channel.unary_stream(
+                '/stratamesh.v1.Weights/Fetch',
+                request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightFetch.SerializeToString,
+                response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightData.FromString,
+                _registered_method=True)
+
+
+class WeightsServicer:
+    """Served by the coordinator (from the model folders it deploys) and by every agent (from the folders and fetched
+    copies it holds): a server sends a chunk only after checking it against the sha256 asked for.
+    """
+
+    def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightFetch.FromString,
+                    response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightData.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stratamesh.v1.Weights', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stratamesh.v1.Weights', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Weights:
+    """Served by the coordinator (from the model folders it deploys) and by every agent (from the folders and fetched
+    copies it holds): a server sends a chunk only after checking it against the sha256 asked for.
+    """
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stratamesh.v1.Weights/Fetch',
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightFetch.SerializeToString,
+            stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.WeightData.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.weights import canonical_name
 from stratamesh.kernels.models.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -18,14 +19,6 @@ INDEX_FILE = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
-# A base model (LlamaModel.save_pretrained, as embedding models ship) names its tensors without "model."
-_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
-
-
-def canonical_name(name: str) -> str:
-    """The name a checkpoint tensor goes by here: a base model's "layers.0..." becomes "model.layers.0..."."""
-    return "model." + name if name.startswith(_BASE_MODEL_PREFIXES) else name
-
 
 class Checkpoint:
     """A model folder's safetensors, single-file or sharded; files are opened only while loading.

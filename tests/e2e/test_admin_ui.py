@@ -276,6 +276,12 @@ def fixture_snapshot(now: float) -> dict:
                                                     ("s2", 30, 32, 1, "pending")]),
              plan("p3", "qwen-0.5b", "active", 24, [("c4", 0, 24, 2, "ready")]),
              plan("p4", "qwen-0.5b", "active", 24, [("s3", 0, 24, 1, "ready")], replica=1)]
+    # the standby's middle stage is still fetching its tensors; the edge stage beside it fetched them
+    weights = {"source": "10.0.0.7:7001", "tensor_bytes": 11_000_000_000, "total_bytes": 11_000_020_000}
+    plans[1]["stages"][1]["weights"] = {**weights, "fetched_bytes": 4_000_000_000, "reused_bytes": 400_100_000,
+                                        "done": False, "num_corrupt": 1}
+    plans[1]["stages"][0]["weights"] = {**weights, "fetched_bytes": 11_000_020_000, "reused_bytes": 0,
+                                        "done": True, "num_corrupt": 0}
     models = [{"model_id": m, "path": f"/models/{m}", "num_layers": n, "max_context": 8192, "state": "ready",
                "num_stages": k, "first_site": "lab" if m == "llama-8b" else None, "last_site": None,
                "created": now - 900} for m, n, k in (("llama-8b", 32, 4), ("qwen-0.5b", 24, 1))]
@@ -339,6 +345,12 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.get_by_test_id("placement-segment")).to_have_count(9)
         expect(page.get_by_test_id("plan-replica").filter(has_text="replica 1")).to_have_count(1)
         expect(page.get_by_test_id("stage-cached").filter(has_text="120 blocks cached")).to_have_count(1)
+        fetching = page.get_by_test_id("stage-weights").filter(has_text="weights 40%")
+        expect(fetching).to_contain_text("4.4 GB of 11.0 GB")
+        expect(fetching).to_contain_text("1 corrupt chunk(s) fetched again")
+        expect(fetching.locator("progress")).to_have_attribute("value", "4400100000")
+        expect(page.get_by_test_id("stage-weights").filter(has_text="weights fetched: 11.0 GB")).to_have_count(1)
+        expect(page.get_by_test_id("stage-weights")).to_have_count(2)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)

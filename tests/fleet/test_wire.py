@@ -15,6 +15,7 @@ from stratamesh.fleet.types import (
     LinkMeasurement, Peer, ProbeLinks, Registration, Release, SamplingParams, SessionClose, SessionOpen, Shutdown,
     SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
+from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert, gen
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -309,6 +310,37 @@ def test_kv_events_round_trip() -> None:
 def test_bad_kv_events_are_rejected(report, match) -> None:
     with pytest.raises(InvalidInput, match=match):
         convert.kv_events_from_pb(pb.KvEventReport(stages=[report]))
+
+
+def test_weights_progress_and_manifests_round_trip() -> None:
+    progress = WeightsProgress("p-0", 300, 100, 500, 450, True, "10.0.0.2:7001", 2)
+    wire = pb.AgentMessage.FromString(convert.weights_progress_to_pb(progress).SerializeToString())
+    assert wire.WhichOneof("kind") == "weights_progress"
+    assert convert.weights_progress_from_pb(wire.weights_progress) == progress
+    manifest = WeightManifest("m", "ab" * 32, (WeightFile("config.json", 10), WeightFile("model.safetensors", 99)),
+                              (WeightChunk("config.json", 0, 10, b"\x01" * 32),
+                               WeightChunk("model.safetensors", 8, 91, b"\x02" * 32)), 80, ("10.0.0.2:7001",))
+    assert convert.weight_manifest_from_pb(pb.WeightManifest.FromString(
+        convert.weight_manifest_to_pb(manifest).SerializeToString())) == manifest
+    model_id, revision, chunks = convert.weight_fetch_from_pb(convert.weight_fetch_to_pb("m", "r", manifest.chunks))
+    assert (model_id, revision, chunks) == ("m", "r", manifest.chunks)
+
+
+@pytest.mark.parametrize("convert_from, message, match", [
+    (convert.weights_progress_from_pb, pb.WeightsProgress(fetched_bytes=1, total_bytes=1), "assignment_id"),
+    (convert.weights_progress_from_pb, pb.WeightsProgress(assignment_id="a", fetched_bytes=2, total_bytes=1),
+     "more than"),
+    (convert.weight_manifest_from_pb, pb.WeightManifest(model_id="m", revision="ab" * 32, sources=["nowhere"]),
+     "sources"),
+    (convert.weight_manifest_from_pb, pb.WeightManifest(model_id="m", revision="ab" * 32, chunks=[
+        pb.WeightChunk(file="model.safetensors", offset=0, length=4, sha256=bytes(32))]), "outside"),
+    (convert.weight_fetch_from_pb, pb.WeightFetch(model_id="m", chunks=[
+        pb.WeightChunk(file="/etc/passwd", offset=0, length=4, sha256=bytes(32))]), "plain file name"),
+    (convert.weight_manifest_request_from_pb, pb.WeightManifestRequest(), "model_id"),
+], ids=["no-assignment", "over-total", "bad-source", "chunk-outside", "path", "no-model"])
+def test_bad_weights_messages_are_rejected(convert_from, message, match) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        convert_from(message)
 
 
 @pytest.mark.parametrize("message, match", [
