@@ -27,6 +27,7 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.control.events import ControlEvents
 from stratamesh.coordinator.control.models import check_model
+from stratamesh.coordinator.control.routes import Disaggregation
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
@@ -86,6 +87,7 @@ class CoordinatorOptions:
     limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (control.routes)
+    disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (control.routes)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -195,7 +197,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
                     on_hop=last_hop.observe, on_unreachable=events.report_unreachable)
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
-                        sessions=origin, events=events, router_mode=options.router_mode)
+                        sessions=origin, events=events, router_mode=options.router_mode,
+                        disaggregation=options.disaggregation)
     deployer.start()
     for model in options.models:
         deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,

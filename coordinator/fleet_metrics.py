@@ -60,7 +60,10 @@ class OriginCollector(Collector):
                 ("stratamesh:replayed_tokens", "Tokens computed again because a session changed route or was "
                  "preempted (a clean move adds none).", s.num_replayed_tokens),
                 ("stratamesh:kv_moved_bytes", "Bytes of KV that moving sessions pulled to their new stages.",
-                 s.kv_moved_bytes)):
+                 s.kv_moved_bytes),
+                ("stratamesh:prefill_handoffs", "Prompts prefilled on a prefill replica whose KV then moved to the "
+                 "replica that decodes them.", s.num_handoffs),
+                ("stratamesh:handoff_kv_bytes", "Bytes of KV those hand-offs moved.", s.handoff_kv_bytes)):
             yield CounterMetricFamily(name, doc, value=value)
 
 

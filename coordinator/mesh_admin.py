@@ -65,6 +65,7 @@ class MeshAdmin:
                 out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                             "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
                             "replica": plan.replica,
+                            "role": self._deployer.role(plan) if self._deployer is not None else "",
                             "predicted": _predicted(plan.prediction),
                             "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                         "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,

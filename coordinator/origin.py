@@ -37,6 +37,10 @@ MAX_FAILOVERS = 8
 # Where a generation gets its route (and KV block size) for each attempt: given the addresses just lost, to avoid,
 # and the token ids the route will prefill (a router may pick by what its replicas' prefix caches hold).
 RouteSource = Callable[[Collection[str], Sequence[int]], Awaitable[tuple[Sequence[Hop], int]]]
+# Where a generation may prefill its prompt apart from the route that will decode it (prefill/decode
+# disaggregation): given that route, the prompt's token ids and the addresses to avoid, a route whose stages hold
+# the same layers (the session's KV then moves to the decoding route), or None to prefill where it decodes.
+PrefillSource = Callable[[Sequence[Hop], Sequence[int], Collection[str]], Sequence[Hop] | None]
 
 
 def chunk_tokens(hidden_size: int, activation_bytes: int = 4) -> int:
@@ -62,6 +66,7 @@ class RequestRecord:
     num_preemptions: int = 0
     num_failovers: int = 0      # times a lost stage made it resume on a new route
     num_moves: int = 0          # times it moved, KV and all, off a draining agent
+    num_handoffs: int = 0       # times its KV moved from the route that prefilled it to the one that decodes it
     num_replayed_tokens: int = 0    # tokens computed again after a failover, preemption or move (0 for a clean move)
     cached_tokens: int = 0
     error: str = ""
@@ -78,7 +83,9 @@ class OriginStats:
     num_moves: int = 0
     num_failovers: int = 0
     num_replayed_tokens: int = 0
-    kv_moved_bytes: int = 0
+    kv_moved_bytes: int = 0         # by moves and hand-offs
+    num_handoffs: int = 0           # prefills whose KV moved to the route that decodes them
+    handoff_kv_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -102,11 +109,13 @@ class _Preempted(Exception):
 
 
 class _Moving(Exception):
-    """The session stopped, quiet, to move off a draining stage; the generation resumes it on the new route."""
+    """The session stopped, quiet, to move off a draining stage (or, hand_off, off the route that prefilled it);
+    the generation resumes it on the new route."""
 
-    def __init__(self, session_id: str):
+    def __init__(self, session_id: str, hand_off: bool = False):
         super().__init__(session_id)
         self.session_id = session_id
+        self.hand_off = hand_off
 
 
 class _RouteLost(Exception):
@@ -141,7 +150,8 @@ class _Request:
     def _session_id(self) -> str:
         """The session of this attempt: a new one per attempt, as the stages may still hold the last one."""
         record = self.record
-        return f"{self._request_id}.{record.num_preemptions + record.num_failovers + record.num_moves}"
+        attempts = record.num_preemptions + record.num_failovers + record.num_moves + record.num_handoffs
+        return f"{self._request_id}.{attempts}"
 
     async def _recover(self, exc: _Preempted | _RouteLost, num_tokens: int) -> None:
         """Readies the next attempt: after a preemption, a pause; after a lost stage, a route around it (StageFailed
@@ -227,9 +237,10 @@ class Generation(_Request):
 
     def __init__(self, origin: Origin, routes: RouteSource, prompt_ids: Sequence[int],
                  params: SamplingParams, request_id: str, hidden_size: int, max_tokens: int | None = None,
-                 stop_token_ids: frozenset[int] = frozenset()):
+                 stop_token_ids: frozenset[int] = frozenset(), prefill: PrefillSource | None = None):
         super().__init__(origin, routes, prompt_ids, params, request_id, hidden_size)
         self._max_tokens, self._stop_token_ids = max_tokens, stop_token_ids
+        self._prefill = prefill
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -245,16 +256,28 @@ class Generation(_Request):
         emitted: list[int] = []
         record, stats = self.record, self._origin.stats
         resume_from = left = ""     # the session a move left quiet on the stages (for the next attempt; for good)
+        decode_on: tuple[Sequence[Hop], int] | None = None     # where a prefill hands its session off to
+        handed_off = False          # the session to resume left its prefill route (not a draining agent)
         try:
             while True:
-                route, block_size = await self._routes(frozenset(self._lost), self._prompt + emitted)
+                avoid = frozenset(self._lost)
+                if decode_on is not None and not any(hop.address in avoid for hop in decode_on[0]):
+                    route, block_size = decode_on
+                else:
+                    route, block_size = await self._routes(avoid, self._prompt + emitted)
+                prefill = self._prefill_route(route, avoid) if not (emitted or resume_from) else None
+                decode_on = (route, block_size) if prefill else None
+                route = prefill or route
                 if resume_from:
                     moved_bytes = await move_kv(resume_from, record.route, route)
                     stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
+                    if handed_off:
+                        stats.handoff_kv_bytes += moved_bytes
                 record.route = tuple(route)
                 try:
                     left = None if self._max_tokens is None else self._max_tokens - len(emitted)
-                    attempt = self._attempt(route, block_size, self._prompt + emitted, left, resume_from)
+                    attempt = self._attempt(route, block_size, self._prompt + emitted, left, resume_from,
+                                            hand_off=prefill is not None)
                     resume_from = ""
                     async with aclosing(attempt) as tokens:
                         async for token in tokens:
@@ -262,9 +285,14 @@ class Generation(_Request):
                             yield token
                     return
                 except _Moving as exc:
-                    record.num_moves += 1
-                    stats.num_moves += 1
+                    if exc.hand_off:
+                        record.num_handoffs += 1
+                        stats.num_handoffs += 1
+                    else:
+                        record.num_moves += 1
+                        stats.num_moves += 1
                     resume_from = left = exc.session_id
+                    handed_off = exc.hand_off
                     self._origin.moving[left] = record.route
                 except (_Preempted, _RouteLost) as exc:
                     await self._recover(exc, len(emitted))
@@ -275,14 +303,21 @@ class Generation(_Request):
             self._origin.moving.pop(left, None)
             self._finish(len(emitted))
 
+    def _prefill_route(self, decode: Sequence[Hop], avoid: Collection[str]) -> Sequence[Hop] | None:
+        """Where the prompt prefills apart from decode, if the prefill source says so and a token will follow."""
+        if self._prefill is None or self._max_tokens == 1:
+            return None
+        return self._prefill(decode, self._prompt, avoid) or None
+
     async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], tokens_left: int | None,
-                       resume_from: str = "") -> AsyncIterator[int]:
+                       resume_from: str = "", hand_off: bool = False) -> AsyncIterator[int]:
         """One pass over the route: open (resuming a moved session's KV), prefill token_ids from what the
         stages hold, then take the tokens the pipeline's decode loop samples (its last stage feeds each to its
-        first; this origin only hands them out)."""
+        first; this origin only hands them out). hand_off: the route only prefills; after the first token the
+        session stops, quiet, for its KV to move to the route that decodes it."""
         session_id, trace_id = self._session_id(), self.record.trace_id
         first = len(token_ids) == len(self._prompt)
-        decode = (tokens_left or 0, tuple(sorted(self._stop_token_ids)))
+        decode = (1 if hand_off else tokens_left or 0, tuple(sorted(self._stop_token_ids)))
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
             cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from,
                                       decode)
@@ -295,9 +330,9 @@ class Generation(_Request):
                     tokens_left -= 1
                 if tokens_left == 0 or event.token_id in self._stop_token_ids:
                     return                  # its last token: the last stage fed it nowhere
-                if event.held:              # quiet on every stage now: it moves, KV and all
+                if event.held or hand_off:  # quiet on every stage now: it moves, KV and all
                     live.moved = True
-                    raise _Moving(session_id)
+                    raise _Moving(session_id, hand_off)
 
 
 class Embedding(_Request):
@@ -389,11 +424,11 @@ class Origin:
 
     def generate(self, routes: RouteSource, prompt_ids: Sequence[int], params: SamplingParams,
                  request_id: str, hidden_size: int, max_tokens: int | None = None,
-                 stop_token_ids: frozenset[int] = frozenset()) -> Generation:
+                 stop_token_ids: frozenset[int] = frozenset(), prefill: PrefillSource | None = None) -> Generation:
         """A generation over the routes the source gives; iterate it for token ids, aclose() it to stop (it stops by
-        itself after max_tokens, or at a stop token)."""
+        itself after max_tokens, or at a stop token). prefill: where it may prefill apart from where it decodes."""
         generation = Generation(self, routes, prompt_ids, params, request_id, hidden_size, max_tokens,
-                                stop_token_ids)
+                                stop_token_ids, prefill)
         self.remember(generation.record)
         return generation
 

@@ -40,7 +40,7 @@ class MeshGenerator:
         model = self._deployer.model(model_id)
         routes = partial(self._deployer.wait_route, model_id, self._route_wait_s)
         generation = self._origin.generate(routes, prompt_ids, params, request_id, model.hidden_size, max_tokens,
-                                           stop_token_ids)
+                                           stop_token_ids, partial(self._deployer.prefill_route, model_id))
         trace_id_var.set(generation.record.trace_id)   # the rest of this request's log records carry it
         return generation
 

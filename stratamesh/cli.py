@@ -107,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
                                   "work ahead of its prompt, counting what the replicas' prefix caches hold (kv); "
                                   "in turn (round-robin); or the one whose busiest stage runs and queues the fewest "
                                   "sequences (least-load)")
+    coordinator.add_argument("--prefill-replicas", type=_int_in(0, MAX_REPLICAS), default=0, metavar="N",
+                             help="prefill/decode disaggregation: the first N replicas prefill long prompts, whose "
+                                  "KV then moves over gRPC to the replica the router picked to decode them; the "
+                                  "others serve every other request whole (default 0: off)")
+    coordinator.add_argument("--disagg-min-prompt", type=_int_in(1, 10_000_000), default=512, metavar="TOKENS",
+                             help="a prompt prefills apart only if at least this many of its tokens are not "
+                                  "cached on its decode replica (default 512)")
+    coordinator.add_argument("--disagg-max-queue", type=_int_in(0, 10_000_000), default=2048, metavar="TOKENS",
+                             help="... and while the prefill replica has at most this many prompt tokens still to "
+                                  "prefill (default 2048)")
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
@@ -297,6 +307,7 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.api.admission import Limits
+    from stratamesh.coordinator.control.routes import Disaggregation
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins
@@ -312,6 +323,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
         insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
         router_mode=args.router_mode,
+        disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
     set_process_fields(component="coordinator", mesh=args.mesh)

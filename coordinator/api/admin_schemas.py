@@ -107,6 +107,8 @@ class PlanView(BaseModel):
     reason: str
     num_layers: int
     replica: int = Field(0, description="which of the model's pipelines it plans")
+    role: Literal["", "prefill", "decode"] = Field("", description="under prefill/decode disaggregation "
+                                                   "(--prefill-replicas), what its replica serves; \"\" when off")
     predicted: PredictedView | None = None
     stages: list[StageView]
 

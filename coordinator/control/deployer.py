@@ -10,11 +10,11 @@ from stratamesh.coordinator.control.events import ControlEvents, NoSessions, Ses
 from stratamesh.coordinator.control.models import ModelInfo, find_model, model_infos
 from stratamesh.coordinator.control.plans import Plans
 from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected, Roster
-from stratamesh.coordinator.control.routes import Routes
+from stratamesh.coordinator.control.routes import Disaggregation, Routes
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.liveness import Liveness, LivenessConfig
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry import PlanRecord, Registry
 from stratamesh.fleet.types import (
     DEFAULT_ROUTER_MODE, Capabilities, Hop, KvEvents, LinkMeasurement, Peer, Registration, StageStatus, Telemetry,
 )
@@ -37,12 +37,12 @@ class Deployer:
     def __init__(self, registry: Registry, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
                  origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None,
-                 router_mode: str = DEFAULT_ROUTER_MODE):
+                 router_mode: str = DEFAULT_ROUTER_MODE, disaggregation: Disaggregation = Disaggregation()):
         self._registry = registry
         self._clock = clock
         self._sessions = sessions
         self._roster = Roster(registry, clock, liveness, link_probe_every_s)
-        self._routes = Routes(registry, self._roster, router_mode, sessions, clock)
+        self._routes = Routes(registry, self._roster, router_mode, sessions, clock, disaggregation)
         self._drains = Drains(registry, clock, self._roster)
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
         self._events = events or ControlEvents()
@@ -106,6 +106,15 @@ class Deployer:
 
     def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
         return self._routes.route(model_id, avoid, token_ids)
+
+    def role(self, plan: PlanRecord) -> str:
+        """What a replica's plan serves under prefill/decode disaggregation: "prefill" or "decode"; "" when off."""
+        rules = self._routes.disaggregation
+        return ("prefill" if rules.prefills(plan) else "decode") if rules.prefill_replicas else ""
+
+    def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
+                      avoid: Collection[str] = ()) -> list[Hop] | None:
+        return self._routes.prefill_route(model_id, decode, token_ids, avoid)
 
     async def wait_route(self, model_id: str, timeout_s: float, avoid: Collection[str] = (),
                          token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:

@@ -42,10 +42,11 @@ class PrefixIndex:
         for h in hashes:
             expected[h] = until
 
-    def cached_blocks(self, plan_id: str, assignment_ids: Collection[str], hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of the prompt every stage of the replica holds, or is about to."""
+    def cached_blocks(self, plan_id: str, assignment_ids: Collection[str], hashes: Sequence[bytes],
+                      expected: bool = True) -> int:
+        """How many leading blocks of the prompt every stage of the replica holds, or (expected) is about to."""
         now = self._clock()
-        expected = self._expected.get(plan_id, {})
+        expected = self._expected.get(plan_id, {}) if expected else {}
         stages = [self._cached.get(a, set()) for a in assignment_ids]
         for i, h in enumerate(hashes):
             if expected.get(h, 0.0) < now and not all(h in cached for cached in stages):

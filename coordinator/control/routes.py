@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from stratamesh.coordinator.control.events import NoSessions, RouteWork, Sessions
 from stratamesh.coordinator.control.models import find_model
@@ -21,6 +22,26 @@ from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEve
 DECODE_WORK_TOKENS = 32
 
 
+@dataclass(frozen=True, slots=True)
+class Disaggregation:
+    """Prefill/decode disaggregation: a model's first prefill_replicas replicas prefill long prompts (and nothing
+    else), whose KV then moves to the decode replica the router picked. Only for a prompt of which at least
+    min_prompt_tokens are not cached on that decode replica, and while the prefill replica has at most
+    max_queue_tokens still to prefill; any other request runs whole on a decode replica."""
+
+    prefill_replicas: int = 0           # 0: off
+    min_prompt_tokens: int = 512
+    max_queue_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.prefill_replicas < 0 or self.min_prompt_tokens < 1 or self.max_queue_tokens < 0:
+            raise InvalidInput("disaggregation needs prefill_replicas >= 0, min_prompt_tokens >= 1 and "
+                               "max_queue_tokens >= 0")
+
+    def prefills(self, plan: PlanRecord) -> bool:
+        return plan.replica < self.prefill_replicas
+
+
 class Routes:
     """The models ready to serve and the route through each: a model is ready once every stage of one of its
     replicas' active plans is loaded on a connected agent. It remembers the models that were ever ready (they
@@ -28,13 +49,15 @@ class Routes:
     changes."""
 
     def __init__(self, registry: Registry, roster: Roster, mode: str = DEFAULT_ROUTER_MODE,
-                 sessions: Sessions = NoSessions(), clock: Callable[[], float] = time.monotonic):
+                 sessions: Sessions = NoSessions(), clock: Callable[[], float] = time.monotonic,
+                 disaggregation: Disaggregation = Disaggregation()):
         if mode not in ROUTER_MODES:
             raise InvalidInput(f"router mode {mode!r} is not one of {', '.join(ROUTER_MODES)}")
         self._registry = registry
         self._roster = roster
         self._sessions = sessions
         self.mode = mode
+        self.disaggregation = disaggregation
         self.prefixes = PrefixIndex(clock)     # kv mode: what each replica's stages hold in their prefix caches
         self._served: set[str] = set()         # models that were ready since this coordinator started
         self._turns: dict[str, int] = {}       # model id -> routes handed out (whose turn is next)
@@ -64,13 +87,44 @@ class Routes:
         ready = self.ready_plans(model_id)
         if not ready:
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
-        routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype)
-                          for s in plan.stages]) for plan in ready]
-        routes = [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
+        decoding = [plan for plan in ready if not self.disaggregation.prefills(plan)]
+        routes = self._hops(decoding or ready, avoid)      # prefill replicas serve whole requests only alone
         if not routes:
             raise ModelNotReady(f"the model '{model_id}' is recovering: its route lost a stage")
         plan, hops = self._choose(model_id, routes, token_ids)
         return hops, plan.stages[0].spec.kv_block_size
+
+    def _hops(self, plans: list[PlanRecord], avoid: Collection[str]) -> list[tuple[PlanRecord, list[Hop]]]:
+        """Each plan with its hops in pipeline order, less those through an address in avoid."""
+        routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype)
+                          for s in plan.stages]) for plan in plans]
+        return [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
+
+    def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
+                      avoid: Collection[str] = ()) -> list[Hop] | None:
+        """Where to prefill a prompt whose generation decodes on the route decode (whose KV then moves there): the
+        ready prefill replica with the least prefill queued whose stages split the layers as decode's do; None to
+        prefill on decode itself (disaggregation off, too few uncached tokens there, or every prefill replica's
+        queue too long)."""
+        rules = self.disaggregation
+        plans = {plan.stages[0].assignment_id: plan for plan in self.ready_plans(model_id)}
+        target = plans.get(decode[0].assignment_id) if decode else None
+        if not rules.prefill_replicas or target is None or rules.prefills(target):
+            return None
+        size = target.stages[0].spec.kv_block_size
+        # what its stages report holding: the router just counted this very prompt as about to be cached there
+        cached = self.prefixes.cached_blocks(target.plan_id, [s.assignment_id for s in target.stages],
+                                             block_hashes(token_ids, size), expected=False)
+        if len(token_ids) - cached * size < rules.min_prompt_tokens:
+            return None
+        work = self._sessions.work()
+        candidates = [(work.get(plan.stages[0].assignment_id, RouteWork()).prefill_tokens, plan.replica, hops)
+                      for plan, hops in self._hops([p for p in plans.values() if rules.prefills(p)], avoid)
+                      if _layout(plan) == _layout(target)]
+        if not candidates:
+            return None
+        queued, _, hops = min(candidates, key=lambda c: c[:2])
+        return hops if queued <= rules.max_queue_tokens else None
 
     def _choose(self, model_id: str, routes: list[tuple[PlanRecord, list[Hop]]],
                 token_ids: Sequence[int]) -> tuple[PlanRecord, list[Hop]]:
@@ -163,3 +217,8 @@ class Routes:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _layout(plan: PlanRecord) -> list[tuple[int, int, str, int]]:
+    """How a plan's stages split and keep the KV: a session's KV moves between two plans only where they agree."""
+    return [(s.spec.start_layer, s.spec.end_layer, s.spec.dtype, s.spec.kv_block_size) for s in plan.stages]

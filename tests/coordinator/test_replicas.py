@@ -10,7 +10,7 @@ import pytest
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.events import RouteWork
 from stratamesh.coordinator.control.prefix_index import EXPECTED_FOR_S
-from stratamesh.coordinator.control.routes import DECODE_WORK_TOKENS
+from stratamesh.coordinator.control.routes import DECODE_WORK_TOKENS, Disaggregation
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
@@ -218,3 +218,53 @@ def test_kv_events_of_a_stage_the_agent_does_not_hold_are_ignored(model_dir: Pat
 def test_kv_without_token_ids_takes_replicas_in_turn(model_dir: Path) -> None:
     registry, deployer, _, _, _ = kv_replicas(model_dir)
     assert [replica_of(registry, deployer.route("m")[0]) for _ in range(4)] == [0, 1, 0, 1]
+
+
+# ------------------------------------------------------------------ prefill/decode disaggregation
+def disaggregated(model_dir: Path, num_replicas: int = 3, min_prompt_tokens: int = 64,
+                  max_queue_tokens: int = 100) -> tuple[Registry, Deployer, OriginSessions]:
+    """num_replicas of 1 stage, the first prefilling long prompts for the others."""
+    sessions = OriginSessions()
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0, sessions=sessions, router_mode="kv",
+                        disaggregation=Disaggregation(1, min_prompt_tokens, max_queue_tokens))
+    agents = [Agent(f"a{i}", 8) for i in range(1, num_replicas + 1)]
+    deployer.add_model("m", str(model_dir), num_stages=1, num_replicas=num_replicas)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    return registry, deployer, sessions
+
+
+def test_whole_requests_go_to_decode_replicas_and_long_prompts_prefill_on_the_prefill_one(model_dir: Path) -> None:
+    registry, deployer, _ = disaggregated(model_dir)
+    prefill_plan = next(p for p in registry.active_plans("m") if p.replica == 0)
+    decodes = [deployer.route("m", token_ids=[i] * 8)[0] for i in range(6)]
+    assert {replica_of(registry, r) for r in decodes} == {1, 2}            # never the prefill replica
+    long_prompt = list(range(1, 101))
+    route, _ = deployer.route("m", token_ids=long_prompt)
+    prefill = deployer.prefill_route("m", route, long_prompt)
+    assert [hop.assignment_id for hop in prefill] == [s.assignment_id for s in prefill_plan.stages]
+    assert deployer.prefill_route("m", route, long_prompt[:63]) is None       # too short to be worth a move
+    assert deployer.prefill_route("m", prefill, long_prompt) is None          # it decodes there: nothing to split
+    assert deployer.prefill_route("m", route, long_prompt, avoid={prefill[0].address}) is None
+
+
+def test_a_prompt_cached_on_its_decode_replica_or_a_long_prefill_queue_keeps_it_whole(model_dir: Path) -> None:
+    registry, deployer, sessions = disaggregated(model_dir)
+    long_prompt = list(range(1, 101))
+    route, _ = deployer.route("m", token_ids=long_prompt)
+    decode_plan = next(p for p in registry.active_plans("m") if p.stages[0].assignment_id == route[0].assignment_id)
+    cached(deployer, decode_plan, long_prompt[:48])        # 3 blocks of 16 there: 52 uncached tokens < 64
+    assert deployer.prefill_route("m", route, long_prompt) is None
+    other, _ = deployer.route("m", token_ids=[7] * 100)
+    prefill_first = next(p for p in registry.active_plans("m") if p.replica == 0).stages[0].assignment_id
+    sessions.routed[prefill_first] = RouteWork(prefill_tokens=101)            # past max_queue_tokens
+    assert deployer.prefill_route("m", other, [7] * 100) is None
+    sessions.routed[prefill_first] = RouteWork(prefill_tokens=100)
+    assert deployer.prefill_route("m", other, [7] * 100) is not None
+
+
+def test_disaggregation_thresholds_must_be_sane() -> None:
+    for bad in ((-1, 512, 10), (1, 0, 10), (1, 512, -1)):
+        with pytest.raises(InvalidInput, match="disaggregation"):
+            Disaggregation(*bad)

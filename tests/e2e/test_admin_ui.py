@@ -276,6 +276,7 @@ def fixture_snapshot(now: float) -> dict:
                                                     ("s2", 30, 32, 1, "pending")]),
              plan("p3", "qwen-0.5b", "active", 24, [("c4", 0, 24, 2, "ready")]),
              plan("p4", "qwen-0.5b", "active", 24, [("s3", 0, 24, 1, "ready")], replica=1)]
+    plans[2]["role"], plans[3]["role"] = "prefill", "decode"    # qwen's replicas split prefill from decode
     # the standby's middle stage is still fetching its tensors; the edge stage beside it fetched them
     weights = {"source": "10.0.0.7:7001", "tensor_bytes": 11_000_000_000, "total_bytes": 11_000_020_000}
     plans[1]["stages"][1]["weights"] = {**weights, "fetched_bytes": 4_000_000_000, "reused_bytes": 400_100_000,
@@ -351,6 +352,7 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(fetching.locator("progress")).to_have_attribute("value", "4400100000")
         expect(page.get_by_test_id("stage-weights").filter(has_text="weights fetched: 11.0 GB")).to_have_count(1)
         expect(page.get_by_test_id("stage-weights")).to_have_count(2)
+        expect(page.get_by_test_id("plan-role")).to_have_text(["prefill", "decode"])
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)
