@@ -49,10 +49,12 @@ class _Poison:
 
 
 class _Call:
-    """Stands in the inbox for work on the engines that must run between steps (a KV export or import)."""
+    """Stands in the inbox for work on the engines that must run between steps (a KV export or import); with
+    ready, it waits for the first point between steps where ready() holds."""
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None):
         self.fn = fn
+        self.ready = ready
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     def run(self) -> None:
@@ -81,6 +83,7 @@ class StageService(pb_grpc.StageServicer):
         self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it),
                                    on_broken=self._origin_broken)
         self._worker: asyncio.Task[None] | None = None
+        self._waiting: list[_Call] = []     # calls between steps waiting for a step to ready them
         # the address peers dial for this service, once bound: a stage that fails as a whole (a tensor-parallel
         # group went down) names it as the hop its sessions lost, so that their origins fail over around it
         self.address = ""
@@ -138,8 +141,10 @@ class StageService(pb_grpc.StageServicer):
             engine = self._host.engine(export.assignment_id)
             layout = engine.kv_layout()
             kv_transfer.check_export(layout, export)
+            # a hand-off asks as the prefill starts: the export waits for the step that completes the prompt here
+            ready = (lambda: engine.prefilled(export.session_id)) if export.wait_for_prefill else None
             header, data = kv_transfer.seal(layout, await self._between_steps(
-                lambda: engine.export_session(export.session_id)))
+                lambda: engine.export_session(export.session_id), ready))
         except MeshError as exc:
             await context.abort(kv_transfer.status_of(exc), str(exc))
         yield convert.kv_chunk_to_pb(header)
@@ -165,9 +170,10 @@ class StageService(pb_grpc.StageServicer):
                  summary.num_tokens, summary.num_bytes)
         return convert.kv_import_summary_to_pb(summary)
 
-    async def _between_steps(self, fn: Callable[[], Any]) -> Any:
-        """Runs fn on the worker between steps, where the engines may change, and returns what it did."""
-        call = _Call(fn)
+    async def _between_steps(self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None) -> Any:
+        """Runs fn on the worker between steps, where the engines may change (once ready() holds there, if given),
+        and returns what it did."""
+        call = _Call(fn, ready)
         self._inbox.put_nowait((call, 0))
         return await call.done
 
@@ -193,6 +199,9 @@ class StageService(pb_grpc.StageServicer):
                     await asyncio.sleep(0)      # the loop sends the step's results and takes what arrived
 
     def _drain(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for call in waiting:        # calls that waited for a step: the one just run may have readied them
+            self._apply(call, 0)
         while not self._inbox.empty():
             self._apply(*self._inbox.get_nowait())
 
@@ -214,7 +223,10 @@ class StageService(pb_grpc.StageServicer):
 
     def _apply(self, message: Inbound, arrived_ns: int) -> None:
         if isinstance(message, _Call):
-            message.run()
+            if message.ready is not None and not message.done.cancelled() and not message.ready():
+                self._waiting.append(message)
+            else:
+                message.run()
             return
         outbox = Outbox()
         try:

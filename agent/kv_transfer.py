@@ -109,7 +109,7 @@ async def pull(request: KvImportRequest, layout: KvLayout) -> tuple[SessionKv, K
     channel = make_channel(request.source.address)
     receiver = KvReceiver(layout)
     try:
-        export = KvExportRequest(request.session_id, request.source.assignment_id, layout)
+        export = KvExportRequest(request.session_id, request.source.assignment_id, layout, request.wait_for_prefill)
         call = pb_grpc.StageStub(channel).ExportKv(convert.kv_export_request_to_pb(export), timeout=PULL_TIMEOUT_S)
         async for message in call:
             receiver.add(convert.kv_chunk_from_pb(message))

@@ -25,11 +25,14 @@ def replaced_hops(old: Sequence[Hop], new: Sequence[Hop]) -> list[tuple[Hop, Hop
     return [(o, n) for o, n in zip(old, new, strict=True) if o.assignment_id != n.assignment_id]
 
 
-async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop]) -> int:
+async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop], wait_for_prefill: bool = False) -> int:
     """Has each stage new to the route pull the quiet session's KV from the stage it replaces, all at once;
-    returns the bytes pulled. A stage that could not pull is logged: it computes the session again."""
+    returns the bytes pulled. A stage that could not pull is logged: it computes the session again.
+
+    wait_for_prefill: the session is still prefilling on old (a hand-off, asked for as the prefill starts): each
+    old stage exports once it has computed the prompt, while the stages after it may still be computing theirs."""
     pairs = replaced_hops(old, new)
-    results = await asyncio.gather(*(_pull(session_id, source, target) for source, target in pairs),
+    results = await asyncio.gather(*(_pull(session_id, source, target, wait_for_prefill) for source, target in pairs),
                                    return_exceptions=True)
     for (_, target), result in zip(pairs, results, strict=True):
         if isinstance(result, BaseException):
@@ -38,10 +41,11 @@ async def move_kv(session_id: str, old: Sequence[Hop], new: Sequence[Hop]) -> in
     return sum(r for r in results if isinstance(r, int))
 
 
-async def _pull(session_id: str, source: Hop, target: Hop) -> int:
+async def _pull(session_id: str, source: Hop, target: Hop, wait_for_prefill: bool) -> int:
     channel = make_channel(target.address)
     try:
-        request = convert.kv_import_request_to_pb(KvImportRequest(session_id, target.assignment_id, source))
+        request = convert.kv_import_request_to_pb(KvImportRequest(session_id, target.assignment_id, source,
+                                                                   wait_for_prefill))
         summary = await pb_grpc.StageStub(channel).ImportKv(request, timeout=IMPORT_TIMEOUT_S)
         return convert.kv_import_summary_from_pb(summary).num_bytes
     finally:

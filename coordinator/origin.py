@@ -108,11 +108,19 @@ class _Preempted(Exception):
     """A stage ran out of KV blocks for this attempt; the generation replays it."""
 
 
-class _Moving(Exception):
-    """The session stopped, quiet, to move off a draining stage (or, hand_off, off the route that prefilled it);
-    the generation resumes it on the new route."""
+@dataclass(frozen=True, slots=True)
+class _HandOff:
+    """A prefill's hand-off: the KV move to the route that decodes the session, and that route."""
 
-    def __init__(self, session_id: str, hand_off: bool = False):
+    move: asyncio.Task[int]
+    to: tuple[Hop, ...]
+
+
+class _Moving(Exception):
+    """The session stopped, quiet, to move off a draining stage (or, with hand_off, off the route that prefilled
+    it); the generation resumes it on the new route."""
+
+    def __init__(self, session_id: str, hand_off: _HandOff | None = None):
         super().__init__(session_id)
         self.session_id = session_id
         self.hand_off = hand_off
@@ -257,7 +265,7 @@ class Generation(_Request):
         record, stats = self.record, self._origin.stats
         resume_from = left = ""     # the session a move left quiet on the stages (for the next attempt; for good)
         decode_on: tuple[Sequence[Hop], int] | None = None     # where a prefill hands its session off to
-        handed_off = False          # the session to resume left its prefill route (not a draining agent)
+        handing_off: _HandOff | None = None     # that hand-off's KV move, asked for as the prefill began
         try:
             while True:
                 avoid = frozenset(self._lost)
@@ -267,17 +275,16 @@ class Generation(_Request):
                     route, block_size = await self._routes(avoid, self._prompt + emitted)
                 prefill = self._prefill_route(route, avoid) if not (emitted or resume_from) else None
                 decode_on = (route, block_size) if prefill else None
-                route = prefill or route
                 if resume_from:
-                    moved_bytes = await move_kv(resume_from, record.route, route)
+                    moved_bytes = await self._moved(resume_from, record.route, route, handing_off)
                     stats.kv_moved_bytes += moved_bytes     # not `+= await`: that reads the total before waiting
-                    if handed_off:
-                        stats.handoff_kv_bytes += moved_bytes
-                record.route = tuple(route)
+                    stats.handoff_kv_bytes += moved_bytes if handing_off else 0
+                    handing_off = None
+                record.route = tuple(prefill or route)
                 try:
                     left = None if self._max_tokens is None else self._max_tokens - len(emitted)
-                    attempt = self._attempt(route, block_size, self._prompt + emitted, left, resume_from,
-                                            hand_off=prefill is not None)
+                    attempt = self._attempt(prefill or route, block_size, self._prompt + emitted, left, resume_from,
+                                            hand_off_to=route if prefill else None)
                     resume_from = ""
                     async with aclosing(attempt) as tokens:
                         async for token in tokens:
@@ -285,14 +292,14 @@ class Generation(_Request):
                             yield token
                     return
                 except _Moving as exc:
-                    if exc.hand_off:
+                    if exc.hand_off is not None:
                         record.num_handoffs += 1
                         stats.num_handoffs += 1
                     else:
                         record.num_moves += 1
                         stats.num_moves += 1
                     resume_from = left = exc.session_id
-                    handed_off = exc.hand_off
+                    handing_off = exc.hand_off
                     self._origin.moving[left] = record.route
                 except (_Preempted, _RouteLost) as exc:
                     await self._recover(exc, len(emitted))
@@ -300,8 +307,20 @@ class Generation(_Request):
             self._failed(exc)
             raise
         finally:
+            if handing_off is not None:
+                handing_off.move.cancel()
             self._origin.moving.pop(left, None)
             self._finish(len(emitted))
+
+    @staticmethod
+    async def _moved(session_id: str, old: Sequence[Hop], new: Sequence[Hop], hand_off: _HandOff | None) -> int:
+        """Bytes of KV the stages of new pulled from those of old: by the hand-off's move if it went to new (else
+        that move is called off), or by a move now."""
+        if hand_off is not None:
+            if hand_off.to == tuple(new):
+                return await hand_off.move
+            hand_off.move.cancel()
+        return await move_kv(session_id, old, new)
 
     def _prefill_route(self, decode: Sequence[Hop], avoid: Collection[str]) -> Sequence[Hop] | None:
         """Where the prompt prefills apart from decode, if the prefill source says so and a token will follow."""
@@ -310,29 +329,44 @@ class Generation(_Request):
         return self._prefill(decode, self._prompt, avoid) or None
 
     async def _attempt(self, route: Sequence[Hop], block_size: int, token_ids: list[int], tokens_left: int | None,
-                       resume_from: str = "", hand_off: bool = False) -> AsyncIterator[int]:
+                       resume_from: str = "", hand_off_to: Sequence[Hop] | None = None) -> AsyncIterator[int]:
         """One pass over the route: open (resuming a moved session's KV), prefill token_ids from what the
         stages hold, then take the tokens the pipeline's decode loop samples (its last stage feeds each to its
-        first; this origin only hands them out). hand_off: the route only prefills; after the first token the
-        session stops, quiet, for its KV to move to the route that decodes it."""
+        first; this origin only hands them out). hand_off_to: the route only prefills; the stages of hand_off_to
+        are asked at once to pull the session's KV as each stage here finishes the prompt, and after the first token
+        the session stops, quiet, to resume there."""
         session_id, trace_id = self._session_id(), self.record.trace_id
         first = len(token_ids) == len(self._prompt)
-        decode = (1 if hand_off else tokens_left or 0, tuple(sorted(self._stop_token_ids)))
+        decode = (1 if hand_off_to else tokens_left or 0, tuple(sorted(self._stop_token_ids)))
+        hand_off: _HandOff | None = None
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
             cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from,
                                       decode)
             self._send_prefill(stream, session_id, token_ids, cached, trace_id)
-            while True:
-                event = await self._origin.next_event(live, session_id)
-                live.prefill_tokens = 0
-                yield event.token_id
-                if tokens_left is not None:
-                    tokens_left -= 1
-                if tokens_left == 0 or event.token_id in self._stop_token_ids:
-                    return                  # its last token: the last stage fed it nowhere
-                if event.held or hand_off:  # quiet on every stage now: it moves, KV and all
-                    live.moved = True
-                    raise _Moving(session_id, hand_off)
+            if hand_off_to:
+                hand_off = _HandOff(asyncio.create_task(
+                    move_kv(session_id, route, hand_off_to, wait_for_prefill=True)), tuple(hand_off_to))
+            try:
+                async for token in self._session_tokens(live, session_id, tokens_left, hand_off):
+                    yield token
+            finally:
+                if hand_off is not None and not live.moved:     # the prefill failed, or the caller stopped
+                    hand_off.move.cancel()
+
+    async def _session_tokens(self, live: _Live, session_id: str, tokens_left: int | None,
+                      hand_off: _HandOff | None) -> AsyncIterator[int]:
+        """The session's tokens until its last (or, handing off or held, until it must move)."""
+        while True:
+            event = await self._origin.next_event(live, session_id)
+            live.prefill_tokens = 0
+            yield event.token_id
+            if tokens_left is not None:
+                tokens_left -= 1
+            if tokens_left == 0 or event.token_id in self._stop_token_ids:
+                return                  # its last token: the last stage fed it nowhere
+            if event.held or hand_off is not None:  # quiet on every stage now: it moves, KV and all
+                live.moved = True
+                raise _Moving(session_id, hand_off)
 
 
 class Embedding(_Request):

@@ -344,6 +344,7 @@ class KvExportRequest:
     session_id: str
     assignment_id: str          # the exporting stage
     layout: KvLayout            # the importing stage's: the export is refused unless it is the exporter's
+    wait_for_prefill: bool = False  # export once the session's prompt is computed there, not at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +352,7 @@ class KvImportRequest:
     session_id: str
     assignment_id: str          # the importing stage
     source: Hop                 # the stage that holds the session now
+    wait_for_prefill: bool = False  # ... or will, once it has computed the session's prompt
 
 
 @dataclass(frozen=True, slots=True)

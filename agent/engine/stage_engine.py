@@ -179,6 +179,11 @@ class StageEngine:
         return KvLayout(spec.model_id, spec.start_layer, spec.end_layer, codec.DTYPE_NAMES[cache.dtype],
                         cache.block_size, self.runner.model.config.num_kv_heads, cache.head_dim)
 
+    def prefilled(self, session_id: str) -> bool:
+        """Whether the session is open here with its whole prompt computed and nothing queued (it can be exported)."""
+        session = self.scheduler.sessions.get(session_id)
+        return session is not None and session.num_computed >= session.prompt_len and not session.queue
+
     def export_session(self, session_id: str) -> SessionKv:
         """A quiet session's state and KV (InvalidInput if it is not open here or has work queued)."""
         if session_id not in self.sessions:

@@ -566,24 +566,27 @@ def kv_layout_from_pb(msg: pb.KvLayout, where: str) -> KvLayout:
 
 def kv_export_request_to_pb(request: KvExportRequest) -> pb.KvExportRequest:
     return pb.KvExportRequest(session_id=request.session_id, assignment_id=request.assignment_id,
-                              layout=kv_layout_to_pb(request.layout))
+                              layout=kv_layout_to_pb(request.layout), wait_for_prefill=request.wait_for_prefill)
 
 
 def kv_export_request_from_pb(msg: pb.KvExportRequest) -> KvExportRequest:
     _require_session_id(msg.session_id, "export")
-    return KvExportRequest(msg.session_id, msg.assignment_id, kv_layout_from_pb(msg.layout, "export"))
+    return KvExportRequest(msg.session_id, msg.assignment_id, kv_layout_from_pb(msg.layout, "export"),
+                           msg.wait_for_prefill)
 
 
 def kv_import_request_to_pb(request: KvImportRequest) -> pb.KvImportRequest:
     return pb.KvImportRequest(session_id=request.session_id, assignment_id=request.assignment_id,
                               source_address=request.source.address,
-                              source_assignment_id=request.source.assignment_id)
+                              source_assignment_id=request.source.assignment_id,
+                              wait_for_prefill=request.wait_for_prefill)
 
 
 def kv_import_request_from_pb(msg: pb.KvImportRequest) -> KvImportRequest:
     _require_session_id(msg.session_id, "import")
     _require_address(msg.source_address, "import.source_address")
-    return KvImportRequest(msg.session_id, msg.assignment_id, Hop(msg.source_address, msg.source_assignment_id))
+    return KvImportRequest(msg.session_id, msg.assignment_id, Hop(msg.source_address, msg.source_assignment_id),
+                           msg.wait_for_prefill)
 
 
 def kv_import_summary_to_pb(summary: KvImportSummary) -> pb.KvImportSummary:

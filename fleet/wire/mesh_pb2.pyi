@@ -631,14 +631,16 @@ class KvLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KvExportRequest(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "layout")
+    __slots__ = ("session_id", "assignment_id", "layout", "wait_for_prefill")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_PREFILL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     layout: KvLayout
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    wait_for_prefill: bool
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., wait_for_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("layout", "session_id", "token_ids", "prompt_len", "num_computed", "kv", "num_bytes", "digest")
@@ -679,16 +681,18 @@ class KvChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., piece: _Optional[_Union[KvPiece, _Mapping]] = ...) -> None: ...
 
 class KvImportRequest(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "source_address", "source_assignment_id")
+    __slots__ = ("session_id", "assignment_id", "source_address", "source_assignment_id", "wait_for_prefill")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_PREFILL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     source_address: str
     source_assignment_id: str
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., source_address: _Optional[str] = ..., source_assignment_id: _Optional[str] = ...) -> None: ...
+    wait_for_prefill: bool
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., source_address: _Optional[str] = ..., source_assignment_id: _Optional[str] = ..., wait_for_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvImportSummary(_message.Message):
     __slots__ = ("num_tokens", "num_bytes", "num_pieces")

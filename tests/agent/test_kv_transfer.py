@@ -121,6 +121,39 @@ async def test_a_session_moved_with_its_kv_continues_identically_without_recompu
         assert a.metric("stratamesh:kv_migrated_sessions_total", 'direction="export"') == 1
 
 
+async def test_a_hand_off_asked_before_the_prefill_pulls_once_the_prompt_is_computed(spec) -> None:
+    """A prefill/decode hand-off asks for the KV as the prefill starts: the source's export waits for the step that
+    completes the prompt there (not for a duration), and the importer then decodes as the source would have."""
+    async with agent(spec, "a0") as a, agent(spec, "b0") as b:
+        channel = make_channel(b.address)
+        request = KvImportRequest("s", "b0", Hop(a.address, "a0"), wait_for_prefill=True)
+        pull = asyncio.ensure_future(pb_grpc.StageStub(channel).ImportKv(convert.kv_import_request_to_pb(request)))
+        try:
+            # the export waits at the source for the session, which is not even open there yet
+            await wait_for_waiting_call(a)
+            assert not pull.done() and b.host.engines["b0"].parked == set()
+            a.open("s", PROMPT)
+            await a.opened("s")
+            first = await a.generate("s", PROMPT, 0, 1)          # the prefill, and its token: quiet after
+            summary = convert.kv_import_summary_from_pb(await pull)
+        finally:
+            await channel.close()
+        assert summary.num_tokens == len(PROMPT) and a.host.num_sessions == 0
+        history = PROMPT + first
+        b.open("s.1", history, resume_from="s")
+        assert await b.opened("s.1") == len(PROMPT)
+        assert first + await b.generate("s.1", history, len(PROMPT), 6) == greedy_reference(spec, PROMPT, 7)
+        assert b.metric("stratamesh:stage_prefill_tokens_total", "") == 0
+
+
+async def wait_for_waiting_call(a: Agent, timeout_s: float = 10.0) -> None:
+    """Until the source holds a call waiting for a step (an event, polled: the service exposes no hook)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not a.service._waiting:
+        assert asyncio.get_running_loop().time() < deadline, "the export never reached the source"
+        await asyncio.sleep(0.01)
+
+
 async def test_an_import_nobody_resumes_is_freed_and_a_resume_of_an_unknown_session_opens_afresh(
         spec, monkeypatch) -> None:
     monkeypatch.setattr(kv_transfer, "PARK_S", 0.2)
