@@ -354,7 +354,7 @@ class Generation(_Request):
                     hand_off.move.cancel()
 
     async def _session_tokens(self, live: _Live, session_id: str, tokens_left: int | None,
-                      hand_off: _HandOff | None) -> AsyncIterator[int]:
+                              hand_off: _HandOff | None) -> AsyncIterator[int]:
         """The session's tokens until its last (or, handing off or held, until it must move)."""
         while True:
             event = await self._origin.next_event(live, session_id)
