@@ -485,6 +485,8 @@ def weight_fetch_from_pb(msg: pb.WeightFetch) -> tuple[str, str, tuple[WeightChu
     """(model id, revision, the chunks asked for)."""
     if not msg.model_id:
         raise InvalidInput("weight_fetch.model_id is empty")
+    if not re.fullmatch(r"[0-9a-f]{64}", msg.revision):   # it names a folder on the server: hex only
+        raise InvalidInput("weight_fetch.revision is not a hex sha256")
     return msg.model_id, msg.revision, _weight_chunks_from_pb(msg.chunks)
 
 

@@ -322,8 +322,9 @@ def test_weights_progress_and_manifests_round_trip() -> None:
                                WeightChunk("model.safetensors", 8, 91, b"\x02" * 32)), 80, ("10.0.0.2:7001",))
     assert convert.weight_manifest_from_pb(pb.WeightManifest.FromString(
         convert.weight_manifest_to_pb(manifest).SerializeToString())) == manifest
-    model_id, revision, chunks = convert.weight_fetch_from_pb(convert.weight_fetch_to_pb("m", "r", manifest.chunks))
-    assert (model_id, revision, chunks) == ("m", "r", manifest.chunks)
+    model_id, revision, chunks = convert.weight_fetch_from_pb(convert.weight_fetch_to_pb("m", "ab" * 32,
+                                                                                          manifest.chunks))
+    assert (model_id, revision, chunks) == ("m", "ab" * 32, manifest.chunks)
 
 
 @pytest.mark.parametrize("convert_from, message, match", [
@@ -334,10 +335,11 @@ def test_weights_progress_and_manifests_round_trip() -> None:
      "sources"),
     (convert.weight_manifest_from_pb, pb.WeightManifest(model_id="m", revision="ab" * 32, chunks=[
         pb.WeightChunk(file="model.safetensors", offset=0, length=4, sha256=bytes(32))]), "outside"),
-    (convert.weight_fetch_from_pb, pb.WeightFetch(model_id="m", chunks=[
+    (convert.weight_fetch_from_pb, pb.WeightFetch(model_id="m", revision="ab" * 32, chunks=[
         pb.WeightChunk(file="/etc/passwd", offset=0, length=4, sha256=bytes(32))]), "plain file name"),
+    (convert.weight_fetch_from_pb, pb.WeightFetch(model_id="m", revision="../../etc"), "revision"),
     (convert.weight_manifest_request_from_pb, pb.WeightManifestRequest(), "model_id"),
-], ids=["no-assignment", "over-total", "bad-source", "chunk-outside", "path", "no-model"])
+], ids=["no-assignment", "over-total", "bad-source", "chunk-outside", "path", "revision", "no-model"])
 def test_bad_weights_messages_are_rejected(convert_from, message, match) -> None:
     with pytest.raises(InvalidInput, match=match):
         convert_from(message)
