@@ -89,8 +89,9 @@ class WeightFetcher:
         self.mode = mode
 
     def mirror_dir(self, model_id: str, revision: str) -> Path:
-        """Where the fetched copy of one checkpoint lives (a model id is the operator's: only safe characters)."""
-        return self.root / re.sub(r"[^A-Za-z0-9._-]", "_", model_id)[:100] / revision[:16]
+        """Where the fetched copy of one checkpoint lives: a model id (a peer's request names it) becomes one plain
+        folder name, never "." or ".."."""
+        return self.root / re.sub(r"[^A-Za-z0-9_-]", "_", model_id)[:100] / revision[:16]
 
     def needs_fetch(self, spec: StageSpec) -> bool:
         return self.mode == "always" or not (Path(spec.model_path) / CONFIG_FILE).is_file()

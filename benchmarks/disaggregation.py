@@ -21,27 +21,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_routing import ready_replicas, serve
+from kv_routing import FULL, QUICK, serve, start_replicas
 from stratamesh.bench.datasets import BenchRequest, regular_token_ids
-from stratamesh.bench.metrics import BenchMetrics, compute_metrics, latency_stats, percentile
+from stratamesh.bench.metrics import BenchMetrics, compute_metrics, latency_stats
 from stratamesh.bench.serve import run_requests
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.tiny_model import write_tiny_model
 
-log = logging.getLogger("disaggregation")
-FULL = {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4}
-QUICK = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2}
 RUNS = ("whole", "disaggregated")
 
 
@@ -56,20 +50,10 @@ def mixed_requests(vocab: list[int], args: argparse.Namespace) -> list[BenchRequ
     return requests
 
 
-def start_mesh(model_dir: Path, run: str, args: argparse.Namespace, timeout_s: float = 300.0) -> LocalMesh:
-    coordinator_args = ["--replicas", "2"]
-    if run == "disaggregated":
-        coordinator_args += ["--prefill-replicas", "1", "--disagg-min-prompt", str(args.min_prompt)]
-    mesh = LocalMesh(str(model_dir), num_agents=2, num_stages=1, threads_per_agent=1,
-                     coordinator_args=coordinator_args, agent_args=["--kv-cache-gib", str(args.kv_cache_gib)])
-    mesh.start()
-    deadline = time.monotonic() + timeout_s
-    while ready_replicas(mesh) < 2:
-        if time.monotonic() > deadline:
-            mesh.stop()
-            raise SystemExit(f"the {run} mesh did not get both replicas ready in {timeout_s:.0f} s")
-        time.sleep(0.2)
-    return mesh
+def start_mesh(model_dir: Path, run: str, args: argparse.Namespace) -> LocalMesh:
+    """The run's mesh, once both replicas are ready: whole requests, or replica 0 prefilling for replica 1."""
+    split = ["--prefill-replicas", "1", "--disagg-min-prompt", str(args.min_prompt)] if run == "disaggregated" else []
+    return start_replicas(model_dir, run, split, ["--kv-cache-gib", str(args.kv_cache_gib)], threads_per_agent=1)
 
 
 def counters(mesh: LocalMesh) -> dict[str, float]:

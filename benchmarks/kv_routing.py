@@ -43,17 +43,23 @@ QUICK = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_head
 TARGET_P50 = 0.5
 
 
-def start_mesh(model_dir: Path, mode: str, kv_cache_gib: float, timeout_s: float = 300.0) -> LocalMesh:
+def start_mesh(model_dir: Path, mode: str, kv_cache_gib: float) -> LocalMesh:
     """A mesh serving the model as 2 replicas of 1 stage, routing by mode, once both replicas are ready."""
-    mesh = LocalMesh(str(model_dir), num_agents=2, num_stages=1,
-                     coordinator_args=["--replicas", "2", "--router-mode", mode],
-                     agent_args=["--kv-cache-gib", str(kv_cache_gib)])
+    return start_replicas(model_dir, mode, ["--router-mode", mode], ["--kv-cache-gib", str(kv_cache_gib)])
+
+
+def start_replicas(model_dir: Path, name: str, coordinator_args: list[str], agent_args: list[str],
+                   threads_per_agent: int = 0, timeout_s: float = 300.0) -> LocalMesh:
+    """A mesh of 2 agents serving the model as 2 replicas of 1 stage (coordinator_args added to `--replicas 2`),
+    once both replicas are ready; name says which mesh failed to get there."""
+    mesh = LocalMesh(str(model_dir), num_agents=2, num_stages=1, threads_per_agent=threads_per_agent,
+                     coordinator_args=["--replicas", "2", *coordinator_args], agent_args=agent_args)
     mesh.start()
     deadline = time.monotonic() + timeout_s
     while ready_replicas(mesh) < 2:
         if time.monotonic() > deadline:
             mesh.stop()
-            raise SystemExit(f"the {mode} mesh did not get both replicas ready in {timeout_s:.0f} s")
+            raise SystemExit(f"the {name} mesh did not get both replicas ready in {timeout_s:.0f} s")
         time.sleep(0.2)
     return mesh
 

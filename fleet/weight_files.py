@@ -6,6 +6,8 @@ ranges a stage needs hold bytes (the rest are holes, which the file system does 
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import os
@@ -190,8 +192,20 @@ class Mirror:
                     f.truncate(file.size)
 
     def missing(self, chunks: Iterable[WeightChunk]) -> list[WeightChunk]:
-        """The chunks this copy does not hold as hashed."""
-        return [c for c in chunks if read_verified([self.root], c) is None]
+        """The chunks this copy does not hold as hashed. A chunk that lies in a hole (never written) is zeros: it is
+        held only if zeros are what it must hash to, and it is not read (a new copy of a large stage is all holes)."""
+        return [c for c in chunks if not self._holds(c)]
+
+    def _holds(self, chunk: WeightChunk) -> bool:
+        path = self.root / chunk.file
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < chunk.end:
+                return False
+            if _in_hole(f.fileno(), chunk.offset, chunk.end):
+                return chunk.sha256 == _zeros_sha256(chunk.length)
+            return hashlib.sha256(os.pread(f.fileno(), chunk.length, chunk.offset)).digest() == chunk.sha256
 
     def write(self, chunk: WeightChunk, data: bytes) -> bool:
         """Writes the chunk if data hashes as it should; False (nothing written) if it does not."""
@@ -203,3 +217,16 @@ class Mirror:
         finally:
             os.close(fd)
         return True
+
+
+def _in_hole(fd: int, start: int, end: int) -> bool:
+    """Whether bytes [start, end) of the file lie in a hole; False where the file system cannot say."""
+    try:
+        return os.lseek(fd, start, os.SEEK_DATA) >= end
+    except OSError as e:        # ENXIO: no data from start to the end of the file
+        return e.errno == errno.ENXIO
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros_sha256(length: int) -> bytes:
+    return hashlib.sha256(bytes(length)).digest()

@@ -109,8 +109,7 @@ class Deployer:
 
     def role(self, plan: PlanRecord) -> str:
         """What a replica's plan serves under prefill/decode disaggregation: "prefill" or "decode"; "" when off."""
-        rules = self._routes.disaggregation
-        return ("prefill" if rules.prefills(plan) else "decode") if rules.prefill_replicas else ""
+        return self._routes.disaggregation.role(plan)
 
     def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
                       avoid: Collection[str] = ()) -> list[Hop] | None:

@@ -41,6 +41,10 @@ class Disaggregation:
     def prefills(self, plan: PlanRecord) -> bool:
         return plan.replica < self.prefill_replicas
 
+    def role(self, plan: PlanRecord) -> str:
+        """What the plan's replica serves: "prefill" or "decode"; "" when disaggregation is off."""
+        return ("prefill" if self.prefills(plan) else "decode") if self.prefill_replicas else ""
+
 
 class Routes:
     """The models ready to serve and the route through each: a model is ready once every stage of one of its

@@ -43,6 +43,9 @@ def test_agents_without_the_folder_fetch_only_their_layers_and_serve_exactly(tin
             assert w["tensor_bytes"] == stored_bytes(model_dir, names)     # its layers' bytes, and no others
             assert w["fetched_bytes"] == w["total_bytes"] and w["reused_bytes"] == 0
             assert 0 < w["total_bytes"] - w["tensor_bytes"] < 64 * 1024   # the file header and config.json
+            print(f"\nstage [{stage['start_layer']}, {stage['end_layer']}): fetched {w['fetched_bytes']:,} bytes, "
+                  f"its tensors {w['tensor_bytes']:,} (header and config.json: "
+                  f"{w['total_bytes'] - w['tensor_bytes']:,})")
         prompt = list(range(3, 40))
         assert complete_ids(mesh, model_dir, prompt, 16) == greedy_tokens(model_dir, prompt, 16)
         logs = "".join((tmp_path / "logs" / f"agent{i}.log").read_text() for i in range(2))
