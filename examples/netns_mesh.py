@@ -3,13 +3,14 @@
     sudo .venv/bin/python examples/netns_mesh.py                  # agents find the coordinator by zeroconf
     sudo .venv/bin/python examples/netns_mesh.py --no-zeroconf    # ... or dial its address, as across a WAN
 
-Every "host" is a network namespace with one address on a shared bridge; the bridge sits in a namespace of
-its own, so nothing here touches the machine's real network:
+Every "host" is a network namespace with one address on a shared bridge (fleet/netbed.py, the WAN test bed,
+with every cable a LAN here); the bridge sits in a namespace of its own, so nothing here touches the machine's
+real network:
 
-    PREFIX-br       br0, the bridge (a switch: no address)
-    PREFIX-coord    10.77.0.1    the coordinator: HTTP on :8000, gRPC (mTLS) on :50051, enrollment on :50052
-    PREFIX-client   10.77.0.2    an application host that calls the API
-    PREFIX-h1 ...   10.77.0.11 ...  one agent each
+    PREFIX-wan      wan0, the bridge (a switch: no address)
+    PREFIX-coord    10.77.0.11   the coordinator: HTTP on :8000, gRPC (mTLS) on :50051, enrollment on :50052
+    PREFIX-client   10.77.0.12   an application host that calls the API
+    PREFIX-h1 ...   10.77.0.13 ...  one agent each
 
 Each agent enrolls with a join token made by `stratamesh token create`, and from then on every gRPC
 call between the hosts is mutual TLS; the client host sends an API key (made in the coordinator's registry)
@@ -35,57 +36,11 @@ import httpx
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.registry import Registry
+from stratamesh.fleet.netbed import WAN_SUBNET, Host, Netbed, NetbedUnavailable, check_can_build
 from stratamesh.sdk.local import builtin_model_dir
 
 SKIP = 77                  # exit status when this machine cannot run the example (the automake "skipped" code)
-SUBNET = "10.77.0"
 HTTP_PORT, GRPC_PORT, ENROLL_PORT = 8000, 50051, 50052   # fixed ports are fine: each namespace has its own
-COORDINATOR = f"{SUBNET}.1"
-
-
-def ip(*args: str) -> None:
-    """Runs one `ip` command; raises with its message if it fails."""
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-class Network:
-    """Namespaces joined by a bridge that lives in a namespace of its own; close() deletes every one."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self.bridge_ns = f"{prefix}-br"
-        self.namespaces: list[str] = []
-
-    def create(self) -> None:
-        self._add_namespace(self.bridge_ns)
-        ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-
-    def add_host(self, label: str, address: str) -> str:
-        """A namespace whose eth0 (address/24) is plugged into the bridge; returns its name."""
-        ns = f"{self.prefix}-{label}"
-        self._add_namespace(ns)
-        # A veth pair is a cable: one end (named label) in the bridge's namespace, the other (eth0) in the host's.
-        ip("-n", self.bridge_ns, "link", "add", label, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        ip("-n", self.bridge_ns, "link", "set", label, "master", "br0", "up")
-        ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-        ip("-n", ns, "link", "set", "eth0", "up")
-        ip("-n", ns, "link", "set", "lo", "up")    # tensor-parallel ranks and local tools talk over loopback
-        return ns
-
-    def close(self) -> None:
-        """Deletes the namespaces; their veths and the bridge go with them."""
-        for ns in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.namespaces.clear()
-
-    def leftovers(self) -> list[str]:
-        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return [line.split()[0] for line in listing.splitlines() if line.startswith(f"{self.prefix}-")]
-
-    def _add_namespace(self, ns: str) -> None:
-        ip("netns", "add", ns)
-        self.namespaces.append(ns)
 
 
 class Processes:
@@ -95,10 +50,10 @@ class Processes:
         self.log_dir = log_dir
         self.running: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, ns: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, name: str, host: Host, args: list[str], env: dict[str, str] | None = None) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.running[name] = subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "stratamesh.cli", *args],
+                host.command([sys.executable, "-m", "stratamesh.cli", *args]),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
 
     def check_alive(self) -> None:
@@ -124,26 +79,11 @@ class Processes:
             print(f"--- {name}.log (last {len(lines)} lines)", *lines, sep="\n", file=sys.stderr)
 
 
-def cannot_run(prefix: str) -> str | None:
-    """Why this machine cannot run the example, or None."""
-    if sys.platform != "linux":
-        return "network namespaces are a Linux feature"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is missing"
-    probe = subprocess.run(["ip", "netns", "add", f"{prefix}-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:     # root in a container without CAP_SYS_ADMIN, say
-        return f"cannot create a network namespace here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", f"{prefix}-probe"], capture_output=True)
-    return None
-
-
-def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: Processes) -> int:
+def run_mesh(args: argparse.Namespace, prefix: str, network: Netbed, daemons: Processes) -> int:
     """Builds the network, starts the daemons and runs the client on its own host; returns its exit status."""
     network.create()
-    coordinator_ns = network.add_host("coord", COORDINATOR)
-    client_ns = network.add_host("client", f"{SUBNET}.2")
+    coordinator = network.add_host("coord")
+    client_host = network.add_host("client")
     db = str(daemons.log_dir / "registry.db")
     # On the coordinator's box, before it starts: this makes the mesh's CA and a join token for the agents.
     token = subprocess.run([sys.executable, "-m", "stratamesh.cli", "token", "create", "--db", db, "--create",
@@ -151,24 +91,26 @@ def run_mesh(args: argparse.Namespace, prefix: str, network: Network, daemons: P
                            check=True, capture_output=True, text=True).stdout.split()[0]
     api_key = create_api_key(db)
     # Each daemon listens on, advertises and runs zeroconf on its own host's address.
-    daemons.start("coordinator", coordinator_ns, [
-        "coordinator", "--mesh", prefix, "--db", db, "--host", COORDINATOR, "--interface", COORDINATOR,
+    address = coordinator.address
+    daemons.start("coordinator", coordinator, [
+        "coordinator", "--mesh", prefix, "--db", db, "--host", address, "--interface", address,
         "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT), "--enroll-port", str(ENROLL_PORT),
         "--model", builtin_model_dir(), "--stages", str(args.agents)])
     for index in range(1, args.agents + 1):
-        address = f"{SUBNET}.{10 + index}"
-        dial = (["--coordinator", f"{COORDINATOR}:{GRPC_PORT}", "--enroll", f"{COORDINATOR}:{ENROLL_PORT}"]
+        host = network.add_host(f"h{index}")
+        dial = (["--coordinator", f"{address}:{GRPC_PORT}", "--enroll", f"{address}:{ENROLL_PORT}"]
                 if args.no_zeroconf else [])
-        daemons.start(f"agent-h{index}", network.add_host(f"h{index}", address), [
-            "agent", "--mesh", prefix, "--name", f"h{index}", "--host", address, "--interface", address,
+        daemons.start(f"agent-h{index}", host, [
+            "agent", "--mesh", prefix, "--name", f"h{index}", "--host", host.address, "--interface", host.address,
             "--threads", "1", "--state-dir", str(daemons.log_dir / f"h{index}"), *dial],
             env={"STRATAMESH_JOIN_TOKEN": token})
-    print(f"{args.agents + 2} hosts on {SUBNET}.0/24; daemons starting (logs in {daemons.log_dir}) ...", flush=True)
+    print(f"{args.agents + 2} hosts on {WAN_SUBNET}.0/24; daemons starting (logs in {daemons.log_dir}) ...",
+          flush=True)
 
     # The client runs this same file on the client host; it reaches only the coordinator's address.
-    client = subprocess.Popen(["ip", "netns", "exec", client_ns, sys.executable, __file__, "--client-of",
-                               f"http://{COORDINATOR}:{HTTP_PORT}", "--agents", str(args.agents),
-                               "--timeout", str(args.timeout)], env={**os.environ, "STRATAMESH_API_KEY": api_key})
+    client = subprocess.Popen(client_host.command([sys.executable, __file__, "--client-of", f"http://{address}:{HTTP_PORT}",
+                                                   "--agents", str(args.agents), "--timeout", str(args.timeout)]),
+                              env={**os.environ, "STRATAMESH_API_KEY": api_key})
     try:
         while client.poll() is None:
             daemons.check_alive()
@@ -230,7 +172,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def run_and_tear_down(args: argparse.Namespace, prefix: str) -> int:
     """Runs the mesh; whatever happens (an error, Ctrl-C, a kill), stops every process and deletes every namespace."""
     signal.signal(signal.SIGTERM, _interrupt)   # `kill` tears down as Ctrl-C does
-    network = Network(prefix)
+    network = Netbed(prefix)
     daemons = Processes(Path(tempfile.mkdtemp(prefix=f"{prefix}-logs-")))
     status = 1
     try:
@@ -240,7 +182,7 @@ def run_and_tear_down(args: argparse.Namespace, prefix: str) -> int:
         status = 130
     except subprocess.CalledProcessError as exc:
         print(f"failed: {' '.join(exc.cmd)}: {exc.stderr.strip()}", file=sys.stderr)
-    except RuntimeError as exc:
+    except (RuntimeError, NetbedUnavailable) as exc:
         print(f"failed: {exc}", file=sys.stderr)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):   # a second Ctrl-C must not cut the teardown short
@@ -274,8 +216,9 @@ def main() -> None:
             sys.exit(130)
 
     prefix = f"sm-{secrets.token_hex(3)}"   # unique: parallel runs never share a namespace
-    reason = cannot_run(prefix)
-    if reason:
+    try:
+        check_can_build(prefix)
+    except NetbedUnavailable as reason:
         print(f"skipped: {reason}", file=sys.stderr)
         sys.exit(SKIP)
     print(f"namespaces: {prefix}-*", flush=True)

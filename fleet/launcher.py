@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.netbed import Host
 from stratamesh.fleet.state import make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
 from stratamesh.fleet.supervisor import Supervisor
@@ -64,6 +65,11 @@ class LocalMesh:
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
     coordinator_args: list[str] = field(default_factory=list)   # appended to the coordinator's command line
+    # On a test bed (fleet/netbed.py): the hosts the coordinator and agents (by index) run on; None / absent: this
+    # machine's loopback. An agent finds the coordinator by zeroconf only on the same site as it (the multicast
+    # stays inside a site); across the WAN it dials the coordinator's address.
+    coordinator_host: Host | None = None
+    agent_hosts: dict[int, Host] = field(default_factory=dict)
     coordinator: subprocess.Popen | None = None
     agents: list[subprocess.Popen] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
@@ -107,11 +113,13 @@ class LocalMesh:
         args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
+        if self.coordinator_host is not None:
+            args += _on_host(self.coordinator_host)
         if self.insecure:
             args += ["--insecure"]
         elif bootstrap:    # a join token, operator key and admin password: those in the file that still work, or new
             args += ["--bootstrap-file", self._bootstrap_path()]
-        self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args])
+        self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args], host=self.coordinator_host)
         self.url, self.grpc_address, self.enroll_address = self._await_line(
             self.coordinator, _COORDINATOR_LINE, timeout_s)
         if not self.insecure:   # what the coordinator wrote at start: a join token and an operator key
@@ -212,17 +220,27 @@ class LocalMesh:
         share = GPU_MEMORY_UTILIZATION / max(self.num_agents, 1)
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--agent-id", self.agent_ids[index],
                 "--threads", str(threads), "--gpu-memory-utilization", f"{share:.4f}"]
-        if not self.use_zeroconf:
+        host = self.agent_hosts.get(index)
+        if host is not None:
+            args += [*_on_host(host), *_site_of(host)]
+        if not self.use_zeroconf or not self._same_site(host):
             args += ["--coordinator", self.grpc_address, "--enroll", self.enroll_address]
         args += ["--insecure"] if self.insecure else ["--state-dir", self.agent_state_dir(index)]
         env = {"STRATAMESH_JOIN_TOKEN": self.join_token} if self.join_token else {}
         process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])],
-                              env)
+                              env, host)
         if index < len(self.agents):
             self.agents[index] = process
         else:
             self.agents.append(process)
         return process
+
+    def _same_site(self, host: Host | None) -> bool:
+        """Whether an agent on host shares a LAN with the coordinator (both on loopback, or one test-bed site)."""
+        coordinator = self.coordinator_host
+        if host is None or coordinator is None:
+            return host is None and coordinator is None
+        return host.site == coordinator.site
 
     def wait_ready(self, timeout_s: float) -> None:
         """Waits until /health says every model is ready (LaunchError after timeout_s)."""
@@ -318,11 +336,13 @@ class LocalMesh:
     def _state(self) -> str:
         return str(make_private_dir(self.state_dir)) if self.state_dir else self._logs()
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               host: Host | None = None) -> subprocess.Popen:
         log_file = open(Path(self._logs(), f"{name}.log"), "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **(env or {})}
+        argv = [sys.executable, "-m", "stratamesh.cli", *args]
         process = subprocess.Popen(
-            [sys.executable, "-m", "stratamesh.cli", *args], env=env,
+            host.command(argv) if host is not None else argv, env=env,   # `ip netns exec` execs: same pid
             stdout=subprocess.PIPE, stderr=log_file, start_new_session=True)
         log_file.close()
         return process
@@ -343,17 +363,31 @@ class LocalMesh:
         deadline = time.monotonic() + timeout_s
         while not found and time.monotonic() < deadline:
             if process.poll() is not None:
-                raise LaunchError(f"{process.args[3]} exited with {process.returncode}; "
-                                  f"see {self.log_dir}")
+                raise LaunchError(f"{_role(process)} exited with {process.returncode}; see {self.log_dir}")
             time.sleep(0.05)
         if not found:
-            raise LaunchError(f"{process.args[3]} printed no address in {timeout_s:.0f} s")
+            raise LaunchError(f"{_role(process)} printed no address in {timeout_s:.0f} s")
         return found[0]
 
     def _check_alive(self) -> None:
         for process in [self.coordinator, *self.agents]:
             if process is not None and process.poll() is not None:
                 raise LaunchError(f"a mesh process exited with {process.returncode}; see {self.log_dir}")
+
+
+def _on_host(host: Host) -> list[str]:
+    """A daemon's flags to listen on, advertise and run zeroconf on a test-bed host's address."""
+    return ["--host", host.address, "--interface", host.address]
+
+
+def _site_of(host: Host) -> list[str]:
+    """An agent's --site: the test-bed site its host is on (none for a host on the WAN itself)."""
+    return ["--site", host.site] if host.site else []
+
+
+def _role(process: subprocess.Popen) -> str:
+    """"coordinator" or "agent": the command a mesh process was started with."""
+    return process.args[process.args.index("stratamesh.cli") + 1]
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:
