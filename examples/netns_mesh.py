@@ -8,9 +8,9 @@ with every cable a LAN here); the bridge sits in a namespace of its own, so noth
 real network:
 
     PREFIX-wan      wan0, the bridge (a switch: no address)
-    PREFIX-coord    10.77.0.11   the coordinator: HTTP on :8000, gRPC (mTLS) on :50051, enrollment on :50052
-    PREFIX-client   10.77.0.12   an application host that calls the API
-    PREFIX-h1 ...   10.77.0.13 ...  one agent each
+    PREFIX-coord    10.77.N.11   the coordinator: HTTP on :8000, gRPC (mTLS) on :50051, enrollment on :50052
+    PREFIX-client   10.77.N.12   an application host that calls the API
+    PREFIX-h1 ...   10.77.N.13 ...  one agent each
 
 Each agent enrolls with a join token made by `stratamesh token create`, and from then on every gRPC
 call between the hosts is mutual TLS; the client host sends an API key (made in the coordinator's registry)
@@ -36,7 +36,7 @@ import httpx
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.netbed import WAN_SUBNET, Host, Netbed, NetbedUnavailable, check_can_build
+from stratamesh.fleet.netbed import Host, Netbed, NetbedUnavailable, check_can_build, stop_on_sigterm
 from stratamesh.sdk.local import builtin_model_dir
 
 SKIP = 77                  # exit status when this machine cannot run the example (the automake "skipped" code)
@@ -104,7 +104,7 @@ def run_mesh(args: argparse.Namespace, prefix: str, network: Netbed, daemons: Pr
             "agent", "--mesh", prefix, "--name", f"h{index}", "--host", host.address, "--interface", host.address,
             "--threads", "1", "--state-dir", str(daemons.log_dir / f"h{index}"), *dial],
             env={"STRATAMESH_JOIN_TOKEN": token})
-    print(f"{args.agents + 2} hosts on {WAN_SUBNET}.0/24; daemons starting (logs in {daemons.log_dir}) ...",
+    print(f"{args.agents + 2} hosts on {network.wan_subnet}.0/24; daemons starting (logs in {daemons.log_dir}) ...",
           flush=True)
 
     # The client runs this same file on the client host; it reaches only the coordinator's address.
@@ -165,13 +165,9 @@ def run_client(url: str, num_agents: int, timeout_s: float) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run_and_tear_down(args: argparse.Namespace, prefix: str) -> int:
     """Runs the mesh; whatever happens (an error, Ctrl-C, a kill), stops every process and deletes every namespace."""
-    signal.signal(signal.SIGTERM, _interrupt)   # `kill` tears down as Ctrl-C does
+    stop_on_sigterm()   # `kill` tears down as Ctrl-C does
     network = Netbed(prefix)
     daemons = Processes(Path(tempfile.mkdtemp(prefix=f"{prefix}-logs-")))
     status = 1

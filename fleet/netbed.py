@@ -1,9 +1,10 @@
 """A WAN test bed on one Linux box: hosts as network namespaces, WAN links emulated with tc netem, NAT'd sites.
 
-    PREFIX-wan   bridge wan0: the "internet" (10.77.0.0/24), in a namespace of its own
-      ├─ cloud hosts   10.77.0.11, .12 ...   each on its own cable, with the link profile it was given
-      ├─ this process  10.77.0.254           (attach_here: a LAN cable, so tests and benchmarks reach the hosts)
-      └─ site routers  10.77.0.21, .22 ...   one per site: its uplink cable carries the site's WAN profile
+    PREFIX-wan   bridge wan0: the "internet" (10.77.N.0/24, N the first subnet no route here uses), in a namespace
+      │          of its own
+      ├─ cloud hosts   10.77.N.11, .12 ...   each on its own cable, with the link profile it was given
+      ├─ this process  10.77.N.254           (attach_here: a LAN cable, so tests and benchmarks reach the hosts)
+      └─ site routers  10.77.N.201, .202 ... one per site: its uplink cable carries the site's WAN profile
            └─ bridge lan0 in the router's namespace (192.168.K.0/24, router 192.168.K.1), masquerade out:
                 edge hosts 192.168.K.11 ...   they dial out through the router and cannot be dialed
 
@@ -23,14 +24,14 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
 from stratamesh.fleet.errors import MeshError
 
-WAN_SUBNET = "10.77.0"
-HERE_ADDRESS = f"{WAN_SUBNET}.254"
+WAN_SUBNETS = "10.77"        # each bed's WAN is a /24 of this /16 that no route of this namespace uses yet
 MTU = 65000
 
 
@@ -133,6 +134,23 @@ def kernel_has_netem() -> bool:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
+def free_wan_subnet() -> str:
+    """The first 10.77.N (a /24) that no route in this process's namespace uses: another bed attached here
+    (a test running beside this one, say) keeps its own."""
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+    for n in range(256):
+        if f"{WAN_SUBNETS}.{n}.0/24" not in routes:
+            return f"{WAN_SUBNETS}.{n}"
+    raise NetbedUnavailable(f"every /24 of {WAN_SUBNETS}.0.0/16 is routed here already")
+
+
+def stop_on_sigterm() -> None:
+    """Makes SIGTERM raise KeyboardInterrupt, as Ctrl-C does, so that a `kill` tears a test bed down too."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def run(*argv: str) -> str:
     """Runs one command; raises NetbedUnavailable with its message if it fails, else returns its output."""
     result = subprocess.run(argv, capture_output=True, text=True)
@@ -147,6 +165,7 @@ class Netbed:
     def __init__(self, prefix: str):
         self.prefix = prefix                # names every namespace, and the cable in this process's namespace
         self.wan_ns = f"{prefix}-wan"
+        self.wan_subnet = ""                # "10.77.N", chosen by create()
         self.hosts: dict[str, Host] = {}
         self.sites: dict[str, Site] = {}
         self._namespaces: list[str] = []
@@ -161,6 +180,7 @@ class Netbed:
     def create(self) -> None:
         """Checks that this machine can build it, and makes the WAN; NetbedUnavailable says why not."""
         check_can_build(self.prefix)
+        self.wan_subnet = free_wan_subnet()
         self._add_namespace(self.wan_ns)
         self._bridge(self.wan_ns, "wan0")
 
@@ -170,7 +190,7 @@ class Netbed:
     def add_host(self, name: str, profile: LinkProfile = LAN) -> Host:
         """A host on the WAN (a cloud box, say) with a public address, on a cable shaped by profile."""
         self._num_wan_hosts += 1
-        host = Host(name, f"{self.prefix}-{name}", f"{WAN_SUBNET}.{10 + self._num_wan_hosts}")
+        host = Host(name, f"{self.prefix}-{name}", f"{self.wan_subnet}.{10 + self._num_wan_hosts}")
         self._add_namespace(host.namespace)
         self._cable(self.wan_ns, "wan0", _port(name), host.namespace, "eth0", f"{host.address}/24", profile)
         self.hosts[name] = host
@@ -180,7 +200,7 @@ class Netbed:
         """A NAT'd site: a router on the WAN whose uplink is shaped by profile, masquerading its LAN's hosts."""
         tool = nat_tool()
         index = len(self.sites) + 1
-        router = Host(f"{name}-router", f"{self.prefix}-{name}", f"{WAN_SUBNET}.{20 + index}", site=name)
+        router = Host(f"{name}-router", f"{self.prefix}-{name}", f"{self.wan_subnet}.{200 + index}", site=name)
         self._add_namespace(router.namespace)
         self._cable(self.wan_ns, "wan0", _port(name), router.namespace, "wan", f"{router.address}/24", profile)
         subnet = f"192.168.{index}"
@@ -203,16 +223,17 @@ class Netbed:
         return host
 
     def attach_here(self) -> str:
-        """Plugs this process's namespace into the WAN on a LAN cable (10.77.0.254) so that it can call the hosts'
+        """Plugs this process's namespace into the WAN on a LAN cable (10.77.N.254) so that it can call the hosts'
         services; returns the address. Only the test bed's subnet is routed through it."""
         name = f"{self.prefix}-op"
+        address = f"{self.wan_subnet}.254"
         run("ip", "link", "add", name, "type", "veth", "peer", "name", "op", "netns", self.wan_ns)
         run("ip", "-n", self.wan_ns, "link", "set", "op", "master", "wan0", "up")
-        run("ip", "addr", "add", f"{HERE_ADDRESS}/24", "dev", name)
+        run("ip", "addr", "add", f"{address}/24", "dev", name)
         run("ip", "link", "set", name, "mtu", str(MTU))
         run("ip", "-n", self.wan_ns, "link", "set", "op", "mtu", str(MTU))
         run("ip", "link", "set", name, "up")
-        return HERE_ADDRESS
+        return address
 
     def shape(self, name: str, profile: LinkProfile) -> None:
         """Re-shapes the cable of a WAN host or the uplink of a site (both directions) to profile."""
@@ -241,6 +262,12 @@ class Netbed:
         found = [line.split()[0] for line in namespaces.splitlines() if line.startswith(f"{self.prefix}-")]
         return found + [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
                         if line.split(":")[1].strip().startswith(f"{self.prefix}-")]
+
+    def close_leftovers(self) -> None:
+        """Deletes what leftovers() finds (what a process killed without its teardown left behind)."""
+        for name in self.leftovers():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
 
     # ------------------------------------------------------------ internals
     def _add_namespace(self, ns: str) -> None:

@@ -119,8 +119,13 @@ def test_ctrl_c_tears_the_bed_down(tmp_path: Path) -> None:
         "    print('ready', flush=True)\n"
         "    threading.Event().wait()\n")
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "ready"
-    assert len(Netbed(prefix).leftovers()) == 4            # the WAN, two hosts, and the cable here
-    process.send_signal(signal.SIGINT)
-    process.wait(timeout=30)
-    assert Netbed(prefix).leftovers() == []
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        assert len(Netbed(prefix).leftovers()) == 4        # the WAN, two hosts, and the cable here
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+        assert Netbed(prefix).leftovers() == []
+    finally:
+        process.kill()
+        process.wait()
+        Netbed(prefix).close_leftovers()
