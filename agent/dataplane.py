@@ -348,20 +348,23 @@ class StageService(pb_grpc.StageServicer):
             if address == self.address:     # the next step of a pipeline whose first stage is here too
                 self._inbox.put_nowait((message, time.time_ns()))
                 continue
-            self._send_to(self._next_stages, address, convert.stage_message_to_pb(message))
+            coded = "" if not isinstance(message, StepBatch) else (
+                message.hidden.dtype if message.hidden.codec == "raw" else message.hidden.codec)
+            self._send_to(self._next_stages, address, convert.stage_message_to_pb(message), coded)
         by_origin: dict[str, list[TokenEvent]] = {}
         for origin, event in outbox.events:
             by_origin.setdefault(origin, []).append(replace(event, sent_unix_ns=sent_ns) if sent_ns else event)
         for origin, events in by_origin.items():
             self._send_to(self._origins, origin, convert.token_batch_to_pb(events))
 
-    def _send_to(self, pool: StreamPool, address: str, message: pb.StageMessage | pb.TokenBatch) -> None:
+    def _send_to(self, pool: StreamPool, address: str, message: pb.StageMessage | pb.TokenBatch,
+                 codec: str = "") -> None:
         try:
             pool.get(address).send(message)
         except MeshError as exc:
             log.warning("could not send to %s: %s", address, exc)
             return
-        self.observer.sent(address, message.ByteSize())
+        self.observer.sent(address, message.ByteSize(), codec)
 
     # ------------------------------------------------------------ failures
     def _fail(self, session_id: str, exc: BaseException, outbox: Outbox, unreachable: str = "") -> None:

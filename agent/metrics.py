@@ -58,6 +58,10 @@ class AgentMetrics:
                                   ("peer",), registry=r)
         self.sent_messages = Counter("stratamesh:hop_messages", "Messages this agent sent to the next hop.",
                                      ("peer",), registry=r)
+        self.activation_bytes = Counter("stratamesh:link_activation_bytes",
+                                        "Bytes of activations this agent sent to a next stage, by the codec of the "
+                                        "link (float32, float16, bfloat16: raw in that dtype; int8: per-token).",
+                                        ("peer", "codec"), registry=r)
         self.load = LoadCollector()
         r.register(self.load)
 

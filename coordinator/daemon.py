@@ -31,7 +31,8 @@ from stratamesh.coordinator.control.routes import Disaggregation
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
-from stratamesh.coordinator.fleet_metrics import FleetCollector, OriginCollector, active_stages, hop_histogram
+from stratamesh.coordinator.fleet_metrics import (FleetCollector, LinkCodecCollector, OriginCollector, active_stages,
+                                                  hop_histogram)
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
@@ -88,6 +89,7 @@ class CoordinatorOptions:
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (control.routes)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (control.routes)
+    wire_codec: str = "auto"             # how activations cross links (partitioner/wire_codec.py)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -198,13 +200,14 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                     on_hop=last_hop.observe, on_unreachable=events.report_unreachable)
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
                         sessions=origin, events=events, router_mode=options.router_mode,
-                        disaggregation=options.disaggregation)
+                        disaggregation=options.disaggregation, wire_codec=options.wire_codec)
     deployer.start()
     for model in options.models:
         deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
                            model.num_replicas)
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
+    metrics.register(LinkCodecCollector(deployer.codec_links))
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)

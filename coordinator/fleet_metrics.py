@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -65,6 +65,25 @@ class OriginCollector(Collector):
                  "replica that decodes them.", s.num_handoffs),
                 ("stratamesh:handoff_kv_bytes", "Bytes of KV those hand-offs moved.", s.handoff_kv_bytes)):
             yield CounterMetricFamily(name, doc, value=value)
+
+
+# (model id, sending agent id, receiving agent id, codec) of every link between two stages of an active plan
+LinkCodecs = Callable[[], Iterable[tuple[str, str, str, str]]]
+
+
+class LinkCodecCollector(Collector):
+    """Which codec each link between two stages carries activations in, as an info gauge (1 per link and codec)."""
+
+    def __init__(self, links: LinkCodecs):
+        self._links = links
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily("stratamesh:link_codec", "The codec of a link between two stages: 1 for the one "
+                                  "it carries activations in (\"\" in codec: raw in the receiver's dtype).",
+                                  labels=("model_name", "sender", "receiver", "codec"))
+        for labels in sorted(set(self._links())):
+            gauge.add_metric(list(labels), 1)
+        yield gauge
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

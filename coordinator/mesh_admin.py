@@ -62,6 +62,7 @@ class MeshAdmin:
         out = []
         for model in self._registry.models():
             for plan in self._registry.live_plans(model.model_id):
+                codecs = self._deployer.link_codecs(plan) if self._deployer is not None else [""] * len(plan.stages)
                 out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                             "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
                             "replica": plan.replica,
@@ -74,7 +75,8 @@ class MeshAdmin:
                                         "quantize": s.spec.quantize, "state": s.state,
                                         "cached_blocks": self._cached_blocks(s.assignment_id),
                                         "weights": self._weights(s.assignment_id),
-                                        "predicted_step_s": _stage_step(plan.prediction, i)}
+                                        "predicted_step_s": _stage_step(plan.prediction, i),
+                                        "link_codec": codecs[i]}
                                        for i, s in enumerate(plan.stages)]})
         return out
 

@@ -298,7 +298,8 @@ def prediction(plan: Plan) -> dict[str, Any]:
     return {"tokens_per_s": round(pipeline.tokens_per_s, 1), "concurrency": KV_SEQUENCES * pipeline.micro_batches,
             "micro_batches": pipeline.micro_batches, "step_s": pipeline.step_s, "bottleneck_s": pipeline.bottleneck_s,
             "bottleneck": pipeline.bottleneck, "stage_step_s": [s.compute_s for s in pipeline.stages],
-            "stage_send_s": [s.send_s for s in pipeline.stages]}
+            "stage_send_s": [s.send_s for s in pipeline.stages], "stage_codecs": [s.codec for s in pipeline.stages],
+            "stage_send_bytes": [s.send_bytes for s in pipeline.stages]}
 
 
 def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, request: PlanRequest,

@@ -26,6 +26,9 @@ MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
 
 
+HOP_CODECS = ("", *DTYPES, "int8")
+
+
 def wire_dtype(sender: str, receiver: str) -> str:
     """The dtype activations travel in from a stage computing in sender to one computing in receiver: the
     receiver's, so it converts nothing, except that a float32 receiver gets the sender's narrower dtype (the
@@ -217,12 +220,14 @@ class TensorBlob:
 
 @dataclass(frozen=True, slots=True)
 class Hop:
-    """One stage of a route: where it listens, which assignment serves it there, and the dtype it computes in
-    (activations for it travel in that dtype; "" when unknown: the sender's own)."""
+    """One stage of a route: where it listens, which assignment serves it there, the dtype it computes in
+    (activations for it travel in that dtype; "" when unknown: the sender's own), and the codec of the link into it
+    (HOP_CODECS: "" raw in that dtype; a dtype: raw in that one; "int8": int8 with per-token scales)."""
 
     address: str
     assignment_id: str
     dtype: str = ""
+    codec: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,10 +262,14 @@ class LinkCosts:
         self.activation_values = request.step_tokens * profile.hidden_size
         self.token_bytes = request.step_tokens * TOKEN_ID_BYTES
 
+    def payload_bytes(self, wire: str) -> int:
+        """One step's activations, raw in dtype wire."""
+        return self.activation_values * DTYPE_BYTES[wire]
+
     def between(self, a: Unit, b: Unit) -> tuple[float, float]:
         """(transfer s, hop s) of activations from a's rank 0 to b's, in the dtype they travel in (wire_dtype)."""
         link = self.fleet.link(a.lead, b.lead)
-        payload = self.activation_values * DTYPE_BYTES[wire_dtype(a.dtype, b.dtype)]
+        payload = self.payload_bytes(wire_dtype(a.dtype, b.dtype))
         return payload / link.bandwidth, hop_s(link, payload)
 
     def origin(self, unit: Unit) -> tuple[float, float]:

@@ -71,6 +71,8 @@ class PlannedStage:
     headroom_bytes: int             # usable memory left on the tightest device of the group
     kv_budget_bytes: int            # the KV reserve inside memory_bytes (per rank)
     weights: str = ""               # what its matrices are stored in where not dtype: "int8" (StageSpec.quantize)
+    codec: str = ""                 # how its output crosses to the next stage: "" raw (wire_dtype), "float16", "int8"
+    send_bytes: int = 0             # its output of one step, raw in the dtype it travels in (0 on the last stage)
 
     @property
     def num_layers(self) -> int:
@@ -129,7 +131,7 @@ class Plan:
                     "devices": list(s.devices), "start_layer": s.start_layer, "end_layer": s.end_layer,
                     "backend": s.backend, "dtype": s.dtype, "compute_s": _round(s.compute_s),
                     "send_s": _round(s.send_s), "memory_bytes": s.memory_bytes,
-                    "headroom_bytes": s.headroom_bytes, "kv_budget_bytes": s.kv_budget_bytes,
+                    "headroom_bytes": s.headroom_bytes, "kv_budget_bytes": s.kv_budget_bytes, "codec": s.codec,
                 } for s in p.stages],
             } for p in self.pipelines],
         }

@@ -26,12 +26,14 @@ from dataclasses import replace
 import numpy as np
 
 from stratamesh.fleet.errors import PlacementError
+from stratamesh.fleet.types import wire_dtype
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.cost import LinkCosts, StageTables, Unit, group_link, group_unit, single_unit
 from stratamesh.partitioner.fleet_snapshot import FleetSnapshot
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.profile import ModelProfile
 from stratamesh.partitioner.search import Costs, Split, every_order, fixed_order
+from stratamesh.partitioner.wire_codec import choose_codec
 
 EXACT_UNITS = 8           # every ordered subset of this many units: 2^8 x 8 states
 MAX_CANDIDATES = 32       # a fleet of at most this many units keeps them all; a larger one keeps ...
@@ -303,13 +305,20 @@ def _pipeline(units: list[Unit], ranges: list[tuple[int, int]], tables: StageTab
     units = [tables.best(unit, a, b) for unit, (a, b) in zip(units, ranges, strict=True)]
     for k, (unit, (a, b)) in enumerate(zip(units, ranges, strict=True)):
         compute = tables.time_of(unit, a, b)
-        transfer, hop = links.between(unit, units[k + 1]) if k + 1 < len(units) else links.origin(unit)
+        codec, send_bytes = "", 0
+        if k + 1 < len(units):
+            transfer, hop = links.between(unit, units[k + 1])
+            # priced raw, as the search priced it; a narrower codec only makes the link faster than predicted
+            wire = wire_dtype(unit.dtype, units[k + 1].dtype)
+            codec, send_bytes = choose_codec(wire, transfer, compute), links.payload_bytes(wire)
+        else:
+            transfer, hop = links.origin(unit)
         memory = int(tables.memory_of(unit)[a, b])       # per rank
         stages.append(PlannedStage(
             devices=tuple(d.id for d in unit.devices), start_layer=a, end_layer=b, backend=unit.speed.backend,
             dtype=unit.dtype, compute_s=compute, send_s=transfer, memory_bytes=memory,
             headroom_bytes=unit.memory_bytes - memory, kv_budget_bytes=tables.kv_reserve(unit, a, b),
-            weights=unit.weights))
+            weights=unit.weights, codec=codec, send_bytes=send_bytes))
         step += compute + hop
         where = f"stage {k} ({unit.id}, layers {a}-{b})"
         slowest = max(slowest, (compute, f"compute of {where}"),

@@ -21,6 +21,7 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
 from stratamesh.fleet.types import AGENT_RUNTIMES, DEFAULT_ROUTER_MODE, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
+from stratamesh.partitioner.wire_codec import WIRE_CODECS
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 
 if TYPE_CHECKING:
@@ -107,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
                                   "work ahead of its prompt, counting what the replicas' prefix caches hold (kv); "
                                   "in turn (round-robin); or the one whose busiest stage runs and queues the fewest "
                                   "sequences (least-load)")
+    coordinator.add_argument("--wire-codec", choices=WIRE_CODECS, default="auto",
+                             help="how activations cross each link between stages: the most exact codec whose "
+                                  "transfer stays within a tenth of the sending stage's step, from the links' "
+                                  "measured bandwidth (auto: raw in the receiver's dtype, then float16, then int8 "
+                                  "with per-token scales); or one codec on every link")
     coordinator.add_argument("--prefill-replicas", type=_int_in(0, MAX_REPLICAS), default=0, metavar="N",
                              help="prefill/decode disaggregation: the first N replicas prefill long prompts, whose "
                                   "KV then moves over gRPC to the replica the router picked to decode them; the "
@@ -322,7 +328,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
         insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
-        router_mode=args.router_mode,
+        router_mode=args.router_mode, wire_codec=args.wire_codec,
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))

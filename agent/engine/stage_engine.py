@@ -279,8 +279,9 @@ class StageEngine:
             outbox.stage_messages.append((address, StepChunks(tuple(chunks))))
 
     def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
-        """The step's hidden rows to each session's next stage, one message per next stage, in the dtype that stage
-        computes in (wire_dtype: cast here, on this stage's device, before the copy to the host)."""
+        """The step's hidden rows to each session's next stage, one message per next stage, in the hop's codec: raw in
+        the dtype that stage computes in (wire_dtype) or the one the hop names, or int8 with per-token scales (cast
+        here, on this stage's device, before the copy to the host)."""
         groups: dict[Hop, tuple[list[StepChunk], list[torch.Tensor]]] = {}
         row = 0
         for chunk in batch.chunks:
@@ -292,8 +293,10 @@ class StageEngine:
             row += length
         for hop, (chunks, rows) in groups.items():
             hidden = rows[0] if len(rows) == 1 else torch.cat(rows)
-            travels = codec.TORCH_DTYPES[wire_dtype(self.assignment.stage.dtype, hop.dtype)]
-            hidden = codec.encode(hidden if hidden.dtype == travels else hidden.to(travels))
+            travels = codec.TORCH_DTYPES[hop.codec if hop.codec in codec.TORCH_DTYPES
+                                         else wire_dtype(self.assignment.stage.dtype, hop.dtype)]
+            hidden = codec.encode(hidden if hidden.dtype == travels else hidden.to(travels),
+                                  "int8" if hop.codec == "int8" else "raw")
             outbox.stage_messages.append((hop.address, StepBatch(tuple(chunks), hidden)))
 
 

@@ -37,12 +37,13 @@ class Deployer:
     def __init__(self, registry: Registry, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
                  origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None,
-                 router_mode: str = DEFAULT_ROUTER_MODE, disaggregation: Disaggregation = Disaggregation()):
+                 router_mode: str = DEFAULT_ROUTER_MODE, disaggregation: Disaggregation = Disaggregation(),
+                 wire_codec: str = "auto"):
         self._registry = registry
         self._clock = clock
         self._sessions = sessions
         self._roster = Roster(registry, clock, liveness, link_probe_every_s)
-        self._routes = Routes(registry, self._roster, router_mode, sessions, clock, disaggregation)
+        self._routes = Routes(registry, self._roster, router_mode, sessions, clock, disaggregation, wire_codec)
         self._drains = Drains(registry, clock, self._roster)
         self._plans = Plans(registry, clock, self._roster, self._routes, self._drains, sessions, origin_host)
         self._events = events or ControlEvents()
@@ -106,6 +107,17 @@ class Deployer:
 
     def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = ()) -> tuple[list[Hop], int]:
         return self._routes.route(model_id, avoid, token_ids)
+
+    def link_codecs(self, plan: PlanRecord) -> list[str]:
+        """The codec of the link into each stage of plan, as routes through it use now (control.routes.hop_codecs)."""
+        return self._routes.link_codecs(plan)
+
+    def codec_links(self) -> list[tuple[str, str, str, str]]:
+        """(model id, sender agent id, receiver agent id, codec) of every link between two stages of an active
+        plan."""
+        return [(plan.model_id, sender.agent_id, receiver.agent_id, codec)
+                for model in self._registry.models() for plan in self._registry.active_plans(model.model_id)
+                for sender, receiver, codec in zip(plan.stages, plan.stages[1:], self.link_codecs(plan)[1:])]
 
     def role(self, plan: PlanRecord) -> str:
         """What a replica's plan serves under prefill/decode disaggregation: "prefill" or "decode"; "" when off."""

@@ -52,6 +52,8 @@ class Roster:
         self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
         self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
         self._pruned_at = float("-inf")
+        # (from, to) agent ids -> the newest measured bandwidth of that link (bytes/s), as the registry keeps them
+        self._bandwidths = {(r.agent_id, r.peer_id): r.bandwidth_bytes_per_s for r in registry.links()}
 
     def start(self, now: float) -> None:
         """After a (re)start no agent is connected until it says so."""
@@ -190,8 +192,14 @@ class Roster:
         """Stores an agent's link measurements for the planner and the operator."""
         self._registry.record_links(agent_id, links, self._clock())
         for m in links:
-            if m.error:
+            if not m.error:
+                self._bandwidths[agent_id, m.peer_agent_id] = m.bandwidth_bytes_per_s
+            else:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
+
+    def bandwidth(self, sender: str, receiver: str) -> float | None:
+        """The newest measured bandwidth (bytes/s) from sender to receiver (or, unmeasured, the other way); None."""
+        return self._bandwidths.get((sender, receiver)) or self._bandwidths.get((receiver, sender))
 
     def tick(self) -> None:
         """Prunes old telemetry, and re-probes links when due."""

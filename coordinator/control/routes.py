@@ -4,9 +4,11 @@ of a model's ready replicas (--router-mode)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stratamesh.coordinator.control.events import NoSessions, RouteWork, Sessions
 from stratamesh.coordinator.control.models import find_model
@@ -15,7 +17,8 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.registry import PlanRecord, Registry
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
-from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents
+from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents, wire_dtype
+from stratamesh.partitioner.wire_codec import check_policy, choose_codec
 
 # kv mode weighs a generation decoding on a replica as this many prompt tokens to prefill there: each decode
 # step of the batch costs about one token's compute per sequence, and a prefill takes a few such steps.
@@ -46,6 +49,31 @@ class Disaggregation:
         return ("prefill" if self.prefills(plan) else "decode") if self.prefill_replicas else ""
 
 
+def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], float | None]) -> list[str]:
+    """The codec of the link into each stage of plan: none into the first (token ids); into each other, policy where
+    it names one, else the most exact that keeps the link within its share of the sending stage's predicted step
+    (partitioner/wire_codec.py) at the link's newest measured bandwidth; unmeasured, what the planner chose."""
+    num_links = len(plan.stages) - 1
+    if policy != "auto":
+        return ["", *[policy] * num_links]
+    codecs = [""]
+    for k, (sender, receiver) in enumerate(itertools.pairwise(plan.stages)):
+        measured = bandwidth(sender.agent_id, receiver.agent_id)
+        step_s, send_bytes = (_predicted(plan, name, k) for name in ("stage_step_s", "stage_send_bytes"))
+        if measured and step_s and send_bytes:
+            wire = wire_dtype(sender.spec.dtype, receiver.spec.dtype)
+            codecs.append(choose_codec(wire, send_bytes / measured, step_s))
+        else:
+            codecs.append(_predicted(plan, "stage_codecs", k) or "")
+    return codecs
+
+
+def _predicted(plan: PlanRecord, name: str, index: int) -> Any:
+    """One stage's figure of the plan's prediction; None where it has none (a plan stored before it had them)."""
+    values = plan.prediction.get(name) or ()
+    return values[index] if index < len(values) else None
+
+
 class Routes:
     """The models ready to serve and the route through each: a model is ready once every stage of one of its
     replicas' active plans is loaded on a connected agent. It remembers the models that were ever ready (they
@@ -54,9 +82,10 @@ class Routes:
 
     def __init__(self, registry: Registry, roster: Roster, mode: str = DEFAULT_ROUTER_MODE,
                  sessions: Sessions = NoSessions(), clock: Callable[[], float] = time.monotonic,
-                 disaggregation: Disaggregation = Disaggregation()):
+                 disaggregation: Disaggregation = Disaggregation(), wire_codec: str = "auto"):
         if mode not in ROUTER_MODES:
             raise InvalidInput(f"router mode {mode!r} is not one of {', '.join(ROUTER_MODES)}")
+        self.wire_codec = check_policy(wire_codec)  # "auto": each link's codec as its plan chose it
         self._registry = registry
         self._roster = roster
         self._sessions = sessions
@@ -100,9 +129,14 @@ class Routes:
 
     def _hops(self, plans: list[PlanRecord], avoid: Collection[str]) -> list[tuple[PlanRecord, list[Hop]]]:
         """Each plan with its hops in pipeline order, less those through an address in avoid."""
-        routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype)
-                          for s in plan.stages]) for plan in plans]
+        routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype, codec)
+                          for s, codec in zip(plan.stages, self.link_codecs(plan), strict=True)])
+                  for plan in plans]
         return [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
+
+    def link_codecs(self, plan: PlanRecord) -> list[str]:
+        """The codec of the link into each stage of plan (hop_codecs)."""
+        return hop_codecs(plan, self.wire_codec, self._roster.bandwidth)
 
     def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
                       avoid: Collection[str] = ()) -> list[Hop] | None:

@@ -86,6 +86,9 @@ function stageList(stages, view) {
         el("span", { title: s.agent_id, text: agentLabel(agent, s.agent_id) })),
       el("td", { class: "mono", text: `[${s.start_layer}, ${s.end_layer})` }),
       el("td", { class: "muted", text: `TP=${s.tp_degree || 1}` }),
+      el("td", { class: "muted mono", "data-testid": "stage-link-codec",
+        title: "how activations reach this stage from the one before: raw in its dtype, float16, or int8 with "
+          + "per-token scales on a slow link", text: i === 0 ? "" : `← ${s.link_codec || s.dtype || "raw"}` }),
       el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.quantize ? ` ${s.quantize} weights` : ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
       el("td", { class: "muted", "data-testid": "stage-cached", title: "KV blocks its prefix cache holds, as its agent reported them to the router",
         text: `${s.cached_blocks || 0} blocks cached` }),

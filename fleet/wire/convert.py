@@ -13,7 +13,8 @@ from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 from stratamesh.fleet.prefix import HASH_BYTES
 
 from stratamesh.fleet.types import (
-    AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage, GpuInfo, Hop,
+    AGENT_RUNTIMES, DTYPES, HOP_CODECS, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage,
+    GpuInfo, Hop,
     KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
     Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
@@ -155,7 +156,7 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 session_id=message.session_id, assignment_id=message.assignment_id,
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
-                route_dtypes=[h.dtype for h in message.route],
+                route_dtypes=[h.dtype for h in message.route], route_codecs=_codecs_to_pb(message.route),
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
                 traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
                 max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from,
@@ -212,6 +213,10 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.route_dtypes must be empty or as long as open.route")
     for dtype in msg.route_dtypes:
         _require_dtype(dtype, "open.route_dtypes[]")
+    if msg.route_codecs and len(msg.route_codecs) != len(msg.route):
+        raise InvalidInput("open.route_codecs must be empty or as long as open.route")
+    if bad := [c for c in msg.route_codecs if c not in HOP_CODECS]:
+        raise InvalidInput(f"open.route_codecs[] {bad[0]!r} is not one of {HOP_CODECS}")
     if not msg.origin:
         raise InvalidInput("open.origin is empty")
     if msg.max_cached_tokens < 0 or msg.max_cached_tokens > len(msg.prompt_token_ids):
@@ -221,11 +226,17 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     if msg.resume_from:
         _require_session_id(msg.resume_from, "open.resume_from")
     dtypes = msg.route_dtypes or [""] * len(msg.route)
-    route = tuple(Hop(a, s, d) for a, s, d in zip(msg.route, msg.route_assignments, dtypes, strict=True))
+    codecs = msg.route_codecs or [""] * len(msg.route)
+    route = tuple(Hop(a, s, d, c) for a, s, d, c in zip(msg.route, msg.route_assignments, dtypes, codecs, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
                        tuple(msg.stop_token_ids))
+
+
+def _codecs_to_pb(route: tuple[Hop, ...]) -> list[str]:
+    """Each hop's codec; none at all when every hop's is raw (the message stays as it was before codecs)."""
+    return [h.codec for h in route] if any(h.codec for h in route) else []
 
 
 def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:

@@ -97,3 +97,33 @@ def test_a_terrible_measured_link_keeps_consecutive_stages_off_it(model_dir: Pat
     fine = [LinkMeasurement("a3", 0.3e-3, 1.25e9)]
     assert bad in plan(fine)
     assert bad not in plan(fine + [LinkMeasurement("a2", 0.5, 1e6)])     # 1 MB/s and 500 ms: avoided
+
+
+def two_stages(model_dir: Path, wire_codec: str = "auto") -> tuple[Deployer, Registry]:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0, wire_codec=wire_codec)
+    connect_all(deployer, [Agent("a1", 8), Agent("a2", 8)])
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    return deployer, registry
+
+
+def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir: Path) -> None:
+    deployer, registry = two_stages(model_dir)
+    plan = registry.active_plan("m")
+    sender, receiver = (s.agent_id for s in plan.stages)
+    first = deployer.link_codecs(plan)
+    assert first == ["", plan.prediction["stage_codecs"][0]]     # unmeasured: what the planner chose
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e6)])     # 20 Mbit/s
+    assert deployer.link_codecs(plan) == ["", "int8"]
+    assert deployer.codec_links() == [("m", sender, receiver, "int8")]
+    deployer.links_reported(receiver, [LinkMeasurement(sender, 1e-4, 1e10)])      # the other way, but measured
+    assert deployer.link_codecs(plan) == ["", "int8"]                              # ... the sender's own counts
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
+    assert deployer.link_codecs(plan) == ["", ""]                                  # a fast link: raw, exact
+
+
+def test_a_wire_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
+    deployer, registry = two_stages(model_dir, wire_codec="float16")
+    plan = registry.active_plan("m")
+    deployer.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
+    assert deployer.link_codecs(plan) == ["", "float16"]

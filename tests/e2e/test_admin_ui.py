@@ -281,6 +281,7 @@ def fixture_snapshot(now: float) -> dict:
     weights = {"source": "10.0.0.7:7001", "tensor_bytes": 11_000_000_000, "total_bytes": 11_000_020_000}
     plans[1]["stages"][1]["weights"] = {**weights, "fetched_bytes": 4_000_000_000, "reused_bytes": 400_100_000,
                                         "done": False, "num_corrupt": 1}
+    plans[1]["stages"][1]["link_codec"] = "int8"      # a slow link into it (partitioner/wire_codec.py)
     plans[1]["stages"][0]["weights"] = {**weights, "fetched_bytes": 11_000_020_000, "reused_bytes": 0,
                                         "done": True, "num_corrupt": 0}
     models = [{"model_id": m, "path": f"/models/{m}", "num_layers": n, "max_context": 8192, "state": "ready",
@@ -353,6 +354,7 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.get_by_test_id("stage-weights").filter(has_text="weights fetched: 11.0 GB")).to_have_count(1)
         expect(page.get_by_test_id("stage-weights")).to_have_count(2)
         expect(page.get_by_test_id("plan-role")).to_have_text(["prefill", "decode"])
+        expect(page.get_by_test_id("stage-link-codec").filter(has_text="← int8")).to_have_count(1)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)
