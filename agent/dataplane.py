@@ -315,6 +315,7 @@ class StageService(pb_grpc.StageServicer):
             output = await self._run(engine, batch) if batch.chunks else None
             end_ns = time.time_ns()
             if output is not None:
+                engine.timed(batch, (end_ns - start_ns) / 1e9, end_ns)
                 self._host.num_computed_tokens += sum(c.num_tokens for c in batch.chunks)
                 self._host.num_step_tokens += len(batch.chunks)
                 self.observer.stepped(engine, batch, start_ns, end_ns)

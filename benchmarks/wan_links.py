@@ -45,8 +45,13 @@ from stratamesh.kernels.models.decoder import load_stage, one_sequence
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 log = logging.getLogger("wan_links")
-FULL = {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4}
-QUICK = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2}
+# small: a step of a stage takes ~15 ms here, so an 80 ms link dwarfs it; edge: ~1.8 GB of float32 weights, a stage's
+# step takes ~100 ms on one core, as a model worth splitting across edge boxes does
+MODELS = {
+    "small": {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4},
+    "edge": {"num_layers": 16, "hidden_size": 1536, "intermediate_size": 4096, "num_heads": 12, "num_kv_heads": 4},
+    "quick": {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2},
+}
 TARGET_PROFILE, TARGET_RATIO = "wan-20mbit-80ms", 0.7
 SKIP = 77
 EFFECT_TOKENS = 64
@@ -94,7 +99,8 @@ def run_profile(model_dir: Path, profile: str, codec: str, args: argparse.Namesp
         coordinator, near = bed.add_host("coord"), bed.add_host("near")
         far = bed.add_host("far", PROFILES[profile])
         mesh = LocalMesh(str(model_dir), num_agents=2, threads_per_agent=1, coordinator_host=coordinator,
-                         agent_hosts={0: near, 1: far}, coordinator_args=["--wire-codec", codec])
+                         agent_hosts={0: near, 1: far}, coordinator_args=["--wire-codec", codec],
+                         log_dir=args.log_dir or None)
         with mesh:
             serve(mesh, model_dir.name, vocab, 4, 4, 4, seed=99)        # warm-up: connections, first steps
             c1 = serve(mesh, model_dir.name, vocab, args.num_prompts // 4, args.output_len, 1, args.seed)
@@ -140,7 +146,9 @@ def codec_effect(model_dir: Path, wire_codec: str, vocab: list[int], num_tokens:
 
 
 def report(rows: list[Row], args: argparse.Namespace) -> None:
-    print(f"2 stages of a random-weight Llama ({'2x64' if args.quick else '8x512'}), 1 thread per agent; "
+    shape = MODELS[args.model]
+    print(f"2 stages of a random-weight Llama ({args.model}: {shape['num_layers']} layers, hidden "
+          f"{shape['hidden_size']}), 1 thread per agent; "
           f"{args.num_prompts} prompts of 16 tokens, {args.output_len} output tokens each\n")
     print(f"| {'link profile':<18} | {'--wire-codec':<12} | {'link used':<9} | {'tok/s c1':>8} | {'tok/s c16':>9} | "
           f"{'TTFT p50 ms c16':>15} | {'bytes/token':>11} |")
@@ -175,7 +183,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32, help="at concurrency 16 (a quarter at 1)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a small model and few prompts (a smoke run)")
+    parser.add_argument("--log-dir", default="", help="keep the daemons' logs here (one run at a time)")
+    parser.add_argument("--model", choices=[m for m in MODELS if m != "quick"], default="small")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few prompts (a smoke run)")
     return parser.parse_args()
 
 
@@ -189,10 +199,10 @@ def main() -> None:
         sys.exit(SKIP)
     stop_on_sigterm()     # a `kill` stops the meshes and deletes the test bed, as Ctrl-C does
     if args.quick:
-        args.num_prompts, args.output_len = 16, 8
+        args.num_prompts, args.output_len, args.model = 16, 8, "quick"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / ("quick-llama" if args.quick else "llama-8x512"), arch="llama",
-                                     vocab_size=1024, **(QUICK if args.quick else FULL))
+        model_dir = write_tiny_model(Path(tmp) / f"llama-{args.model}", arch="llama", vocab_size=1024,
+                                     **MODELS[args.model])
         rows = []
         for profile in args.profiles.split(","):
             for codec in args.codecs.split(","):

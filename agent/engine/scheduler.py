@@ -46,6 +46,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self.pipeline_depth = 1                 # stages in the route; the first stage sets it
+        self.micro_batches = 0                  # decodes circulate in this many micro-batches (0: pipeline_depth)
         self.sessions: dict[str, Session] = {}
         self.preempted: set[str] = set()        # until closed: their later items are rejected
         self.unreported: list[str] = []         # preempted since the last batch
@@ -233,12 +234,18 @@ class Scheduler:
         return self.decodes_in_flight > 0 and ready < self._decode_share()
 
     def _decode_share(self) -> int:
-        """Decodes per step: with a pipeline of depth K, a K-th of the decoding sessions, so that K
-        micro-batches circulate and every stage has one to work on (vLLM's virtual engines)."""
-        if self.pipeline_depth <= 1:
+        """Decodes per step: with K micro-batches (a pipeline of depth K, or more across long links), a K-th of the
+        decoding sessions, so that K micro-batches circulate and every stage has one to work on (vLLM's virtual
+        engines)."""
+        num_micro_batches = self.micro_batches or self.pipeline_depth
+        if num_micro_batches <= 1:
             return self.max_batch_seqs
-        decoding = sum(1 for s in self.sessions.values() if s.num_computed >= s.prompt_len)
-        return max(1, -(-decoding // self.pipeline_depth))
+        return max(1, -(-self.num_decoding // num_micro_batches))
+
+    @property
+    def num_decoding(self) -> int:
+        """Sessions past their prompt."""
+        return sum(1 for s in self.sessions.values() if s.num_computed >= s.prompt_len)
 
     def _candidates(self) -> list[Session]:
         """Sessions with queued work: decodes first, then prefills, each in arrival order."""

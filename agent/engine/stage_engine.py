@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from stratamesh.agent.engine.block_manager import BlockManager
+from stratamesh.agent.engine.micro_batches import MicroBatches
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
@@ -95,6 +96,8 @@ class StageEngine:
         self.sessions: dict[str, SessionOpen] = {}
         self.parked: set[str] = set()   # imported sessions waiting for the SessionOpen that resumes them
         self.loops: dict[str, DecodeLoop] = {}   # last stage: the decode loop of each generating session
+        self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
+        self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
 
     @property
     def is_first(self) -> bool:
@@ -121,7 +124,7 @@ class StageEngine:
         if loop is not None:
             self.loops[message.session_id] = loop
         if self.is_first:
-            self.scheduler.pipeline_depth = len(message.route) + 1
+            self.scheduler.pipeline_depth = self.micro_batching.depth = len(message.route) + 1
         if message.route:
             outbox.stage_messages.append((message.route[0].address, message.forwarded(cached)))
         else:
@@ -138,6 +141,9 @@ class StageEngine:
             raise InvalidInput("chunk without hidden states on a stage after the first")
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
                                     chunk.step, rows, arrived_ns, chunk.trace_id))
+        left = self._left_ns.pop(chunk.session_id, None) if self.is_first else None
+        if left is not None and arrived_ns > left[1]:       # its token came back around the pipeline
+            self.micro_batching.returned(left[0], (arrived_ns - left[1]) / 1e9)
 
     def close(self, session_id: str, outbox: Outbox) -> SessionOpen | None:
         """Ends a session here and passes the close on."""
@@ -145,6 +151,7 @@ class StageEngine:
         if message is None:
             return None
         self.loops.pop(session_id, None)
+        self._left_ns.pop(session_id, None)
         self.scheduler.close(session_id)
         if message.route:
             outbox.stage_messages.append((message.route[0].address, SessionClose(session_id)))
@@ -197,6 +204,7 @@ class StageEngine:
         """Forgets a session that moved away; unlike close(), nothing is sent on."""
         if self.sessions.pop(session_id, None) is not None:
             self.loops.pop(session_id, None)
+            self._left_ns.pop(session_id, None)
             self.scheduler.close(session_id)
 
     def import_session(self, kv: SessionKv) -> None:
@@ -228,7 +236,29 @@ class StageEngine:
         return self.is_first and self.runner.model.config.has_lm_head and self.scheduler.wants_more_decodes()
 
     def schedule(self) -> Batch | None:
-        return self.scheduler.schedule() if self.scheduler.has_work else None
+        if not self.scheduler.has_work:
+            return None
+        if self.is_first:
+            self._set_micro_batches(self.micro_batching.choose(self.scheduler.num_decoding,
+                                                               self.scheduler.micro_batches))
+        return self.scheduler.schedule()
+
+    def _set_micro_batches(self, count: int) -> None:
+        if count != self.scheduler.micro_batches and self.scheduler.micro_batches:     # a change, not the first
+            fixed, per_seq = self.micro_batching.step_cost()
+            log.info("%s: %d decoding sessions now circulate in %d micro-batches (a step here: %.1f ms + %.1f ms "
+                     "per session; the pipeline's latency beyond its steps: %.1f ms)", self.assignment.assignment_id,
+                     self.scheduler.num_decoding, count, 1e3 * fixed, 1e3 * per_seq,
+                     1e3 * self.micro_batching.latency_s(fixed, per_seq))
+        self.scheduler.micro_batches = count
+
+    def timed(self, batch: Batch, seconds: float, end_ns: int) -> None:
+        """First stage: a step of batch took seconds and ended at end_ns (what micro-batching measures by)."""
+        if not self.is_first or not batch.chunks or not all(c.is_decode for c in batch.chunks):
+            return
+        self.micro_batching.stepped(len(batch.chunks), seconds)
+        for chunk in batch.chunks:
+            self._left_ns[chunk.session_id] = (len(batch.chunks), end_ns)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:

@@ -337,6 +337,20 @@ def test_a_pipeline_of_depth_k_decodes_a_kth_of_its_sessions_per_step() -> None:
     assert len(sched.schedule().chunks) == 7
 
 
+def test_more_micro_batches_than_stages_split_the_decodes_finer() -> None:
+    """Across a long link the first stage circulates more micro-batches than it has stages (micro_batches.py)."""
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_batch_tokens=64, max_batch_seqs=64)
+    sched.pipeline_depth, sched.micro_batches = 2, 4
+    for i in range(8):
+        sched.open(f"s{i}", [1, 2, 3], 0)
+        sched.add(WorkItem(f"s{i}", 0, (1, 2, 3), True, 0))
+    sched.postprocess(sched.schedule())
+    for i in range(8):
+        sched.add(WorkItem(f"s{i}", 3, (9,), True, 1))
+    assert sched.num_decoding == 8
+    assert len(sched.schedule().chunks) == 2         # 8 sessions in 4 micro-batches
+
+
 def test_resume_renames_a_quiet_session_keeping_its_blocks_and_decodes_go_on() -> None:
     s = make()
     prompt = list(range(10))

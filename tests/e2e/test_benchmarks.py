@@ -100,3 +100,17 @@ def test_hop_floor_benchmark_prints_its_table() -> None:
                              "--messages", "50"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 2 processes, mTLS" in result.stdout and "per hop p50 us" in result.stdout
+
+
+def test_wan_links_benchmark_picks_int8_on_a_slow_link_and_prints_the_ratio() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan_links.py"), "--quick",
+                             "--profiles", "lan,wan-20mbit-80ms"], capture_output=True, text=True, timeout=600)
+    if result.returncode == 77:
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
+            if line.startswith("| lan ") or line.startswith("| wan-")}
+    assert rows == {"lan": "float32", "wan-20mbit-80ms": "int8"}, out      # the codec each link carried
+    assert re.search(r"wan-20mbit-80ms / lan, codec auto, concurrency 16: [\d.]+x", out), out
+    assert re.search(r"\| int8 +\| +\d+ of 64 \| +[\d.]+ \|", out), out
