@@ -6,7 +6,7 @@ from stratamesh.fleet.errors import InvalidInput
 
 # A link may take this share of the sending stage's step before a narrower codec pays: the transfer of one step
 # overlaps the next step's compute, but the bytes also queue behind one another on a slow uplink.
-LINK_SHARE = 0.1
+LINK_SHARE = 0.25
 CODEC_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 # "auto" lets the planner choose per link; the others force one codec on every link (to compare them)
 WIRE_CODECS = ("auto", "float32", "float16", "bfloat16", "int8")

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                                   "sequences (least-load)")
     coordinator.add_argument("--wire-codec", choices=WIRE_CODECS, default="auto",
                              help="how activations cross each link between stages: the most exact codec whose "
-                                  "transfer stays within a tenth of the sending stage's step, from the links' "
+                                  "transfer stays within a quarter of the sending stage's step, from the links' "
                                   "measured bandwidth (auto: raw in the receiver's dtype, then float16, then int8 "
                                   "with per-token scales); or one codec on every link")
     coordinator.add_argument("--prefill-replicas", type=_int_in(0, MAX_REPLICAS), default=0, metavar="N",

@@ -1,4 +1,4 @@
-"""Which codec a link between two stages uses: the most exact whose transfer fits in a tenth of the sender's step."""
+"""Which codec a link between two stages uses: the most exact whose transfer fits in a quarter of the sender's step."""
 
 from __future__ import annotations
 
