@@ -287,8 +287,10 @@ class LocalMesh:
 
     def supervise(self, say: Callable[[str], None] | None = None) -> Supervisor:
         """From now until stop(), dead processes are started again (fleet/supervisor.py); say() hears of it."""
-        self.supervisor = Supervisor(self, say).start()
-        return self.supervisor
+        # kept before its thread starts: a Ctrl-C between the two would leave a thread that stop() never stops,
+        # restarting the processes stop() ends
+        self.supervisor = Supervisor(self, say)
+        return self.supervisor.start()
 
     def stop(self) -> None:
         """Stops every process this mesh started (SIGTERM, then SIGKILL after a grace period)."""

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,9 +69,11 @@ def _children(pid: int) -> list[int]:
 
 def start_up(env: dict[str, str], *flags: str, num_agents: int = 2) -> tuple[subprocess.Popen, str]:
     """`stratamesh up` on a free port; returns the process and what it printed once it was up."""
+    errors = tempfile.TemporaryFile()     # what `up` says on stderr, for a failure's message
     up = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "up", "--agents", str(num_agents),
                            "--http-port", "0", *flags],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                          stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+    up.errors = errors
     lines: list[str] = []
     deadline = time.monotonic() + 120
     while not lines or "Ctrl-C stops" not in lines[-1] and time.monotonic() < deadline and up.poll() is None:
@@ -80,7 +83,9 @@ def start_up(env: dict[str, str], *flags: str, num_agents: int = 2) -> tuple[sub
 
 def ctrl_c(up: subprocess.Popen) -> None:
     up.send_signal(signal.SIGINT)
-    assert up.wait(timeout=60) == 0
+    code = up.wait(timeout=60)
+    up.errors.seek(0)
+    assert code == 0, up.errors.read().decode(errors="replace")[-4000:]
 
 
 def stop_up(up: subprocess.Popen) -> None:
