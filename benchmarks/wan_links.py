@@ -50,7 +50,6 @@ log = logging.getLogger("wan_links")
 MODELS = {
     "small": {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4},
     "edge": {"num_layers": 16, "hidden_size": 1536, "intermediate_size": 4096, "num_heads": 12, "num_kv_heads": 4},
-    "quick": {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2},
 }
 TARGET_PROFILE, TARGET_RATIO = "wan-20mbit-80ms", 0.7
 SKIP = 77
@@ -184,8 +183,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default="", help="keep the daemons' logs here (one run at a time)")
-    parser.add_argument("--model", choices=[m for m in MODELS if m != "quick"], default="small")
-    parser.add_argument("--quick", action="store_true", help="a tiny model and few prompts (a smoke run)")
+    parser.add_argument("--model", choices=list(MODELS), default="small")
+    parser.add_argument("--quick", action="store_true", help="few prompts and tokens (a smoke run)")
     return parser.parse_args()
 
 
@@ -199,7 +198,7 @@ def main() -> None:
         sys.exit(SKIP)
     stop_on_sigterm()     # a `kill` stops the meshes and deletes the test bed, as Ctrl-C does
     if args.quick:
-        args.num_prompts, args.output_len, args.model = 16, 8, "quick"
+        args.num_prompts, args.output_len = 16, 8
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / f"llama-{args.model}", arch="llama", vocab_size=1024,
                                      **MODELS[args.model])

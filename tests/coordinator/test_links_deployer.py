@@ -113,7 +113,7 @@ def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir:
     sender, receiver = (s.agent_id for s in plan.stages)
     first = deployer.link_codecs(plan)
     assert first == ["", plan.prediction["stage_codecs"][0]]     # unmeasured: what the planner chose
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e6)])     # 20 Mbit/s
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])     # 2 Mbit/s: milliseconds a step
     assert deployer.link_codecs(plan) == ["", "int8"]
     assert deployer.codec_links() == [("m", sender, receiver, "int8")]
     deployer.links_reported(receiver, [LinkMeasurement(sender, 1e-4, 1e10)])      # the other way, but measured

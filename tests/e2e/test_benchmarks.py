@@ -102,7 +102,7 @@ def test_hop_floor_benchmark_prints_its_table() -> None:
     assert "| 2 processes, mTLS" in result.stdout and "per hop p50 us" in result.stdout
 
 
-def test_wan_links_benchmark_picks_int8_on_a_slow_link_and_prints_the_ratio() -> None:
+def test_wan_links_benchmark_narrows_the_codec_of_a_slow_link_and_prints_the_ratio() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan_links.py"), "--quick",
                              "--profiles", "lan,wan-20mbit-80ms"], capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
@@ -111,6 +111,8 @@ def test_wan_links_benchmark_picks_int8_on_a_slow_link_and_prints_the_ratio() ->
     out = result.stdout
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
             if line.startswith("| lan ") or line.startswith("| wan-")}
-    assert rows == {"lan": "float32", "wan-20mbit-80ms": "int8"}, out      # the codec each link carried
+    # the codec each link carried: raw on the LAN; across 20 Mbit/s a step's 16 KB take ~6.5 ms against a step of
+    # ~15 ms, which float16 (3.3 ms) or int8 brings within a quarter of it, whatever the box's load makes the step
+    assert rows["lan"] == "float32" and rows["wan-20mbit-80ms"] in ("float16", "int8"), out
     assert re.search(r"wan-20mbit-80ms / lan, codec auto, concurrency 16: [\d.]+x", out), out
     assert re.search(r"\| int8 +\| +\d+ of 64 \| +[\d.]+ \|", out), out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.wire_codec import LINK_SHARE, bytes_ratio, check_policy, choose_codec
+from stratamesh.partitioner.wire_codec import LINK_SHARE, RAW_BELOW_S, bytes_ratio, check_policy, choose_codec
 
-STEP_S = 0.020
+STEP_S = 0.020       # at the link share, 5 ms of transfer: over RAW_BELOW_S, so the share decides
 
 
 @pytest.mark.parametrize("wire, transfer_s, expected", [
@@ -23,6 +23,12 @@ STEP_S = 0.020
 ])
 def test_the_most_exact_codec_that_fits_the_links_share(wire: str, transfer_s: float, expected: str) -> None:
     assert choose_codec(wire, transfer_s, STEP_S) == expected
+
+
+def test_a_link_that_moves_a_step_in_under_a_millisecond_stays_raw() -> None:
+    assert RAW_BELOW_S == 0.001
+    assert choose_codec("float32", 0.0009, 0.0001) == ""        # 9x the step, but a loopback's microseconds
+    assert choose_codec("float32", 0.0011, 0.0001) == "int8"
 
 
 @pytest.mark.parametrize("codec, wire, ratio", [
