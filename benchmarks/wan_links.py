@@ -18,12 +18,9 @@ Every profile runs in this one invocation, on this machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import math
 import random
-import re
 import secrets
 import sys
 import tempfile
@@ -33,10 +30,11 @@ from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from kv_routing import FULL, serve
 from stratamesh.bench.datasets import random_requests, regular_token_ids
-from stratamesh.bench.metrics import BenchMetrics, compute_metrics
-from stratamesh.bench.serve import run_requests
+from stratamesh.bench.metrics import BenchMetrics
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.netbed import PROFILES, Netbed, NetbedUnavailable, check_can_build, stop_on_sigterm
 from stratamesh.fleet.types import StageSpec
@@ -48,13 +46,12 @@ log = logging.getLogger("wan_links")
 # small: a step of a stage takes ~15 ms here, so an 80 ms link dwarfs it; edge: ~1.8 GB of float32 weights, a stage's
 # step takes ~100 ms on one core, as a model worth splitting across edge boxes does
 MODELS = {
-    "small": {"num_layers": 8, "hidden_size": 512, "intermediate_size": 1376, "num_heads": 8, "num_kv_heads": 4},
+    "small": FULL,        # kv_routing's 8 layers, hidden 512
     "edge": {"num_layers": 16, "hidden_size": 1536, "intermediate_size": 4096, "num_heads": 12, "num_kv_heads": 4},
 }
 TARGET_PROFILE, TARGET_RATIO = "wan-20mbit-80ms", 0.7
 SKIP = 77
 EFFECT_TOKENS = 64
-_LINK_BYTES = re.compile(r'^stratamesh:link_activation_bytes_total\{codec="([^"]+)",peer="([^"]+)"\} (\S+)$', re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +71,18 @@ def activation_bytes(mesh: LocalMesh) -> dict[str, float]:
     by_codec: dict[str, float] = {}
     for address in mesh.agent_metrics:
         text = httpx.get(f"http://{address}/metrics", timeout=10).text
-        for codec, _, value in _LINK_BYTES.findall(text):
-            by_codec[codec] = by_codec.get(codec, 0.0) + float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "stratamesh:link_activation_bytes_total":
+                    codec = sample.labels["codec"]
+                    by_codec[codec] = by_codec.get(codec, 0.0) + sample.value
     return by_codec
 
 
-def serve(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, output_len: int, concurrency: int,
-          seed: int) -> BenchMetrics:
-    requests = random_requests(vocab, num_prompts, 16, output_len, seed)
-    records, duration_s = asyncio.run(run_requests(mesh.url, model, requests, math.inf, concurrency, seed=seed,
-                                                   api_key=mesh.api_key))
-    metrics = compute_metrics(records, duration_s)
+def send_all(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, output_len: int, concurrency: int,
+             seed: int) -> BenchMetrics:
+    """All of num_prompts random 16-token prompts sent at once, at most concurrency in flight; none may fail."""
+    metrics = serve(mesh, model, random_requests(vocab, num_prompts, 16, output_len, seed), concurrency)
     if metrics.failed:
         raise SystemExit(f"{metrics.failed} requests failed: {metrics.errors[:3]}")
     return metrics
@@ -101,10 +99,10 @@ def run_profile(model_dir: Path, profile: str, codec: str, args: argparse.Namesp
                          agent_hosts={0: near, 1: far}, coordinator_args=["--wire-codec", codec],
                          log_dir=args.log_dir or None)
         with mesh:
-            serve(mesh, model_dir.name, vocab, 4, 4, 4, seed=99)        # warm-up: connections, first steps
-            c1 = serve(mesh, model_dir.name, vocab, args.num_prompts // 4, args.output_len, 1, args.seed)
+            send_all(mesh, model_dir.name, vocab, 4, 4, 4, seed=99)   # warm-up: connections, first steps
+            c1 = send_all(mesh, model_dir.name, vocab, args.num_prompts // 4, args.output_len, 1, args.seed)
             before = activation_bytes(mesh)
-            c16 = serve(mesh, model_dir.name, vocab, args.num_prompts, args.output_len, 16, args.seed + 1)
+            c16 = send_all(mesh, model_dir.name, vocab, args.num_prompts, args.output_len, 16, args.seed + 1)
             sent = {k: v - before.get(k, 0.0) for k, v in activation_bytes(mesh).items()}
     tokens = c16.total_input_tokens + c16.total_output_tokens
     return Row(profile, codec, c1, c16, sum(sent.values()) / tokens, ",".join(k for k, v in sent.items() if v))

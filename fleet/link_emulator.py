@@ -128,15 +128,15 @@ def serve(lines: object, out: object) -> None:
             continue
         try:
             command = json.loads(line)
-            shape = Shape.of(command)
+            shape = Shape.of(command)       # both directions alike; a re-shape replaces it, never changes it
             if command["op"] == "cable":
                 a, b = open_tap(*command["a"]), open_tap(*command["b"])
-                cables[command["name"]] = (Direction(a, b, shape), Direction(b, a, Shape.of(command)))
+                cables[command["name"]] = (Direction(a, b, shape), Direction(b, a, shape))
                 for direction in cables[command["name"]]:
                     direction.start()
             elif command["op"] == "shape":
                 for direction in cables[command["name"]]:
-                    direction.shape = Shape.of(command)
+                    direction.shape = shape
             else:
                 raise ValueError(f"unknown op {command['op']!r}")
             print("ok", file=out, flush=True)

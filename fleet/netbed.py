@@ -94,7 +94,6 @@ class Site:
     name: str
     router: Host
     subnet: str         # "192.168.K"
-    profile: LinkProfile
 
 
 def check_can_build(prefix: str) -> None:
@@ -207,7 +206,7 @@ class Netbed:
         self._bridge(router.namespace, "lan0", f"{subnet}.1/24")
         run(*router.command(["sysctl", "-qw", "net.ipv4.ip_forward=1"]))
         _masquerade(router, tool)
-        site = Site(name, router, subnet, profile)
+        site = Site(name, router, subnet)
         self.sites[name] = site
         return site
 

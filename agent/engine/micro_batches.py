@@ -30,16 +30,18 @@ SWITCH_GAIN = 0.25          # a new count must promise rounds this much shorter 
 
 
 class MicroBatches:
-    """The first stage's measurements of its pipeline and the number of micro-batches they call for."""
+    """The first stage's measurements of its pipeline and the number of micro-batches they call for; the pipeline's
+    depth (stages in the route) is the caller's, as its scheduler holds it."""
 
-    def __init__(self, depth: int = 1):
-        self.depth = depth                  # stages in the route
+    def __init__(self) -> None:
         self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=WINDOW)    # (b, s)
         self._away: collections.deque[tuple[int, float]] = collections.deque(maxlen=WINDOW)     # (b, seconds)
+        self._cost: tuple[float, float] | None = None     # step_cost() of the measurements so far
 
     def stepped(self, batch_size: int, seconds: float) -> None:
         """A decode step of batch_size sessions took seconds here."""
         self._steps.append((batch_size, seconds))
+        self._cost = None
 
     def returned(self, batch_size: int, seconds: float) -> None:
         """A session's next token came back seconds after it left a step of batch_size sessions here."""
@@ -47,7 +49,12 @@ class MicroBatches:
 
     def step_cost(self) -> tuple[float, float]:
         """(fixed s, per-session s) of a decode step here: a least-squares line through the median step time of
-        each batch size measured (flat while only one size was)."""
+        each batch size measured (flat while only one size was); fitted once per new step measured."""
+        if self._cost is None:
+            self._cost = self._fit_steps()
+        return self._cost
+
+    def _fit_steps(self) -> tuple[float, float]:
         by_size: dict[int, list[float]] = {}
         for b, s in self._steps:
             by_size.setdefault(b, []).append(s)
@@ -61,27 +68,28 @@ class MicroBatches:
             return 0.0, mean_s / mean_b
         return fixed, per_seq
 
-    def latency_s(self, fixed: float, per_seq: float) -> float:
-        """The time a micro-batch spends on links and waiting, beyond the other stages' steps (median)."""
+    def latency_s(self, depth: int) -> float:
+        """The time a micro-batch spends on links and waiting, beyond the other depth - 1 stages' steps (median)."""
+        fixed, per_seq = self.step_cost()
         return max(0.0, statistics.median(
-            seconds - (self.depth - 1) * (fixed + per_seq * b) for b, seconds in self._away))
+            seconds - (depth - 1) * (fixed + per_seq * b) for b, seconds in self._away))
 
-    def choose(self, num_decoding: int, current: int = 0) -> int:
-        """How many micro-batches num_decoding sessions should circulate in: the depth until enough is measured,
-        then the count that yields the most tokens per second (the fewest, of those that tie), unless current
-        (the count in use; 0: none) is within SWITCH_GAIN of it."""
-        if self.depth <= 1:
+    def choose(self, num_decoding: int, depth: int, current: int = 0) -> int:
+        """How many micro-batches num_decoding sessions of a pipeline of depth stages should circulate in: depth
+        until enough is measured, then the count that yields the most tokens per second (the fewest, of those that
+        tie), unless current (the count in use; 0: none) is within SWITCH_GAIN of it."""
+        if depth <= 1:
             return 1
         if num_decoding <= 1 or len(self._steps) < MIN_SAMPLES or len(self._away) < MIN_SAMPLES:
-            return self.depth
+            return depth
         fixed, per_seq = self.step_cost()
-        latency = self.latency_s(fixed, per_seq)
+        latency = self.latency_s(depth)
 
         def round_s(k: int) -> float:
             step = fixed + per_seq * math.ceil(num_decoding / k)
-            return max(k * step, self.depth * step + latency)
+            return max(k * step, depth * step + latency)
 
-        candidates = range(min(self.depth, num_decoding), min(num_decoding, MAX_MICRO_BATCHES) + 1)
+        candidates = range(min(depth, num_decoding), min(num_decoding, MAX_MICRO_BATCHES) + 1)
         best = min(candidates, key=lambda k: (round(round_s(k), 9), k))     # every round yields num_decoding tokens
         if current in candidates and round_s(best) > (1 - SWITCH_GAIN) * round_s(current):
             return current

@@ -124,7 +124,7 @@ class StageEngine:
         if loop is not None:
             self.loops[message.session_id] = loop
         if self.is_first:
-            self.scheduler.pipeline_depth = self.micro_batching.depth = len(message.route) + 1
+            self.scheduler.pipeline_depth = len(message.route) + 1
         if message.route:
             outbox.stage_messages.append((message.route[0].address, message.forwarded(cached)))
         else:
@@ -239,8 +239,9 @@ class StageEngine:
         if not self.scheduler.has_work:
             return None
         if self.is_first:
-            self._set_micro_batches(self.micro_batching.choose(self.scheduler.num_decoding,
-                                                               self.scheduler.micro_batches))
+            scheduler = self.scheduler
+            self._set_micro_batches(self.micro_batching.choose(scheduler.num_decoding, scheduler.pipeline_depth,
+                                                               scheduler.micro_batches))
         return self.scheduler.schedule()
 
     def _set_micro_batches(self, count: int) -> None:
@@ -249,7 +250,7 @@ class StageEngine:
             log.info("%s: %d decoding sessions now circulate in %d micro-batches (a step here: %.1f ms + %.1f ms "
                      "per session; the pipeline's latency beyond its steps: %.1f ms)", self.assignment.assignment_id,
                      self.scheduler.num_decoding, count, 1e3 * fixed, 1e3 * per_seq,
-                     1e3 * self.micro_batching.latency_s(fixed, per_seq))
+                     1e3 * self.micro_batching.latency_s(self.scheduler.pipeline_depth))
         self.scheduler.micro_batches = count
 
     def timed(self, batch: Batch, seconds: float, end_ns: int) -> None:

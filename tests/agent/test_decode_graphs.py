@@ -38,7 +38,7 @@ def decode(eng: StageEngine, steps: int, hidden: dict[str, torch.Tensor] | None 
     for sid, prompt in PROMPTS.items():
         eng.open(SessionOpen(sid, "a", route, "o:1", SamplingParams(), prompt_token_ids=tuple(prompt)), Outbox())
         eng.add(StepChunk(sid, 0, 0, tuple(prompt), True), None if hidden is None else hidden[sid][:len(prompt)])
-    eng.scheduler.pipeline_depth = eng.micro_batching.depth = 1     # one micro-batch: all decode in every step
+    eng.scheduler.pipeline_depth = 1     # one micro-batch: every session decodes in every step
     batch = eng.schedule()
     eng.postprocess(batch, eng.run(batch), Outbox())
     outputs, tokens = [], {sid: 9 for sid in PROMPTS}
