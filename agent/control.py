@@ -11,13 +11,14 @@ import grpc
 
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.weights import WeightFetcher
-from stratamesh.fleet.errors import MeshError, Refused
+from stratamesh.fleet.errors import MeshError, Refused, StageFailed
 from stratamesh.fleet.links import measure_peers
-from stratamesh.fleet.types import Capabilities, KvEvents, Registration, StageStatus, Telemetry
-from stratamesh.fleet.wire import convert
+from stratamesh.fleet.types import Capabilities, KvEvents, Registration, RtcAnswer, RtcOffer, StageStatus, Telemetry
+from stratamesh.fleet.wire import convert, rtc
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import describe_error, make_channel, revoked
+from stratamesh.fleet.wire.rtc import DataChannel
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,67 @@ class Identity:
     metrics_address: str = ""
 
 
+class Signalling:
+    """The agent's WebRTC signalling over its control stream: its offers go out and their answers come back matched
+    by call id; offers from peers are answered (as accept() decides) and their data channels go to on_channel."""
+
+    def __init__(self, on_channel: Callable[[DataChannel], None] = lambda channel: None):
+        self.on_channel = on_channel     # gets each data channel a peer opened to this agent
+        self._outbox: asyncio.Queue[object] | None = None
+        self._waiting: dict[str, asyncio.Future[RtcAnswer]] = {}
+        self.nat = ""       # the address this agent's connections come from, if it is behind NAT (the coordinator says)
+
+    async def offer(self, offer: RtcOffer) -> RtcAnswer:
+        """Sends an offer to its callee through the coordinator and waits for the answer."""
+        if self._outbox is None:
+            raise StageFailed(f"cannot signal {offer.peer_id}: not connected to the coordinator")
+        answer = self._waiting[offer.call_id] = asyncio.get_running_loop().create_future()
+        self._outbox.put_nowait(pb.AgentMessage(rtc_offer=convert.rtc_offer_to_pb(offer)))
+        try:
+            return await answer
+        finally:
+            self._waiting.pop(offer.call_id, None)
+
+    def answered(self, message: pb.RtcAnswer) -> None:
+        try:
+            answer = convert.rtc_answer_from_pb(message)
+        except MeshError as exc:
+            log.warning("the coordinator relayed a bad rtc_answer: %s", exc)
+            return
+        waiting = self._waiting.get(answer.call_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(answer)
+
+    async def offered(self, outbox: asyncio.Queue[object], message: pb.RtcOffer) -> None:
+        try:
+            offer = convert.rtc_offer_from_pb(message)
+        except MeshError as exc:
+            log.warning("the coordinator relayed a bad rtc_offer: %s", exc)
+            return
+        answer, _ = await rtc.accept(offer, self.on_channel)
+        outbox.put_nowait(pb.AgentMessage(rtc_answer=convert.rtc_answer_to_pb(answer)))
+
+    def attach(self, outbox: asyncio.Queue[object] | None, nat: str = "") -> None:
+        """The control stream's outbox while one is up (None: none is); the calls waiting on the old one fail."""
+        self._outbox, self.nat = outbox, nat
+        if outbox is None:
+            for waiting in self._waiting.values():
+                if not waiting.done():
+                    waiting.set_exception(StageFailed("the control stream to the coordinator dropped"))
+
+
 class ControlClient:
     """Keeps one control stream to the coordinator, redialing (and rediscovering) when it drops."""
 
     def __init__(self, identity: Identity, host: StageHost,
                  find_coordinator: Callable[[], Awaitable[str]], retry_s: float = 0.5,
                  telemetry: Callable[[], Awaitable[Telemetry]] | None = None,
-                 on_shutdown: Callable[[str], None] = lambda reason: None, weights: WeightFetcher | None = None):
-        """weights: fetches a stage's tensors that are not on this box before it loads (None: never fetch)."""
+                 on_shutdown: Callable[[str], None] = lambda reason: None, weights: WeightFetcher | None = None,
+                 signalling: Signalling | None = None):
+        """weights: fetches a stage's tensors that are not on this box before it loads (None: never fetch);
+        signalling: carries WebRTC offers and answers (None: offers from peers go unanswered)."""
         self._identity = identity
+        self.signalling = signalling or Signalling()
         self._weights = weights
         self._on_shutdown = on_shutdown     # the coordinator drained (or refuses) this agent: it should exit
         self.refused = ""                   # why the coordinator refuses this agent, once it does
@@ -100,7 +153,9 @@ class ControlClient:
             async for message in call:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
-                    log.info("registered with coordinator %s as %s", address, message.welcome.agent_id)
+                    log.info("registered with coordinator %s as %s%s", address, message.welcome.agent_id,
+                             f" (behind NAT, seen from {message.welcome.nat})" if message.welcome.nat else "")
+                    self.signalling.attach(outbox, message.welcome.nat)
                     self.connected.set()
                     for task in (heartbeat, kv_events):
                         if task is not None:
@@ -120,10 +175,17 @@ class ControlClient:
                     task.add_done_callback(tasks.discard)
                 elif kind == "revocations":
                     revoked.replace(convert.revocations_from_pb(message.revocations))
+                elif kind == "rtc_offer":
+                    task = asyncio.create_task(self.signalling.offered(outbox, message.rtc_offer))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif kind == "rtc_answer":
+                    self.signalling.answered(message.rtc_answer)
                 elif kind == "shutdown":
                     log.info("the coordinator asks this agent to exit: %s", message.shutdown.reason)
                     self._on_shutdown(message.shutdown.reason)
         finally:
+            self.signalling.attach(None)
             for task in (heartbeat, kv_events):
                 if task is not None:
                     task.cancel()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratamesh.agent.control import ControlClient, ControlRefused, Identity
+from stratamesh.agent.control import ControlClient, ControlRefused, Identity, Signalling
 from stratamesh.agent.credentials import NotEnrolled, default_state_dir, obtain_credentials
 from stratamesh.agent.owner_limits import OwnerLimits, OwnerWatch
 from stratamesh.agent.dataplane import StageService
@@ -32,7 +32,9 @@ from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.types import Telemetry
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire import rtc
 from stratamesh.fleet.wire.channels import MeshTls, bind, make_server, use_tls, warn_insecure
+from stratamesh.fleet.wire.stream import RtcDialer
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,13 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     host = StageHost(options.engine, group_failed)
     metrics = AgentMetrics()
     spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
-    service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans))
+    # a next stage behind NAT is reached over WebRTC, signalled over the control stream; so are this agent's stages
+    # by peers outside its NAT, if it is behind one
+    rtc.offer_addresses([options.advertise_host or options.host])
+    signalling = Signalling()
+    service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans),
+                           RtcDialer(signalling.offer, lambda: signalling.nat))
+    signalling.on_channel = service.take_channel
     server = make_server()
     pb_grpc.add_StageServicer_to_server(service, server)
     pb_grpc.add_LinkServicer_to_server(LinkService(), server)
@@ -174,7 +182,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         return telemetry
 
     control_client = ControlClient(identity, host, find_coordinator, telemetry=sample,
-                                   on_shutdown=lambda reason: stop.set(), weights=weights)
+                                   on_shutdown=lambda reason: stop.set(), weights=weights, signalling=signalling)
     control = asyncio.create_task(control_client.run())
     log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
     print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",

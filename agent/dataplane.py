@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from stratamesh.agent import kv_transfer
 from stratamesh.agent.engine.scheduler import Batch
@@ -27,7 +28,8 @@ from stratamesh.fleet.types import (SessionClose, SessionHold, SessionOpen, Step
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
+from stratamesh.fleet.wire.rtc import DataChannel
+from stratamesh.fleet.wire.stream import OutboundStream, RtcDialer, StreamPool
 from stratamesh.kernels import codec
 
 log = logging.getLogger(__name__)
@@ -73,13 +75,16 @@ Arrival = tuple[Inbound, int]   # a message and when it arrived (Unix ns)
 class StageService(pb_grpc.StageServicer):
     """Applies inbound messages in arrival order between steps; one step at a time per agent."""
 
-    def __init__(self, host: StageHost, agent_id: str, observer: StageObserver | None = None):
+    def __init__(self, host: StageHost, agent_id: str, observer: StageObserver | None = None,
+                 rtc_dialer: RtcDialer | None = None):
+        """rtc_dialer: how to reach a next stage behind NAT (None: over gRPC like any other)."""
         self._host = host
         self._agent_id = agent_id
         self.observer = observer or StageObserver(agent_id)
         self._inbox: asyncio.Queue[Arrival] = asyncio.Queue()
         self._next_stages = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
-                                       on_broken=self._next_broken)
+                                       on_broken=self._next_broken, rtc_dialer=rtc_dialer)
+        self._channels: set[asyncio.Task[int]] = set()      # data channels from peers, each read by a task
         self._origins = StreamPool(lambda ch, it: pb_grpc.OriginStub(ch).Deliver(it),
                                    on_broken=self._origin_broken)
         self._worker: asyncio.Task[None] | None = None
@@ -98,17 +103,47 @@ class StageService(pb_grpc.StageServicer):
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+        for task in list(self._channels):
+            task.cancel()
         await self._next_stages.close()
         await self._origins.close()
 
     # ------------------------------------------------------------ gRPC
     async def Push(self, request_iterator: AsyncIterator[pb.StageMessage],
                    context: grpc.aio.ServicerContext) -> pb.PushSummary:
+        return pb.PushSummary(num_messages=await self._take(request_iterator, "grpc", context.peer().rsplit(":", 1)[0]))
+
+    def take_channel(self, channel: DataChannel) -> None:
+        """Takes the messages of a data channel from a peer (one outside this agent's NAT) as Push takes a stream's."""
+        async def messages() -> AsyncIterator[pb.StageMessage]:
+            async for data in channel.messages():
+                message = pb.StageMessage()
+                try:
+                    message.ParseFromString(data)
+                except DecodeError:
+                    log.warning("dropped a data-channel message from %s that is not a StageMessage", channel.peer_id)
+                    continue
+                yield message
+
+        async def take() -> int:
+            try:
+                return await self._take(messages(), "webrtc", channel.peer_id)
+            finally:
+                await channel.close()
+
+        task = asyncio.get_running_loop().create_task(take())
+        self._channels.add(task)
+        task.add_done_callback(self._channels.discard)
+
+    async def _take(self, messages: AsyncIterator[pb.StageMessage], transport: str, peer: str) -> int:
+        """Puts each message from a previous hop in the inbox, in order; returns how many came."""
         num_messages = 0
         opened: set[str] = set()    # sessions whose messages come over this stream
+        received = self.observer.receiving(peer, transport)
         try:
-            async for message in request_iterator:
+            async for message in messages:
                 num_messages += 1
+                received()
                 try:
                     inbound = convert.stage_message_from_pb(message)
                 except InvalidInput as exc:
@@ -124,7 +159,7 @@ class StageService(pb_grpc.StageServicer):
             # and downstream instead of holding KV blocks until this agent stops.
             for session_id in opened:
                 self._inbox.put_nowait((SessionClose(session_id), 0))
-        return pb.PushSummary(num_messages=num_messages)
+        return num_messages
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> pb.StageInfo:
         host = self._host
@@ -232,6 +267,7 @@ class StageService(pb_grpc.StageServicer):
         try:
             match message:
                 case SessionOpen():
+                    self._next_stages.learn(message.route + ((message.feed,) if message.feed else ()))
                     with trace_context(parse_traceparent(message.traceparent)[0]):
                         self._host.engine(message.assignment_id).open(message, outbox)
                         log.debug("session %s opened on %s (%d prompt tokens)", message.session_id,
@@ -361,11 +397,12 @@ class StageService(pb_grpc.StageServicer):
     def _send_to(self, pool: StreamPool, address: str, message: pb.StageMessage | pb.TokenBatch,
                  codec: str = "") -> None:
         try:
-            pool.get(address).send(message)
+            stream = pool.get(address)
+            stream.send(message)
         except MeshError as exc:
             log.warning("could not send to %s: %s", address, exc)
             return
-        self.observer.sent(address, message.ByteSize(), codec)
+        self.observer.sent(address, message.ByteSize(), codec, stream.transport)
 
     # ------------------------------------------------------------ failures
     def _fail(self, session_id: str, exc: BaseException, outbox: Outbox, unreachable: str = "") -> None:

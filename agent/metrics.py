@@ -62,6 +62,11 @@ class AgentMetrics:
                                         "Bytes of activations this agent sent to a next stage, by the codec of the "
                                         "link (float32, float16, bfloat16: raw in that dtype; int8: per-token).",
                                         ("peer", "codec"), registry=r)
+        self.transport_messages = Counter("stratamesh:transport_messages",
+                                          "Data-plane messages this agent sent to or received from a peer, by "
+                                          "transport (grpc: a stream it dialed or took; webrtc: a data channel, to "
+                                          "or from a peer behind NAT).", ("peer", "transport", "direction"),
+                                          registry=r)
         self.load = LoadCollector()
         r.register(self.load)
 

@@ -81,13 +81,18 @@ class StageObserver:
         self.metrics.kv_sessions.labels(direction).inc()
         self.metrics.kv_bytes.labels(direction).inc(num_bytes)
 
-    def sent(self, peer: str, num_bytes: int, codec: str = "") -> None:
-        """A message of num_bytes went to peer (the next stage or an origin); codec: how the activations it carries
-        were coded, if it carries any."""
+    def sent(self, peer: str, num_bytes: int, codec: str = "", transport: str = "grpc") -> None:
+        """A message of num_bytes went to peer (the next stage or an origin) over transport ("grpc", "webrtc");
+        codec: how the activations it carries were coded, if it carries any."""
         self.metrics.sent_bytes.labels(peer).inc(num_bytes)
         self.metrics.sent_messages.labels(peer).inc()
+        self.metrics.transport_messages.labels(peer, transport, "sent").inc()
         if codec:
             self.metrics.activation_bytes.labels(peer, codec).inc(num_bytes)
+
+    def receiving(self, peer: str, transport: str) -> Callable[[], None]:
+        """What counts each message that arrives from peer (a previous hop) over transport."""
+        return self.metrics.transport_messages.labels(peer, transport, "received").inc
 
     def _span(self, engine: StageEngine, name: str, session_id: str, step: int, start_ns: int, end_ns: int,
               extra: dict[str, str]) -> None:

@@ -46,7 +46,9 @@ from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.types import DEFAULT_ROUTER_MODE
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.wire import rtc
 from stratamesh.fleet.wire.channels import bind, make_server, revoked, use_tls, warn_insecure
+from stratamesh.fleet.wire.stream import RtcDialer
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +198,11 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     metrics = ApiMetrics()
     last_hop = hop_histogram(metrics.registry).labels("origin")
     events = ControlEvents()        # the origin reports unreachable stages into it; the deployer listens
+    # a first stage behind NAT is reached over WebRTC, offered over its agent's control stream
+    rtc.offer_addresses([advertise_host])
     origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
-                    on_hop=last_hop.observe, on_unreachable=events.report_unreachable)
+                    on_hop=last_hop.observe, on_unreachable=events.report_unreachable,
+                    rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
                         sessions=origin, events=events, router_mode=options.router_mode,
                         disaggregation=options.disaggregation, wire_codec=options.wire_codec)

@@ -23,7 +23,7 @@ from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import CHUNK_BYTES
-from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
+from stratamesh.fleet.wire.stream import OutboundStream, RtcDialer, StreamPool
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class _Request:
             session_id, route[0].assignment_id, tuple(route[1:]), origin.address,
             self._params, traceparent(record.trace_id, self._span_id) if record.trace_id else "",
             prompt_token_ids=tuple(token_ids), max_cached_tokens=len(token_ids) - 1 if cacheable else 0,
-            resume_from=resume_from, feed=Hop(route[0].address, route[0].assignment_id) if decode else None,
+            resume_from=resume_from, feed=_feed(route[0]) if decode else None,
             max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)))
         cached = 0
         if cacheable:
@@ -416,7 +416,8 @@ class Origin:
 
     def __init__(self, address: str, step_timeout_s: float = 60.0, spans: SpanStore | None = None,
                  trace_sample_rate: float = 1.0, on_hop: Callable[[float], None] | None = None,
-                 on_unreachable: Callable[[str], None] = lambda address: None):
+                 on_unreachable: Callable[[str], None] = lambda address: None, rtc_dialer: RtcDialer | None = None):
+        """rtc_dialer: how to reach a first stage behind NAT (None: over gRPC like any other)."""
         self.address = address
         self.on_unreachable = on_unreachable   # told each Stage address a generation lost (the coordinator's liveness)
         self._on_hop = on_hop       # gets each token's time from the last stage finishing it to its arrival
@@ -424,7 +425,7 @@ class Origin:
         self._trace_sample_rate = trace_sample_rate
         self._step_timeout_s = step_timeout_s
         self._streams = StreamPool(lambda ch, it: pb_grpc.StageStub(ch).Push(it),
-                                   on_broken=self._stream_broken)
+                                   on_broken=self._stream_broken, rtc_dialer=rtc_dialer)
         self._sessions: dict[str, _Live] = {}
         # Sessions between two routes (a move): their old route's stages hold them until the new one resumes them.
         self.moving: dict[str, tuple[Hop, ...]] = {}
@@ -501,6 +502,7 @@ class Origin:
         if session_id in self._sessions:
             raise StageFailed(f"session {session_id} is already running")
         live = self._sessions[session_id] = _Live(tuple(route), trace_id, parent_span_id, movable=movable)
+        self._streams.learn(route[:1])
         stream = live.stream = self._streams.get(route[0].address)
         try:
             yield live, stream
@@ -594,3 +596,8 @@ class OriginService(pb_grpc.OriginServicer):
                     log.info("dropped a token event: %s", exc)
             self._origin.deliver_batch(events, arrived_ns)
         return pb.DeliverSummary(num_events=num_events)
+
+
+def _feed(first: Hop) -> Hop:
+    """The hop the last stage feeds sampled tokens to: the first stage (token ids travel: no dtype, no codec)."""
+    return Hop(first.address, first.assignment_id, agent_id=first.agent_id, nat=first.nat)

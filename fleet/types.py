@@ -222,12 +222,16 @@ class TensorBlob:
 class Hop:
     """One stage of a route: where it listens, which assignment serves it there, the dtype it computes in
     (activations for it travel in that dtype; "" when unknown: the sender's own), and the codec of the link into it
-    (HOP_CODECS: "" raw in that dtype; a dtype: raw in that one; "int8": int8 with per-token scales)."""
+    (HOP_CODECS: "" raw in that dtype; a dtype: raw in that one; "int8": int8 with per-token scales); the agent
+    serving it ("" when unknown), and, when that agent sits behind NAT, the address its connections come from (a
+    sender outside that NAT cannot dial it, and reaches it over WebRTC instead: fleet/wire/rtc.py)."""
 
     address: str
     assignment_id: str
     dtype: str = ""
     codec: str = ""
+    agent_id: str = ""
+    nat: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +492,29 @@ class ProbeLinks:
 
 # What the coordinator's domain code sends an agent over its control stream (the control service converts it).
 ControlMessage = Assignment | Release | Shutdown | ProbeLinks
+
+
+@dataclass(frozen=True, slots=True)
+class RtcOffer:
+    """A WebRTC offer on its way through the coordinator: from the caller, peer_id names the callee; to the callee,
+    the coordinator has set it to the caller (whose control stream it came on, so nobody can offer as another).
+    cert_pem: the caller's mesh certificate, which is also its DTLS certificate (b"" in an insecure mesh)."""
+
+    call_id: str
+    peer_id: str
+    sdp: str
+    cert_pem: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class RtcAnswer:
+    """The callee's answer to an RtcOffer (peer_id: the callee, as the coordinator relays it), or why it refused."""
+
+    call_id: str
+    peer_id: str
+    sdp: str = ""
+    cert_pem: bytes = b""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)

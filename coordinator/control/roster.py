@@ -34,6 +34,7 @@ class AgentLink:
     capabilities: Capabilities
     send: Callable[[ControlMessage], None]      # the control service puts it on the agent's stream
     close: Callable[[], None] = lambda: None     # ends the control stream (an agent declared dead)
+    nat: str = ""       # the address its connections come from, when it is behind NAT ("": it can be dialed)
 
 
 class Roster:
@@ -75,6 +76,11 @@ class Roster:
         if link is None:
             raise AgentNotConnected(f"agent {agent_id!r} is not connected")
         return link.stage_address
+
+    def nat(self, agent_id: str) -> str:
+        """The address a connected agent is behind NAT at ("": it is not, or is not connected)."""
+        link = self._links.get(agent_id)
+        return link.nat if link is not None else ""
 
     def nearest(self, agent_id: str, others: Collection[str]) -> list[str]:
         """The Stage addresses of the connected agents among others, those on agent_id's site first."""

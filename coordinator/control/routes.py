@@ -129,7 +129,9 @@ class Routes:
 
     def _hops(self, plans: list[PlanRecord], avoid: Collection[str]) -> list[tuple[PlanRecord, list[Hop]]]:
         """Each plan with its hops in pipeline order, less those through an address in avoid."""
-        routes = [(plan, [Hop(self._roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype, codec)
+        roster = self._roster
+        routes = [(plan, [Hop(roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype, codec, s.agent_id,
+                              roster.nat(s.agent_id))
                           for s, codec in zip(plan.stages, self.link_codecs(plan), strict=True)])
                   for plan in plans]
         return [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]

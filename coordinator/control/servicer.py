@@ -10,8 +10,11 @@ import grpc
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
+from stratamesh.coordinator.control.rtc_relay import RtcRelay, nat_address
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
+from stratamesh.fleet.pki import COORDINATOR_NAME
+from stratamesh.fleet.types import RtcAnswer, RtcOffer
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -31,6 +34,15 @@ class ControlService(pb_grpc.ControlServicer):
         self._heartbeat_interval_s = heartbeat_interval_s
         self._outboxes: dict[str, Callable[[pb.CoordinatorMessage], None]] = {}   # agent id -> its stream
         self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
+        self.rtc = RtcRelay(self._signal, COORDINATOR_NAME)
+
+    def _signal(self, agent_id: str, message: RtcOffer | RtcAnswer) -> bool:
+        send = self._outboxes.get(agent_id)
+        if send is None:
+            return False
+        send(pb.CoordinatorMessage(rtc_offer=convert.rtc_offer_to_pb(message)) if isinstance(message, RtcOffer)
+             else pb.CoordinatorMessage(rtc_answer=convert.rtc_answer_to_pb(message)))
+        return True
 
     def broadcast_revocations(self, serials: frozenset[str]) -> None:
         """Sends the whole revoked list to every connected agent."""
@@ -53,12 +65,16 @@ class ControlService(pb_grpc.ControlServicer):
         if peer is not None and peer.name != registration.agent_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate is {peer.name!r}'s; "
                                 f"it cannot register as {registration.agent_id!r}")
+        nat = await nat_address(context.peer(), registration.stage_address)
         outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
         cut_off = asyncio.Event()   # set when the coordinator declares the agent dead: the stream ends
         link = AgentLink(registration.agent_id, registration.stage_address, registration.capabilities,
-                         lambda message: outbox.put_nowait(convert.control_message_to_pb(message)), cut_off.set)
-        outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s))
+                         lambda message: outbox.put_nowait(convert.control_message_to_pb(message)), cut_off.set, nat)
+        if nat:
+            log.info("agent %s is behind NAT: it connects from %s, and %s cannot be dialed", registration.agent_id,
+                     nat, registration.stage_address)
+        outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s, nat))
         if peer is not None:   # what this process refuses, the agent must refuse too
             outbox.put_nowait(convert.revocations_to_pb(revoked.serials))
         self._outboxes[registration.agent_id] = outbox.put_nowait
@@ -108,6 +124,10 @@ class ControlService(pb_grpc.ControlServicer):
                 self._deployer.kv_events(agent_id, convert.kv_events_from_pb(message.kv_events))
             elif kind == "weights_progress":
                 self._deployer.weights_progress(agent_id, convert.weights_progress_from_pb(message.weights_progress))
+            elif kind == "rtc_offer":
+                self.rtc.offer_from(agent_id, convert.rtc_offer_from_pb(message.rtc_offer))
+            elif kind == "rtc_answer":
+                self.rtc.answer_from(agent_id, convert.rtc_answer_from_pb(message.rtc_answer))
             else:
                 log.info("agent %s sent an unexpected %s", agent_id, kind)
         except InvalidInput as exc:

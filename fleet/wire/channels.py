@@ -98,6 +98,11 @@ def use_tls(tls: MeshTls | None) -> None:
     _tls = tls
 
 
+def current_tls() -> MeshTls | None:
+    """This process's mesh credentials (None: plaintext)."""
+    return _tls
+
+
 def warn_insecure(component: str) -> None:
     """Says loudly, in the log and on stderr, that this process runs without mesh security."""
     banner = (f"INSECURE DEVELOPMENT MODE: this {component} runs plaintext gRPC without certificates; "

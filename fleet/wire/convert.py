@@ -16,7 +16,8 @@ from stratamesh.fleet.types import (
     AGENT_RUNTIMES, DTYPES, HOP_CODECS, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage,
     GpuInfo, Hop,
     KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
-    Registration, Release, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown, SpeedInfo, StageLoad,
+    Registration, Release, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown,
+    SpeedInfo, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
@@ -157,6 +158,10 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
                 route_dtypes=[h.dtype for h in message.route], route_codecs=_codecs_to_pb(message.route),
+                route_agents=_if_any([h.agent_id for h in message.route]),
+                route_nats=_if_any([h.nat for h in message.route]),
+                feed_agent=message.feed.agent_id if message.feed else "",
+                feed_nat=message.feed.nat if message.feed else "",
                 origin=message.origin, sampling=sampling_to_pb(message.sampling),
                 traceparent=message.traceparent, prompt_token_ids=list(message.prompt_token_ids),
                 max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from,
@@ -217,6 +222,12 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.route_codecs must be empty or as long as open.route")
     if bad := [c for c in msg.route_codecs if c not in HOP_CODECS]:
         raise InvalidInput(f"open.route_codecs[] {bad[0]!r} is not one of {HOP_CODECS}")
+    for name in ("route_agents", "route_nats"):
+        if getattr(msg, name) and len(getattr(msg, name)) != len(msg.route):
+            raise InvalidInput(f"open.{name} must be empty or as long as open.route")
+    for agent_id in (*msg.route_agents, msg.feed_agent):
+        if agent_id:
+            check_name(agent_id)
     if not msg.origin:
         raise InvalidInput("open.origin is empty")
     if msg.max_cached_tokens < 0 or msg.max_cached_tokens > len(msg.prompt_token_ids):
@@ -225,9 +236,10 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
         raise InvalidInput("open.traceparent is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     if msg.resume_from:
         _require_session_id(msg.resume_from, "open.resume_from")
-    dtypes = msg.route_dtypes or [""] * len(msg.route)
-    codecs = msg.route_codecs or [""] * len(msg.route)
-    route = tuple(Hop(a, s, d, c) for a, s, d, c in zip(msg.route, msg.route_assignments, dtypes, codecs, strict=True))
+    empty = [""] * len(msg.route)
+    route = tuple(Hop(*hop) for hop in zip(msg.route, msg.route_assignments, msg.route_dtypes or empty,
+                                          msg.route_codecs or empty, msg.route_agents or empty,
+                                          msg.route_nats or empty, strict=True))
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
@@ -236,7 +248,12 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
 
 def _codecs_to_pb(route: tuple[Hop, ...]) -> list[str]:
     """Each hop's codec; none at all when every hop's is raw (the message stays as it was before codecs)."""
-    return [h.codec for h in route] if any(h.codec for h in route) else []
+    return _if_any([h.codec for h in route])
+
+
+def _if_any(values: list[str]) -> list[str]:
+    """values, or none at all when every one is "" (the message stays as it was before the field)."""
+    return values if any(values) else []
 
 
 def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:
@@ -246,7 +263,7 @@ def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:
     if not msg.feed_address:
         return None
     _require_address(msg.feed_address, "open.feed_address")
-    return Hop(msg.feed_address, msg.feed_assignment)
+    return Hop(msg.feed_address, msg.feed_assignment, agent_id=msg.feed_agent, nat=msg.feed_nat)
 
 
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
@@ -528,9 +545,9 @@ def stage_status_from_pb(msg: pb.StageStatus) -> StageStatus:
     return StageStatus(msg.assignment_id, _STATE_FROM_PB[msg.state], msg.error, msg.param_bytes)
 
 
-def welcome_to_pb(agent_id: str, heartbeat_interval_s: float) -> pb.CoordinatorMessage:
+def welcome_to_pb(agent_id: str, heartbeat_interval_s: float, nat: str = "") -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(welcome=pb.Welcome(agent_id=agent_id,
-                                                    heartbeat_interval_s=heartbeat_interval_s))
+                                                    heartbeat_interval_s=heartbeat_interval_s, nat=nat))
 
 
 def assign_to_pb(assignment: Assignment) -> pb.CoordinatorMessage:
@@ -653,6 +670,49 @@ def revocations_from_pb(msg: pb.Revocations) -> frozenset[str]:
     if any(not _SERIAL.fullmatch(s) for s in msg.serials):
         raise InvalidInput("revocations.serials must be hex certificate serials")
     return frozenset(msg.serials)
+
+
+# ---------------------------------------------------------------- WebRTC signalling
+
+def rtc_offer_to_pb(offer: RtcOffer) -> pb.RtcOffer:
+    return pb.RtcOffer(call_id=offer.call_id, peer_id=offer.peer_id, sdp=offer.sdp, cert_pem=offer.cert_pem)
+
+
+def rtc_offer_from_pb(msg: pb.RtcOffer) -> RtcOffer:
+    _check_signal(msg.call_id, msg.peer_id, msg.sdp, msg.cert_pem, "rtc_offer")
+    if not msg.sdp:
+        raise InvalidInput("rtc_offer.sdp is empty")
+    return RtcOffer(msg.call_id, msg.peer_id, msg.sdp, msg.cert_pem)
+
+
+def rtc_answer_to_pb(answer: RtcAnswer) -> pb.RtcAnswer:
+    return pb.RtcAnswer(call_id=answer.call_id, peer_id=answer.peer_id, sdp=answer.sdp, cert_pem=answer.cert_pem,
+                        error=answer.error)
+
+
+def rtc_answer_from_pb(msg: pb.RtcAnswer) -> RtcAnswer:
+    _check_signal(msg.call_id, msg.peer_id, msg.sdp, msg.cert_pem, "rtc_answer")
+    if not msg.sdp and not msg.error:
+        raise InvalidInput("rtc_answer has neither sdp nor error")
+    return RtcAnswer(msg.call_id, msg.peer_id, msg.sdp, msg.cert_pem, msg.error[:MAX_SIGNAL_ERROR])
+
+
+# An SDP offer of one data channel is about 1 KB; this leaves room for many ICE candidates, not for abuse.
+MAX_SDP_BYTES = 64 * 1024
+MAX_SIGNAL_ERROR = 1024
+
+
+def _check_signal(call_id: str, peer_id: str, sdp: str, cert_pem: bytes, where: str) -> None:
+    if not _CALL_ID.fullmatch(call_id):
+        raise InvalidInput(f"{where}.call_id must be 1..64 letters, digits, '-' or '_'")
+    check_name(peer_id)
+    if len(sdp) > MAX_SDP_BYTES:
+        raise InvalidInput(f"{where}.sdp is over {MAX_SDP_BYTES} bytes")
+    if len(cert_pem) > MAX_PEM_BYTES:
+        raise InvalidInput(f"{where}.cert_pem is over {MAX_PEM_BYTES} bytes")
+
+
+_CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def enroll_request_to_pb(request: EnrollRequest) -> pb.EnrollRequest:

@@ -246,20 +246,24 @@ class StageStatus(_message.Message):
     def __init__(self, assignment_id: _Optional[str] = ..., state: _Optional[_Union[StageStatus.State, str]] = ..., error: _Optional[str] = ..., param_bytes: _Optional[int] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "stage_status", "links", "kv_events", "weights_progress")
+    __slots__ = ("register", "heartbeat", "stage_status", "links", "kv_events", "weights_progress", "rtc_offer", "rtc_answer")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_STATUS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RTC_OFFER_FIELD_NUMBER: _ClassVar[int]
+    RTC_ANSWER_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     stage_status: StageStatus
     links: LinkReport
     kv_events: KvEventReport
     weights_progress: WeightsProgress
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventReport, _Mapping]] = ..., weights_progress: _Optional[_Union[WeightsProgress, _Mapping]] = ...) -> None: ...
+    rtc_offer: RtcOffer
+    rtc_answer: RtcAnswer
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stage_status: _Optional[_Union[StageStatus, _Mapping]] = ..., links: _Optional[_Union[LinkReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventReport, _Mapping]] = ..., weights_progress: _Optional[_Union[WeightsProgress, _Mapping]] = ..., rtc_offer: _Optional[_Union[RtcOffer, _Mapping]] = ..., rtc_answer: _Optional[_Union[RtcAnswer, _Mapping]] = ...) -> None: ...
 
 class WeightsProgress(_message.Message):
     __slots__ = ("assignment_id", "fetched_bytes", "reused_bytes", "total_bytes", "tensor_bytes", "done", "source", "num_corrupt")
@@ -302,12 +306,40 @@ class KvEventReport(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[KvEvents, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("agent_id", "heartbeat_interval_s")
+    __slots__ = ("agent_id", "heartbeat_interval_s", "nat")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NAT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     heartbeat_interval_s: float
-    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    nat: str
+    def __init__(self, agent_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., nat: _Optional[str] = ...) -> None: ...
+
+class RtcOffer(_message.Message):
+    __slots__ = ("call_id", "peer_id", "sdp", "cert_pem")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SDP_FIELD_NUMBER: _ClassVar[int]
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    peer_id: str
+    sdp: str
+    cert_pem: bytes
+    def __init__(self, call_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., sdp: _Optional[str] = ..., cert_pem: _Optional[bytes] = ...) -> None: ...
+
+class RtcAnswer(_message.Message):
+    __slots__ = ("call_id", "peer_id", "sdp", "cert_pem", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SDP_FIELD_NUMBER: _ClassVar[int]
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    peer_id: str
+    sdp: str
+    cert_pem: bytes
+    error: str
+    def __init__(self, call_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., sdp: _Optional[str] = ..., cert_pem: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("assignment_id", "stage")
@@ -344,20 +376,24 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "assign", "release", "probe_links", "shutdown", "revocations")
+    __slots__ = ("welcome", "assign", "release", "probe_links", "shutdown", "revocations", "rtc_offer", "rtc_answer")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PROBE_LINKS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    RTC_OFFER_FIELD_NUMBER: _ClassVar[int]
+    RTC_ANSWER_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     assign: Assignment
     release: Release
     probe_links: ProbeLinks
     shutdown: Shutdown
     revocations: Revocations
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ...) -> None: ...
+    rtc_offer: RtcOffer
+    rtc_answer: RtcAnswer
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., assign: _Optional[_Union[Assignment, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., revocations: _Optional[_Union[Revocations, _Mapping]] = ..., rtc_offer: _Optional[_Union[RtcOffer, _Mapping]] = ..., rtc_answer: _Optional[_Union[RtcAnswer, _Mapping]] = ...) -> None: ...
 
 class Revocations(_message.Message):
     __slots__ = ("serials",)
@@ -456,7 +492,7 @@ class WeightData(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +509,10 @@ class SessionOpen(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_CODECS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_NATS_FIELD_NUMBER: _ClassVar[int]
+    FEED_AGENT_FIELD_NUMBER: _ClassVar[int]
+    FEED_NAT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -489,7 +529,11 @@ class SessionOpen(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     route_codecs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+    route_agents: _containers.RepeatedScalarFieldContainer[str]
+    route_nats: _containers.RepeatedScalarFieldContainer[str]
+    feed_agent: str
+    feed_nat: str
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")

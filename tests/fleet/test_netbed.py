@@ -129,3 +129,19 @@ def test_ctrl_c_tears_the_bed_down(tmp_path: Path) -> None:
         process.kill()
         process.wait()
         Netbed(prefix).close_leftovers()
+
+
+def test_a_peer_that_cannot_be_dialed_is_reached_over_webrtc(netbed: Netbed) -> None:
+    """On a host with no route off the bed: a reachable peer gets gRPC, a refused one fails as a peer that is down
+    does, and one there is no route to gets a data channel, signalled to its agent, carrying the same messages."""
+    host = netbed.add_host("solo")
+    probe = str(Path(__file__).with_name("reach_probe.py"))
+    out = subprocess.run(host.command([sys.executable, probe, host.address]), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    sent = [f"s{i}" for i in range(5)]
+    assert result["transports"] == {"serving": "grpc", "refused": "grpc", "no-route": "webrtc"}
+    assert result["grpc_received"] == sent and result["rtc_received"] == sent
+    assert result["offered"] == ["behind-nat"]
+    assert result["broken"] == ["refused"]

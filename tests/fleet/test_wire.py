@@ -12,8 +12,8 @@ import pytest
 from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
-    LinkMeasurement, Peer, ProbeLinks, Registration, Release, SamplingParams, SessionClose, SessionOpen, Shutdown,
-    SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
+    LinkMeasurement, Peer, ProbeLinks, Registration, Release, RtcAnswer, RtcOffer, SamplingParams, SessionClose,
+    SessionOpen, Shutdown, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert, gen
@@ -42,6 +42,10 @@ STAGE_MESSAGES = [
                 "o:1", SamplingParams()),
     SessionOpen("s1.1", "b1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6, 7), max_cached_tokens=2,
                 resume_from="s1.0"),
+    SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2", agent_id="cloud-1"),
+                             Hop("192.168.1.3:5000", "a3", agent_id="edge-2", nat="203.0.113.9")), "o:1",
+                SamplingParams(), feed=Hop("192.168.1.2:5000", "a1", agent_id="edge-1", nat="203.0.113.9"),
+                max_new_tokens=8),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
     StepChunk("s1", 0, 0, (1, 2, 3), True, TRACE_ID, sent_unix_ns=1_700_000_000_123_456_789),
     StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True, trace_id=TRACE_ID), StepChunk("s2", 0, 0, (9,))),
@@ -182,6 +186,10 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
                                          route_codecs=["zstd"], origin="o:1")), "route_codecs"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], route_assignments=["x"],
                                          route_codecs=["int8", "int8"], origin="o:1")), "route_codecs"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], route_assignments=["x"],
+                                         route_nats=["1.2.3.4", ""], origin="o:1")), "route_nats"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", route=["a:1"], route_assignments=["x"],
+                                         route_agents=["not an id"], origin="o:1")), "name"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
                                          sampling=pb.SamplingParams(temperature=-1))), "temperature"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
@@ -391,3 +399,20 @@ def test_kv_migration_messages_round_trip() -> None:
 def test_bad_kv_chunks_name_the_field(chunk: pb.KvChunk, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):
         convert.kv_chunk_from_pb(chunk)
+
+
+def test_rtc_signalling_round_trips_and_refuses_what_it_cannot_carry() -> None:
+    offer = RtcOffer("c0ffee", "edge-1", "v=0\r\n", b"-----BEGIN CERTIFICATE-----")
+    wire = convert.rtc_offer_to_pb(offer).SerializeToString()
+    assert convert.rtc_offer_from_pb(pb.RtcOffer.FromString(wire)) == offer
+    for answer in (RtcAnswer("c0ffee", "cloud-1", "v=0\r\n", b"pem"), RtcAnswer("c0ffee", "cloud-1", error="no")):
+        wire = convert.rtc_answer_to_pb(answer).SerializeToString()
+        assert convert.rtc_answer_from_pb(pb.RtcAnswer.FromString(wire)) == answer
+    for bad, field in ((pb.RtcOffer(call_id="", peer_id="a", sdp="v"), "call_id"),
+                       (pb.RtcOffer(call_id="c", peer_id="a b", sdp="v"), "name"),
+                       (pb.RtcOffer(call_id="c", peer_id="a"), "sdp is empty"),
+                       (pb.RtcOffer(call_id="c", peer_id="a", sdp="v" * 70000), "sdp is over")):
+        with pytest.raises(InvalidInput, match=field):
+            convert.rtc_offer_from_pb(bad)
+    with pytest.raises(InvalidInput, match="neither sdp nor error"):
+        convert.rtc_answer_from_pb(pb.RtcAnswer(call_id="c", peer_id="a"))

@@ -1,0 +1,258 @@
+"""WebRTC data channels between mesh processes that cannot dial each other (one behind NAT), with the mesh's identities.
+
+A gRPC stream is the data plane's path (50x the throughput: ENVIRONMENT.md); this one is for a receiver nobody
+outside its NAT can dial. The caller makes an offer, the coordinator carries it over the callee's control stream
+(it can reach everyone: they dialed it) and the answer back, and ICE finds a way through: the callee's checks go
+out through its NAT, which lets the caller's answers in. No STUN or TURN server is needed while one side can be
+dialed (both behind NAT is not handled).
+
+Identity: each side's DTLS certificate is its mesh certificate (the one its gRPC mTLS presents). The signalling
+carries the certificate, which the other side checks against the mesh's CA, its revocations and the name the
+coordinator vouches for; every fingerprint in the SDP must be that certificate's, and the DTLS handshake then
+proves the peer holds its key. A peer with any other certificate (a self-signed one) is refused.
+
+The data channel carries whole messages of any size: each data-channel message is one byte (MORE or LAST) and at
+most PIECE_BYTES of a message, in order (the channel is ordered and reliable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import aioice.ice
+from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.rtcdtlstransport import RTCCertificate, certificate_digest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from stratamesh.fleet import pki
+from stratamesh.fleet.errors import InvalidInput, Refused, StageFailed
+from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.wire.channels import PROCESS, MeshTls, current_tls, revoked
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 64 * 1024 - 1     # under the 64 KiB every WebRTC stack accepts in one data-channel message
+MORE, LAST = b"\x00", b"\x01"
+OPEN_TIMEOUT_S = 20.0           # from the offer to an open channel: signalling, ICE checks, DTLS, SCTP
+LABEL = "stratamesh"
+
+Signal = Callable[[RtcOffer], Awaitable[RtcAnswer]]   # sends an offer through the coordinator, returns the answer
+
+_FINGERPRINT = re.compile(r"^a=fingerprint:(\S+) (\S+)\s*$", re.MULTILINE)
+
+
+class RtcRefused(Refused):
+    """A WebRTC peer is not who the mesh says, or refused us: no channel."""
+
+
+def offer_addresses(hosts: Sequence[str]) -> None:
+    """Offers ICE candidates on these addresses only (the one a daemon listens on, so that it stays off other
+    networks; and loopback, which aioice never offers by itself); empty: every address but loopback.
+    aioice has no option for it, so this replaces its lookup of the host's addresses for the whole process."""
+    chosen = [h for h in hosts if _is_address(h) and not ipaddress.ip_address(h).is_unspecified]
+    if chosen:
+        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: list(chosen)
+    else:
+        aioice.ice.get_host_addresses = _aioice_addresses
+
+
+_aioice_addresses = aioice.ice.get_host_addresses
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def check_peer(peer_id: str, cert_pem: bytes, sdp: str, tls: MeshTls | None, now: float) -> None:
+    """Refuses (RtcRefused) a peer whose certificate is not a current one of this mesh issued to peer_id, or whose
+    SDP names a DTLS fingerprint that is not that certificate's. Without mesh credentials (insecure) anyone goes."""
+    if tls is None:
+        return
+    if not cert_pem:
+        raise RtcRefused(f"{peer_id} presented no mesh certificate")
+    try:
+        info = pki.cert_info(cert_pem)
+        signed = pki.signed_by(cert_pem, tls.ca_pem)
+    except (InvalidInput, ValueError) as exc:
+        raise RtcRefused(f"{peer_id} presented a certificate that does not parse: {exc}") from None
+    if not signed:
+        raise RtcRefused(f"{peer_id}'s certificate is not signed by this mesh's CA")
+    if info.name != peer_id:
+        raise RtcRefused(f"the certificate presented for {peer_id} names {info.name!r}")
+    if info.serial in revoked:
+        raise RtcRefused(f"{peer_id}'s certificate {info.serial} is revoked")
+    if info.not_after <= now:
+        raise RtcRefused(f"{peer_id}'s certificate expired")
+    fingerprints = _FINGERPRINT.findall(sdp)
+    if not fingerprints:
+        raise RtcRefused(f"{peer_id}'s SDP names no DTLS fingerprint")
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    for algorithm, value in fingerprints:
+        if algorithm.lower() not in ("sha-256", "sha-384", "sha-512") or \
+                value.upper() != certificate_digest(cert, algorithm.lower()):
+            raise RtcRefused(f"{peer_id}'s DTLS fingerprint ({algorithm}) is not its mesh certificate's")
+
+
+class DataChannel:
+    """One end of an open data channel: send() whole messages, iterate for those that arrive, until it closes."""
+
+    def __init__(self, pc: RTCPeerConnection, channel: RTCDataChannel, peer_id: str):
+        self.peer_id = peer_id
+        self._pc = pc
+        self._channel = channel
+        self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._pieces: list[bytes] = []
+        self.opened = asyncio.Event()
+        self.closed = asyncio.Event()
+        channel.on("message", self._piece)
+        channel.on("open", self.opened.set)
+        channel.on("close", self._closed)
+        pc.on("connectionstatechange", self._state)
+        if channel.readyState == "open":
+            self.opened.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._channel.readyState == "open" and not self.closed.is_set()
+
+    def send(self, message: bytes) -> None:
+        """Queues one whole message (in pieces); StageFailed once the channel is closed."""
+        if not self.is_open:
+            raise StageFailed(f"the data channel to {self.peer_id} is closed")
+        view = memoryview(message)
+        for start in range(0, max(len(message), 1), PIECE_BYTES):
+            last = start + PIECE_BYTES >= len(message)
+            self._channel.send((LAST if last else MORE) + bytes(view[start:start + PIECE_BYTES]))
+
+    def buffered_bytes(self) -> int:
+        """Bytes queued on the channel and not yet sent."""
+        return self._channel.bufferedAmount
+
+    async def messages(self) -> AsyncIterator[bytes]:
+        """Each whole message as it arrives, until the channel closes."""
+        while (message := await self._inbox.get()) is not None:
+            yield message
+
+    async def close(self) -> None:
+        self._closed()
+        await self._pc.close()
+
+    def _piece(self, data: bytes | str) -> None:
+        if isinstance(data, str) or not data:
+            log.warning("dropped a malformed data-channel message from %s", self.peer_id)
+            return
+        self._pieces.append(data[1:])
+        if data[:1] == LAST:
+            message, self._pieces = b"".join(self._pieces), []
+            self._inbox.put_nowait(message)
+
+    def _closed(self) -> None:
+        if not self.closed.is_set():
+            self.closed.set()
+            self._inbox.put_nowait(None)
+
+    async def _state(self) -> None:
+        if self._pc.connectionState in ("failed", "closed"):
+            self._closed()
+
+
+async def dial(peer_id: str, signal: Signal, tls: object = PROCESS,
+               timeout_s: float = OPEN_TIMEOUT_S) -> DataChannel:
+    """Opens a data channel to peer_id (an agent id), signalling through signal(); RtcRefused if the callee refuses
+    us or is not who it should be, StageFailed if no channel opens within timeout_s."""
+    tls = _tls(tls)
+    pc = _peer_connection(tls)
+    channel = DataChannel(pc, pc.createDataChannel(LABEL, ordered=True), peer_id)
+    try:
+        await pc.setLocalDescription(await pc.createOffer())    # gathers the host candidates
+        offer = RtcOffer(uuid.uuid4().hex, peer_id, pc.localDescription.sdp, tls.cert_pem if tls else b"")
+        answer = await asyncio.wait_for(signal(offer), timeout_s)
+        if answer.error:
+            raise RtcRefused(f"{peer_id} refused a data channel: {answer.error}")
+        check_peer(peer_id, answer.cert_pem, answer.sdp, tls, time.time())
+        await pc.setRemoteDescription(RTCSessionDescription(answer.sdp, "answer"))
+        await asyncio.wait_for(_opened(channel), timeout_s)
+    except BaseException as exc:
+        await pc.close()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise StageFailed(f"no data channel to {peer_id} opened within {timeout_s:.0f} s") from None
+        raise
+    log.info("data channel to %s open", peer_id)
+    return channel
+
+
+async def accept(offer: RtcOffer, on_channel: Callable[[DataChannel], None],
+                 tls: object = PROCESS) -> tuple[RtcAnswer, RTCPeerConnection | None]:
+    """Answers an offer from offer.peer_id (as the coordinator vouches): on_channel gets its data channel once it
+    opens. A refused offer is answered with why (and no connection)."""
+    tls = _tls(tls)
+    try:
+        check_peer(offer.peer_id, offer.cert_pem, offer.sdp, tls, time.time())
+    except RtcRefused as exc:
+        log.warning("refused a data channel: %s", exc)
+        return RtcAnswer(offer.call_id, offer.peer_id, error=str(exc)), None
+    pc = _peer_connection(tls)
+
+    @pc.on("datachannel")
+    def _incoming(channel: RTCDataChannel) -> None:
+        incoming = DataChannel(pc, channel, offer.peer_id)
+
+        async def when_open() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_opened(incoming), OPEN_TIMEOUT_S)
+                log.info("data channel from %s open", offer.peer_id)
+                on_channel(incoming)
+
+        _tasks.add(task := asyncio.ensure_future(when_open()))
+        task.add_done_callback(_tasks.discard)
+
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(offer.sdp, "offer"))
+        await pc.setLocalDescription(await pc.createAnswer())
+    except Exception as exc:  # a malformed SDP: refused, like a bad certificate
+        await pc.close()
+        return RtcAnswer(offer.call_id, offer.peer_id, error=f"bad offer: {exc}"), None
+    return RtcAnswer(offer.call_id, offer.peer_id, pc.localDescription.sdp, tls.cert_pem if tls else b""), pc
+
+
+_tasks: set[asyncio.Future] = set()
+
+
+async def _opened(channel: DataChannel) -> None:
+    """Waits until the channel opens; StageFailed if it closes first."""
+    opened = asyncio.ensure_future(channel.opened.wait())
+    closed = asyncio.ensure_future(channel.closed.wait())
+    try:
+        await asyncio.wait((opened, closed), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        opened.cancel()
+        closed.cancel()
+    if not channel.opened.is_set():
+        raise StageFailed(f"the connection to {channel.peer_id} failed before its data channel opened")
+
+
+def _peer_connection(tls: MeshTls | None) -> RTCPeerConnection:
+    """A peer connection with no STUN server (None would mean Google's) whose DTLS certificate is the mesh one."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    if tls is not None:
+        key = serialization.load_pem_private_key(tls.key_pem, password=None)
+        # aiortc takes no certificate from its caller: it makes one per connection, kept in this attribute
+        pc._RTCPeerConnection__certificates = [RTCCertificate(key, x509.load_pem_x509_certificate(tls.cert_pem))]
+    return pc
+
+
+def _tls(tls: object) -> MeshTls | None:
+    """The credentials given (None: insecure), or with PROCESS this process's."""
+    return current_tls() if tls is PROCESS else tls
