@@ -1,12 +1,15 @@
 """Two pipeline stages on two hosts of the WAN test bed, per link profile: what the link between them costs.
 
     sudo .venv/bin/python benchmarks/wan_links.py [--profiles lan,wan-20mbit-80ms] [--codecs auto,float32]
-                                                  [--num-prompts 32] [--output-len 32] [--quick]
+                                                  [--reach direct,nat] [--num-prompts 32] [--output-len 32] [--quick]
 
 For every link profile (fleet/netbed.py: LAN; 100 Mbit/s + 20 ms; 20 Mbit/s + 80 ms; 1% loss) and wire codec,
 a fresh test bed: the coordinator (and origin) and agent 0 on LAN cables, agent 1 behind a cable of the
 profile, so the two stages of the model talk across it (the decode loop, stage 1 -> stage 0, crosses it every
-token). One random-weight Llama (8 layers, hidden 512) split in 2 stages, 1 thread per agent.
+token). One random-weight Llama (8 layers, hidden 512) split in 2 stages, 1 thread per agent. With --reach nat,
+agent 1 sits instead on a site behind NAT whose uplink has the profile: nobody can dial it, and whatever must
+reach it (the other stage, or the origin) does so over a WebRTC data channel; the table then also holds each
+profile's WebRTC throughput against the direct gRPC one.
 
 Printed per profile and codec: output tokens/s at concurrency 1 and 16, TTFT p50 at concurrency 16, activation
 bytes per token between the stages (what the agents' /metrics count), and the codec the link used; then each
@@ -60,23 +63,29 @@ class Row:
 
     profile: str
     codec: str
+    reach: str              # "direct": agent 1 can be dialed; "nat": it sits behind NAT
     c1: BenchMetrics
     c16: BenchMetrics
     bytes_per_token: float
     link_codecs: str        # what the links between the stages carried, as the agents' /metrics count it
+    transports: str         # what carried the agents' messages to each other, as their /metrics count it
+
+
+def agent_counts(mesh: LocalMesh, name: str, label: str, **only: str) -> dict[str, float]:
+    """The agents' counter name summed by one of its labels (over the samples whose labels match only)."""
+    by_label: dict[str, float] = {}
+    for index in range(len(mesh.agent_metrics)):
+        for family in text_string_to_metric_families(mesh.metrics_text(index)):
+            for sample in family.samples:
+                if sample.name == f"{name}_total" and all(sample.labels.get(k) == v for k, v in only.items()):
+                    key = sample.labels[label]
+                    by_label[key] = by_label.get(key, 0.0) + sample.value
+    return by_label
 
 
 def activation_bytes(mesh: LocalMesh) -> dict[str, float]:
     """Bytes of activations the agents have sent to one another, by codec, from their /metrics."""
-    by_codec: dict[str, float] = {}
-    for address in mesh.agent_metrics:
-        text = httpx.get(f"http://{address}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "stratamesh:link_activation_bytes_total":
-                    codec = sample.labels["codec"]
-                    by_codec[codec] = by_codec.get(codec, 0.0) + sample.value
-    return by_codec
+    return agent_counts(mesh, "stratamesh:link_activation_bytes", "codec")
 
 
 def send_all(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, output_len: int, concurrency: int,
@@ -88,13 +97,17 @@ def send_all(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, ou
     return metrics
 
 
-def run_profile(model_dir: Path, profile: str, codec: str, args: argparse.Namespace) -> Row:
-    """A fresh test bed and mesh for one profile and codec, its runs, and its teardown."""
+def run_profile(model_dir: Path, profile: str, codec: str, reach: str, args: argparse.Namespace) -> Row:
+    """A fresh test bed and mesh for one profile, codec and reach, its runs, and its teardown."""
     vocab = regular_token_ids(model_dir)
     with Netbed(f"sm-{secrets.token_hex(3)}") as bed:
         bed.attach_here()
         coordinator, near = bed.add_host("coord"), bed.add_host("near")
-        far = bed.add_host("far", PROFILES[profile])
+        if reach == "nat":
+            bed.add_site("edge", PROFILES[profile])
+            far = bed.add_site_host("edge", "far")
+        else:
+            far = bed.add_host("far", PROFILES[profile])
         mesh = LocalMesh(str(model_dir), num_agents=2, threads_per_agent=1, coordinator_host=coordinator,
                          agent_hosts={0: near, 1: far}, coordinator_args=["--wire-codec", codec],
                          log_dir=args.log_dir or None)
@@ -104,8 +117,10 @@ def run_profile(model_dir: Path, profile: str, codec: str, args: argparse.Namesp
             before = activation_bytes(mesh)
             c16 = send_all(mesh, model_dir.name, vocab, args.num_prompts, args.output_len, 16, args.seed + 1)
             sent = {k: v - before.get(k, 0.0) for k, v in activation_bytes(mesh).items()}
+            transports = agent_counts(mesh, "stratamesh:transport_messages", "transport", direction="sent")
     tokens = c16.total_input_tokens + c16.total_output_tokens
-    return Row(profile, codec, c1, c16, sum(sent.values()) / tokens, ",".join(k for k, v in sent.items() if v))
+    return Row(profile, codec, reach, c1, c16, sum(sent.values()) / tokens, ",".join(k for k, v in sent.items() if v),
+               ",".join(sorted(k for k, v in transports.items() if v)))
 
 
 def codec_effect(model_dir: Path, wire_codec: str, vocab: list[int], num_tokens: int = 64,
@@ -147,21 +162,28 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"2 stages of a random-weight Llama ({args.model}: {shape['num_layers']} layers, hidden "
           f"{shape['hidden_size']}), 1 thread per agent; "
           f"{args.num_prompts} prompts of 16 tokens, {args.output_len} output tokens each\n")
-    print(f"| {'link profile':<18} | {'--wire-codec':<12} | {'link used':<9} | {'tok/s c1':>8} | {'tok/s c16':>9} | "
-          f"{'TTFT p50 ms c16':>15} | {'bytes/token':>11} |")
-    print(f"|{'-' * 20}|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 11}|{'-' * 17}|{'-' * 13}|")
+    print(f"| {'link profile':<18} | {'reach':<6} | {'transports':<11} | {'--wire-codec':<12} | {'link used':<9} | "
+          f"{'tok/s c1':>8} | {'tok/s c16':>9} | {'TTFT p50 ms c16':>15} | {'bytes/token':>11} |")
+    print(f"|{'-' * 20}|{'-' * 8}|{'-' * 13}|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 11}|{'-' * 17}|{'-' * 13}|")
     for row in rows:
-        print(f"| {row.profile:<18} | {row.codec:<12} | {row.link_codecs:<9} | {row.c1.output_throughput:8.1f} | "
-              f"{row.c16.output_throughput:9.1f} | {row.c16.ttft.median_ms:15.1f} | {row.bytes_per_token:11.0f} |")
-    lan = {r.codec: r.c16.output_throughput for r in rows if r.profile == "lan"}   # per codec: like with like
+        print(f"| {row.profile:<18} | {row.reach:<6} | {row.transports:<11} | {row.codec:<12} | {row.link_codecs:<9} | "
+              f"{row.c1.output_throughput:8.1f} | {row.c16.output_throughput:9.1f} | {row.c16.ttft.median_ms:15.1f} | "
+              f"{row.bytes_per_token:11.0f} |")
+    # like with like: per codec and reach against the LAN, per profile and codec WebRTC against direct gRPC
+    lan = {(r.codec, r.reach): r.c16.output_throughput for r in rows if r.profile == "lan"}
+    direct = {(r.profile, r.codec): r.c16.output_throughput for r in rows if r.reach == "direct"}
     print()
     for row in rows:
-        if row.profile != "lan" and row.codec in lan:
-            ratio = row.c16.output_throughput / lan[row.codec]
+        if row.profile != "lan" and (row.codec, row.reach) in lan:
+            ratio = row.c16.output_throughput / lan[row.codec, row.reach]
             target = ""
             if row.profile == TARGET_PROFILE:
                 target = f" (issue 24: at least {TARGET_RATIO}x: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'})"
-            print(f"{row.profile} / lan, codec {row.codec}, concurrency 16: {ratio:.2f}x{target}")
+            print(f"{row.profile} / lan, codec {row.codec}, {row.reach}, concurrency 16: {ratio:.2f}x{target}")
+    for row in rows:
+        if row.reach == "nat" and (row.profile, row.codec) in direct:
+            ratio = row.c16.output_throughput / direct[row.profile, row.codec]
+            print(f"{row.profile}, codec {row.codec}, concurrency 16: WebRTC (behind NAT) / direct gRPC: {ratio:.2f}x")
 
 
 def report_codecs(effects: dict[str, tuple[int, float]], num_tokens: int) -> None:
@@ -177,6 +199,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated, from fleet/netbed.py")
     parser.add_argument("--codecs", default="auto", help="comma-separated wire codecs: auto, float32, float16, int8")
+    parser.add_argument("--reach", default="direct",
+                        help="comma-separated: direct (agent 1 can be dialed), nat (it sits behind NAT: WebRTC)")
     parser.add_argument("--num-prompts", type=int, default=32, help="at concurrency 16 (a quarter at 1)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -203,9 +227,10 @@ def main() -> None:
         rows = []
         for profile in args.profiles.split(","):
             for codec in args.codecs.split(","):
-                started = time.monotonic()
-                rows.append(run_profile(model_dir, profile, codec, args))
-                log.warning("%s, codec %s: done in %.0f s", profile, codec, time.monotonic() - started)
+                for reach in args.reach.split(","):
+                    started = time.monotonic()
+                    rows.append(run_profile(model_dir, profile, codec, reach, args))
+                    log.warning("%s, codec %s, %s: done in %.0f s", profile, codec, reach, time.monotonic() - started)
         report(rows, args)
         vocab = regular_token_ids(model_dir)
         report_codecs({c: codec_effect(model_dir, c, vocab, EFFECT_TOKENS, args.seed)

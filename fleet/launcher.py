@@ -242,6 +242,18 @@ class LocalMesh:
             return host is None and coordinator is None
         return host.site == coordinator.site
 
+    def metrics_text(self, index: int) -> str:
+        """Agent index's /metrics page; fetched from inside its test-bed host when it runs on one (nobody outside a
+        NAT'd site can reach a host on it)."""
+        url = f"http://{self.agent_metrics[index]}/metrics"
+        host = self.agent_hosts.get(index)
+        if host is None:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.read().decode()
+        fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+        return subprocess.run(host.command([sys.executable, "-c", fetch, url]), capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+
     def wait_ready(self, timeout_s: float) -> None:
         """Waits until /health says every model is ready (LaunchError after timeout_s)."""
         health = self._wait_health(lambda h: h.get("status") == "ok", timeout_s)

@@ -104,15 +104,23 @@ def test_hop_floor_benchmark_prints_its_table() -> None:
 
 def test_wan_links_benchmark_narrows_the_codec_of_a_slow_link_and_prints_the_ratio() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan_links.py"), "--quick",
-                             "--profiles", "lan,wan-20mbit-80ms"], capture_output=True, text=True, timeout=600)
+                             "--profiles", "lan,wan-20mbit-80ms", "--reach", "direct,nat"],
+                            capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
         pytest.skip(result.stderr.strip())
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
-            if line.startswith("| lan ") or line.startswith("| wan-")}
+    cells = [[cell.strip() for cell in line.split("|")[1:6]] for line in out.splitlines()
+             if line.startswith("| lan ") or line.startswith("| wan-")]
+    used = {(profile, reach): (transports, link) for profile, reach, transports, _, link in cells}
     # the codec each link carried: raw on the LAN; across 20 Mbit/s a step's 16 KB take ~6.5 ms against a step of
     # ~15 ms, which float16 (3.3 ms) or int8 brings within a quarter of it, whatever the box's load makes the step
-    assert rows["lan"] == "float32" and rows["wan-20mbit-80ms"] in ("float16", "int8"), out
-    assert re.search(r"wan-20mbit-80ms / lan, codec auto, concurrency 16: [\d.]+x", out), out
+    for reach in ("direct", "nat"):
+        assert used["lan", reach][1] == "float32" and used["wan-20mbit-80ms", reach][1] in ("float16", "int8"), out
+    # behind NAT, what must reach the far agent does so over a data channel; nothing else does
+    assert {transports for (_, reach), (transports, _) in used.items()} == {"grpc", "grpc,webrtc"}, out
+    assert all(transports == "grpc,webrtc" for (_, reach), (transports, _) in used.items() if reach == "nat"), out
+    assert re.search(r"wan-20mbit-80ms / lan, codec auto, direct, concurrency 16: [\d.]+x", out), out
+    assert re.search(r"wan-20mbit-80ms, codec auto, concurrency 16: WebRTC \(behind NAT\) / direct gRPC: [\d.]+x",
+                     out), out
     assert re.search(r"\| int8 +\| +\d+ of 64 \| +[\d.]+ \|", out), out

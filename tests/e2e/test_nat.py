@@ -5,8 +5,6 @@ reach them over WebRTC data channels signalled through the coordinator."""
 from __future__ import annotations
 
 import secrets
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.fleet import pki
 from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.fleet.netbed import Host, Netbed, NetbedUnavailable, check_can_build, nat_tool
+from stratamesh.fleet.netbed import Netbed, NetbedUnavailable, check_can_build, nat_tool
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
@@ -43,11 +41,9 @@ def netbed() -> Iterator[Netbed]:
     assert bed.leftovers() == []
 
 
-def transport_messages(host: Host, metrics_address: str) -> dict[tuple[str, str, str], float]:
-    """An agent's stratamesh:transport_messages by (peer, transport, direction), read from inside its namespace."""
-    fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
-    text = subprocess.run(host.command([sys.executable, "-c", fetch, f"http://{metrics_address}/metrics"]),
-                          capture_output=True, text=True, timeout=60, check=True).stdout
+def transport_messages(mesh: LocalMesh, index: int) -> dict[tuple[str, str, str], float]:
+    """An agent's stratamesh:transport_messages by (peer, transport, direction)."""
+    text = mesh.metrics_text(index)
     return {(s.labels["peer"], s.labels["transport"], s.labels["direction"]): s.value
             for family in text_string_to_metric_families(text) if family.name == "stratamesh:transport_messages"
             for s in family.samples if s.name.endswith("_total")}
@@ -76,7 +72,7 @@ def test_an_edge_site_behind_nat_serves_through_webrtc(netbed: Netbed, tiny_mode
         order = [mesh.agent_ids.index(stage["agent_id"]) for stage in plans[0]["stages"]]
         assert [mesh.agent_hosts[index].site for index in order] == ["edge", "", "edge"]
         first, middle, last = order
-        counts = {index: transport_messages(mesh.agent_hosts[index], mesh.agent_metrics[index]) for index in order}
+        counts = {index: transport_messages(mesh, index) for index in order}
         address = mesh.agent_addresses
         # edge -> cloud: the edge box dials out over gRPC; cloud -> edge: the cloud agent cannot dial the last
         # stage, and reaches it over a data channel; the last stage feeds tokens to the first inside the site
