@@ -21,9 +21,17 @@ log = logging.getLogger(__name__)
 LINK_PROBE_EVERY_S = 300.0
 
 
-def peers_of(links: Mapping[str, AgentLink]) -> list[Peer]:
-    """Every connected agent and the address of its Stage and Link services, by agent id."""
-    return [Peer(link.agent_id, link.stage_address) for _, link in sorted(links.items())]
+def dials(nat: str, target: AgentLink) -> bool:
+    """Whether a prober behind nat ("": behind none) can dial target: not if target is behind another NAT (its link
+    is a data channel's, which these gRPC probes do not measure)."""
+    return not target.nat or target.nat == nat
+
+
+def peers_of(links: Mapping[str, AgentLink], seen_from: str | None = None) -> list[Peer]:
+    """Every connected agent and the address of its Stage and Link services, by agent id; with seen_from, only those
+    a prober behind that NAT can dial."""
+    return [Peer(link.agent_id, link.stage_address) for _, link in sorted(links.items())
+            if seen_from is None or dials(seen_from, link)]
 
 
 class PeerProbes:
@@ -36,13 +44,13 @@ class PeerProbes:
 
     def joined(self, newcomer: AgentLink, links: Mapping[str, AgentLink]) -> None:
         """Asks the newcomer to measure its links to every other agent, and each of them its link to it."""
-        others = [p for p in peers_of(links) if p.agent_id != newcomer.agent_id]
-        if not others:
-            return
-        newcomer.send(ProbeLinks(tuple(others)))
-        itself = [Peer(newcomer.agent_id, newcomer.stage_address)]
-        for other in others:
-            links[other.agent_id].send(ProbeLinks(tuple(itself)))
+        others = [p for p in peers_of(links, newcomer.nat) if p.agent_id != newcomer.agent_id]
+        if others:
+            newcomer.send(ProbeLinks(tuple(others)))
+        itself = Peer(newcomer.agent_id, newcomer.stage_address)
+        for other in links.values():
+            if other.agent_id != newcomer.agent_id and dials(other.nat, newcomer):
+                other.send(ProbeLinks((itself,)))
 
     def tick(self, links: Mapping[str, AgentLink]) -> None:
         """Once a period is up, asks every connected agent to measure its links to all the others again."""
@@ -50,9 +58,8 @@ class PeerProbes:
         if now < self._probed_at + self._every_s:
             return
         self._probed_at = now
-        peers = peers_of(links)
         for link in links.values():
-            others = [p for p in peers if p.agent_id != link.agent_id]
+            others = [p for p in peers_of(links, link.nat) if p.agent_id != link.agent_id]
             if others:
                 link.send(ProbeLinks(tuple(others)))
 

@@ -67,8 +67,9 @@ class Roster:
         return len(self._links)
 
     def peers(self) -> list[Peer]:
-        """Every connected agent and the address of its Stage and Link services, by agent id."""
-        return peers_of(self._links)
+        """Every connected agent the coordinator can dial and the address of its Stage and Link services, by agent
+        id (not those behind NAT)."""
+        return peers_of(self._links, seen_from="")
 
     def stage_address(self, agent_id: str) -> str:
         """Where a connected agent's Stage service listens (AgentNotConnected otherwise)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.wire.stream import dialable
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,12 @@ class RtcRelay:
 
 async def nat_address(peer: str, stage_address: str, timeout_s: float = DIAL_CHECK_S) -> str:
     """The address an agent is behind NAT at, "" if it is not: its control stream comes from peer (gRPC's
-    "ipv4:host:port"), which is not the host it serves at, and this coordinator cannot dial that address."""
+    "ipv4:host:port"), which is not the host it serves at, and this coordinator cannot dial that address (no route
+    to it, or no answer in timeout_s)."""
     seen = _peer_host(peer)
-    host, _, port = stage_address.rpartition(":")
-    host = host.strip("[]")
-    if not seen or seen == host or ipaddress.ip_address(seen).is_loopback:
+    if not seen or seen == stage_address.rpartition(":")[0].strip("[]") or ipaddress.ip_address(seen).is_loopback:
         return ""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return seen
-    writer.close()
-    return ""
+    return "" if await dialable(stage_address, timeout_s) else seen
 
 
 def _peer_host(peer: str) -> str:

@@ -75,11 +75,12 @@ def _is_address(host: str) -> bool:
     return True
 
 
-def check_peer(peer_id: str, cert_pem: bytes, sdp: str, tls: MeshTls | None, now: float) -> None:
-    """Refuses (RtcRefused) a peer whose certificate is not a current one of this mesh issued to peer_id, or whose
-    SDP names a DTLS fingerprint that is not that certificate's. Without mesh credentials (insecure) anyone goes."""
+def check_peer(peer_id: str, cert_pem: bytes, sdp: str, tls: MeshTls | None, now: float) -> str:
+    """The serial of peer_id's certificate; refuses (RtcRefused) a peer whose certificate is not a current one of
+    this mesh issued to peer_id, or whose SDP names a DTLS fingerprint that is not that certificate's. Without mesh
+    credentials (insecure) anyone goes, and the serial is ""."""
     if tls is None:
-        return
+        return ""
     if not cert_pem:
         raise RtcRefused(f"{peer_id} presented no mesh certificate")
     try:
@@ -103,13 +104,15 @@ def check_peer(peer_id: str, cert_pem: bytes, sdp: str, tls: MeshTls | None, now
         if algorithm.lower() not in ("sha-256", "sha-384", "sha-512") or \
                 value.upper() != certificate_digest(cert, algorithm.lower()):
             raise RtcRefused(f"{peer_id}'s DTLS fingerprint ({algorithm}) is not its mesh certificate's")
+    return info.serial
 
 
 class DataChannel:
     """One end of an open data channel: send() whole messages, iterate for those that arrive, until it closes."""
 
-    def __init__(self, pc: RTCPeerConnection, channel: RTCDataChannel, peer_id: str):
+    def __init__(self, pc: RTCPeerConnection, channel: RTCDataChannel, peer_id: str, peer_serial: str = ""):
         self.peer_id = peer_id
+        self.peer_serial = peer_serial     # of the peer's mesh certificate ("" in an insecure mesh)
         self._pc = pc
         self._channel = channel
         self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -149,6 +152,23 @@ class DataChannel:
         self._closed()
         await self._pc.close()
 
+    def close_if_revoked(self) -> None:
+        """Closes the channel if the peer's certificate is revoked while it is open, as gRPC calls are cut."""
+        if not self.peer_serial:
+            return
+
+        async def guard() -> None:
+            try:
+                await self.closed.wait()
+            except asyncio.CancelledError:      # what a revocation does to the calls of its serial
+                log.warning("closing the data channel with %s: its certificate is revoked", self.peer_id)
+                self._closed()
+                _background(self._pc.close())
+
+        task = asyncio.ensure_future(guard())
+        forget = revoked.track(self.peer_serial, task)
+        task.add_done_callback(lambda _: forget())
+
     def _piece(self, data: bytes | str) -> None:
         if isinstance(data, str) or not data:
             log.warning("dropped a malformed data-channel message from %s", self.peer_id)
@@ -181,9 +201,10 @@ async def dial(peer_id: str, signal: Signal, tls: object = PROCESS,
         answer = await asyncio.wait_for(signal(offer), timeout_s)
         if answer.error:
             raise RtcRefused(f"{peer_id} refused a data channel: {answer.error}")
-        check_peer(peer_id, answer.cert_pem, answer.sdp, tls, time.time())
+        channel.peer_serial = check_peer(peer_id, answer.cert_pem, answer.sdp, tls, time.time())
         await pc.setRemoteDescription(RTCSessionDescription(answer.sdp, "answer"))
         await asyncio.wait_for(_opened(channel), timeout_s)
+        channel.close_if_revoked()
     except BaseException as exc:
         await pc.close()
         if isinstance(exc, asyncio.TimeoutError):
@@ -196,27 +217,40 @@ async def dial(peer_id: str, signal: Signal, tls: object = PROCESS,
 async def accept(offer: RtcOffer, on_channel: Callable[[DataChannel], None],
                  tls: object = PROCESS) -> tuple[RtcAnswer, RTCPeerConnection | None]:
     """Answers an offer from offer.peer_id (as the coordinator vouches): on_channel gets its data channel once it
-    opens. A refused offer is answered with why (and no connection)."""
+    opens. A refused offer is answered with why (and no connection); a connection whose channel does not open within
+    OPEN_TIMEOUT_S is closed."""
     tls = _tls(tls)
     try:
-        check_peer(offer.peer_id, offer.cert_pem, offer.sdp, tls, time.time())
+        serial = check_peer(offer.peer_id, offer.cert_pem, offer.sdp, tls, time.time())
     except RtcRefused as exc:
         log.warning("refused a data channel: %s", exc)
         return RtcAnswer(offer.call_id, offer.peer_id, error=str(exc)), None
     pc = _peer_connection(tls)
 
+    opened = asyncio.Event()
+
     @pc.on("datachannel")
     def _incoming(channel: RTCDataChannel) -> None:
-        incoming = DataChannel(pc, channel, offer.peer_id)
+        incoming = DataChannel(pc, channel, offer.peer_id, serial)
 
         async def when_open() -> None:
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError, StageFailed):
                 await asyncio.wait_for(_opened(incoming), OPEN_TIMEOUT_S)
+                opened.set()
+                incoming.close_if_revoked()
                 log.info("data channel from %s open", offer.peer_id)
                 on_channel(incoming)
 
-        _tasks.add(task := asyncio.ensure_future(when_open()))
-        task.add_done_callback(_tasks.discard)
+        _background(when_open())
+
+    async def close_unless_opened() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(opened.wait(), OPEN_TIMEOUT_S * 2)
+            return
+        log.warning("no data channel from %s opened: closing its connection", offer.peer_id)
+        await pc.close()
+
+    _background(close_unless_opened())
 
     try:
         await pc.setRemoteDescription(RTCSessionDescription(offer.sdp, "offer"))
@@ -228,6 +262,12 @@ async def accept(offer: RtcOffer, on_channel: Callable[[DataChannel], None],
 
 
 _tasks: set[asyncio.Future] = set()
+
+
+def _background(work: Awaitable[None]) -> None:
+    """Runs work in a task this module keeps (the loop holds tasks only weakly)."""
+    _tasks.add(task := asyncio.ensure_future(work))
+    task.add_done_callback(_tasks.discard)
 
 
 async def _opened(channel: DataChannel) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
+from stratamesh.coordinator.control.roster import AgentLink
+from stratamesh.coordinator.linkprobe import OriginLinkProber, PeerProbes, due_peers, peers_of
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import LinkMeasurement, Peer
+from stratamesh.fleet.types import Capabilities, LinkMeasurement, Peer
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from tests.coordinator.test_deployer import Agent, connect_all
 
@@ -68,3 +69,26 @@ async def test_an_agent_that_reconnects_is_measured_again_at_once() -> None:
     now[0] += 5
     await prober.probe_due()
     assert measure.asked == [["a1", "a2"], ["a2"]]
+
+
+def test_nobody_is_asked_to_probe_an_agent_behind_another_nat() -> None:
+    """A gRPC probe cannot reach an agent behind a NAT the prober is not behind: only its own site's agents (and
+    nobody outside) measure their links to it; it measures its links out."""
+    sent: dict[str, list[tuple[str, ...]]] = {}
+
+    def link(agent_id: str, nat: str = "") -> AgentLink:
+        return AgentLink(agent_id, f"{agent_id}:1", Capabilities(agent_id, "cpu", 1, 1, 1),
+                         lambda message: sent.setdefault(agent_id, []).append(
+                             tuple(p.agent_id for p in message.peers)), nat=nat)
+
+    links = {"cloud": link("cloud"), "edge-1": link("edge-1", "203.0.113.9")}
+    probes = PeerProbes(lambda: 0.0, every_s=10.0)
+    edge2 = links["edge-2"] = link("edge-2", "203.0.113.9")
+    probes.joined(edge2, links)
+    assert sent == {"edge-2": [("cloud", "edge-1")], "edge-1": [("edge-2",)]}
+    sent.clear()
+    cloud2 = links["cloud-2"] = link("cloud-2")
+    probes.joined(cloud2, links)
+    assert sent == {"cloud-2": [("cloud",)], "cloud": [("cloud-2",)], "edge-1": [("cloud-2",)],
+                    "edge-2": [("cloud-2",)]}
+    assert peers_of(links, seen_from="") == [Peer("cloud", "cloud:1"), Peer("cloud-2", "cloud-2:1")]

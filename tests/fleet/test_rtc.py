@@ -139,3 +139,21 @@ async def test_a_callee_that_never_answers_fails_the_dial_in_time(ca):
 
     with pytest.raises(rtc.StageFailed, match="no data channel to edge-1"):
         await rtc.dial("edge-1", signal, credentials(ca, "cloud-1"), timeout_s=0.5)
+
+
+async def test_revoking_a_peers_certificate_closes_its_open_channel(ca):
+    callee = Callee(credentials(ca, "edge-1"), "cloud-1")
+    caller_tls = credentials(ca, "cloud-1")
+    channel = await rtc.dial("edge-1", callee.signal, caller_tls)
+    incoming = await asyncio.wait_for(callee.channels.get(), 30)
+    channel.send(b"before")
+    assert await anext(incoming.messages()) == b"before"
+    revoked.replace({pki.cert_info(caller_tls.cert_pem).serial})
+    try:
+        await asyncio.wait_for(incoming.closed.wait(), 30)       # the callee cuts the revoked caller
+        await asyncio.wait_for(channel.closed.wait(), 30)        # ... whose end then closes too
+    finally:
+        revoked.replace(())
+    with pytest.raises(rtc.StageFailed, match="closed"):
+        channel.send(b"after")
+    await callee.close()
