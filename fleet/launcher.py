@@ -88,6 +88,9 @@ class LocalMesh:
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
         """Starts every process and waits until /health says the model is ready and every agent is connected (a
         spare, which the plan need not wait for, may take longer to join than the stages' agents)."""
+        if any(p.poll() is None for p in (self.coordinator, *self.agents) if p is not None):
+            raise LaunchError("this mesh is already running (entering its with-block starts it): a second start "
+                              "would leave the first processes behind")
         atexit.register(self.stop)  # never leave daemons behind, even if the caller forgets
         self.start_coordinator(timeout_s)
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)]

@@ -60,7 +60,6 @@ def test_an_edge_site_behind_nat_serves_through_webrtc(netbed: Netbed, tiny_mode
                      agent_hosts={0: box1, 1: gpu_box, 2: box2}, log_dir=str(tmp_path / "logs"),
                      coordinator_args=["--first-site", "edge", "--last-site", "edge"])
     with mesh:
-        mesh.start()
         prompt_ids = encode(model_dir, PROMPT)
         body = {"model": model_dir.name, "prompt": prompt_ids, "max_tokens": 24, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
