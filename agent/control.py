@@ -153,16 +153,18 @@ class ControlClient:
             async for message in call:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
-                    log.info("registered with coordinator %s as %s%s", address, message.welcome.agent_id,
-                             f" (behind NAT, seen from {message.welcome.nat})" if message.welcome.nat else "")
+                    # again on the same stream: the fleet grew or shrank, and heartbeats go at another pace
+                    interval_s = message.welcome.heartbeat_interval_s
+                    if heartbeat is None:
+                        log.info("registered with coordinator %s as %s%s", address, message.welcome.agent_id,
+                                 f" (behind NAT, seen from {message.welcome.nat})" if message.welcome.nat else "")
+                        kv_events = asyncio.create_task(self._kv_events(outbox))
+                    else:
+                        log.info("heartbeats every %.1f s from now on", interval_s)
+                        heartbeat.cancel()
                     self.signalling.attach(outbox, message.welcome.nat)
                     self.connected.set()
-                    for task in (heartbeat, kv_events):
-                        if task is not None:
-                            task.cancel()
-                    heartbeat = asyncio.create_task(
-                        self._heartbeat(outbox, message.welcome.heartbeat_interval_s))
-                    kv_events = asyncio.create_task(self._kv_events(outbox))
+                    heartbeat = asyncio.create_task(self._heartbeat(outbox, interval_s))
                 elif kind == "assign":
                     task = asyncio.create_task(self._assign(outbox, message.assign, channel))
                     tasks.add(task)

@@ -31,8 +31,8 @@ from stratamesh.coordinator.control.routes import Disaggregation
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
-from stratamesh.coordinator.fleet_metrics import (FleetCollector, LinkCodecCollector, OriginCollector, active_stages,
-                                                  hop_histogram)
+from stratamesh.coordinator.fleet_metrics import (ControlPlaneCollector, FleetCollector, LinkCodecCollector,
+                                                  OriginCollector, active_stages, hop_histogram)
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
@@ -100,10 +100,15 @@ LIVENESS_CHECK_S = 0.1
 
 async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
     ticks_per_interval = round(interval_s / LIVENESS_CHECK_S)
+    loop = asyncio.get_running_loop()
+    woke = loop.time()
     for n in itertools.count(1):
         await asyncio.sleep(LIVENESS_CHECK_S)
+        # how late this check came: time the event loop spent on other work (a storm of joins), in which the
+        # coordinator read nobody's heartbeats either
+        slept, woke = loop.time() - woke, loop.time()
         try:
-            deployer.check_liveness()
+            deployer.check_liveness(stalled_s=max(slept - LIVENESS_CHECK_S, 0.0))
             if n % ticks_per_interval == 0:
                 deployer.tick()
         except Exception:  # placement trouble is logged; the coordinator keeps serving
@@ -213,6 +218,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
     metrics.register(LinkCodecCollector(deployer.codec_links))
+    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans_computed))
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)

@@ -86,6 +86,21 @@ class LinkCodecCollector(Collector):
         yield gauge
 
 
+class ControlPlaneCollector(Collector):
+    """What the fleet costs the control plane: transactions the registry committed (each a write), and plans the
+    planner computed."""
+
+    def __init__(self, registry: Registry, plans_computed: Callable[[], int]):
+        self._registry = registry
+        self._plans_computed = plans_computed
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("stratamesh:registry_commits", "Transactions the coordinator's registry committed.",
+                                  value=self._registry.commits)
+        yield CounterMetricFamily("stratamesh:plans_computed", "Plans the coordinator's planner computed.",
+                                  value=self._plans_computed())
+
+
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:
     gauge = GaugeMetricFamily(name, doc, labels=("model_name",))
     for model, value in sorted(values.items()):

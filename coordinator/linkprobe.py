@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,8 +18,9 @@ if TYPE_CHECKING:   # the roster uses PeerProbes: import the control types for h
 
 log = logging.getLogger(__name__)
 
-# Every connected agent measures its links to all the others this often (and when one of them connects).
+# Every connected agent measures its links to others this often (and when it connects): to at most PROBE_PEERS.
 LINK_PROBE_EVERY_S = 300.0
+PROBE_PEERS = 8
 
 
 def dials(nat: str, target: AgentLink) -> bool:
@@ -35,33 +37,68 @@ def peers_of(links: Mapping[str, AgentLink], seen_from: str | None = None) -> li
 
 
 class PeerProbes:
-    """Asks connected agents (over their control streams) to measure their links to one another."""
+    """Asks connected agents (over their control streams) to measure their links to one another: each agent (on its
+    join, and every period) the links to at most `fanout` others, those of its own site first, then others picked
+    at random; so a fleet of N agents costs O(N) probes, not O(N^2), and a small fleet measures every link."""
 
-    def __init__(self, clock: Callable[[], float], every_s: float = LINK_PROBE_EVERY_S):
+    def __init__(self, clock: Callable[[], float], every_s: float = LINK_PROBE_EVERY_S, fanout: int = PROBE_PEERS,
+                 rng: random.Random | None = None):
         self._clock = clock
         self._every_s = every_s
+        self._fanout = fanout
+        self._rng = rng or random.Random(0)
         self._probed_at = clock()
+        self._ids: list[str] = []                   # agents that joined, to pick from (pruned every period)
+        self._sites: dict[str, set[str]] = {}       # site -> agents that joined there (pruned every period)
 
     def joined(self, newcomer: AgentLink, links: Mapping[str, AgentLink]) -> None:
-        """Asks the newcomer to measure its links to every other agent, and each of them its link to it."""
-        others = [p for p in peers_of(links, newcomer.nat) if p.agent_id != newcomer.agent_id]
-        if others:
-            newcomer.send(ProbeLinks(tuple(others)))
-        itself = Peer(newcomer.agent_id, newcomer.stage_address)
-        for other in links.values():
-            if other.agent_id != newcomer.agent_id and dials(other.nat, newcomer):
-                other.send(ProbeLinks((itself,)))
+        """Asks the newcomer to measure its links to those of its partners it can dial, and each partner that can
+        dial it its link to it."""
+        self._ids.append(newcomer.agent_id)
+        self._sites.setdefault(newcomer.capabilities.site, set()).add(newcomer.agent_id)
+        partners = self._partners(newcomer, links)
+        _probe(newcomer, partners)
+        for partner in partners:
+            _probe(partner, [newcomer])
 
     def tick(self, links: Mapping[str, AgentLink]) -> None:
-        """Once a period is up, asks every connected agent to measure its links to all the others again."""
+        """Once a period is up, asks every connected agent to measure its links to its partners again."""
         now = self._clock()
         if now < self._probed_at + self._every_s:
             return
         self._probed_at = now
+        self._ids = [a for a in dict.fromkeys(self._ids) if a in links]
+        self._sites = {site: kept for site, ids in self._sites.items() if (kept := {a for a in ids if a in links})}
         for link in links.values():
-            others = [p for p in peers_of(links, link.nat) if p.agent_id != link.agent_id]
-            if others:
-                link.send(ProbeLinks(tuple(others)))
+            _probe(link, self._partners(link, links))
+
+    def _partners(self, prober: AgentLink, links: Mapping[str, AgentLink]) -> list[AgentLink]:
+        """Up to fanout other connected agents: prober's site's first, then others at random (all in a small fleet)."""
+        def wanted(agent_id: str) -> bool:
+            return agent_id in links and agent_id != prober.agent_id
+
+        if len(links) <= self._fanout + 1:      # a small fleet: every link
+            return [link for agent_id, link in sorted(links.items()) if wanted(agent_id)]
+        site = list(self._sites.get(prober.capabilities.site, ()))
+        near = site if len(site) <= 2 * self._fanout else self._rng.sample(site, 2 * self._fanout)
+        chosen = [a for a in near if wanted(a)][:self._fanout]
+        picked = set(chosen)
+        for _ in range(4 * self._fanout):       # a few tries: some picks are gone, or taken already
+            if len(chosen) >= self._fanout or not self._ids:
+                break
+            agent_id = self._rng.choice(self._ids)
+            if agent_id not in picked and wanted(agent_id):
+                picked.add(agent_id)
+                chosen.append(agent_id)
+        return [links[a] for a in chosen]
+
+
+def _probe(prober: AgentLink, peers: Sequence[AgentLink]) -> None:
+    """Asks prober to measure its links to those of peers it can dial."""
+    reachable = tuple(Peer(p.agent_id, p.stage_address) for p in peers if dials(prober.nat, p))
+    if reachable:
+        prober.send(ProbeLinks(reachable))
+
 
 POLL_S = 1.0    # how soon a newly connected agent gets its link to the origin measured
 
@@ -88,7 +125,8 @@ class OriginLinkProber:
         """Measures and records the links that are due; returns the peers it probed."""
         peers = self._deployer.peers()
         # An agent that left is forgotten, so its reconnection counts as new.
-        self._probed_at = {p: t for p, t in self._probed_at.items() if p in peers}
+        connected = set(peers)
+        self._probed_at = {p: t for p, t in self._probed_at.items() if p in connected}
         now = self._clock()
         due = due_peers(peers, self._probed_at, now, self._every_s)
         if due:

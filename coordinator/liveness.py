@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 # The two ways the coordinator hears of trouble besides a lapsed lease; both at once mean dead at once.
 CONTROL = "control"     # the agent's control stream ended
 DATA = "data"           # a stage or the origin could not reach the agent's Stage service
+
+
+# A fleet's heartbeats are kept under about this many a second: beyond MAX_HEARTBEATS_PER_S x the base interval
+# agents, each beats less often (the interval doubles, as Kubernetes stretches node status updates with cluster
+# size), and a lease is then at least LEASE_BEATS intervals long.
+MAX_HEARTBEATS_PER_S = 2000.0
+LEASE_BEATS = 4
+# More leases than this share of the live agents (and at least MASS_LAPSE_MIN) running out at one check is more
+# likely the coordinator not hearing (too busy to read its streams, or its own network down) than that many boxes
+# dying together: each gets one more lease before it is declared dead (Kubernetes holds back evictions likewise
+# when a large share of a zone goes unready at once).
+MASS_LAPSE_SHARE = 0.1
+MASS_LAPSE_MIN = 5
+STALL_MIN_S = 0.05      # a liveness check this late (or more) means the coordinator stalled: leases get it back
+
+
+def heartbeat_interval(base_s: float, num_agents: int, current_s: float | None = None) -> float:
+    """The interval agents should heartbeat at in a fleet of num_agents: base_s, doubled while the fleet would send
+    more than MAX_HEARTBEATS_PER_S; from current_s it comes back down only once the fleet is under half that (so a
+    fleet near a threshold does not flip between two intervals)."""
+    interval = max(current_s or base_s, base_s)
+    while num_agents / interval > MAX_HEARTBEATS_PER_S:
+        interval *= 2
+    while interval / 2 >= base_s and num_agents / (interval / 2) < MAX_HEARTBEATS_PER_S / 2:
+        interval /= 2
+    return interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +59,7 @@ class _Agent:
     deaths: deque[float] = field(default_factory=deque)
     banned_until: float = float("-inf")
     num_bans: int = 0
+    reprieved: bool = False         # its lease lapsed in a mass lapse and was extended once
 
 
 class Liveness:
@@ -38,12 +68,28 @@ class Liveness:
     def __init__(self, config: LivenessConfig = LivenessConfig()):
         self.config = config
         self._agents: dict[str, _Agent] = {}
+        self.interval_s = 0.0       # the heartbeat interval agents are told: a lease is at least LEASE_BEATS of it
+
+    @property
+    def lease_s(self) -> float:
+        """How long an agent may go unheard: the configured lease, or LEASE_BEATS heartbeats in a large fleet."""
+        return max(self.config.lease_s, LEASE_BEATS * self.interval_s)
 
     def heard(self, agent_id: str, now: float) -> None:
         """The agent registered or sent a heartbeat: its lease starts again and suspicions are dropped."""
         agent = self._agents.setdefault(agent_id, _Agent(now))
-        agent.deadline_s, agent.dead = now + self.config.lease_s, False
+        agent.deadline_s, agent.dead, agent.reprieved = now + self.lease_s, False, False
         agent.suspicions.clear()
+
+    def stalled(self, seconds: float) -> None:
+        """The coordinator could not hear anyone for this long (its event loop was busy): nobody's silence in that
+        time counts, so every lease is extended by it. (Not worth the walk over every lease for a hiccup.)"""
+        if seconds < STALL_MIN_S:
+            return
+        log.info("the coordinator stalled for %.2f s: leases extended by as much", seconds)
+        for agent in self._agents.values():
+            if not agent.dead:
+                agent.deadline_s += seconds
 
     def expect(self, agent_id: str, now: float) -> None:
         """An agent known from before a coordinator restart: it has restart_grace_s to reconnect."""
@@ -69,8 +115,20 @@ class Liveness:
         return False
 
     def expired(self, now: float) -> list[str]:
-        """Agents whose lease ran out since the last call, now declared dead (sorted)."""
+        """Agents whose lease ran out since the last call, now declared dead (sorted); in a mass lapse, those whose
+        lease has not been extended yet get one more instead."""
         lapsed = sorted(a for a, s in self._agents.items() if not s.dead and s.deadline_s < now)
+        live = sum(1 for s in self._agents.values() if not s.dead)
+        if len(lapsed) >= max(MASS_LAPSE_MIN, MASS_LAPSE_SHARE * live):
+            first = [a for a in lapsed if not self._agents[a].reprieved]
+            if first:
+                log.warning("%d of %d agents' leases lapsed at once: this coordinator may not have heard them; "
+                            "one more lease (%.1f s) before declaring them dead", len(first), live, self.lease_s)
+            for agent_id in first:
+                agent = self._agents[agent_id]
+                agent.deadline_s, agent.reprieved = now + self.lease_s, True
+            reprieved = set(first)
+            lapsed = [a for a in lapsed if a not in reprieved]
         for agent_id in lapsed:
             self._declare_dead(self._agents[agent_id], now)
         return lapsed

@@ -49,6 +49,9 @@ class MeshAdmin:
     def agents(self) -> list[dict[str, Any]]:
         """Every agent the registry knows, with its state, capabilities and newest telemetry."""
         latest = self._registry.latest_telemetry()
+        if self._deployer is not None:      # the newest, which the registry's history gets only every few seconds
+            received = self._deployer.telemetry_at
+            latest |= {a: (received[a], t) for a, t in list(self._deployer.telemetry.items()) if a in received}
         out = []
         for agent in self._registry.agents():
             ts, telemetry = latest.get(agent.agent_id, (None, None))

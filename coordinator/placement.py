@@ -334,6 +334,14 @@ def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents
     return stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
 
 
+def smallest_stage_bytes(config: dict[str, Any], quantize: str = "") -> int:
+    """The least memory any stage of the model needs: its smallest layer at the fewest bytes a parameter could take
+    (1 quantized to int8, else 2). An agent with less can hold no stage of it: planning need not weigh it."""
+    profile = profile_from_hf_config(config, dtype="bfloat16")
+    fewest = min(profile.layer_param_bytes(layer) for layer in range(profile.num_layers))
+    return fewest // 2 if quantize == "int8" else fewest
+
+
 def _profile(model_id: str, config: dict[str, Any], quantize: str = "") -> ModelProfile:
     """The model's profile in the checkpoint's dtype (each device prices it in its own: fleet_of), its weights
     quantized where the operator asked for it and a device measured it."""

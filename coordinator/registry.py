@@ -6,13 +6,12 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
-from sqlite_utils.db import NotFoundError
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
@@ -164,6 +163,15 @@ def _caps_from_json(text: str) -> Capabilities:
                            "speeds": tuple(SpeedInfo(**s) for s in d.get("speeds", ()))})
 
 
+_PRIMARY_KEYS = {"agents": "agent_id", "stages": "assignment_id"}     # of the tables _update writes
+
+
+def _telemetry_row(agent_id: str, telemetry: Telemetry, ts: float) -> dict[str, Any]:
+    return {"agent_id": agent_id, "ts": ts, "queue_depth": telemetry.queue_depth,
+            "tokens_per_s": telemetry.tokens_per_s, "kv_usage": max((s.kv_usage for s in telemetry.stages), default=0.0),
+            "telemetry_json": json.dumps(asdict(telemetry))}
+
+
 def _telemetry_from_json(text: str) -> Telemetry:
     d = json.loads(text)
     return Telemetry(**{**d, "stages": tuple(StageLoad(**s) for s in d["stages"]),
@@ -196,9 +204,14 @@ class Registry:
             make_private_database(path)
         self._db = Database(sqlite3.connect(path, check_same_thread=False))
         self._lock = threading.RLock()
+        self.commits = 0        # transactions committed by this process (what a fleet's load costs the disk)
         try:
             if path != ":memory:":
                 self._db.enable_wal()
+                # In WAL mode NORMAL syncs at checkpoints, not at every commit: the database cannot be corrupted,
+                # and only the last commits before a power loss (not a crash of the process) can be lost. A
+                # fleet's joins and heartbeats are hundreds of commits a second; FULL would fsync each one.
+                self._db.execute("PRAGMA synchronous=NORMAL")
             self.applied_migrations = self._migrate(migrations)
         except BaseException:
             self._db.close()
@@ -242,6 +255,7 @@ class Registry:
                 self._db.conn.rollback()
                 raise
             self._db.conn.execute("COMMIT")
+            self.commits += 1
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
@@ -261,22 +275,25 @@ class Registry:
         """Register or re-register an agent as "online"; keeps first_seen, logs capability changes."""
         caps = _caps_to_json(capabilities)
         with self._tx() as db:
-            old = self.agent(agent_id)
-            db["agents"].insert({"agent_id": agent_id, "first_seen": now}, ignore=True)
-            db["agents"].update(agent_id, {"name": name, "address": address,
-                                           "capabilities_json": caps, "state": "online",
-                                           "last_seen": now, "state_since": now})
-            if old is None or old.capabilities != capabilities:
-                db["agent_capabilities"].insert(
-                    {"agent_id": agent_id, "ts": now, "capabilities_json": caps})
+            old = db.execute("SELECT capabilities_json FROM agents WHERE agent_id = ?", [agent_id]).fetchone()
+            db.execute("INSERT INTO agents (agent_id, first_seen, name, address, capabilities_json, state, last_seen, "
+                       "state_since) VALUES (?, ?, ?, ?, ?, 'online', ?, ?) ON CONFLICT (agent_id) DO UPDATE SET "
+                       "name = excluded.name, address = excluded.address, capabilities_json = "
+                       "excluded.capabilities_json, state = 'online', last_seen = excluded.last_seen, "
+                       "state_since = excluded.state_since", [agent_id, now, name, address, caps, now, now])
+            if old is None or _caps_from_json(old[0]) != capabilities:
+                db.execute("INSERT INTO agent_capabilities (agent_id, ts, capabilities_json) VALUES (?, ?, ?)",
+                           [agent_id, now, caps])
 
     def _update(self, table: str, pk: str, updates: dict[str, Any]) -> None:
-        """Update one existing row; InvalidInput names the unknown id."""
+        """Update one existing row; InvalidInput names the unknown id. (Plain SQL: sqlite-utils' update reads the
+        table's schema first, which a join storm of thousands of agents feels.)"""
+        key = _PRIMARY_KEYS[table]
         with self._tx() as db:
-            try:
-                db[table].update(pk, updates)
-            except NotFoundError:
-                raise InvalidInput(f"unknown {db[table].pks[0]} {pk!r}") from None
+            cursor = db.execute(f"UPDATE {table} SET {', '.join(f'{column} = ?' for column in updates)} "
+                                f"WHERE {key} = ?", [*updates.values(), pk])
+            if cursor.rowcount == 0:
+                raise InvalidInput(f"unknown {key} {pk!r}")
 
     def set_agent_state(self, agent_id: str, state: str, now: float) -> None:
         """Set an agent's state (e.g. "draining") and when it entered it."""
@@ -397,6 +414,11 @@ class Registry:
         """The active plan of each of the model's replicas that has one, by replica."""
         return self._plans(model_id, ("active",))
 
+    def in_live_plan(self, agent_id: str) -> bool:
+        """Whether an active or standby plan of any model has a stage on the agent (one query)."""
+        return bool(self._rows("SELECT 1 FROM stages JOIN plans ON stages.plan_id = plans.plan_id WHERE "
+                               "stages.agent_id = ? AND plans.state IN ('active', 'standby') LIMIT 1", [agent_id]))
+
     def live_plans(self, model_id: str) -> list[PlanRecord]:
         """Every replica's active plan and the standby it moves to next, by replica (active first)."""
         return self._plans(model_id, ("active", "standby"))
@@ -434,8 +456,8 @@ class Registry:
     def log_event(self, kind: str, detail: str, now: float, agent_id: str | None = None) -> int:
         """Append an event; return its id."""
         with self._tx() as db:
-            row = {"ts": now, "kind": kind, "agent_id": agent_id, "detail": detail}
-            return db["events"].insert(row).last_rowid
+            return db.execute("INSERT INTO events (ts, kind, agent_id, detail) VALUES (?, ?, ?, ?)",
+                              [now, kind, agent_id, detail]).lastrowid
 
     def events(self, limit: int = 100) -> list[EventRecord]:
         """The newest events, newest first."""
@@ -457,11 +479,16 @@ class Registry:
     # ------------------------------------------------------------ telemetry
     def record_telemetry(self, agent_id: str, telemetry: Telemetry, now: float) -> None:
         """Append one heartbeat's telemetry, stamped with the coordinator's clock."""
-        kv_usage = max((s.kv_usage for s in telemetry.stages), default=0.0)
         with self._tx() as db:
-            db["telemetry"].insert({"agent_id": agent_id, "ts": now, "queue_depth": telemetry.queue_depth,
-                                    "tokens_per_s": telemetry.tokens_per_s, "kv_usage": kv_usage,
-                                    "telemetry_json": json.dumps(asdict(telemetry))})
+            db["telemetry"].insert(_telemetry_row(agent_id, telemetry, now))
+
+    def record_heartbeats(self, seen: Mapping[str, float], telemetry: Sequence[tuple[str, Telemetry, float]]) -> None:
+        """Many heartbeats in one transaction: each agent's newest last_seen (agents unknown here are skipped), and
+        telemetry rows as record_telemetry appends them."""
+        with self._tx() as db:
+            db.conn.executemany("UPDATE agents SET last_seen = ? WHERE agent_id = ?",
+                                [(ts, agent_id) for agent_id, ts in seen.items()])
+            db["telemetry"].insert_all((_telemetry_row(*row) for row in telemetry), batch_size=1000)
 
     def telemetry(self, agent_id: str, since: float = 0.0, limit: int = 1000) -> list[tuple[float, Telemetry]]:
         """An agent's telemetry newer than since, oldest first (at most the newest limit rows)."""

@@ -280,6 +280,18 @@ def _parser() -> argparse.ArgumentParser:
     plan_check.add_argument("--output-len", type=int, default=64)
     plan_check.add_argument("--rounds", type=int, default=3, help="waves of requests at the predicted concurrency")
     plan_check.set_defaults(func=_bench_plan)
+    control = bench_commands.add_parser(
+        "control", help="thousands of simulated agents against a coordinator: joins, heartbeats, CPU, API latency")
+    control.add_argument("--agents", default="1000,5000,10000", help="fleet sizes to run in turn")
+    control.add_argument("--processes", type=int, default=0,
+                         help="processes the simulated agents run in (default: one per 2,500 agents)")
+    control.add_argument("--window", type=float, default=20.0, help="seconds of steady load measured per size")
+    control.add_argument("--join-timeout", type=float, default=60.0)
+    control.add_argument("--churn-per-min", type=float, default=0.0,
+                         help="times per minute each simulated agent drops its stream and comes back")
+    control.add_argument("--mtls", action="store_true", help="a secure mesh: certificates issued in bulk")
+    control.add_argument("--log-dir", default="", help="keep the daemons' logs here")
+    control.set_defaults(func=_bench_control)
     return parser
 
 
@@ -456,6 +468,14 @@ def _bench_plan(args: argparse.Namespace) -> None:
     checks = plan_main(args.model or builtin_model_dir(), counts, args.input_len, args.output_len, args.rounds)
     if not all(c.honest for c in checks):
         raise SystemExit(1)
+
+
+def _bench_control(args: argparse.Namespace) -> None:
+    from stratamesh.bench.control import control_main
+    from stratamesh.sdk.local import builtin_model_dir
+
+    control_main(str(builtin_model_dir()), [int(n) for n in args.agents.split(",")], args.processes, args.window,
+                 args.join_timeout, args.churn_per_min, args.mtls, args.log_dir)
 
 
 def _bench_chaos(args: argparse.Namespace) -> None:

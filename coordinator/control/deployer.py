@@ -60,6 +60,16 @@ class Deployer:
         return self._roster.telemetry
 
     @property
+    def plans_computed(self) -> int:
+        """How many plans the planner has computed since this coordinator started."""
+        return self._plans.num_computed
+
+    @property
+    def telemetry_at(self) -> dict[str, float]:
+        """agent id -> when its newest heartbeat telemetry came."""
+        return self._roster.telemetry_at
+
+    @property
     def drain_failures(self) -> dict[str, str]:
         """agent id -> why a replacement of its stages failed."""
         return self._drains.failures
@@ -144,9 +154,15 @@ class Deployer:
 
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
-        self._roster.connect(link, registration, planned=self._plans.planned_for(link.agent_id))
-        self._plans.reconcile()
-        self._plans.improve()
+        # A box that has the memory for no stage of any model (and holds none) is in no plan and changes none: its
+        # join costs no planning, which is what lets thousands of small boxes join at once.
+        useful = bool(registration.held) or self._plans.could_hold_a_stage(registration.capabilities) \
+            or self._plans.is_planned(link.agent_id)
+        planned = self._plans.planned_for(link.agent_id) if useful else {}
+        self._roster.connect(link, registration, planned=planned)
+        if useful:
+            self._plans.reconcile()
+            self._plans.improve()
 
     def agent_disconnected(self, link: AgentLink) -> None:
         if not self._roster.disconnect(link):
@@ -218,8 +234,11 @@ class Deployer:
         if agent_id is not None:
             self._agent_dead(agent_id)
 
-    def check_liveness(self) -> None:
-        """Declares dead every agent whose lease ran out (call it often: it is how fast a hung box is found)."""
+    def check_liveness(self, stalled_s: float = 0.0) -> None:
+        """Declares dead every agent whose lease ran out (call it often: it is how fast a hung box is found).
+        stalled_s: how long the coordinator could not read its streams since the last call; leases get it back."""
+        if stalled_s > 0:
+            self._roster.liveness.stalled(stalled_s)
         for agent_id in self._roster.expired():
             self._agent_dead(agent_id)
 

@@ -14,7 +14,7 @@ from stratamesh.coordinator.control.models import check_model, check_quantize, f
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
-                                              serving_cpu_of)
+                                              serving_cpu_of, smallest_stage_bytes)
 from stratamesh.coordinator.registry import ModelRecord, PlanRecord, Registry, StagePlacement, StageRecord
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import Assignment, Capabilities, StageSpec
@@ -47,6 +47,9 @@ class Plans:
         # (model id, replica) -> the agents a plan of it failed with / its plan was last weighed against
         self._unplaceable: dict[tuple[str, int], frozenset[str]] = {}
         self._considered: dict[tuple[str, int], frozenset[str]] = {}
+        self._stage_bytes: dict[str, int] = {}     # model id -> smallest_stage_bytes
+        self._least_stage_bytes: int | None = None     # ... the least of them over every model (None: unknown)
+        self.num_computed = 0       # plans the planner computed (kept or not): what joins and losses cost
         self._retiring: dict[str, float] = {}  # assignment id of a replaced plan -> when it goes regardless
 
     # ------------------------------------------------------------ models
@@ -57,6 +60,8 @@ class Plans:
         of num_replicas replicas. quantize: "int8" for int8 weights (check_quantize)."""
         config = check_model(path, num_stages)
         check_quantize(quantize)
+        self._stage_bytes.pop(model_id, None)       # its config or quantization may be new
+        self._least_stage_bytes = None
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
                                  config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize,
                                  num_replicas=num_replicas)
@@ -85,7 +90,7 @@ class Plans:
             self.reconcile()
             plan = self._registry.active_plan(model_id)
             return ("planned", plan.reason) if plan else (
-                "waiting", f"waiting for {num_stages} agent(s); {len(self.plannable())} can take a stage")
+                "waiting", f"waiting for {num_stages} agent(s); {len(self._capable(model_id))} can take a stage")
         outcome = ("unchanged", "")
         for plan in self._registry.active_plans(model_id):
             planned, placed = self._best_plan(model_id, num_stages, replica=plan.replica)
@@ -102,6 +107,29 @@ class Plans:
     def plannable(self) -> dict[str, Capabilities]:
         """Connected agents not banned for flapping nor being drained, and what they can do."""
         return self._roster.plannable(excluded=self._drains.excluded)
+
+    def _capable(self, model_id: str) -> dict[str, Capabilities]:
+        """The plannable agents with the memory for at least one stage of the model (smallest_stage_bytes)."""
+        need = self._smallest_stage(model_id)
+        return {a: caps for a, caps in self.plannable().items() if caps.usable_mem_bytes >= need}
+
+    def could_hold_a_stage(self, capabilities: Capabilities) -> bool:
+        """Whether a box has the memory for at least one stage of some model."""
+        if self._least_stage_bytes is None:
+            self._least_stage_bytes = min((self._smallest_stage(m.model_id) for m in self._registry.models()),
+                                          default=None)
+        return self._least_stage_bytes is not None and capabilities.usable_mem_bytes >= self._least_stage_bytes
+
+    def _smallest_stage(self, model_id: str) -> int:
+        need = self._stage_bytes.get(model_id)
+        if need is None:
+            model = self._registry.model(model_id)
+            need = self._stage_bytes[model_id] = smallest_stage_bytes(model.config, model.quantize)
+        return need
+
+    def is_planned(self, agent_id: str) -> bool:
+        """Whether any planned stage (planned_for) is the agent's, without reading every plan."""
+        return any(s.agent_id == agent_id for s in self._drains.stages()) or self._registry.in_live_plan(agent_id)
 
     def planned_for(self, agent_id: str) -> dict[str, StageRecord]:
         return {s.assignment_id: s for s in self._planned_stages() if s.agent_id == agent_id}
@@ -145,9 +173,9 @@ class Plans:
     # ------------------------------------------------------------ planning
     def replan_lost(self) -> None:
         """Re-plans each replica whose active plan has a stage on a dead agent, over the agents there are."""
-        plannable = frozenset(self.plannable())
         liveness = self._roster.liveness
         for model in self._registry.models():
+            plannable = frozenset(self._capable(model.model_id))
             for plan in self._registry.active_plans(model.model_id):
                 key = (model.model_id, plan.replica)
                 if self._unplaceable.get(key) == plannable:
@@ -167,8 +195,8 @@ class Plans:
     def improve(self) -> None:
         """Weighs each ready replica's plan against the agents there are now (one joined, or a ban ended): a
         clearly better plan becomes a standby, loaded beside the serving one and switched to once ready."""
-        plannable = frozenset(self.plannable())
         for model in self._registry.models():
+            plannable = frozenset(self._capable(model.model_id))    # a box too small for any stage changes nothing
             for plan in self._registry.active_plans(model.model_id):
                 key = (model.model_id, plan.replica)
                 if self._considered.get(key) == plannable or not self._routes.serves(plan) \
@@ -213,7 +241,7 @@ class Plans:
         """Plans models that wait for agents and further replicas the agents left can hold, and assigns planned
         stages whose agent lacks them."""
         for model_id, num_stages in list(self._pending.items()):
-            if len(self.plannable()) >= num_stages and self._plan(model_id, num_stages):
+            if len(self._capable(model_id)) >= num_stages and self._plan(model_id, num_stages):
                 del self._pending[model_id]
         self._plan_replicas()
         for stage in self._planned_stages():
@@ -225,8 +253,8 @@ class Plans:
     def _plan_replicas(self) -> None:
         """Plans each served model's missing replicas (as many stages as its first) where the agents its other
         replicas leave could hold one; a replica that did not fit waits for the plannable agents to change."""
-        plannable = frozenset(self.plannable())
         for model in self._registry.models():
+            plannable = frozenset(self._capable(model.model_id))
             first = self._registry.active_plan(model.model_id)
             for replica in range(1, model.num_replicas if first else 0):
                 key = (model.model_id, replica)
@@ -286,10 +314,11 @@ class Plans:
         (PlacementError if none fits)."""
         model = self._registry.model(model_id)
         taken = self._taken(model_id, replica)
-        agents = {a: caps for a, caps in self.plannable().items() if a not in taken}
+        agents = {a: caps for a, caps in self._capable(model_id).items() if a not in taken}
         if len(agents) < num_stages:
             raise PlacementError(f"cannot place {_named(model_id, replica)} yet: {len(agents)} of {num_stages} "
                                  f"agents")
+        self.num_computed += 1
         return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
                            previous, _pins(model), self._hosts(agents), model.quantize)
 

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 TELEMETRY_MAX_AGE_S = 3600.0
 TELEMETRY_MAX_ROWS_PER_AGENT = 3600
 TELEMETRY_PRUNE_EVERY_S = 60.0
+# Heartbeats are taken in memory (liveness, the newest telemetry) and reach the registry in one transaction per
+# flush (every tick): each agent's newest last_seen, and its telemetry history at most once per this many seconds
+# (a fleet of 10,000 agents at 0.5 s would otherwise write 20,000 rows a second).
+TELEMETRY_RECORD_EVERY_S = 5.0
 
 
 class AgentNotConnected(MeshError, LookupError):
@@ -51,7 +55,12 @@ class Roster:
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
         self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
+        self._address_of: dict[str, str] = {}  # ... and the other way
         self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
+        self.telemetry_at: dict[str, float] = {}   # ... and when it came
+        self._seen: dict[str, float] = {}          # heartbeats since the last flush: agent id -> the newest
+        self._unrecorded: dict[str, tuple[Telemetry, float]] = {}   # telemetry due in the history, newest
+        self._recorded_at: dict[str, float] = {}   # when each agent's telemetry history last got a row
         self._pruned_at = float("-inf")
         # (from, to) agent ids -> the newest measured bandwidth of that link (bytes/s), as the registry keeps them
         self._bandwidths = {(r.agent_id, r.peer_id): r.bandwidth_bytes_per_s for r in registry.links()}
@@ -117,19 +126,22 @@ class Roster:
         self.liveness.heard(link.agent_id, now)
         self._links[link.agent_id] = link
         # A restarted agent listens on a new port: its old address points nowhere now.
-        self._addresses = {addr: a for addr, a in self._addresses.items() if a != link.agent_id}
-        self._addresses[link.stage_address] = link.agent_id
-        self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
-                                    registration.capabilities, now)
-        self._registry.set_agent_state(link.agent_id, "connected", now)
-        self._registry.log_event("agent_connected", link.stage_address, now, agent_id=link.agent_id)
+        old = self._address_of.get(link.agent_id)
+        if old is not None and self._addresses.get(old) == link.agent_id:
+            del self._addresses[old]
+        self._addresses[link.stage_address], self._address_of[link.agent_id] = link.agent_id, link.stage_address
         loaded = self._loaded[link.agent_id] = set()
-        for held in registration.held:
-            if held.assignment_id in planned:
-                loaded.add(held.assignment_id)
-                self._registry.set_stage_state(held.assignment_id, "ready")
-            else:
-                link.send(Release(held.assignment_id))
+        with self._registry.transaction():      # one commit per join
+            self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
+                                        registration.capabilities, now)
+            self._registry.set_agent_state(link.agent_id, "connected", now)
+            self._registry.log_event("agent_connected", link.stage_address, now, agent_id=link.agent_id)
+            for held in registration.held:
+                if held.assignment_id in planned:
+                    loaded.add(held.assignment_id)
+                    self._registry.set_stage_state(held.assignment_id, "ready")
+                else:
+                    link.send(Release(held.assignment_id))
         self._probes.joined(link, self._links)
 
     def disconnect(self, link: AgentLink) -> bool:
@@ -159,10 +171,20 @@ class Roster:
             return  # a stream the coordinator is closing: its agent was declared dead
         now = self._clock()
         self.liveness.heard(agent_id, now)
-        self._registry.touch_agent(agent_id, now)
+        self._seen[agent_id] = now
         if telemetry is not None:
-            self._registry.record_telemetry(agent_id, telemetry, now)
-            self.telemetry[agent_id] = telemetry
+            self.telemetry[agent_id], self.telemetry_at[agent_id] = telemetry, now
+            if now >= self._recorded_at.get(agent_id, float("-inf")) + TELEMETRY_RECORD_EVERY_S:
+                self._unrecorded[agent_id] = (telemetry, now)
+
+    def flush(self) -> None:
+        """Writes the heartbeats taken since the last flush to the registry, in one transaction."""
+        if not self._seen and not self._unrecorded:
+            return
+        seen, self._seen = self._seen, {}
+        unrecorded, self._unrecorded = self._unrecorded, {}
+        self._registry.record_heartbeats(seen, [(a, t, ts) for a, (t, ts) in unrecorded.items()])
+        self._recorded_at.update((a, ts) for a, (_, ts) in unrecorded.items())
 
     def unreachable(self, address: str) -> str | None:
         """The data plane could not reach this Stage address: its agent, if that makes it dead."""
@@ -188,12 +210,15 @@ class Roster:
             self._registry.set_agent_state(agent_id, "dead", now)
         self._registry.log_event("agent_dead", detail, now, agent_id=agent_id)
         log.warning("agent %s declared dead%s", agent_id, f" ({detail})" if detail else "")
-        return [address for address, owner in self._addresses.items() if owner == agent_id]
+        address = self._address_of.get(agent_id)
+        return [address] if address is not None and self._addresses.get(address) == agent_id else []
 
     def _forget(self, agent_id: str) -> None:
         del self._links[agent_id]
         self._loaded.pop(agent_id, None)
         self.telemetry.pop(agent_id, None)
+        self.telemetry_at.pop(agent_id, None)
+        self._recorded_at.pop(agent_id, None)
 
     def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
         """Stores an agent's link measurements for the planner and the operator."""
@@ -209,7 +234,8 @@ class Roster:
         return self._bandwidths.get((sender, receiver)) or self._bandwidths.get((receiver, sender))
 
     def tick(self) -> None:
-        """Prunes old telemetry, and re-probes links when due."""
+        """Writes the heartbeats taken, prunes old telemetry, and re-probes links when due."""
+        self.flush()
         now = self._clock()
         if now >= self._pruned_at + TELEMETRY_PRUNE_EVERY_S:
             self._pruned_at = now
@@ -226,11 +252,12 @@ class Roster:
 
     def release_all_but(self, wanted: set[str]) -> None:
         """Tells every connected agent to release what it holds outside wanted."""
-        for link in self._links.values():
-            loaded = self._loaded.setdefault(link.agent_id, set())
+        for agent_id, loaded in self._loaded.items():
+            if not loaded or agent_id not in self._links:
+                continue
             for assignment_id in sorted(loaded - wanted):
                 loaded.discard(assignment_id)
-                link.send(Release(assignment_id))
+                self._links[agent_id].send(Release(assignment_id))
 
     def release_held(self, agent_id: str) -> list[str]:
         """Tells a connected agent to release everything it holds; returns those assignments."""

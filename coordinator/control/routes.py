@@ -232,7 +232,7 @@ class Routes:
         dead by then, the failure was the link's, and the route through them is the one there is."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        trust_at = loop.time() + self._roster.liveness.config.lease_s + 1.0
+        trust_at = loop.time() + self._roster.liveness.lease_s + 1.0
         while True:
             now = loop.time()
             try:

@@ -11,6 +11,7 @@ import grpc
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
 from stratamesh.coordinator.control.rtc_relay import RtcRelay, nat_address
+from stratamesh.coordinator.liveness import heartbeat_interval
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.pki import COORDINATOR_NAME
@@ -31,10 +32,25 @@ class ControlService(pb_grpc.ControlServicer):
         self._deployer = deployer
         self._weights = weights
         self._mesh = mesh
-        self._heartbeat_interval_s = heartbeat_interval_s
+        self._base_interval_s = heartbeat_interval_s
+        self._heartbeat_interval_s = heartbeat_interval_s    # stretched as the fleet grows (heartbeat_interval)
         self._outboxes: dict[str, Callable[[pb.CoordinatorMessage], None]] = {}   # agent id -> its stream
+        self._nats: dict[str, str] = {}     # agent id -> the address it is behind NAT at, as its welcome says
         self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
         self.rtc = RtcRelay(self._signal, COORDINATOR_NAME)
+
+    def _pace(self) -> None:
+        """Stretches (or, as the fleet shrinks, shortens) the heartbeat interval for the agents connected now, and
+        tells every one of them with a new welcome when it changes; leases follow it."""
+        interval = heartbeat_interval(self._base_interval_s, len(self._outboxes), self._heartbeat_interval_s)
+        self._deployer.liveness.interval_s = interval
+        if interval == self._heartbeat_interval_s:
+            return
+        log.info("%d agents: heartbeats every %.1f s from now on (leases of %.1f s)", len(self._outboxes), interval,
+                 self._deployer.liveness.lease_s)
+        self._heartbeat_interval_s = interval
+        for agent_id, send in list(self._outboxes.items()):
+            send(convert.welcome_to_pb(agent_id, interval, self._nats[agent_id]))
 
     def _signal(self, agent_id: str, message: RtcOffer | RtcAnswer) -> bool:
         send = self._outboxes.get(agent_id)
@@ -74,10 +90,11 @@ class ControlService(pb_grpc.ControlServicer):
         if nat:
             log.info("agent %s is behind NAT: it connects from %s, and %s cannot be dialed", registration.agent_id,
                      nat, registration.stage_address)
+        self._outboxes[registration.agent_id], self._nats[registration.agent_id] = outbox.put_nowait, nat
+        self._pace()
         outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s, nat))
         if peer is not None:   # what this process refuses, the agent must refuse too
             outbox.put_nowait(convert.revocations_to_pb(revoked.serials))
-        self._outboxes[registration.agent_id] = outbox.put_nowait
         self._deployer.agent_connected(link, registration)
         self.metrics_addresses[registration.agent_id] = registration.metrics_address
         reader = asyncio.create_task(self._read(registration.agent_id, request_iterator))
@@ -90,6 +107,8 @@ class ControlService(pb_grpc.ControlServicer):
             self._deployer.agent_disconnected(link)
             if self._outboxes.get(registration.agent_id) == outbox.put_nowait:
                 del self._outboxes[registration.agent_id]
+                del self._nats[registration.agent_id]
+                self._pace()
             writer.cancel()
 
     async def GetWeightManifest(self, request: pb.WeightManifestRequest,

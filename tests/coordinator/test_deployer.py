@@ -457,3 +457,20 @@ def test_plans_price_the_serving_cost_the_agents_measured_in_their_telemetry(mod
     # share of the cores to divide it by)
     for before, after in zip(unmeasured, measured, strict=True):
         assert after - before == pytest.approx(8 * (2e-3 - DEFAULT_SERVING_CPU_PER_TOKEN_S))
+
+
+def test_boxes_too_small_for_any_stage_join_without_a_plan_being_computed(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)]
+    deployer.add_model("m", str(model_dir), num_stages=3)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    deployer.tick()                 # the serving plan is weighed once against the agents it was made with
+    computed = deployer.plans_computed
+    connect_all(deployer, [Agent(f"tiny{i}", 0) for i in range(200)])     # no memory for even one layer
+    deployer.tick()
+    assert deployer.plans_computed == computed
+    connect_all(deployer, [Agent("a4", 16)])        # one that could take a stage is weighed, once
+    deployer.tick()
+    assert deployer.plans_computed == computed + 1

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
-from stratamesh.coordinator.linkprobe import OriginLinkProber, PeerProbes, due_peers, peers_of
+from stratamesh.coordinator.linkprobe import PROBE_PEERS, OriginLinkProber, PeerProbes, due_peers, peers_of
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Capabilities, LinkMeasurement, Peer
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
@@ -92,3 +92,25 @@ def test_nobody_is_asked_to_probe_an_agent_behind_another_nat() -> None:
     assert sent == {"cloud-2": [("cloud",)], "cloud": [("cloud-2",)], "edge-1": [("cloud-2",)],
                     "edge-2": [("cloud-2",)]}
     assert peers_of(links, seen_from="") == [Peer("cloud", "cloud:1"), Peer("cloud-2", "cloud-2:1")]
+
+
+def test_a_large_fleet_probes_a_bounded_number_of_links_per_join_its_site_first() -> None:
+    """500 agents on 10 sites join: each newcomer measures at most PROBE_PEERS links, those of its site first, and
+    is measured by as many; the fleet's probes grow with N, not N^2."""
+    asked: dict[str, list[tuple[str, ...]]] = {}
+
+    def link(agent_id: str, site: str) -> AgentLink:
+        return AgentLink(agent_id, f"{agent_id}:1", Capabilities(agent_id, "cpu", 1, 1, 1, site=site),
+                         lambda message: asked.setdefault(agent_id, []).append(
+                             tuple(p.agent_id for p in message.peers)))
+
+    links: dict[str, AgentLink] = {}
+    probes = PeerProbes(lambda: 0.0, every_s=10.0)
+    for i in range(500):
+        newcomer = links[f"a{i:03d}"] = link(f"a{i:03d}", f"site-{i % 10}")
+        probes.joined(newcomer, links)
+    total = sum(len(peers) for sent in asked.values() for peers in sent)
+    assert total <= 500 * PROBE_PEERS * 2
+    own = [asked[f"a{i:03d}"][0] for i in range(100, 500)]       # a newcomer's first request is its own probe
+    assert all(len(peers) == PROBE_PEERS for peers in own)
+    assert all(all(int(p[1:]) % 10 == i % 10 for p in peers) for i, peers in zip(range(100, 500), own))

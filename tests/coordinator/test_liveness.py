@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
+from stratamesh.coordinator.liveness import (CONTROL, DATA, LEASE_BEATS, MAX_HEARTBEATS_PER_S, Liveness,
+                                            LivenessConfig, heartbeat_interval)
 
 CONFIG = LivenessConfig(lease_s=2.0, flap_window_s=60.0, flaps_to_ban=3, ban_s=10.0, ban_max_s=25.0,
                         restart_grace_s=10.0)
@@ -71,3 +72,55 @@ def test_after_a_restart_known_agents_get_a_grace_period_to_reconnect(reconnect_
     if reconnect_at is not None:
         live.heard("a", reconnect_at)
     assert (live.expired(10.5) == ["a"]) is dead
+
+
+def test_the_heartbeat_interval_stretches_in_doublings_as_the_fleet_grows_and_comes_back_with_a_margin() -> None:
+    assert heartbeat_interval(0.5, 1) == 0.5
+    assert heartbeat_interval(0.5, int(MAX_HEARTBEATS_PER_S * 0.5)) == 0.5            # just at the budget
+    assert heartbeat_interval(0.5, int(MAX_HEARTBEATS_PER_S * 0.5) + 1) == 1.0
+    assert heartbeat_interval(0.5, 10_000) == 8.0
+    assert 10_000 / heartbeat_interval(0.5, 10_000) <= MAX_HEARTBEATS_PER_S
+    # shrinking back: not at the first agent below a threshold, only once the fleet is under half the budget
+    at_1000 = heartbeat_interval(0.5, 1001)
+    assert heartbeat_interval(0.5, 999, at_1000) == at_1000
+    assert heartbeat_interval(0.5, 10, at_1000) == 0.5
+
+
+def test_a_lease_is_at_least_four_heartbeats_long() -> None:
+    liveness = Liveness(LivenessConfig(lease_s=2.0))
+    assert liveness.lease_s == 2.0
+    liveness.interval_s = 8.0
+    assert liveness.lease_s == LEASE_BEATS * 8.0
+    liveness.heard("a", 100.0)
+    assert liveness.expired(100.0 + 31.0) == []
+    assert liveness.expired(100.0 + 33.0) == ["a"]
+
+
+def test_a_mass_lapse_gets_one_more_lease_before_anyone_is_declared_dead() -> None:
+    """Twenty of forty leases running out at one check: more likely the coordinator did not hear them than twenty
+    boxes dying together. Those that speak again live on; the silent ones die at the end of the extra lease."""
+    liveness = Liveness(LivenessConfig(lease_s=2.0))
+    for i in range(40):
+        liveness.heard(f"a{i}", 100.0)
+    for i in range(20, 40):
+        liveness.heard(f"a{i}", 105.0)          # the other half stayed in touch
+    assert liveness.expired(103.0) == []       # a0..a19 lapsed together: reprieved
+    for i in range(10):
+        liveness.heard(f"a{i}", 104.0)          # half of them were only unheard
+    assert liveness.expired(105.5) == [f"a{i}" for i in range(10, 20)]
+
+
+def test_a_few_lapses_are_deaths_at_once() -> None:
+    liveness = Liveness(LivenessConfig(lease_s=2.0))
+    for i in range(40):
+        liveness.heard(f"a{i}", 100.0 if i < 2 else 105.0)
+    assert liveness.expired(103.0) == ["a0", "a1"]
+
+
+def test_time_the_coordinator_stalled_is_given_back_to_every_lease() -> None:
+    liveness = Liveness(LivenessConfig(lease_s=2.0))
+    liveness.heard("a", 100.0)
+    liveness.stalled(0.01)                      # a hiccup: nothing changes
+    liveness.stalled(3.0)                       # the loop was busy for 3 s: a's silence in it does not count
+    assert liveness.expired(104.5) == []
+    assert liveness.expired(105.1) == ["a"]

@@ -124,3 +124,14 @@ def test_wan_links_benchmark_narrows_the_codec_of_a_slow_link_and_prints_the_rat
     assert re.search(r"wan-20mbit-80ms, codec auto, concurrency 16: WebRTC \(behind NAT\) / direct gRPC: [\d.]+x",
                      out), out
     assert re.search(r"\| int8 +\| +\d+ of 64 \| +[\d.]+ \|", out), out
+
+
+@pytest.mark.parametrize("flags", [[], ["--mtls"]], ids=["insecure", "mtls"])
+def test_control_benchmark_welcomes_every_simulated_agent_and_prints_its_table(flags: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "stratamesh.cli", "bench", "control", "--agents", "40",
+                             "--window", "2", *flags], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 40 ")]
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[1] == "40", result.stdout                      # every simulated agent welcomed
+    assert float(cells[4]) > 0 and float(cells[7]) > 0          # the coordinator worked, heartbeats flowed

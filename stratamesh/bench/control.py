@@ -1,0 +1,187 @@
+"""`stratamesh bench control`: what a fleet of N boxes costs the coordinator's control plane.
+
+For each fleet size: a local mesh (a real coordinator, one real agent serving the demo model), then N simulated
+agents (stratamesh/bench/sim_agents.py, in --processes processes) that register, heartbeat with telemetry at the
+interval the coordinator asks for and, with --churn-per-min, drop and come back. Measured per size:
+
+- join: from starting the simulated agents to the last one's welcome (and how many were welcomed in --join-timeout);
+- over a quiet window of --window seconds after that: the coordinator's CPU (cores) and RSS, its registry's
+  commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second;
+- then the API's latency under that load: API_REQUESTS 8-token completions and as many GET /admin/api/agents
+  (every agent), one after the other;
+- what the load client itself cost (its processes' CPU), since it shares this machine with the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from stratamesh.bench.metrics import percentile
+from stratamesh.bench.sim_agents import issue_certificates
+from stratamesh.fleet.launcher import LocalMesh
+
+log = logging.getLogger(__name__)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+API_REQUESTS = 20       # of each kind, after the quiet window
+AGENTS_PER_PROCESS = 2500
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRow:
+    """One fleet size's figures."""
+
+    num_agents: int
+    welcomed: int
+    join_s: float               # to the last welcome (inf if not all were welcomed)
+    join_p50_s: float           # a simulated agent's own wait for its welcome, median
+    coordinator_cores: float
+    coordinator_rss_mib: float
+    commits_per_s: float
+    heartbeats_per_s: float
+    completion_p50_ms: float
+    completion_p99_ms: float
+    agents_api_p50_ms: float
+    agents_api_p99_ms: float
+    load_cores: float           # the simulated agents' processes, over the window
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def process_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def registry_commits(mesh: LocalMesh) -> float:
+    text = httpx.get(f"{mesh.url}/metrics", headers=mesh.headers, timeout=30).text
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "stratamesh:registry_commits_total"), 0.0)
+
+
+class LoadProcess:
+    """One process of simulated agents, and the JSON lines it reports."""
+
+    def __init__(self, mesh: LocalMesh, first: int, count: int, args: list[str]):
+        self.process = subprocess.Popen([sys.executable, "-m", "stratamesh.bench.sim_agents",
+                                         "--coordinator", mesh.grpc_address, "--mesh", mesh.mesh,
+                                         "--first", str(first), "--count", str(count), *args],
+                                        stdout=subprocess.PIPE, text=True)
+        self.reports: list[dict] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.reports.append(json.loads(line))
+
+    def latest(self, phase: str | None = None) -> dict | None:
+        found = [r for r in self.reports if phase is None or r["phase"] == phase]
+        return found[-1] if found else None
+
+    def stop(self) -> dict | None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+        self._reader.join(timeout=10)
+        return self.latest("stopped")
+
+
+def timed(call) -> float:  # noqa: ANN001
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1e3
+
+
+def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, join_timeout_s: float,
+             churn_per_min: float, mtls: bool, log_dir: str) -> ControlRow:
+    mesh = LocalMesh(model_dir, num_agents=1, insecure=not mtls, log_dir=log_dir, keep_logs=False)
+    with mesh, tempfile.TemporaryDirectory() as tmp:
+        pid = mesh.coordinator.pid
+        args = ["--churn-per-min", str(churn_per_min), "--join-timeout", str(join_timeout_s), "--report-every", "1"]
+        if mtls:
+            pki_dir = f"{mesh.registry_path()}.pki"
+            started = time.monotonic()
+            issue_certificates(pki_dir, mesh.mesh, range(num_agents), tmp)
+            log.warning("issued %d certificates in %.1f s", num_agents, time.monotonic() - started)
+            args += ["--pki", pki_dir, "--certs", tmp]
+        # one process per AGENTS_PER_PROCESS by default: one busier than that falls behind on its own heartbeats in
+        # a join storm, and the coordinator rightly declares its agents dead
+        processes = processes or -(-num_agents // AGENTS_PER_PROCESS)
+        share = -(-num_agents // processes)
+        loads = [LoadProcess(mesh, first, min(share, num_agents - first), args)
+                 for first in range(0, num_agents, share)]
+        deadline = time.monotonic() + join_timeout_s + 60
+        while any(p.latest("joined") is None for p in loads) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        joined = [p.latest("joined") or {} for p in loads]
+        welcomed = sum(j.get("welcomed", 0) for j in joined)
+        join_s = max(j.get("elapsed_s", float("inf")) for j in joined) if welcomed == num_agents else float("inf")
+        join_p50 = sorted(j.get("join_p50_s") or 0.0 for j in joined)[len(joined) // 2]
+
+        # a quiet window: what the fleet alone costs the coordinator
+        before = (time.monotonic(), process_cpu_s(pid), registry_commits(mesh),
+                  sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
+        time.sleep(window_s)
+        after = (time.monotonic(), process_cpu_s(pid), registry_commits(mesh),
+                 sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
+        rss = process_rss_mib(pid)
+        # then the API under that load, one request after the other
+        completions, agent_lists = [], []
+        body = {"model": Path(model_dir).name, "prompt": "The mesh", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        with httpx.Client(timeout=60, headers=mesh.headers) as client:
+            for _ in range(API_REQUESTS):
+                completions.append(timed(lambda: client.post(f"{mesh.url}/v1/completions", json=body)
+                                         .raise_for_status()))
+                agent_lists.append(timed(lambda: client.get(f"{mesh.url}/admin/api/agents").raise_for_status()))
+        for load in loads:
+            load.stop()
+    elapsed = after[0] - before[0]
+    return ControlRow(num_agents, welcomed, join_s, join_p50, (after[1] - before[1]) / elapsed, rss,
+                      (after[2] - before[2]) / elapsed, (after[3] - before[3]) / elapsed,
+                      percentile(completions, 50), percentile(completions, 99), percentile(agent_lists, 50),
+                      percentile(agent_lists, 99), (after[4] - before[4]) / elapsed)
+
+
+def report(rows: list[ControlRow], mtls: bool, window_s: float) -> None:
+    print(f"\nsimulated agents against one coordinator ({'mTLS' if mtls else 'insecure'}), one real agent serving "
+          f"the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
+    print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
+          "heartbeats/s | completion p50/p99 ms | /admin/api/agents p50/p99 ms | load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
+              f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | "
+              f"{r.heartbeats_per_s:.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
+              f"{r.agents_api_p50_ms:.0f} / {r.agents_api_p99_ms:.0f} | {r.load_cores:.2f} |")
+
+
+def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s: float = 20.0,
+                 join_timeout_s: float = 60.0, churn_per_min: float = 0.0, mtls: bool = False,
+                 log_dir: str = "") -> list[ControlRow]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    rows = []
+    for size in sizes:
+        rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
+                             log_dir or None))
+        log.warning("%d simulated agents: done", size)
+    report(rows, mtls, window_s)
+    return rows
