@@ -110,7 +110,9 @@ def test_ctrl_c_tears_the_bed_down(tmp_path: Path) -> None:
         pytest.skip(f"the WAN test bed cannot run here: {exc}")
     script = tmp_path / "bed.py"
     script.write_text(
-        "import sys, threading\n"
+        "import signal, sys, threading\n"
+        # Ctrl-C as in a terminal: a run started as a background job inherits SIGINT ignored
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from stratamesh.fleet.netbed import Netbed, PROFILES\n"
         f"with Netbed({prefix!r}) as bed:\n"
         "    bed.attach_here()\n"
