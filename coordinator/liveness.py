@@ -118,8 +118,8 @@ class Liveness:
         """Agents whose lease ran out since the last call, now declared dead (sorted); in a mass lapse, those whose
         lease has not been extended yet get one more instead."""
         lapsed = sorted(a for a, s in self._agents.items() if not s.dead and s.deadline_s < now)
-        live = sum(1 for s in self._agents.values() if not s.dead)
-        if len(lapsed) >= max(MASS_LAPSE_MIN, MASS_LAPSE_SHARE * live):
+        live = sum(1 for s in self._agents.values() if not s.dead) if len(lapsed) >= MASS_LAPSE_MIN else 0
+        if lapsed and len(lapsed) >= max(MASS_LAPSE_MIN, MASS_LAPSE_SHARE * live):
             first = [a for a in lapsed if not self._agents[a].reprieved]
             if first:
                 log.warning("%d of %d agents' leases lapsed at once: this coordinator may not have heard them; "

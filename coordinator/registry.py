@@ -479,8 +479,7 @@ class Registry:
     # ------------------------------------------------------------ telemetry
     def record_telemetry(self, agent_id: str, telemetry: Telemetry, now: float) -> None:
         """Append one heartbeat's telemetry, stamped with the coordinator's clock."""
-        with self._tx() as db:
-            db["telemetry"].insert(_telemetry_row(agent_id, telemetry, now))
+        self.record_heartbeats({}, [(agent_id, telemetry, now)])
 
     def record_heartbeats(self, seen: Mapping[str, float], telemetry: Sequence[tuple[str, Telemetry, float]]) -> None:
         """Many heartbeats in one transaction: each agent's newest last_seen (agents unknown here are skipped), and

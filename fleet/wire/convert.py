@@ -157,7 +157,8 @@ def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 session_id=message.session_id, assignment_id=message.assignment_id,
                 route=[h.address for h in message.route],
                 route_assignments=[h.assignment_id for h in message.route],
-                route_dtypes=[h.dtype for h in message.route], route_codecs=_codecs_to_pb(message.route),
+                route_dtypes=[h.dtype for h in message.route],
+                route_codecs=_if_any([h.codec for h in message.route]),
                 route_agents=_if_any([h.agent_id for h in message.route]),
                 route_nats=_if_any([h.nat for h in message.route]),
                 feed_agent=message.feed.agent_id if message.feed else "",
@@ -244,11 +245,6 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
                        tuple(msg.stop_token_ids))
-
-
-def _codecs_to_pb(route: tuple[Hop, ...]) -> list[str]:
-    """Each hop's codec; none at all when every hop's is raw (the message stays as it was before codecs)."""
-    return _if_any([h.codec for h in route])
 
 
 def _if_any(values: list[str]) -> list[str]:

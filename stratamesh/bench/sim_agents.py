@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import resource
@@ -125,7 +126,7 @@ class SimAgent:
 
     async def _heartbeat(self, interval_s: float) -> None:
         await asyncio.sleep(random.uniform(0, interval_s))     # spread, as agents that joined apart would be
-        for seq in range(1, 1 << 62):
+        for seq in itertools.count(1):
             self._outbox.put_nowait(convert.heartbeat_to_pb(seq, 0, Telemetry(time.time())))
             self._counts.heartbeats += 1
             await asyncio.sleep(interval_s)

@@ -11,25 +11,17 @@ from stratamesh.fleet.types import Telemetry
 from tests.coordinator.test_deployer import Agent, connect_all
 
 
-class Clock:
-    def __init__(self, now: float = 100.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_thousand_heartbeats_are_one_commit_with_each_agents_newest() -> None:
-    registry, clock = Registry(":memory:"), Clock()
-    deployer = Deployer(registry, clock=clock)
+    registry, now = Registry(":memory:"), [100.0]      # the clock, as test_deployer keeps it
+    deployer = Deployer(registry, clock=lambda: now[0])
     agents = [Agent(f"a{i}", 1) for i in range(4)]
     connect_all(deployer, agents)
     deployer.tick()                 # what a tick writes besides heartbeats (a first prune) is behind us
     commits = registry.commits
     for beat in range(250):
-        clock.now = 100.0 + beat * 0.01
+        now[0] = 100.0 + beat * 0.01
         for agent in agents:
-            deployer.heartbeat(agent.link.agent_id, Telemetry(clock.now, queue_depth=beat))
+            deployer.heartbeat(agent.link.agent_id, Telemetry(now[0], queue_depth=beat))
     assert registry.commits == commits             # nothing written yet: all in memory
     assert deployer.telemetry["a1"].queue_depth == 249
     deployer.tick()
@@ -40,17 +32,17 @@ def test_a_thousand_heartbeats_are_one_commit_with_each_agents_newest() -> None:
 
 
 def test_telemetry_history_gets_a_row_per_period_and_the_admin_view_the_newest() -> None:
-    registry, clock = Registry(":memory:"), Clock()
-    deployer = Deployer(registry, clock=clock)
+    registry, now = Registry(":memory:"), [100.0]      # the clock, as test_deployer keeps it
+    deployer = Deployer(registry, clock=lambda: now[0])
     agent = Agent("a1", 1)
     connect_all(deployer, [agent])
-    admin = MeshAdmin(registry, None, {}, None, deployer, clock=clock)
+    admin = MeshAdmin(registry, None, {}, None, deployer, clock=lambda: now[0])
     for step in range(int(3 * TELEMETRY_RECORD_EVERY_S)):
-        clock.now = 100.0 + step
-        deployer.heartbeat("a1", Telemetry(clock.now, queue_depth=step))
+        now[0] = 100.0 + step
+        deployer.heartbeat("a1", Telemetry(now[0], queue_depth=step))
         deployer.tick()
     history = [ts for ts, _ in registry.telemetry("a1")]
     assert history == [100.0 + TELEMETRY_RECORD_EVERY_S * k for k in range(3)]
     (view,) = admin.agents()
     assert view["telemetry"]["queue_depth"] == int(3 * TELEMETRY_RECORD_EVERY_S) - 1
-    assert view["telemetry"]["received"] == clock.now
+    assert view["telemetry"]["received"] == now[0]

@@ -4,6 +4,7 @@ reach them over WebRTC data channels signalled through the coordinator."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Iterator
@@ -87,16 +88,15 @@ def test_an_edge_site_behind_nat_serves_through_webrtc(netbed: Netbed, tiny_mode
         # through, nor a stage's stream
         key, cert = pki.create_ca(mesh.agent_ids[1], time.time())
         rogue = MeshTls(mesh.client_tls().ca_pem, cert, key)
-        for address, call in ((mesh.grpc_address, lambda ch: pb_grpc.ControlStub(ch).Connect(iter(()))),
-                              (address[middle], lambda ch: pb_grpc.StageStub(ch).Info(pb.StageInfoRequest()))):
+        for target, call in ((mesh.grpc_address, lambda ch: pb_grpc.ControlStub(ch).Connect(iter(()))),
+                             (address[middle], lambda ch: pb_grpc.StageStub(ch).Info(pb.StageInfoRequest()))):
             with pytest.raises(grpc.RpcError) as refused:
-                run_sync(address, rogue, call)
+                run_sync(target, rogue, call)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def run_sync(address: str, tls: MeshTls, call) -> None:
-    import asyncio
-
+def run_sync(address: str, tls: MeshTls, call) -> None:  # noqa: ANN001
+    """Makes call(channel) over a channel to address that presents tls, to its end (an RpcError if refused)."""
     async def go() -> None:
         channel = make_channel(address, tls)
         try:
