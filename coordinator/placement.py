@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +34,10 @@ KV_SEQUENCES = 8                 # ... for this many sequences
 # has measured its own yet (Telemetry.serving_cpu_per_token_s): what agents with one torch thread each measured on
 # the 2-core reference VM under `stratamesh bench plan` load, 0.11-0.15 ms.
 DEFAULT_SERVING_CPU_PER_TOKEN_S = 0.13e-3
+# Past this many agents the planner weighs a shortlist of them (shortlist): its search grows faster than the fleet
+# (one 2-stage plan over 1,000 CPU agents took 0.4 s on the 2-core reference VM, over 3,000 2.5 s, all of it on the
+# coordinator's event loop), and a fleet of thousands of boxes has far more than one pipeline can use.
+PLAN_CANDIDATES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,15 +276,17 @@ def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tup
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
                 num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
-                pins: SitePins = SitePins(), hosts: Hosts = Hosts(),
-                quantize: str = "") -> tuple[Plan, list[tuple[str, StageSpec]]]:
+                pins: SitePins = SitePins(), hosts: Hosts = Hosts(), quantize: str = "",
+                candidates: int = PLAN_CANDIDATES) -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
     a stage may be a tensor-parallel group of one agent's ranks.
 
     previous: the placement serving now; the plan keeps it (search "kept") unless moving is clearly better.
     hosts: where the origin computes, and what each host's serving path costs (fleet_of). quantize: the
     operator's choice of int8 weights for the model: a single-process stage on an agent that measured its speed
-    with them holds them so (partitioner.cost.single_unit)."""
+    with them holds them so (partitioner.cost.single_unit). candidates: past this many agents, the planner weighs
+    a shortlist of them."""
+    agents = shortlist(agents, num_stages, keep=[agent for agent, *_ in previous], pins=pins, limit=candidates)
     profile, request = _profile(model_id, config, quantize), _request(config, num_stages, pins)
     fleet, ranks = fleet_of(agents, links, profile.dtype, hosts, onnx_servable(config)), _ranks(agents)
     plan = _in_rank_order(plan_pipeline(profile, fleet, request), profile, fleet, request, ranks)
@@ -288,6 +294,40 @@ def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: 
     if previous_plan is not None:
         plan = stay_close(plan, previous_plan, profile, fleet, request)
     return plan, stage_specs(plan, fleet, agents, model_id, model_path, profile.num_layers)
+
+
+def shortlist(agents: Mapping[str, Capabilities], num_stages: int, keep: Iterable[str] = (),
+              pins: SitePins = SitePins(), limit: int = PLAN_CANDIDATES) -> Mapping[str, Capabilities]:
+    """The agents the planner weighs for a num_stages-stage pipeline: every one while there are at most limit.
+
+    Beyond, of each site the num_stages best by each of compute, memory bandwidth and memory (one pipeline uses
+    no more of a site: the rest of it are boxes no better placed and no better at anything), and of those the
+    limit // 3 best by each over all sites; always the agents in keep (the placement serving now, so that keeping
+    it stays possible) and the pinned sites' shortlists. An agent's speeds are its host's best (as fleet_of gives
+    them)."""
+    if len(agents) <= limit:
+        return agents
+    best: dict[str, tuple[float, float]] = {}     # host -> its best decode FLOP/s and bytes/s
+    for caps in agents.values():
+        for speed in caps.speeds:
+            flops, bandwidth = best.get(caps.hostname, (0.0, 0.0))
+            best[caps.hostname] = (max(flops, decode_rate(speed)), max(bandwidth, decode_bandwidth(speed)))
+    measures = [lambda a: best.get(agents[a].hostname, (0.0, 0.0))[0],
+                lambda a: best.get(agents[a].hostname, (0.0, 0.0))[1],
+                lambda a: agents[a].usable_mem_bytes]
+
+    def top(ids: Collection[str], n: int) -> set[str]:
+        return {a for measure in measures for a in sorted(ids, key=lambda a: (-measure(a), a))[:n]}
+
+    by_site: dict[str, list[str]] = {}
+    for agent_id, caps in agents.items():
+        by_site.setdefault(caps.site, []).append(agent_id)
+    per_site = {site: top(ids, num_stages) for site, ids in by_site.items()}
+    chosen = top(set().union(*per_site.values()), limit // len(measures))
+    chosen |= {a for a in keep if a in agents}
+    for site in {pins.first, pins.last} - {""}:
+        chosen |= per_site.get(site, set())
+    return {a: agents[a] for a in agents if a in chosen}
 
 
 def prediction(plan: Plan) -> dict[str, Any]:
@@ -325,6 +365,7 @@ def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents
     """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec
     has its own device, dtype and quantization. PlacementError if none fit."""
+    agents = shortlist(agents, len(placement), keep=[agent for agent, *_ in placement], pins=pins)
     profile = _profile(model_id, config, quantize)
     fleet = fleet_of(agents, links, profile.dtype, hosts, onnx_servable(config))
     plan = _as_plan(profile, fleet, _request(config, len(placement), pins), placement, _ranks(agents))

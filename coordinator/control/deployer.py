@@ -155,14 +155,16 @@ class Deployer:
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
         # A box that has the memory for no stage of any model (and holds none) is in no plan and changes none: its
-        # join costs no planning, which is what lets thousands of small boxes join at once.
+        # join costs no planning, which is what lets thousands of small boxes join at once. One that could hold a
+        # stage gets its planned stages and may complete a first plan now; whether it makes a better plan is
+        # weighed with the boxes joining around it once they settle (Plans.joined; tick).
         useful = bool(registration.held) or self._plans.could_hold_a_stage(registration.capabilities) \
             or self._plans.is_planned(link.agent_id)
         planned = self._plans.planned_for(link.agent_id) if useful else {}
         self._roster.connect(link, registration, planned=planned)
         if useful:
+            self._plans.joined()
             self._plans.reconcile()
-            self._plans.improve()
 
     def agent_disconnected(self, link: AgentLink) -> None:
         if not self._roster.disconnect(link):

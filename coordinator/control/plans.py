@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 # A plan replaced by a better one keeps its stages while generations still run on them, up to this long.
 RETIRE_AFTER_S = 600.0
+# Boxes that could hold a stage and join in a burst (a site powering up, a fleet rollout) are weighed together: the
+# planner looks for a better plan, and for a first plan or a replica that did not fit before, once the joins pause
+# for JOINS_SETTLE_S, and while they keep coming, every JOINS_SETTLE_MAX_S. A thousand joins cost a few plans.
+JOINS_SETTLE_S = 1.0
+JOINS_SETTLE_MAX_S = 5.0
 
 
 class Plans:
@@ -51,6 +56,8 @@ class Plans:
         self._least_stage_bytes: int | None = None     # ... the least of them over every model (None: unknown)
         self.num_computed = 0       # plans the planner computed (kept or not): what joins and losses cost
         self._retiring: dict[str, float] = {}  # assignment id of a replaced plan -> when it goes regardless
+        self._joins: tuple[float, float] | None = None     # (first, last) join of a burst not weighed yet
+        self._weighed_at = float("-inf")                   # when the last burst was
 
     # ------------------------------------------------------------ models
     def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
@@ -68,6 +75,7 @@ class Plans:
         self._registry.drop_replicas(model_id, keep=num_replicas)
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages
+            self._unplaceable.pop((model_id, 0), None)
         self.release_unplanned()
         self.reconcile()
 
@@ -87,6 +95,7 @@ class Plans:
             raise InvalidInput(f"num_stages must be >= 1, got {num_stages}")
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages
+            self._unplaceable.pop((model_id, 0), None)
             self.reconcile()
             plan = self._registry.active_plan(model_id)
             return ("planned", plan.reason) if plan else (
@@ -192,9 +201,29 @@ class Plans:
         self.release_unplanned()
         self.reconcile()
 
+    def joined(self) -> None:
+        """A box that could hold a stage joined: what it changes is weighed once the burst it came in settles."""
+        now = self._clock()
+        self._joins = (self._joins[0] if self._joins else now, now)
+
+    def _joins_settled(self) -> bool:
+        """Whether no burst of joins is still coming (JOINS_SETTLE_S); True also ends the burst: it is weighed now."""
+        if self._joins is None:
+            return True
+        now, (first, last) = self._clock(), self._joins
+        paused = now - last >= JOINS_SETTLE_S and now - self._weighed_at >= JOINS_SETTLE_MAX_S
+        if not paused and now - first < JOINS_SETTLE_MAX_S:
+            return False
+        self._joins, self._weighed_at = None, now
+        return True
+
     def improve(self) -> None:
-        """Weighs each ready replica's plan against the agents there are now (one joined, or a ban ended): a
-        clearly better plan becomes a standby, loaded beside the serving one and switched to once ready."""
+        """Weighs each ready replica's plan against the agents there are now (boxes joined, or a ban ended), once
+        joins settle: a clearly better plan becomes a standby, loaded beside the serving one and switched to once
+        ready. The planner stays close to the serving plan (minimal movement), and over thousands of agents weighs
+        its agents and a shortlist of the rest (placement.shortlist)."""
+        if not self._joins_settled():
+            return
         for model in self._registry.models():
             plannable = frozenset(self._capable(model.model_id))    # a box too small for any stage changes nothing
             for plan in self._registry.active_plans(model.model_id):
@@ -239,10 +268,17 @@ class Plans:
 
     def reconcile(self) -> None:
         """Plans models that wait for agents and further replicas the agents left can hold, and assigns planned
-        stages whose agent lacks them."""
+        stages whose agent lacks them. A first plan or replica that did not fit is tried again once the agents
+        that could hold it change and their joins settle."""
         for model_id, num_stages in list(self._pending.items()):
-            if len(self._capable(model_id)) >= num_stages and self._plan(model_id, num_stages):
+            capable, key = frozenset(self._capable(model_id)), (model_id, 0)
+            if len(capable) < num_stages or key in self._unplaceable \
+                    and (self._unplaceable[key] == capable or not self._joins_settled()):
+                continue
+            if self._plan(model_id, num_stages):
                 del self._pending[model_id]
+            else:
+                self._unplaceable[key] = capable
         self._plan_replicas()
         for stage in self._planned_stages():
             if self._roster.lacks(stage) and stage.state not in ("loading", "failed"):
@@ -252,17 +288,18 @@ class Plans:
 
     def _plan_replicas(self) -> None:
         """Plans each served model's missing replicas (as many stages as its first) where the agents its other
-        replicas leave could hold one; a replica that did not fit waits for the plannable agents to change."""
+        replicas leave could hold one; one that did not fit waits for the plannable agents to change and settle."""
         for model in self._registry.models():
             plannable = frozenset(self._capable(model.model_id))
             first = self._registry.active_plan(model.model_id)
             for replica in range(1, model.num_replicas if first else 0):
                 key = (model.model_id, replica)
-                if self._registry.active_plan(model.model_id, replica) is not None \
-                        or self._unplaceable.get(key) == plannable:
+                if self._registry.active_plan(model.model_id, replica) is not None or key in self._unplaceable \
+                        and (self._unplaceable[key] == plannable or not self._joins_settled()):
                     continue
-                if len(plannable - self._taken(model.model_id, replica)) < len(first.stages) \
-                        or not self._plan(model.model_id, len(first.stages), replica=replica):
+                if len(plannable - self._taken(model.model_id, replica)) < len(first.stages):
+                    continue            # too few agents: nothing to weigh yet
+                if not self._plan(model.model_id, len(first.stages), replica=replica):
                     self._unplaceable[key] = plannable
 
     def moves_off(self, agent_id: str) -> list[Move]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.plans import JOINS_SETTLE_MAX_S, JOINS_SETTLE_S
 from stratamesh.coordinator.control.events import NoSessions, RouteWork, Sessions
 from stratamesh.coordinator.control.roster import AgentLink, AgentNotConnected
 from stratamesh.coordinator.liveness import LivenessConfig
@@ -258,8 +259,8 @@ async def test_wait_route_waits_through_a_recovery_and_avoids_a_lost_address(mod
 
 def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutting_generations(
         model_dir: Path) -> None:
-    registry, in_use = Registry(":memory:"), set()
-    deployer = Deployer(registry, clock=lambda: 100.0, sessions=OriginSessions(in_use=in_use))
+    registry, in_use, now = Registry(":memory:"), set(), [100.0]
+    deployer = Deployer(registry, clock=lambda: now[0], sessions=OriginSessions(in_use=in_use))
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     deployer.add_model("m", str(model_dir), num_stages=2)
     connect_all(deployer, [a1, a2])
@@ -268,6 +269,10 @@ def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutt
     in_use.update(hop.assignment_id for hop in old_route)        # a generation runs on the old route
     fast = Agent("a3", 64)                                        # eight times the speed of the others
     connect_all(deployer, [fast])
+    deployer.tick()
+    assert registry.standby_plan("m") is None                     # weighed once the joins settle
+    now[0] += JOINS_SETTLE_S
+    deployer.tick()
     standby = registry.standby_plan("m")
     assert standby is not None and "a3" in {s.agent_id for s in standby.stages}
     assert deployer.route("m")[0] == old_route                    # the old plan serves while the new one loads
@@ -460,17 +465,54 @@ def test_plans_price_the_serving_cost_the_agents_measured_in_their_telemetry(mod
 
 
 def test_boxes_too_small_for_any_stage_join_without_a_plan_being_computed(model_dir: Path) -> None:
-    registry = Registry(":memory:")
-    deployer = Deployer(registry, clock=lambda: 100.0)
+    registry, now = Registry(":memory:"), [100.0]
+    deployer = Deployer(registry, clock=lambda: now[0])
     agents = [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)]
     deployer.add_model("m", str(model_dir), num_stages=3)
     connect_all(deployer, agents)
     report_ready(deployer, agents)
+    now[0] += JOINS_SETTLE_MAX_S
     deployer.tick()                 # the serving plan is weighed once against the agents it was made with
     computed = deployer.plans_computed
     connect_all(deployer, [Agent(f"tiny{i}", 0) for i in range(200)])     # no memory for even one layer
+    now[0] += JOINS_SETTLE_MAX_S
     deployer.tick()
     assert deployer.plans_computed == computed
     connect_all(deployer, [Agent("a4", 16)])        # one that could take a stage is weighed, once
+    now[0] += JOINS_SETTLE_MAX_S
+    deployer.tick()
     deployer.tick()
     assert deployer.plans_computed == computed + 1
+
+
+def test_a_burst_of_joins_is_weighed_once_it_settles_and_steady_joins_every_few_seconds(model_dir: Path) -> None:
+    registry, now = Registry(":memory:"), [100.0]
+    deployer = Deployer(registry, clock=lambda: now[0])
+    agents = [Agent("a1", 8), Agent("a2", 8)]
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    now[0] += JOINS_SETTLE_MAX_S
+    deployer.tick()
+    computed, plan = deployer.plans_computed, registry.active_plan("m").plan_id
+    # 300 boxes that could each hold a stage but are slower than the serving ones join within half a second
+    for i in range(300):
+        connect_all(deployer, [Agent(f"slow{i}", 1)])
+        if i % 100 == 99:
+            now[0] += 0.25
+            deployer.tick()
+    assert deployer.plans_computed == computed          # still joining: nothing weighed yet
+    now[0] += JOINS_SETTLE_S
+    deployer.tick()
+    assert deployer.plans_computed == computed          # paused, but the last weighing was under 5 s ago
+    now[0] += JOINS_SETTLE_MAX_S
+    deployer.tick()
+    assert deployer.plans_computed == computed + 1      # the burst, weighed once
+    assert registry.active_plan("m").plan_id == plan and registry.standby_plan("m") is None    # and left alone
+    # then one joins every second for a minute: weighed every JOINS_SETTLE_MAX_S, not on each join
+    computed = deployer.plans_computed
+    for i in range(60):
+        connect_all(deployer, [Agent(f"late{i}", 1)])
+        now[0] += 1.0
+        deployer.tick()
+    assert 1 <= deployer.plans_computed - computed <= 60 / JOINS_SETTLE_MAX_S + 1
