@@ -12,7 +12,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import SqlTables
 from stratamesh.fleet.errors import InvalidInput
 
 ROLES = ("client", "viewer", "operator")
@@ -51,7 +51,7 @@ class ApiKeyRecord:
 class AccessStore:
     """Creates, checks and revokes API keys, admin users and login sessions."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: SqlTables) -> None:
         self._registry = registry
 
     # ------------------------------------------------------------ API keys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import SqlTables
 from stratamesh.fleet.errors import InvalidInput
 
 
@@ -43,7 +43,7 @@ class CertRecord:
 class CredentialStore:
     """Tokens and certificates: create, look up, revoke. Time is a parameter."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: SqlTables) -> None:
         self._registry = registry
 
     def add_token(self, token_id: str, now: float, ttl_s: float | None, description: str = "") -> TokenRecord:

@@ -38,7 +38,7 @@ from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.origin import Origin, OriginService
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
 from stratamesh.coordinator.service import MeshGenerator
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet import discovery
@@ -71,7 +71,7 @@ class ModelRequest:
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorOptions:
-    db: str = "stratamesh.db"
+    db: str = "stratamesh.db"          # the registry: an SQLite file or sqlite:/// URL (registry_store.open_registry)
     host: str = "127.0.0.1"
     grpc_port: int = 0
     http_port: int = 8000
@@ -115,7 +115,7 @@ async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
             log.exception("placement tick failed")
 
 
-async def _log_discovered(browser: discovery.Browser, mesh: str, registry: Registry) -> None:
+async def _log_discovered(browser: discovery.Browser, mesh: str, registry: RegistryStore) -> None:
     """Records every agent seen on zeroconf, joined or not: an operator sees who could join."""
     async with contextlib.aclosing(browser.watch("agent", mesh)) as records:
         async for record in records:
@@ -166,12 +166,13 @@ def _mesh_tls(options: CoordinatorOptions) -> MeshCa | None:
         warn_insecure("coordinator")
         use_tls(None)
         return None
-    ca = MeshCa.load_or_create(options.pki_dir or default_pki_dir(options.db), options.mesh, time.time())
+    ca = MeshCa.load_or_create(options.pki_dir or default_pki_dir(sqlite_path(options.db)), options.mesh,
+                               time.time())
     use_tls(ca.coordinator_tls(time.time()))
     return ca
 
 
-async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: Registry,
+async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: RegistryStore,
                             control: ControlService) -> _Enrollment:
     store = CredentialStore(registry)
 
@@ -192,7 +193,7 @@ async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: R
 
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
-    registry = Registry(options.db)
+    registry = open_registry(options.db)
     for model in options.models:  # a bad model folder fails here, before anything listens
         check_model(model.path, model.num_stages)
     ca = _mesh_tls(options)
@@ -218,7 +219,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
     metrics.register(OriginCollector(origin.stats))
     metrics.register(LinkCodecCollector(deployer.codec_links))
-    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans_computed))
+    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans_computed, deployer.liveness))
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)

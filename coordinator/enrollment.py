@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.coordinator.credentials import CredentialStore, TokenRecord
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import RegistryStore, open_registry
 from stratamesh.coordinator.throttle import FailureThrottle
 from stratamesh.fleet import pki
 from stratamesh.fleet.enrollment import (EnrollmentRefused, EnrollReply, EnrollRequest, JoinToken, check_mac,
@@ -153,9 +153,9 @@ def default_pki_dir(db: str) -> str:
     return f"{db}.pki"
 
 
-def open_enroller(db: str, pki_dir: str, mesh: str, clock: Callable[[], float]) -> tuple[Enroller, Registry]:
+def open_enroller(db: str, pki_dir: str, mesh: str, clock: Callable[[], float]) -> tuple[Enroller, RegistryStore]:
     """An Enroller over a coordinator's files, for `stratamesh token` and the launcher; close the registry."""
-    registry = Registry(db)
+    registry = open_registry(db)
     return Enroller(CredentialStore(registry), MeshCa.load_or_create(pki_dir, mesh, clock()), mesh, clock), registry
 
 

@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from stratamesh.coordinator.liveness import Liveness
 from stratamesh.coordinator.origin import OriginStats
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
 from stratamesh.fleet.types import Telemetry
 
 HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -87,18 +88,28 @@ class LinkCodecCollector(Collector):
 
 
 class ControlPlaneCollector(Collector):
-    """What the fleet costs the control plane: transactions the registry committed (each a write), and plans the
-    planner computed."""
+    """What the fleet costs the control plane: transactions the registry committed (each a write), plans the
+    planner computed; and how it keeps time for the fleet: the heartbeat interval and lease it gives agents, and the
+    time its event loop stalled (given back to every lease: an agent is declared dead after its lease plus that)."""
 
-    def __init__(self, registry: Registry, plans_computed: Callable[[], int]):
+    def __init__(self, registry: RegistryStore, plans_computed: Callable[[], int], liveness: Liveness | None = None):
         self._registry = registry
         self._plans_computed = plans_computed
+        self._liveness = liveness
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         yield CounterMetricFamily("stratamesh:registry_commits", "Transactions the coordinator's registry committed.",
                                   value=self._registry.commits)
         yield CounterMetricFamily("stratamesh:plans_computed", "Plans the coordinator's planner computed.",
                                   value=self._plans_computed())
+        if self._liveness is not None:
+            yield GaugeMetricFamily("stratamesh:heartbeat_interval_seconds", "The heartbeat interval agents are told.",
+                                    value=self._liveness.interval_s)
+            yield GaugeMetricFamily("stratamesh:agent_lease_seconds", "How long an agent may go unheard before it "
+                                    "is declared dead (plus any stall).", value=self._liveness.lease_s)
+            yield CounterMetricFamily("stratamesh:coordinator_stalled_seconds", "Time the coordinator's event loop "
+                                      "could not check leases on time, given back to every lease.",
+                                      value=self._liveness.stalled_s)
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:
@@ -115,7 +126,7 @@ def hop_histogram(registry: CollectorRegistry) -> Histogram:
                      ("stage",), buckets=HOP_BUCKETS_S, registry=registry)
 
 
-def active_stages(registry: Registry) -> dict[str, tuple[str, int]]:
+def active_stages(registry: PlanStore) -> dict[str, tuple[str, int]]:
     """assignment id -> (model id, stage index) of every stage of each model replica's active plan."""
     return {stage.assignment_id: (model.model_id, stage.stage_index)
             for model in registry.models() for plan in registry.active_plans(model.model_id)

@@ -1,4 +1,5 @@
-"""The coordinator's durable state in SQLite (sqlite-utils): agents, models, plans, stages, events."""
+"""The coordinator's durable state in SQLite (sqlite-utils): agents, models, plans, stages, events. It is the
+embedded RegistryStore (coordinator/registry_store.py), and the only one built in."""
 
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def _stage(row: dict[str, Any], model_id: str) -> StageRecord:
 
 
 class Registry:
-    """Agents, models, plans and events in one SQLite database, safe to share between threads."""
+    """Agents, models, plans and events in one SQLite database, safe to share between threads: a RegistryStore."""
 
     def __init__(self, path: str, migrations: Sequence[Migration] = MIGRATIONS) -> None:
         if path != ":memory:":   # it holds password and key hashes
@@ -261,7 +262,7 @@ class Registry:
         with self._lock:
             return list(self._db.query(sql, list(params)))
 
-    # Stores of their own tables (credentials, API keys) share this connection and its lock.
+    # Stores of their own tables (credentials, API keys) share this connection and its lock (registry_store.SqlTables).
     transaction = _tx
     query = _rows
 

@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     coordinator = commands.add_parser("coordinator", help="run the coordinator")
-    coordinator.add_argument("--db", default="stratamesh.db", help="SQLite registry file")
+    coordinator.add_argument("--db", default="stratamesh.db",
+                             help="the registry: an SQLite file path or sqlite:///PATH (docs/registry.md)")
     coordinator.add_argument("--pki-dir", default="", help="the mesh's CA, made on first start (default: <db>.pki)")
     coordinator.add_argument("--enroll-port", type=int, default=0,
                              help="where agents present join tokens (0: any free port; advertised on zeroconf)")
@@ -290,6 +291,8 @@ def _parser() -> argparse.ArgumentParser:
     control.add_argument("--churn-per-min", type=float, default=0.0,
                          help="times per minute each simulated agent drops its stream and comes back")
     control.add_argument("--mtls", action="store_true", help="a secure mesh: certificates issued in bulk")
+    control.add_argument("--capable", action="store_true",
+                         help="simulated boxes with the RAM for a stage (but slow): the planner weighs their joins")
     control.add_argument("--log-dir", default="", help="keep the daemons' logs here")
     control.set_defaults(func=_bench_control)
     return parser
@@ -475,7 +478,7 @@ def _bench_control(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
 
     control_main(str(builtin_model_dir()), [int(n) for n in args.agents.split(",")], args.processes, args.window,
-                 args.join_timeout, args.churn_per_min, args.mtls, args.log_dir)
+                 args.join_timeout, args.churn_per_min, args.mtls, args.log_dir, args.capable)
 
 
 def _bench_chaos(args: argparse.Namespace) -> None:

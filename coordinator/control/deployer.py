@@ -14,7 +14,8 @@ from stratamesh.coordinator.control.routes import Disaggregation, Routes
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.liveness import Liveness, LivenessConfig
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.registry import PlanRecord, Registry
+from stratamesh.coordinator.records import PlanRecord
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.types import (
     DEFAULT_ROUTER_MODE, Capabilities, Hop, KvEvents, LinkMeasurement, Peer, Registration, StageStatus, Telemetry,
 )
@@ -34,7 +35,7 @@ class Deployer:
     reports a stage, leaves or dies; a drain starts or ends. sessions: the origin's (a dead agent's sessions
     fail over; stages in use are not released). events: where the origin reports unreachable stages."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float],
+    def __init__(self, registry: RegistryStore, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
                  origin_host: str = "", sessions: Sessions = NoSessions(), events: ControlEvents | None = None,
                  router_mode: str = DEFAULT_ROUTER_MODE, disaggregation: Disaggregation = Disaggregation(),

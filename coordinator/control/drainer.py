@@ -13,7 +13,7 @@ from stratamesh.coordinator.control.events import ControlEvents
 from stratamesh.coordinator.control.roster import AgentNotConnected
 from stratamesh.coordinator.origin import Origin
 from stratamesh.coordinator.records import DrainStatus
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Drainer:
     """Runs drains: one task per agent, driving the deployer (stages) and the origin (sessions). Every drain and
     its progress is kept in the registry; resume() takes up those a previous coordinator left running."""
 
-    def __init__(self, deployer: Deployer, origin: Origin, registry: Registry,
+    def __init__(self, deployer: Deployer, origin: Origin, registry: RegistryStore,
                  events: ControlEvents | None = None) -> None:
         """events: where the deployer says an agent's owner asks it to rest (a drain after which it stays)."""
         self._deployer = deployer

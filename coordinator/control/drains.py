@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from stratamesh.coordinator.control.roster import Roster
-from stratamesh.coordinator.registry import Registry, StagePlacement, StageRecord
+from stratamesh.coordinator.records import StagePlacement, StageRecord
+from stratamesh.coordinator.registry_store import RegistryStore
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ class Drains:
     agent's drain. It also remembers the agents told to exit, so that their leaving is not taken for a death, and
     the agents resting (a drain the owner's limits asked for, after which the agent stays, planned on no more)."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float], roster: Roster):
+    def __init__(self, registry: RegistryStore, clock: Callable[[], float], roster: Roster):
         self._registry = registry
         self._clock = clock
         self._roster = roster

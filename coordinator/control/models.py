@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import PlanStore
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.types import QUANTIZATIONS, model_task
 from stratamesh.partitioner.profile import profile_from_hf_config
@@ -51,14 +51,14 @@ def check_quantize(quantize: str) -> None:
         raise InvalidInput(f"quantize must be one of {', '.join(QUANTIZATIONS)} (or none), got {quantize!r}")
 
 
-def model_infos(registry: Registry) -> list[ModelInfo]:
+def model_infos(registry: PlanStore) -> list[ModelInfo]:
     """Every registered model."""
     return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
                       m.config["max_position_embeddings"], int(m.created), model_task(m.config))
             for m in registry.models()]
 
 
-def find_model(registry: Registry, model_id: str) -> ModelInfo:
+def find_model(registry: PlanStore, model_id: str) -> ModelInfo:
     """The registered model of that id (ModelNotFound otherwise)."""
     for info in model_infos(registry):
         if info.model_id == model_id:

@@ -15,7 +15,8 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
                                               serving_cpu_of, smallest_stage_bytes)
-from stratamesh.coordinator.registry import ModelRecord, PlanRecord, Registry, StagePlacement, StageRecord
+from stratamesh.coordinator.records import ModelRecord, PlanRecord, StagePlacement, StageRecord
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.types import Assignment, Capabilities, StageSpec
 from stratamesh.partitioner.plan import Plan
@@ -39,7 +40,7 @@ class Plans:
     assigns planned stages to agents that lack them, and keeps stages no plan wants (retiring ones, while
     generations still run on them) until they can be released."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float], roster: Roster, routes: Routes,
+    def __init__(self, registry: RegistryStore, clock: Callable[[], float], roster: Roster, routes: Routes,
                  drains: Drains, sessions: Sessions, origin_host: str):
         self._registry = registry
         self._clock = clock
@@ -373,6 +374,7 @@ class Plans:
                                  prediction=prediction(planned), replica=replica)
         self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
         self._unplaceable.pop((model_id, replica), None)
+        self._considered[(model_id, replica)] = frozenset(self._capable(model_id))   # made with these: weighed
         log.info("%s %s: %s", "standby plan for" if standby else "planned", _named(model_id, replica), reason)
 
 

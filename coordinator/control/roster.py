@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from stratamesh.coordinator.linkprobe import PeerProbes, peers_of
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.registry import Registry, StageRecord
+from stratamesh.coordinator.records import StageRecord
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
                                     Shutdown, Telemetry)
@@ -46,7 +47,7 @@ class Roster:
     serves at, its newest telemetry and its liveness. It records their comings and goings in the registry and
     sends them what they must load or release; which stages they should hold is the plans' business."""
 
-    def __init__(self, registry: Registry, clock: Callable[[], float], liveness: LivenessConfig,
+    def __init__(self, registry: RegistryStore, clock: Callable[[], float], liveness: LivenessConfig,
                  link_probe_every_s: float):
         self._registry = registry
         self._clock = clock

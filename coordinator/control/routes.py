@@ -14,7 +14,8 @@ from stratamesh.coordinator.control.events import NoSessions, RouteWork, Session
 from stratamesh.coordinator.control.models import find_model
 from stratamesh.coordinator.control.prefix_index import PrefixIndex
 from stratamesh.coordinator.control.roster import Roster
-from stratamesh.coordinator.registry import PlanRecord, Registry
+from stratamesh.coordinator.records import PlanRecord
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
 from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents, wire_dtype
@@ -80,7 +81,7 @@ class Routes:
     accept requests while recovering) and the callers of wait_route() to wake when a plan, a stage or an agent
     changes."""
 
-    def __init__(self, registry: Registry, roster: Roster, mode: str = DEFAULT_ROUTER_MODE,
+    def __init__(self, registry: RegistryStore, roster: Roster, mode: str = DEFAULT_ROUTER_MODE,
                  sessions: Sessions = NoSessions(), clock: Callable[[], float] = time.monotonic,
                  disaggregation: Disaggregation = Disaggregation(), wire_codec: str = "auto"):
         if mode not in ROUTER_MODES:
