@@ -69,6 +69,7 @@ class Liveness:
         self.config = config
         self._agents: dict[str, _Agent] = {}
         self.interval_s = 0.0       # the heartbeat interval agents are told: a lease is at least LEASE_BEATS of it
+        self.stalled_s = 0.0        # every stall given back to the leases since the start (stalled)
 
     @property
     def lease_s(self) -> float:
@@ -86,6 +87,7 @@ class Liveness:
         time counts, so every lease is extended by it. (Not worth the walk over every lease for a hiccup.)"""
         if seconds < STALL_MIN_S:
             return
+        self.stalled_s += seconds
         log.info("the coordinator stalled for %.2f s: leases extended by as much", seconds)
         for agent in self._agents.values():
             if not agent.dead:

@@ -5,6 +5,8 @@ agents (stratamesh/bench/sim_agents.py, in --processes processes) that register,
 interval the coordinator asks for and, with --churn-per-min, drop and come back. Measured per size:
 
 - join: from starting the simulated agents to the last one's welcome (and how many were welcomed in --join-timeout);
+  and the plans the planner computed from the joins to the end of the window (with --capable the simulated boxes
+  could each hold a stage, so the planner weighs them: joins are weighed in bursts, not one by one);
 - over a quiet window of --window seconds after that: the coordinator's CPU (cores) and RSS, its registry's
   commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second;
 - then the API's latency under that load: API_REQUESTS 8-token completions and as many GET /admin/api/agents
@@ -49,6 +51,7 @@ class ControlRow:
     coordinator_cores: float
     coordinator_rss_mib: float
     commits_per_s: float
+    plans_computed: int         # from the first join to the end of the window
     heartbeats_per_s: float
     completion_p50_ms: float
     completion_p99_ms: float
@@ -70,10 +73,10 @@ def process_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def registry_commits(mesh: LocalMesh) -> float:
+def counter(mesh: LocalMesh, name: str) -> float:
+    """A counter of the coordinator's /metrics (0 if it has none of that name)."""
     text = httpx.get(f"{mesh.url}/metrics", headers=mesh.headers, timeout=30).text
-    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
-                 if s.name == "stratamesh:registry_commits_total"), 0.0)
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name), 0.0)
 
 
 class LoadProcess:
@@ -111,11 +114,14 @@ def timed(call) -> float:  # noqa: ANN001
 
 
 def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, join_timeout_s: float,
-             churn_per_min: float, mtls: bool, log_dir: str) -> ControlRow:
+             churn_per_min: float, mtls: bool, log_dir: str, capable: bool = False) -> ControlRow:
     mesh = LocalMesh(model_dir, num_agents=1, insecure=not mtls, log_dir=log_dir, keep_logs=False)
     with mesh, tempfile.TemporaryDirectory() as tmp:
         pid = mesh.coordinator.pid
         args = ["--churn-per-min", str(churn_per_min), "--join-timeout", str(join_timeout_s), "--report-every", "1"]
+        if capable:     # RAM for a stage of the demo model, but too slow to be worth moving a stage to
+            args += ["--ram-mib", "8192", "--gflops", "1"]
+        plans_before = counter(mesh, "stratamesh:plans_computed_total")
         if mtls:
             pki_dir = f"{mesh.registry_path()}.pki"
             started = time.monotonic()
@@ -137,12 +143,13 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
         join_p50 = sorted(j.get("join_p50_s") or 0.0 for j in joined)[len(joined) // 2]
 
         # a quiet window: what the fleet alone costs the coordinator
-        before = (time.monotonic(), process_cpu_s(pid), registry_commits(mesh),
+        before = (time.monotonic(), process_cpu_s(pid), counter(mesh, "stratamesh:registry_commits_total"),
                   sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
         time.sleep(window_s)
-        after = (time.monotonic(), process_cpu_s(pid), registry_commits(mesh),
+        after = (time.monotonic(), process_cpu_s(pid), counter(mesh, "stratamesh:registry_commits_total"),
                  sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
         rss = process_rss_mib(pid)
+        plans = int(counter(mesh, "stratamesh:plans_computed_total") - plans_before)
         # then the API under that load, one request after the other
         completions, agent_lists = [], []
         body = {"model": Path(model_dir).name, "prompt": "The mesh", "max_tokens": 8, "temperature": 0,
@@ -156,32 +163,33 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
             load.stop()
     elapsed = after[0] - before[0]
     return ControlRow(num_agents, welcomed, join_s, join_p50, (after[1] - before[1]) / elapsed, rss,
-                      (after[2] - before[2]) / elapsed, (after[3] - before[3]) / elapsed,
+                      (after[2] - before[2]) / elapsed, plans, (after[3] - before[3]) / elapsed,
                       percentile(completions, 50), percentile(completions, 99), percentile(agent_lists, 50),
                       percentile(agent_lists, 99), (after[4] - before[4]) / elapsed)
 
 
-def report(rows: list[ControlRow], mtls: bool, window_s: float) -> None:
-    print(f"\nsimulated agents against one coordinator ({'mTLS' if mtls else 'insecure'}), one real agent serving "
-          f"the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
+def report(rows: list[ControlRow], mtls: bool, window_s: float, capable: bool) -> None:
+    boxes = "boxes that could each hold a stage" if capable else "boxes too small for any stage"
+    print(f"\nsimulated agents ({boxes}) against one coordinator ({'mTLS' if mtls else 'insecure'}), one real "
+          f"agent serving the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
     print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
-          "heartbeats/s | completion p50/p99 ms | /admin/api/agents p50/p99 ms | load client cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "plans computed | heartbeats/s | completion p50/p99 ms | /admin/api/agents p50/p99 ms | load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
-              f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | "
+              f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | {r.plans_computed} | "
               f"{r.heartbeats_per_s:.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
               f"{r.agents_api_p50_ms:.0f} / {r.agents_api_p99_ms:.0f} | {r.load_cores:.2f} |")
 
 
 def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s: float = 20.0,
                  join_timeout_s: float = 60.0, churn_per_min: float = 0.0, mtls: bool = False,
-                 log_dir: str = "") -> list[ControlRow]:
+                 log_dir: str = "", capable: bool = False) -> list[ControlRow]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     rows = []
     for size in sizes:
         rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
-                             log_dir or None))
+                             log_dir or None, capable))
         log.warning("%d simulated agents: done", size)
-    report(rows, mtls, window_s)
+    report(rows, mtls, window_s, capable)
     return rows

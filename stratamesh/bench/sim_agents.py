@@ -1,7 +1,7 @@
 """Simulated agents for `stratamesh bench control`: many real Control streams from one process, none serving anything.
 
-Each one registers over its own Connect stream (capabilities of 1 MiB of RAM, so the planner places nothing on it),
-waits for its welcome, heartbeats with telemetry at the interval the coordinator asks for, answers nothing else it
+Each one registers over its own Connect stream (by default with 1 MiB of RAM, so the planner places nothing on it;
+with --ram-mib and --gflops a box that could hold a stage, which the planner weighs), waits for its welcome, heartbeats with telemetry at the interval the coordinator asks for, answers nothing else it
 is sent, and (with churn) drops its stream and comes back. Over mTLS each presents a certificate of its own, issued
 in bulk for the run from the mesh's CA (`issue_certificates`): the coordinator checks it names the agent.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.types import Capabilities, Registration, Telemetry
+from stratamesh.fleet.types import Capabilities, Registration, SpeedInfo, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -70,14 +70,17 @@ def issue_certificates(pki_dir: str, mesh: str, indexes: range, out_dir: str) ->
 class SimAgent:
     """One simulated agent: its Connect stream, welcome and heartbeats."""
 
-    def __init__(self, index: int, mesh: str, channel: grpc.aio.Channel, counts: Counts, rng: random.Random):
+    def __init__(self, index: int, mesh: str, channel: grpc.aio.Channel, counts: Counts, rng: random.Random,
+                 ram_mib: int = 1, gflops: float = 0.0):
         self.agent_id = agent_id(mesh, index)
         self._mesh = mesh
         self._channel = channel
         self._counts = counts
         site = f"site-{rng.randrange(SITES)}"
-        self._capabilities = Capabilities(f"sim-{index}", "simulated", 1, MiB, MiB, site=site,
-                                          tier=rng.choice(("edge", "edge", "edge", "cloud")))
+        # a measured speed (a tenth as many bytes/s as FLOP/s, as CPUs measure) makes it a box the planner can price
+        speeds = (SpeedInfo("torch-cpu", "float32", gflops * 1e9, gflops * 1e8),) if gflops > 0 else ()
+        self._capabilities = Capabilities(f"sim-{index}", "simulated", 1, ram_mib * MiB, ram_mib * MiB, site=site,
+                                          tier=rng.choice(("edge", "edge", "edge", "cloud")), speeds=speeds)
         self._outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         # where it would serve: a loopback port nothing listens on (the origin's link probe finds it refused)
         self._stage_address = f"127.0.0.1:{20000 + index % 40000}"
@@ -154,7 +157,7 @@ async def run(args: argparse.Namespace) -> None:
         return channels[-1]
 
     rng = random.Random(args.seed + args.first)
-    agents = [SimAgent(i, args.mesh, channel_for(i), counts, rng) for i in indexes]
+    agents = [SimAgent(i, args.mesh, channel_for(i), counts, rng, args.ram_mib, args.gflops) for i in indexes]
     started = time.monotonic()
     tasks = []
     for n, agent in enumerate(agents):
@@ -199,6 +202,8 @@ def main() -> None:
     parser.add_argument("--join-timeout", type=float, default=60.0)
     parser.add_argument("--report-every", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ram-mib", type=int, default=1, help="the RAM each reports (1: too little for any stage)")
+    parser.add_argument("--gflops", type=float, default=0.0, help="the speed each reports it measured (0: none)")
     asyncio.run(run(parser.parse_args()))
 
 

@@ -471,9 +471,10 @@ def test_boxes_too_small_for_any_stage_join_without_a_plan_being_computed(model_
     deployer.add_model("m", str(model_dir), num_stages=3)
     connect_all(deployer, agents)
     report_ready(deployer, agents)
-    now[0] += JOINS_SETTLE_MAX_S
-    deployer.tick()                 # the serving plan is weighed once against the agents it was made with
     computed = deployer.plans_computed
+    now[0] += JOINS_SETTLE_MAX_S
+    deployer.tick()                 # the serving plan is not weighed again against the agents it was made with
+    assert deployer.plans_computed == computed
     connect_all(deployer, [Agent(f"tiny{i}", 0) for i in range(200)])     # no memory for even one layer
     now[0] += JOINS_SETTLE_MAX_S
     deployer.tick()
