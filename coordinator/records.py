@@ -31,6 +31,7 @@ class ModelRecord:
     last_site: str = ""         # ... and the last stage (it produces them)
     quantize: str = ""          # "int8": the operator chose int8 weights for it (StageSpec.quantize)
     num_replicas: int = 1       # pipelines serving it side by side, each planned on agents of its own
+    num_stages: int = 0         # the stages its plans were asked for (0: unknown, a model of an older registry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,13 +144,19 @@ def _m014_replicas(db: Database) -> None:
     db["plans"].create_index(["model_id", "replica", "state"], if_not_exists=True)
 
 
+def _m015_model_num_stages(db: Database) -> None:
+    """The stages each model's first plan is asked for: a model still waiting for one is planned after a restart
+    (0: a model added before this column, planned in 1 stage if it still waits)."""
+    db["models"].add_column("num_stages", int, not_null_default=0)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
-                                     _m012_drain_rest, _m013_model_quantize, _m014_replicas)
+                                     _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -330,9 +336,9 @@ class Registry:
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
-                  num_replicas: int = 1) -> None:
-        """Add a model, or update its path, config, site pins, quantization and replicas if it exists (keeping
-        created)."""
+                  num_replicas: int = 1, num_stages: int = 0) -> None:
+        """Add a model, or update its path, config, site pins, quantization, replicas and the stages its plans are
+        asked for if it exists (keeping created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
         if not 1 <= num_replicas <= MAX_REPLICAS:
@@ -342,7 +348,8 @@ class Registry:
             db["models"].update(model_id, {"path": path, "num_layers": num_layers,
                                            "config_json": json.dumps(config, sort_keys=True),
                                            "first_site": first_site, "last_site": last_site,
-                                           "quantize": quantize, "num_replicas": num_replicas})
+                                           "quantize": quantize, "num_replicas": num_replicas,
+                                           "num_stages": num_stages})
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""

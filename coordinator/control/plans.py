@@ -72,7 +72,7 @@ class Plans:
         self._least_stage_bytes = None
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
                                  config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize,
-                                 num_replicas=num_replicas)
+                                 num_replicas=num_replicas, num_stages=num_stages)
         self._registry.drop_replicas(model_id, keep=num_replicas)
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages
@@ -166,9 +166,12 @@ class Plans:
             self._registry.set_stage_state(assignment_id, state)
 
     def restart(self) -> list[str]:
-        """After a (re)start no stage is known loaded: every active stage is assigned again; returns their agents."""
+        """After a (re)start no stage is known loaded: every active stage is assigned again; returns their agents.
+        A model that was still waiting for its first plan waits again, for as many stages as it asked for."""
         agents = []
         for model in self._registry.models():
+            if self._registry.active_plan(model.model_id) is None:
+                self._pending.setdefault(model.model_id, model.num_stages or 1)
             for plan in self._registry.active_plans(model.model_id):
                 for stage in plan.stages:
                     self._registry.set_stage_state(stage.assignment_id, "assigned")

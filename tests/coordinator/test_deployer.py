@@ -134,6 +134,22 @@ def test_a_restarted_coordinator_adopts_held_stages_and_releases_unknown_ones(mo
     assert restarted.is_ready("m")
 
 
+def test_a_model_still_waiting_for_agents_is_planned_after_a_restart_with_the_stages_it_asked_for(
+        model_dir: Path, tmp_path: Path) -> None:
+    registry = Registry(str(tmp_path / "registry.db"))
+    first = Deployer(registry, clock=lambda: 1.0)
+    first.add_model("m", str(model_dir), num_stages=3)
+    connect_all(first, [Agent("a1", 8)])                # too few for 3 stages: it waits
+    assert registry.active_plan("m") is None
+    registry.close()
+    registry = Registry(str(tmp_path / "registry.db"))
+    restarted = Deployer(registry, clock=lambda: 2.0)
+    restarted.start()
+    assert restarted.num_stages("m") == 3
+    connect_all(restarted, [Agent(f"a{i}", 8) for i in range(1, 4)])
+    assert len(registry.active_plan("m").stages) == 3
+
+
 def test_a_model_folder_without_a_usable_config_is_refused(tmp_path: Path) -> None:
     deployer = Deployer(Registry(":memory:"), clock=lambda: 0.0)
     with pytest.raises(CheckpointError, match="config.json"):
