@@ -31,12 +31,12 @@ $(NFT):
 	  || echo "nftables could not be installed: the NAT tests will be skipped"
 
 test: $(STAMP) $(BROWSER) $(NFT)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25
 
 # The suite as on a shared CI box: another process keeps one core busy all along (`.ci/run --busy`).
 test-busy: $(STAMP) $(BROWSER) $(NFT)
 	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
-	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra
+	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"

@@ -8,7 +8,8 @@ interval the coordinator asks for and, with --churn-per-min, drop and come back.
   and the plans the planner computed from the joins to the end of the window (with --capable the simulated boxes
   could each hold a stage, so the planner weighs them: joins are weighed in bursts, not one by one);
 - over a quiet window of --window seconds after that: the coordinator's CPU (cores) and RSS, its registry's
-  commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second;
+  commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second (and
+  the coordinator's CPU per heartbeat: all its CPU in the window over them, an upper bound);
 - then the API's latency under that load: API_REQUESTS 8-token completions and as many GET /admin/api/agents
   (every agent), one after the other;
 - what the load client itself cost (its processes' CPU), since it shares this machine with the coordinator.
@@ -168,17 +169,24 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
                       percentile(agent_lists, 99), (after[4] - before[4]) / elapsed)
 
 
+def per_heartbeat_us(row: ControlRow) -> float:
+    """The coordinator's CPU over the quiet window per heartbeat it took in: an upper bound on what one costs (the
+    window's other work, link probes and liveness checks, is counted in)."""
+    return row.coordinator_cores / row.heartbeats_per_s * 1e6 if row.heartbeats_per_s else 0.0
+
+
 def report(rows: list[ControlRow], mtls: bool, window_s: float, capable: bool) -> None:
     boxes = "boxes that could each hold a stage" if capable else "boxes too small for any stage"
     print(f"\nsimulated agents ({boxes}) against one coordinator ({'mTLS' if mtls else 'insecure'}), one real "
           f"agent serving the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
     print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
-          "plans computed | heartbeats/s | completion p50/p99 ms | /admin/api/agents p50/p99 ms | load client cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "plans computed | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | /admin/api/agents p50/p99 ms | "
+          "load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
               f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | {r.plans_computed} | "
-              f"{r.heartbeats_per_s:.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
+              f"{r.heartbeats_per_s:.0f} | {per_heartbeat_us(r):.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
               f"{r.agents_api_p50_ms:.0f} / {r.agents_api_p99_ms:.0f} | {r.load_cores:.2f} |")
 
 
