@@ -1,10 +1,12 @@
-"""What the admin API reads and does: agents with their newest telemetry, models and plans, links, live stats,
-events, recent requests and their traces; deploying a model, re-planning one, draining an agent."""
+"""What the admin API reads and does: pages of agents with their newest telemetry, the fleet view its live stream
+sends, models and plans, links, live stats, events, recent requests and their traces; deploying a model, re-planning
+one, draining an agent."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,14 +15,22 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.control.models import ModelInfo
 from stratamesh.coordinator.enrollment import Revoker
+from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json, agents_that_matter, page_of,
+                                               plain, site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord
 from stratamesh.coordinator.placement import SitePins
+from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, LinkRecord
 from stratamesh.coordinator.registry import ModelRecord, Registry
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.types import Telemetry
+from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
 SNAPSHOT_EVENTS = 20        # the newest events a live snapshot carries
+LINKS_EVERY_S = 10.0        # a view reads the links again this often: agents measure theirs every few minutes, and
+                            # a fleet of 10,000 has 80,000 of them (a third of a second to read)
+HISTORY_READS_UP_TO = 500   # agents whose last telemetry is read one by one (16 us each); for more, all at once
 
 
 class UnknownRequest(MeshError, LookupError):
@@ -45,19 +55,35 @@ class MeshAdmin:
         self._live = live if live is not None else LiveStats()
         self._clock = clock
         self._revoker = revoker
+        self._links_read: tuple[float, list[LinkRecord], list[dict[str, Any]]] | None = None   # (when, links, sums)
 
-    def agents(self) -> list[dict[str, Any]]:
-        """Every agent the registry knows, with its state, capabilities and newest telemetry."""
-        latest = self._registry.latest_telemetry()
-        if self._deployer is not None:      # the newest, which the registry's history gets only every few seconds
-            received = self._deployer.telemetry_at
-            latest |= {a: (received[a], t) for a, t in list(self._deployer.telemetry.items()) if a in received}
-        out = []
-        for agent in self._registry.agents():
-            ts, telemetry = latest.get(agent.agent_id, (None, None))
-            out.append({**asdict(agent), "metrics_address": self._metrics_addresses.get(agent.agent_id, ""),
-                        "telemetry": asdict(telemetry) | {"received": ts} if telemetry else None})
-        return out
+    async def agents_page(self, query: AgentQuery) -> dict[str, Any]:
+        """One page of the agents the registry knows, in id order: each with its state, capabilities and newest
+        telemetry; the cursor of the next page (None after the last) and how many pass the query's filters."""
+        agents = await asyncio.to_thread(self._registry.agents)     # a fleet of 10,000: a tenth of a second
+        serving = _planned(self.plans()) if query.serving is not None else ()
+        page, next_after, total = page_of(agents, query, serving)
+        return {"agents": self._agents_json(page), "next_after": next_after, "total": total}
+
+    def _agents_json(self, agents: Sequence[AgentRecord]) -> list[dict[str, Any]]:
+        latest = self._newest_telemetry([a.agent_id for a in agents])
+        return [agent_json(a, self._metrics_addresses.get(a.agent_id, ""), latest.get(a.agent_id)) for a in agents]
+
+    def _newest_telemetry(self, agent_ids: Sequence[str]) -> dict[str, tuple[float, Telemetry]]:
+        """The newest telemetry of these agents and when it came: the deployer's in memory (connected agents; the
+        registry's history gets it only every few seconds), else the last the registry recorded."""
+        latest = {}
+        if self._deployer is not None:
+            telemetry, received = self._deployer.telemetry, self._deployer.telemetry_at
+            latest = {a: (received[a], telemetry[a]) for a in agent_ids if a in telemetry and a in received}
+        missing = [a for a in agent_ids if a not in latest]
+        if len(missing) > HISTORY_READS_UP_TO:
+            history = self._registry.latest_telemetry()
+            return latest | {a: history[a] for a in missing if a in history}
+        for agent_id in missing:
+            if newest := self._registry.telemetry(agent_id, 0.0, 1):
+                latest[agent_id] = newest[-1]
+        return latest
 
     def plans(self) -> list[dict[str, Any]]:
         """Each model replica's active plan, and the standby one loading beside it if any: which agent serves which
@@ -134,12 +160,40 @@ class MeshAdmin:
     def drains(self) -> list[dict[str, Any]]:
         return [d.as_json() for d in self._drainer.all()] if self._drainer else []
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything the admin UI draws, at once: what its live stream sends every second."""
+    async def view(self) -> FleetView:
+        """The fleet as the admin UI draws it now (see FleetView): what its live stream sends."""
+        now, plans, drains = self._clock(), self.plans(), self.drains()
+        planned = _planned(plans)
+        draining = {d["agent_id"] for d in drains if d["state"] in DRAIN_RUNNING}
+        telemetry = dict(self._deployer.telemetry) if self._deployer is not None else {}
+        # The registry's every agent is read and summed up off the event loop: at 10,000 agents that takes a tenth
+        # of a second, which the control streams' heartbeats must not wait for.
+        agents, sites = await asyncio.to_thread(self._fleet, telemetry, planned)
+        held = agents_that_matter(agents, planned, draining, now)
+        records = self._agents_json([a for a in agents if a.agent_id in held])
+        links, between_sites = await self._links_now(agents)
+        ends = held | {ORIGIN}
         latest = self.stats(1)
-        return {"ts": self._clock(), "agents": self.agents(), "plans": self.plans(), "links": self.links(),
-                "models": self.models(), "drains": self.drains(), "stats": latest[-1] if latest else None,
-                "events": self.events(SNAPSHOT_EVENTS)}
+        return FleetView(now, len(agents), sites, {a["agent_id"]: a for a in records}, plans,
+                         [plain(k) for k in links if k.agent_id in ends and k.peer_id in held], between_sites,
+                         self.models(), drains, latest[-1] if latest else None, self.events(SNAPSHOT_EVENTS))
+
+    def _fleet(self, telemetry: Mapping[str, Telemetry],
+               planned: Collection[str]) -> tuple[list[AgentRecord], dict[str, dict[str, Any]]]:
+        agents = self._registry.agents()
+        return agents, site_summaries(agents, telemetry, planned)
+
+    async def _links_now(self, agents: Sequence[AgentRecord]) -> tuple[list[LinkRecord], list[dict[str, Any]]]:
+        """Every measured link and their sums per pair of sites, read again at most every LINKS_EVERY_S."""
+        now = self._clock()
+        if self._links_read is None or now >= self._links_read[0] + LINKS_EVERY_S:
+            site_of = {a.agent_id: a.capabilities.site for a in agents}
+            self._links_read = (now, *await asyncio.to_thread(self._read_links, site_of))
+        return self._links_read[1], self._links_read[2]
+
+    def _read_links(self, site_of: Mapping[str, str]) -> tuple[list[LinkRecord], list[dict[str, Any]]]:
+        links = self._registry.links()
+        return links, site_links(links, site_of)
 
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]:
         """An agent's telemetry history, oldest first."""
@@ -188,6 +242,11 @@ class MeshAdmin:
             raise UnknownRequest(f"no request {request_id!r}: unknown, or older than the newest "
                                  f"{len(self._origin.recent)} requests")
         return record
+
+
+def _planned(plans: list[dict[str, Any]]) -> set[str]:
+    """The agents holding or planned for a stage of these plans."""
+    return {stage["agent_id"] for plan in plans for stage in plan["stages"]}
 
 
 def _record_json(record: RequestRecord) -> dict[str, Any]:

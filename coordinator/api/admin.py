@@ -1,10 +1,13 @@
-"""The admin JSON API under /admin/api: agents, models and plans, links, live stats, events, requests and their
-traces, the operator's actions (deploy, re-plan, drain), and a live stream of snapshots for the admin UI."""
+"""The admin JSON API under /admin/api: pages of agents, models and plans, links, live stats, events, requests and
+their traces, the operator's actions (deploy, re-plan, drain), and a live stream for the admin UI: a snapshot of the
+fleet, then what changed, every second."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import math
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Query, Request
@@ -13,17 +16,18 @@ from fastapi.responses import JSONResponse, Response
 from stratamesh.coordinator.api import admin_schemas as schemas
 from stratamesh.coordinator.api.errors import ApiError, error_response, error_responses
 from stratamesh.coordinator.api.sse import SSEResponse, sse_event
+from stratamesh.coordinator.fleet_view import AgentQuery, FleetView, fleet_delta
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
 
-SNAPSHOT_EVERY_S = 1.0      # how often /admin/api/stream sends a snapshot
+SNAPSHOT_EVERY_S = 1.0      # how often /admin/api/stream sends what changed
 STATS_INTERVAL_S = 1.0      # the stats' resolution (LiveStats keeps one bucket per second)
 
 
 class Admin(Protocol):
     """What the admin API reads and does; the coordinator's MeshAdmin implements it."""
 
-    def agents(self) -> list[dict[str, Any]]: ...
+    async def agents_page(self, query: AgentQuery) -> dict[str, Any]: ...
 
     def plans(self) -> list[dict[str, Any]]: ...
 
@@ -37,7 +41,7 @@ class Admin(Protocol):
 
     def events(self, limit: int) -> list[dict[str, Any]]: ...
 
-    def snapshot(self) -> dict[str, Any]: ...
+    async def view(self) -> FleetView: ...
 
     def telemetry(self, agent_id: str, since: float, limit: int) -> list[dict[str, Any]]: ...
 
@@ -58,14 +62,27 @@ class Admin(Protocol):
 
 def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
+    views = SharedView(admin)
     router = APIRouter(prefix="/admin/api", tags=["admin"], responses={
         400: {"description": "a malformed request (OpenAI's error shape)"},
         404: {"description": "no such agent, model or request"}, **error_responses(401, 403, 413)})
 
-    @router.get("/agents", response_model=schemas.Agents)
-    async def agents() -> dict[str, Any]:
-        """Every agent the registry knows: state, capabilities and newest telemetry."""
-        return {"agents": admin.agents()}
+    @router.get("/agents", response_model=schemas.AgentsPage)
+    async def agents(request: Request,
+                     limit: int = Query(schemas.DEFAULT_AGENTS_PAGE, ge=1, le=schemas.MAX_AGENTS_PAGE),
+                     after: str | None = Query(None, max_length=256, description="the `next_after` of the page before"),
+                     site: str | None = Query(None, max_length=128, description='"" for the agents that name none'),
+                     state: schemas.AgentState | None = None, tier: schemas.Tier | None = None,
+                     serving: bool | None = Query(None, description="holding or planned for a stage (false: spares)"),
+                     q: str | None = Query(None, max_length=128, description="a part of the id, name, hostname or "
+                                           "address, in any case")) -> Any:
+        """The agents the registry knows, a page at a time in agent id order: state, capabilities and newest
+        telemetry. Follow `next_after` until it is null; `total` counts every agent that passes the filters."""
+        if unknown := sorted(set(request.query_params) - _AGENT_PARAMS):
+            return error_response(ApiError(400, f"unknown parameter {unknown[0]!r}: the agents API takes "
+                                           f"{', '.join(sorted(_AGENT_PARAMS))}", param=f"query.{unknown[0]}"))
+        page = await admin.agents_page(AgentQuery(limit, after, site, state, tier, serving, q))
+        return JSONResponse(page)   # the shape is AgentsPage's; validating 10,000 agents again would double the cost
 
     @router.get("/plans", response_model=schemas.Plans)
     async def plans() -> dict[str, Any]:
@@ -108,13 +125,20 @@ def admin_router(admin: Admin) -> APIRouter:
         """The newest events: plans, placement failures, drains, stage moves, agents seen; newest first."""
         return {"events": admin.events(limit)}
 
+    @router.get("/snapshot", response_model=schemas.Snapshot)
+    async def snapshot() -> Response:
+        """The fleet as the admin UI draws it, at any size: what the live stream sends first (the UI polls it while
+        the stream is down)."""
+        return JSONResponse((await admin.view()).snapshot())
+
     @router.get("/stream", response_class=Response, responses={200: {
         "content": {"text/event-stream": {}},
-        "description": "server-sent events: `event: snapshot` about every second, with agents, plans, links, "
-                       "models, drains, the newest stats point and the newest events"}})
+        "description": "server-sent events: first `event: snapshot` (a Snapshot), then about every second "
+                       "`event: delta` (a SnapshotDelta: what changed since the event before). A client that "
+                       "reconnects gets a snapshot again"}})
     async def stream(request: Request) -> Response:
-        """Live snapshots for the admin UI (server-sent events)."""
-        return SSEResponse(_snapshots(admin, request), _nothing)
+        """The admin UI's live view of the fleet (server-sent events)."""
+        return SSEResponse(_events(views, request), _nothing)
 
     @router.get("/agents/{agent_id}/telemetry")
     async def telemetry(agent_id: str, since: float = 0.0, limit: int = Query(300, ge=1, le=10_000)) -> Response:
@@ -173,10 +197,36 @@ def admin_router(admin: Admin) -> APIRouter:
     return router
 
 
-async def _snapshots(admin: Admin, request: Request) -> AsyncIterator[bytes]:
-    """A snapshot now and then every SNAPSHOT_EVERY_S, until the client goes."""
+_AGENT_PARAMS = frozenset({"limit", "after", "site", "state", "tier", "serving", "q"})
+
+
+class SharedView:
+    """The newest FleetView for every stream at once: built at most once per half a SNAPSHOT_EVERY_S however many
+    browsers watch, since each build reads every agent of the fleet."""
+
+    def __init__(self, admin: Admin, clock: Callable[[], float] = time.monotonic) -> None:
+        self._admin = admin
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._view: FleetView | None = None
+        self._built = -math.inf
+
+    async def latest(self) -> FleetView:
+        async with self._lock:
+            if self._view is None or self._clock() >= self._built + SNAPSHOT_EVERY_S / 2:
+                self._view = await self._admin.view()
+                self._built = self._clock()
+            return self._view
+
+
+async def _events(views: SharedView, request: Request) -> AsyncIterator[bytes]:
+    """A snapshot, then every SNAPSHOT_EVERY_S what changed since the event before, until the client goes."""
+    sent: FleetView | None = None
     while not await request.is_disconnected():
-        yield sse_event(admin.snapshot(), event="snapshot")
+        view = await views.latest()
+        yield (sse_event(view.snapshot(), event="snapshot") if sent is None
+               else sse_event(fleet_delta(sent, view), event="delta"))
+        sent = view
         await asyncio.sleep(SNAPSHOT_EVERY_S)
 
 

@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from stratamesh.fleet.types import MAX_REPLICAS, Capabilities, GpuInfo, StageLoad
 
 MAX_STAGES = 64
+DEFAULT_AGENTS_PAGE = 100
+MAX_AGENTS_PAGE = 10_000     # a fleet of 10,000 in one call: its cost is reading the registry's every agent anyway
+
+AgentState = Literal["online", "connected", "disconnected", "resting", "drained", "dead"]
+Tier = Literal["edge", "cloud"]
 
 
 class _Request(BaseModel):
@@ -60,8 +65,12 @@ class AgentView(BaseModel):
     telemetry: TelemetryView | None
 
 
-class Agents(BaseModel):
+class AgentsPage(BaseModel):
+    """GET /admin/api/agents: one page of agents, in agent id order."""
+
     agents: list[AgentView]
+    next_after: str | None = Field(description="pass it as `after` for the next page; null: this page is the last")
+    total: int = Field(description="agents that pass the filters, on every page together")
 
 
 class WeightsView(BaseModel):
@@ -215,3 +224,69 @@ class RevocationView(BaseModel):
 
 class Revocation(BaseModel):
     revocation: RevocationView
+
+
+class SiteView(BaseModel):
+    """A site's agents summed up ("" names the agents that name no site)."""
+
+    site: str
+    num_agents: int
+    num_up: int = Field(description="agents online or connected")
+    num_serving: int = Field(description="agents holding or planned for a stage of a live plan")
+    states: dict[str, int] = Field(description="agents per state")
+    tiers: dict[str, int] = Field(description="agents per tier")
+    num_gpus: int
+    gpu_mem_bytes: int
+    ram_total_bytes: int
+    num_cpus: int
+    tokens_per_s: float = Field(description="the sum of what the newest telemetry of its agents up reports")
+    queue_depth: int
+
+
+class SiteLinkView(BaseModel):
+    """The links measured between the agents of two sites (a and b in name order; a == b: within one)."""
+
+    a: str
+    b: str
+    num_links: int
+    num_failed: int = Field(description="links whose latest probe failed")
+    rtt_s: float | None = Field(description="the median round trip of the others; null: none")
+    bandwidth_bytes_per_s: float | None
+
+
+class Snapshot(BaseModel):
+    """The fleet as the admin UI draws it: every site summed up, and in full only the agents that matter to the
+    drawing (every agent of a fleet of up to 100; of a larger one those the plans use, those being drained or resting,
+    and the 20 whose state changed last, in the last minute); the links among those, and per pair of sites."""
+
+    ts: float = Field(description="the coordinator's clock (unix s)")
+    num_agents: int = Field(description="every agent the registry knows")
+    sites: list[SiteView]
+    agents: list[AgentView]
+    plans: list[PlanView]
+    links: list[LinkView]
+    site_links: list[SiteLinkView]
+    models: list[ModelView]
+    drains: list[DrainView]
+    events: list[EventView] = Field(description="the newest, newest first")
+    stats: StatsPoint | None = Field(description="the newest point")
+
+
+class SnapshotDelta(BaseModel):
+    """What changed since the stream's event before: agents and sites added or changed (in full) and removed (an agent
+    no longer among those that matter is removed, and its site's summary still counts it); plans, links, site links,
+    models, drains and events only when they changed, then whole."""
+
+    ts: float
+    num_agents: int
+    stats: StatsPoint | None
+    agents: list[AgentView]
+    agents_removed: list[str]
+    sites: list[SiteView]
+    sites_removed: list[str]
+    plans: list[PlanView] | None = None
+    links: list[LinkView] | None = None
+    site_links: list[SiteLinkView] | None = None
+    models: list[ModelView] | None = None
+    drains: list[DrainView] | None = None
+    events: list[EventView] | None = None

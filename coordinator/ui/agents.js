@@ -1,35 +1,104 @@
 "use strict";
-// The agents table: one row per agent with its devices, live load and, for an operator, a Drain action.
-// Rows and cells are kept and only changed cells rebuilt, so a button under the pointer survives the next
-// snapshot.
+// The agents table: a page of agents at a time from the agents API (behind a search box and site and state
+// filters), one row per agent with its devices, live load and, for an operator, a Drain action. Rows take the live
+// stream's record of an agent where it has one (it is newer), and the page is fetched again every few seconds for
+// the others. Rows and cells are kept and only changed cells rebuilt, so a button under the pointer survives the
+// next update.
 
 import { agentColour, agentLabel, el, fmtAgo, fmtBytes, fmtNumber, stateClass, DOWN_STATES } from "./dom.js";
+import { AgentPager } from "./pager.js";
 import { deviceSummary } from "./topology.js";
 
 const STALE_S = 10;   // telemetry older than this is shown as stale
+const PAGE_SIZE = 50;
+const SEARCH_DELAY_MS = 250;
+const STATES = ["online", "connected", "disconnected", "resting", "drained", "dead"];
 
 const COLUMNS = [agentCell, siteCell, stateCell, deviceCell, ramCell, kvCell, tpsCell, queueCell, servesCell, drainCell];
 
 export class AgentsTable {
-  constructor(tbody, hint, actions) {
+  constructor({ tbody, hint, filters, pager }, actions) {
     this.tbody = tbody;
     this.hint = hint;
+    this.filters = filters;     // the form: q, site, state
+    this.pagerRoot = pager;
     this.actions = actions;
+    this.view = null;
+    this.sites = "";            // the site names the filter offers, joined
+    this.pager = new AgentPager(PAGE_SIZE, () => this.draw());
+    filters.state.replaceChildren(el("option", { value: "" }, "any state"),
+      ...STATES.map((state) => el("option", { value: state }, state)));
+    let typing = 0;
+    filters.addEventListener("submit", (event) => event.preventDefault());
+    filters.addEventListener("change", () => this.pager.show(this.chosen()));
+    filters.q.addEventListener("input", () => {
+      clearTimeout(typing);
+      typing = setTimeout(() => this.pager.show(this.chosen()), SEARCH_DELAY_MS);
+    });
+  }
+
+  /** Signed in: the first page. */
+  start() {
+    this.pager.show(this.chosen());
+  }
+
+  /** Signed out: no rows, and no answer still to come is shown. */
+  stop() {
+    this.pager.stop();
+    this.draw();
+  }
+
+  /** The page shown, fetched again: the newest state and load of agents the live stream does not hold. */
+  refresh() {
+    if (this.pager.page) this.pager.reload();
   }
 
   update(view) {
-    const agents = [...view.agents].sort((a, b) => agentLabel(a).localeCompare(agentLabel(b))
-      || a.agent_id.localeCompare(b.agent_id));
+    this.view = view;
+    this.offerSites(view.sites.map((s) => s.site));
+    this.draw();
+  }
+
+  /** The filters as the agents API takes them (null: any); the site menu's "(no site)" is "". */
+  chosen() {
+    const site = this.filters.site.selectedOptions[0];
+    return { q: this.filters.q.value.trim() || null, state: this.filters.state.value || null,
+      site: !site || site.dataset.all !== undefined ? null : site.value };
+  }
+
+  offerSites(names) {
+    const joined = names.join("\n");
+    if (joined === this.sites) return;
+    this.sites = joined;
+    const select = this.filters.site;
+    const current = select.selectedOptions[0];
+    const keep = current && current.dataset.all === undefined ? current.value : null;
+    select.replaceChildren(el("option", { value: "", "data-all": "" }, "all sites"),
+      ...names.map((name) => el("option", { value: name, selected: name === keep }, name || "(no site)")));
+  }
+
+  draw() {
+    const view = this.view;
+    const page = this.pager.page;
+    if (!view || !page) {
+      this.tbody.replaceChildren();
+      this.pagerRoot.replaceChildren();
+      return;
+    }
+    const agents = page.agents.map((a) => view.agentsById.get(a.agent_id) || a);
     const rows = new Map([...this.tbody.children].map((tr) => [tr.dataset.agentId, tr]));
     const wanted = agents.map((agent) => this.row(rows.get(agent.agent_id), agent, view));
     if (!agents.length) {
-      wanted.push(el("tr", { class: "empty-row" }, el("td", { colspan: COLUMNS.length, text: "No agents." })));
+      const filtered = Object.values(this.chosen()).some((v) => v !== null);
+      wanted.push(el("tr", { class: "empty-row" }, el("td", { colspan: COLUMNS.length,
+        text: filtered ? "No agent matches." : "No agents." })));
     }
     const same = wanted.length === this.tbody.children.length && wanted.every((tr, i) => this.tbody.children[i] === tr);
     if (!same) this.tbody.replaceChildren(...wanted);
-    const gpus = agents.reduce((n, a) => n + ((a.capabilities && a.capabilities.gpus) || []).length, 0);
-    const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
-    this.hint.textContent = `${plural(agents.length, "agent")} · ${plural(gpus, "GPU")}`;
+    this.pagerRoot.replaceChildren(this.pager.controls("agents"));
+    const gpus = view.sites.reduce((n, s) => n + (s.num_gpus || 0), 0);
+    const plural = (n, word) => `${n.toLocaleString("en")} ${word}${n === 1 ? "" : "s"}`;
+    this.hint.textContent = `${plural(view.num_agents, "agent")} · ${plural(gpus, "GPU")}`;
   }
 
   row(tr, agent, view) {

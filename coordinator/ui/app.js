@@ -1,10 +1,11 @@
 "use strict";
 // The admin UI's entry point: signs the user in (login.js), then holds the state, keeps it live (server-sent
-// snapshots, polling when the stream is down) and hands each update to the panels. Signed out, nothing runs.
+// events: a snapshot of the fleet, then what changed; polling when the stream is down) and hands each update to the
+// panels. Signed out, nothing runs.
 
-import { API, getJson, seg } from "./api.js";
+import { API, getJson } from "./api.js";
 import { assignColours, el, fmtNumber, fmtSeconds } from "./dom.js";
-import { appendStats, deriveView, emptySnapshot, normalise, STATS_WINDOW_S } from "./state.js";
+import { appendStats, deriveView, Fleet, STATS_WINDOW_S } from "./state.js";
 import { Charts } from "./charts.js";
 import { Topology } from "./topology.js";
 import { Placement } from "./placement.js";
@@ -18,39 +19,47 @@ const STREAM_FRESH_MS = 4000;   // a stream that sent nothing for this long is t
 const POLL_EVERY_MS = 2000;
 const STREAM_RETRY_MS = 10000;  // reopen a closed EventSource this often
 const REQUESTS_EVERY_MS = 3000;
+const PAGES_EVERY_MS = 3000;    // pages of agents shown (the table, an opened site) are fetched again this often
 
 const $ = (id) => document.getElementById(id);
 
 const state = {
-  snapshot: emptySnapshot(),
+  fleet: new Fleet(),      // the coordinator's view of the fleet, kept by its stream
   stats: [],               // oldest first, the last STATS_WINDOW_S seconds
   drains: new Map(),       // agent id -> newest DrainStatus
 };
 
-const actions = new Actions({ toasts: $("toasts"), dialog: $("confirm"), onChange: () => feed.pollSoon() });
+const actions = new Actions({ toasts: $("toasts"), dialog: $("confirm"), onChange: () => {
+  feed.pollSoon();
+  agentsTable.refresh();
+} });
 actions.noteDrain = (drain) => { state.drains.set(drain.agent_id, drain); render(); };
 
+const topology = new Topology($("topology-body"));
+const agentsTable = new AgentsTable({ tbody: $("agents-body"), hint: $("agents-hint"), filters: $("agents-filters"),
+  pager: $("agents-pager") }, actions);
 const panels = [
   new Charts($("charts-body")),
-  new Topology($("topology-body")),
+  topology,
   new Placement($("placement-body")),
-  new AgentsTable($("agents-body"), $("agents-hint"), actions),
+  agentsTable,
   new ModelsTable($("models-body"), actions),
   new EventsLog($("events-body")),
 ];
 const requests = new RequestsPanel($("requests-body"), $("trace-body"));
 
-function onSnapshot(raw) {
-  const snapshot = normalise(raw);
-  assignColours(snapshot.agents);
-  for (const drain of snapshot.drains) state.drains.set(drain.agent_id, drain);
-  state.snapshot = snapshot;
-  appendStats(state.stats, snapshot.stats, snapshot.ts || Date.now() / 1000);
+/** A snapshot (the stream's first event, or a poll) replaces the fleet; a delta changes it. */
+function onUpdate(kind, data) {
+  if (kind === "snapshot") state.fleet.applySnapshot(data); else state.fleet.applyDelta(data);
+  const fleet = state.fleet;
+  assignColours([...fleet.agents.values()]);
+  for (const drain of fleet.drains) state.drains.set(drain.agent_id, drain);
+  appendStats(state.stats, fleet.stats, fleet.ts || Date.now() / 1000);
   render();
 }
 
 function render() {
-  const view = deriveView(state.snapshot, state.stats, state.drains);
+  const view = deriveView(state.fleet.snapshot(), state.stats, state.drains);
   actions.view = view;
   renderSummary(view);
   for (const panel of panels) {
@@ -64,12 +73,11 @@ function render() {
 }
 
 function renderSummary(view) {
-  const up = view.agents.filter((a) => ["online", "connected", "ready"].includes(a.state)).length;
   const last = view.stats.length ? view.stats[view.stats.length - 1] : null;
   const tile = (label, value, testid) => el("div", { class: "tile", "data-testid": testid },
     el("span", { class: "tile-value", text: value }), el("span", { class: "tile-label", text: label }));
   $("summary").replaceChildren(
-    tile("agents up", `${up}/${view.agents.length}`, "summary-agents"),
+    tile("agents up", `${view.numUp}/${view.num_agents}`, "summary-agents"),
     tile("models", String(view.models.length || new Set(view.plans.map((p) => p.model_id)).size), "summary-models"),
     tile("tok/s", fmtNumber(last ? last.tokens_per_s : null), "summary-tps"),
     tile("running · waiting", last ? `${last.running ?? "–"} · ${last.waiting ?? "–"}` : "–", "summary-queue"),
@@ -77,7 +85,8 @@ function renderSummary(view) {
   );
 }
 
-/** Keeps snapshots coming: an EventSource on /stream, and polling of the plain endpoints while it is down. */
+/** Keeps the fleet live: an EventSource on /stream (a snapshot, then deltas), and polling of /snapshot while it
+ * is down. */
 class Feed {
   constructor(onData, indicator) {
     this.onData = onData;
@@ -88,6 +97,7 @@ class Feed {
     this.lastPollAt = 0;
     this.streamOpenedAt = 0;
     this.polling = false;
+    this.polled = false;        // a poll replaced the fleet since the stream's snapshot: its deltas no longer apply
     this.running = false;
     this.timer = 0;
   }
@@ -112,23 +122,32 @@ class Feed {
   openStream() {
     if (this.source) this.source.close();
     this.streamOpenedAt = Date.now();
+    this.polled = false;
     this.source = new EventSource(`${API}/stream`);
-    this.source.addEventListener("snapshot", (event) => {
-      if (!this.running) return;
-      this.lastStreamAt = Date.now();
-      this.show();
-      try {
-        this.onData(JSON.parse(event.data));
-      } catch (err) {
-        console.error("bad snapshot", err);
-      }
-    });
+    for (const kind of ["snapshot", "delta"]) {
+      this.source.addEventListener(kind, (event) => this.received(kind, event.data));
+    }
     this.source.onerror = () => {
       if (!this.running) return;
       // Refused outright: poll at once. EventSource cannot say why; a 401 from the poll ends the session.
       if (this.source.readyState === EventSource.CLOSED) this.poll();
       this.show();
     };
+  }
+
+  received(kind, text) {
+    if (!this.running) return;
+    this.lastStreamAt = Date.now();
+    this.show();
+    if (kind === "delta" && this.polled) {    // a fresh stream starts with a snapshot the deltas after it fit
+      this.openStream();
+      return;
+    }
+    try {
+      this.onData(kind, JSON.parse(text));
+    } catch (err) {
+      console.error(`bad ${kind}`, err);
+    }
   }
 
   tick() {
@@ -141,9 +160,9 @@ class Feed {
     this.show();
   }
 
-  /** After an action: fetch once now rather than wait for the next snapshot. */
+  /** After an action: fetch once now, unless the stream is live (it sends the change within a second). */
   pollSoon() {
-    setTimeout(() => this.poll(), 300);
+    if (Date.now() - this.lastStreamAt >= STREAM_FRESH_MS) setTimeout(() => this.poll(), 300);
   }
 
   async poll() {
@@ -151,9 +170,10 @@ class Feed {
     this.polling = true;
     this.lastPollAt = Date.now();
     try {
-      const snapshot = await pollSnapshot();
+      const snapshot = await getJson("/snapshot");   // what /stream sends first
       if (!this.running) return;
-      this.onData(snapshot);
+      this.polled = true;
+      this.onData("snapshot", snapshot);
       this.lastPollOkAt = Date.now();
     } catch (err) {
       console.warn("poll failed:", err.message);
@@ -176,22 +196,6 @@ class Feed {
         : mode === "polling" ? "the event stream is down: polling the JSON API" : "";
     }
   }
-}
-
-/** A snapshot assembled from the plain endpoints (what /stream would have sent). */
-async function pollSnapshot() {
-  const optional = (path, key) => getJson(path).then((d) => d[key]).catch(() => null);
-  const [agents, plans, links, models, events, stats] = await Promise.all([
-    getJson("/agents").then((d) => d.agents),
-    getJson("/plans").then((d) => d.plans),
-    optional("/links", "links"), optional("/models", "models"), optional("/events?limit=20", "events"),
-    optional("/stats?seconds=5", "points"),
-  ]);
-  const unfinished = [...state.drains.values()].filter((d) => !["drained", "failed"].includes(d.state));
-  const drains = await Promise.all(unfinished.map(
-    (d) => getJson(`/agents/${seg(d.agent_id)}/drain`).then((r) => r.drain).catch(() => d)));
-  const newest = stats && stats.length ? stats[stats.length - 1] : null;
-  return { ts: newest ? newest.t : Date.now() / 1000, agents, plans, links, models, events, drains, stats: newest };
 }
 
 async function loadStatsHistory() {
@@ -220,9 +224,10 @@ function setUpTheme() {
   });
 }
 
-const feed = new Feed(onSnapshot, $("conn"));
+const feed = new Feed(onUpdate, $("conn"));
 const dashboard = ["dashboard", "jump", "summary", "conn"].map($);
 let requestsTimer = 0;
+let pagesTimer = 0;
 
 /** Signed in: show the panels (and the operator's controls to an operator only) and keep them live. */
 function startDashboard(user) {
@@ -231,19 +236,29 @@ function startDashboard(user) {
   for (const node of dashboard) node.hidden = false;
   render();
   feed.start();
+  agentsTable.start();
   loadStatsHistory();
   requests.refresh();
   clearInterval(requestsTimer);
   requestsTimer = setInterval(() => { if (!document.hidden) requests.refresh(); }, REQUESTS_EVERY_MS);
+  clearInterval(pagesTimer);
+  pagesTimer = setInterval(() => {
+    if (document.hidden) return;
+    agentsTable.refresh();
+    topology.refresh();
+  }, PAGES_EVERY_MS);
 }
 
 /** Signed out: stop every call and forget what was shown. */
 function stopDashboard() {
   feed.stop();
   clearInterval(requestsTimer);
+  clearInterval(pagesTimer);
+  agentsTable.stop();
+  topology.clear();
   for (const node of dashboard) node.hidden = true;
   if ($("confirm").open) $("confirm").close("cancel");
-  state.snapshot = emptySnapshot();
+  state.fleet.clear();
   state.stats.length = 0;
   state.drains.clear();
   actions.setRole(null);

@@ -1,10 +1,14 @@
 "use strict";
-// The mesh as a graph: the coordinator's origin on the left, agents grouped in one box per site,
-// coloured by tier; links labelled with their measured RTT and bandwidth. The hops of each active
-// pipeline (origin -> stage 0 -> ... -> origin) are drawn strong with arrows; the other links faint,
-// their labels shown when one of their ends is hovered.
+// The mesh as a graph: the coordinator's origin on the left, one box per site, coloured by tier; links labelled
+// with their measured RTT and bandwidth. The hops of each active pipeline (origin -> stage 0 -> ... -> origin) are
+// drawn strong with arrows; the other links faint, their labels shown when one of their ends is hovered.
+// A small site is drawn agent by agent. A larger one is one node with its counts, beside the agents of it that
+// serve a stage (or are being drained or rest); clicking that node lists the site's agents below the graph, a page
+// at a time from the agents API. So a fleet of 10,000 agents draws as its sites, not as 10,000 nodes.
 
-import { agentColour, agentLabel, el, fmtBandwidth, shorten, stateClass, svg, DOWN_STATES } from "./dom.js";
+import { agentColour, agentLabel, el, fmtBandwidth, fmtBytes, fmtNumber, shorten, stateClass, svg,
+  DOWN_STATES } from "./dom.js";
+import { AgentPager } from "./pager.js";
 
 const NODE_W = 150;
 const NODE_H = 44;
@@ -13,62 +17,135 @@ const ROW_GAP = 40;
 const COL_GAP = 100;
 const PAD = 14;
 const SITE_HEAD = 22;
-const SITE_GAP = 96;
+const SITE_GAP = 96;     // between the boxes of one row: room for the labels of the links between sites
+const WRAPPED_GAP = 40;  // ... when the boxes take several rows (their links are shown on hover only)
+const WRAP_W = 1500;     // site boxes past this width go on a new row
 const ORIGIN_GAP = 130;  // room for the labels of the origin's links
 const ARC_ROOM = 36;     // right of a column: arcs between agents of one column
 const MAX_FAINT_AGENTS = 8;
 const MIN_SCALE = 0.6;   // shrink a wide mesh down to this, then scroll
 const ORIGIN = "origin";
+const SITE_OPEN_UP_TO = 12;   // a site of at most this many agents, all of them known, is drawn agent by agent
+const SITE_PAGE = 25;         // agents per page of an opened site's list
+const UP_STATES = new Set(["online", "connected"]);
 
 export class Topology {
   constructor(root) {
     this.root = root;
     this.signature = "";
+    this.graph = el("div");
+    this.list = el("div", { class: "site-agents", "data-testid": "site-agents", hidden: true });
+    this.root.replaceChildren(this.graph, this.list, legend());
+    this.opened = null;       // the site whose agents are listed below the graph
+    this.view = null;
+    this.pager = new AgentPager(SITE_PAGE, () => this.drawList());
   }
 
   update(view) {
-    const graph = buildGraph(view);
+    this.view = view;
+    const graph = buildGraph(view, this.opened);
     // A mesh too wide for its half of the page takes the whole width (the placement panel goes below).
     const grid = this.root.closest("main");
     const half = grid ? (grid.clientWidth * 7) / 12 - 40 : Infinity;
     document.body.classList.toggle("wide-topology", graph.width > half);
     const signature = JSON.stringify(graph);
-    if (signature === this.signature) return;
-    this.signature = signature;
-    this.root.replaceChildren(graph.nodes.length > 1 ? render(graph) : el("p", { class: "empty",
-      text: "No agents yet: start one with `stratamesh agent`." }), legend());
+    if (signature !== this.signature) {
+      this.signature = signature;
+      this.graph.replaceChildren(graph.nodes.length > 1 ? render(graph, (site) => this.open(site)) : el("p",
+        { class: "empty", text: "No agents yet: start one with `stratamesh agent`." }));
+    }
+    if (this.opened !== null && !view.sites.some((s) => s.site === this.opened)) this.open(null);
+  }
+
+  /** Lists the site's agents below the graph (null, or the site listed already: closes the list). */
+  open(site) {
+    this.opened = site === this.opened ? null : site;
+    if (this.opened === null) this.pager.stop(); else this.pager.show({ site: this.opened });
+    this.drawList();
+    if (this.view) this.update(this.view);
+  }
+
+  /** The opened site's page of agents again (their newest states). */
+  refresh() {
+    if (this.opened !== null) this.pager.reload();
+  }
+
+  /** Signed out: close the list and drop any answer still to come. */
+  clear() {
+    this.opened = null;
+    this.pager.stop();
+    this.drawList();
+  }
+
+  drawList() {
+    const page = this.opened === null ? null : this.pager.page;
+    this.list.hidden = this.opened === null;
+    if (this.opened === null) return this.list.replaceChildren();
+    this.list.dataset.site = this.opened;
+    const rows = page ? page.agents.map((agent) => siteAgentRow(agent, this.view)) : [];
+    this.list.replaceChildren(
+      el("div", { class: "site-agents-head" }, el("b", { text: `Site ${this.opened || "(no site)"}` }),
+        this.pager.controls("site-agents"),
+        el("button", { class: "btn small", type: "button", "data-testid": "site-agents-close",
+          onclick: () => this.open(null) }, "Close")),
+      el("table", { class: "table compact" }, el("tbody", {}, ...(rows.length ? rows
+        : [el("tr", { class: "empty-row" }, el("td", { colspan: 4, text: page ? "No agents." : "Loading…" }))]))));
   }
 }
 
+/** One agent of an opened site: the stream's record of it where it has one (newer), else the page's. */
+function siteAgentRow(agent, view) {
+  const live = (view && view.agentsById.get(agent.agent_id)) || agent;
+  const caps = live.capabilities || {};
+  return el("tr", { "data-testid": "site-agent", "data-agent-id": live.agent_id, "data-state": live.state },
+    el("td", {}, el("span", { class: "strong", text: agentLabel(live, live.agent_id) }), " ",
+      el("span", { class: "mono muted small", text: live.agent_id })),
+    el("td", {}, el("span", { class: `badge ${stateClass(live.state)}`, text: live.state })),
+    el("td", { class: "small", text: deviceSummary(caps) }),
+    el("td", {}, el("span", { class: `tag tier-${caps.tier === "cloud" ? "cloud" : "edge"}`, text: caps.tier || "edge" })));
+}
+
 /** Nodes with positions, site boxes and edges: plain values, so a re-render happens only on a change.
- * Site boxes stand in one row after the origin, so links between sites run left to right. */
-function buildGraph(view) {
-  const order = routeOrder(view);
-  const sites = groupBySite(view.agents, order);
+ * Site boxes stand in a row after the origin (several rows when there are many), so links between sites run
+ * left to right. */
+function buildGraph(view, opened) {
+  const sites = sitesOf(view, routeOrder(view));
   const nodes = [];
-  const boxes = [];
-  let x = PAD + NODE_W + ORIGIN_GAP;
+  const boxes = sites.map((site) => siteBox(site));
+  const left = PAD + NODE_W + ORIGIN_GAP;
+  const oneRow = boxes.reduce((w, b) => w + b.w + SITE_GAP, left) <= WRAP_W;
+  let [x, y, rowH] = [left, PAD, 0];
   sites.forEach((site, i) => {
-    const cols = Math.ceil(site.agents.length / ROWS);
-    const rows = Math.min(ROWS, site.agents.length);
-    const box = { name: site.name, tiers: site.tiers, x, y: PAD,
-      w: cols * NODE_W + (cols - 1) * COL_GAP + 2 * PAD + ARC_ROOM,
-      h: SITE_HEAD + rows * NODE_H + (rows - 1) * ROW_GAP + 2 * PAD };
-    site.agents.forEach((agent, k) => {
+    const box = boxes[i];
+    if (!oneRow && x > left && x + box.w > WRAP_W) [x, y, rowH] = [left, y + rowH + WRAPPED_GAP, 0];
+    [box.x, box.y] = [x, y];
+    const slots = site.summary ? [siteNode(site, opened), ...site.agents] : site.agents;
+    slots.forEach((item, k) => {
       const col = Math.floor(k / ROWS);
       const row = k % ROWS;
-      nodes.push(agentNode(agent, box.x + PAD + col * (NODE_W + COL_GAP),
-        box.y + SITE_HEAD + PAD + row * (NODE_H + ROW_GAP), col + 1000 * i, row));
+      const at = [box.x + PAD + col * (NODE_W + COL_GAP), box.y + SITE_HEAD + PAD + row * (NODE_H + ROW_GAP)];
+      nodes.push(item.kind === "site" ? { ...item, x: at[0], y: at[1], col: col + 1000 * i, row }
+        : agentNode(item, at[0], at[1], col + 1000 * i, row));
     });
-    boxes.push(box);
-    x += box.w + SITE_GAP;
+    x += box.w + (oneRow ? SITE_GAP : WRAPPED_GAP);
+    rowH = Math.max(rowH, box.h);
   });
   const height = Math.max(NODE_H + 2 * PAD, ...boxes.map((b) => b.y + b.h + PAD));
-  const originY = boxes.length ? PAD + (Math.max(...boxes.map((b) => b.h)) - NODE_H) / 2 : PAD;
+  const firstRow = boxes.filter((b) => b.y === PAD);
+  const originY = boxes.length ? PAD + (Math.max(...firstRow.map((b) => b.h)) - NODE_H) / 2 : PAD;
   nodes.unshift({ id: ORIGIN, name: "coordinator", sub: "origin", x: PAD, y: originY, col: -1, row: 0,
     cls: "origin", title: "the coordinator's origin: tokenizes, drives each generation, samples nothing" });
   const width = Math.max(PAD * 2 + NODE_W, ...boxes.map((b) => b.x + b.w + PAD));
-  return { nodes, boxes, edges: buildEdges(view, nodes), width, height };
+  return { nodes, boxes, edges: [...buildEdges(view, nodes), ...siteEdges(view, nodes)], width, height };
+}
+
+function siteBox(site) {
+  const slots = site.agents.length + (site.summary ? 1 : 0);
+  const cols = Math.ceil(slots / ROWS);
+  const rows = Math.min(ROWS, slots);
+  return { name: site.name, tiers: site.tiers, x: 0, y: 0,
+    w: cols * NODE_W + (cols - 1) * COL_GAP + 2 * PAD + (slots > 1 ? ARC_ROOM : 0),
+    h: SITE_HEAD + rows * NODE_H + (rows - 1) * ROW_GAP + 2 * PAD };
 }
 
 /** agent id -> its first position along an active route, so a pipeline reads top to bottom. */
@@ -80,22 +157,55 @@ function routeOrder(view) {
   return order;
 }
 
-function groupBySite(agents, order) {
-  const bySite = new Map();
-  for (const agent of agents) {
+/** The sites, those holding the pipelines first: each with its summary when it is drawn as one node (null when
+ * every agent of it is drawn) and the agents drawn one by one. */
+function sitesOf(view, order) {
+  const known = new Map();     // site -> its agents the view holds in full
+  for (const agent of view.agents) {
     const name = (agent.capabilities && agent.capabilities.site) || "";
-    if (!bySite.has(name)) bySite.set(name, []);
-    bySite.get(name).push(agent);
+    if (!known.has(name)) known.set(name, []);
+    known.get(name).push(agent);
   }
+  const summaries = new Map(view.sites.map((s) => [s.site, s]));
   const rank = (a) => order.get(a.agent_id) ?? 1e9;
-  const sites = [...bySite.entries()].map(([name, list]) => ({
-    name,
-    agents: list.sort((a, b) => rank(a) - rank(b) || agentLabel(a).localeCompare(agentLabel(b))),
-    tiers: [...new Set(list.map((a) => (a.capabilities && a.capabilities.tier) || "edge"))].sort(),
-  }));
-  return sites.sort((a, b) => Math.min(...a.agents.map(rank)) - Math.min(...b.agents.map(rank))
-    || a.name.localeCompare(b.name));
+  const sites = [...new Set([...summaries.keys(), ...known.keys()])].map((name) => {
+    const list = known.get(name) || [];
+    const summary = summaries.get(name) || null;
+    const whole = !summary || (list.length >= summary.num_agents && summary.num_agents <= SITE_OPEN_UP_TO);
+    const drawn = whole ? list : list.filter((a) => view.serving.has(a.agent_id) || busy(a, view));
+    return { name, summary: whole ? null : summary,
+      agents: drawn.sort((a, b) => rank(a) - rank(b) || agentLabel(a).localeCompare(agentLabel(b))),
+      tiers: summary ? Object.keys(summary.tiers).sort()
+        : [...new Set(list.map((a) => (a.capabilities && a.capabilities.tier) || "edge"))].sort(),
+      rank: Math.min(1e9, ...list.map(rank)) };
+  });
+  return sites.sort((a, b) => a.rank - b.rank || a.name.localeCompare(b.name));
 }
+
+/** Being drained, or resting: drawn on its own in a site drawn as one node. */
+function busy(agent, view) {
+  const drain = view.drains.get(agent.agent_id);
+  return agent.state === "resting" || Boolean(drain && ["moving_stages", "moving_sessions"].includes(drain.state));
+}
+
+/** The node of a site drawn as one: how many agents, how many up, the others by state. */
+function siteNode(site, opened) {
+  const s = site.summary;
+  const others = Object.entries(s.states).filter(([state, n]) => !UP_STATES.has(state) && n)
+    .sort((a, b) => b[1] - a[1]).map(([state, n]) => `${fmtNumber(n, 0)} ${state}`);
+  const tier = (s.tiers.cloud || 0) > (s.tiers.edge || 0) ? "cloud" : "edge";
+  const state = s.num_up === s.num_agents ? "connected" : s.num_up ? "waiting" : "dead";
+  const title = [`site ${site.name || "(none)"}: ${s.num_agents} agents, ${s.num_up} up, ${s.num_serving} serving`,
+    `states: ${Object.entries(s.states).map(([k, n]) => `${k} ${n}`).join(", ")}`,
+    `tiers: ${Object.entries(s.tiers).map(([k, n]) => `${k} ${n}`).join(", ")}`,
+    `${s.num_gpus} GPUs (${fmtBytes(s.gpu_mem_bytes)}) · ${s.num_cpus} CPUs · ${fmtBytes(s.ram_total_bytes)} RAM`,
+    `${fmtNumber(s.tokens_per_s)} tok/s · queue ${s.queue_depth}`, "click to list its agents"].join("\n");
+  return { kind: "site", id: siteId(site.name), site: site.name, name: `${s.num_agents.toLocaleString("en")} agents`,
+    sub: [`${fmtNumber(s.num_up, 0)} up`, ...others].join(" · "), numAgents: s.num_agents, numUp: s.num_up,
+    state, open: opened === site.name, cls: `site-summary tier-${tier}`, title };
+}
+
+const siteId = (name) => `#site ${name}`;
 
 function agentNode(agent, x, y, col, row) {
   const caps = agent.capabilities || {};
@@ -142,12 +252,22 @@ function buildEdges(view, nodes) {
     const [a, b] = [link.agent_id, link.peer_id];
     if (a !== b && known.has(a) && known.has(b) && !down.has(a) && !down.has(b)) edgeOf(a, b);
   }
-  const numAgents = nodes.length - 1;
+  const numAgents = nodes.filter((n) => n.kind !== "site").length - 1;
   return [...edges.values()].map((e) => {
     const link = measured.get(`${e.a}>${e.b}`) || measured.get(`${e.b}>${e.a}`);
     return { ...e, optional: !e.pipe && numAgents > MAX_FAINT_AGENTS, label: linkLabel(link),
       error: Boolean(link && link.error) };
   });
+}
+
+/** The links measured between two sites drawn as one node each: shown when either is hovered. */
+function siteEdges(view, nodes) {
+  const drawn = new Set(nodes.filter((n) => n.kind === "site").map((n) => n.id));
+  return view.site_links.filter((l) => l.a !== l.b && drawn.has(siteId(l.a)) && drawn.has(siteId(l.b)))
+    .map((l) => ({ a: siteId(l.a), b: siteId(l.b), pipe: false, forward: false, backward: false, optional: true,
+      error: l.num_failed === l.num_links,
+      label: l.rtt_s === null ? `${l.num_links} unreachable`
+        : `${(l.rtt_s * 1e3).toFixed(1)} ms · ${fmtBandwidth(l.bandwidth_bytes_per_s)} · ${l.num_links} links` }));
 }
 
 function linkLabel(link) {
@@ -158,10 +278,10 @@ function linkLabel(link) {
 
 // ---- drawing ----------------------------------------------------------------------------------
 
-function render(graph) {
+function render(graph, onOpen) {
   const root = svg("svg", { class: "topo-svg", width: graph.width, height: graph.height,
     style: `min-width:${Math.round(graph.width * MIN_SCALE)}px`,
-    viewBox: `0 0 ${graph.width} ${graph.height}`, "data-testid": "topology", role: "img",
+    viewBox: `0 0 ${graph.width} ${graph.height}`, "data-testid": "topology", role: "group",
     "aria-label": "mesh topology" });
   root.append(markers());
   const byId = new Map(graph.nodes.map((n) => [n.id, n]));
@@ -175,7 +295,10 @@ function render(graph) {
     for (const id of [edge.a, edge.b]) edgesOf.set(id, [...(edgesOf.get(id) || []), drawn.line, drawn.label]);
   }
   root.append(...graph.boxes.map(drawSite), lines);
-  for (const node of graph.nodes) root.append(drawNode(node, root, edgesOf.get(node.id) || []));
+  for (const node of graph.nodes) {
+    const edges = edgesOf.get(node.id) || [];
+    root.append(node.kind === "site" ? drawSiteNode(node, root, edges, onOpen) : drawNode(node, root, edges));
+  }
   root.append(labels);
   return el("div", { class: "topo-scroll" }, root);
 }
@@ -208,6 +331,27 @@ function drawNode(node, root, edges) {
     g.append(svg("circle", { class: `state-dot ${stateClass(node.state)}`, cx: NODE_W - 11, cy: 11, r: 4.5 },
       svg("title", { text: node.state })));
   }
+  return hoverable(g, root, edges);
+}
+
+/** A site drawn as one node: its counts; a click (or Enter) lists its agents below the graph. */
+function drawSiteNode(node, root, edges, onOpen) {
+  const g = svg("g", { class: `node ${node.cls}${node.open ? " open" : ""}`, transform: `translate(${node.x},${node.y})`,
+    "data-testid": "topology-site-summary", "data-site": node.site, "data-num-agents": node.numAgents,
+    "data-num-up": node.numUp, role: "button", tabindex: 0, "aria-expanded": String(node.open) },
+    svg("title", { text: node.title }),
+    svg("rect", { class: "node-box", width: NODE_W, height: NODE_H, rx: 7 }),
+    svg("text", { class: "node-name", x: 13, y: 18, text: shorten(node.name, 19) }),
+    svg("text", { class: "node-sub", x: 13, y: 34, text: shorten(node.sub, 24) }),
+    svg("text", { class: "node-open", x: NODE_W - 20, y: 34, text: node.open ? "▾" : "▸" }),
+    svg("circle", { class: `state-dot ${stateClass(node.state)}`, cx: NODE_W - 11, cy: 11, r: 4.5 }));
+  g.addEventListener("click", () => onOpen(node.site));
+  g.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); onOpen(node.site); } });
+  return hoverable(g, root, edges);
+}
+
+/** Hovering the node shows its links, and dims the others. */
+function hoverable(g, root, edges) {
   g.addEventListener("mouseenter", () => {
     root.classList.add("focusing");
     for (const e of edges) e.classList.add("hot");

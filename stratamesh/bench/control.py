@@ -10,8 +10,10 @@ interval the coordinator asks for and, with --churn-per-min, drop and come back.
 - over a quiet window of --window seconds after that: the coordinator's CPU (cores) and RSS, its registry's
   commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second (and
   the coordinator's CPU per heartbeat: all its CPU in the window over them, an upper bound);
-- then the API's latency under that load: API_REQUESTS 8-token completions and as many GET /admin/api/agents
-  (every agent), one after the other;
+- then the API's latency under that load, one request after the other: API_REQUESTS 8-token completions, as many
+  pages of GET /admin/api/agents (the first 100 agents: what the UI's table asks) and as many GET
+  /admin/api/snapshot (what the UI's live stream sends first: the sites summed up, the agents that matter in full),
+  with the snapshot's size;
 - what the load client itself cost (its processes' CPU), since it shares this machine with the coordinator.
 """
 
@@ -56,8 +58,11 @@ class ControlRow:
     heartbeats_per_s: float
     completion_p50_ms: float
     completion_p99_ms: float
-    agents_api_p50_ms: float
-    agents_api_p99_ms: float
+    page_api_p50_ms: float      # GET /admin/api/agents: a page of 100
+    page_api_p99_ms: float
+    snapshot_api_p50_ms: float  # GET /admin/api/snapshot
+    snapshot_api_p99_ms: float
+    snapshot_bytes: int         # the largest snapshot of the API_REQUESTS
     load_cores: float           # the simulated agents' processes, over the window
 
 
@@ -108,10 +113,11 @@ class LoadProcess:
         return self.latest("stopped")
 
 
-def timed(call) -> float:  # noqa: ANN001
+def timed(call) -> tuple[float, httpx.Response]:  # noqa: ANN001
+    """How long call() took, in ms, and its response."""
     started = time.perf_counter()
-    call()
-    return (time.perf_counter() - started) * 1e3
+    response = call()
+    return (time.perf_counter() - started) * 1e3, response
 
 
 def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, join_timeout_s: float,
@@ -152,21 +158,24 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
         rss = process_rss_mib(pid)
         plans = int(counter(mesh, "stratamesh:plans_computed_total") - plans_before)
         # then the API under that load, one request after the other
-        completions, agent_lists = [], []
+        completions, pages, snapshots = [], [], []
         body = {"model": Path(model_dir).name, "prompt": "The mesh", "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
         with httpx.Client(timeout=60, headers=mesh.headers) as client:
             for _ in range(API_REQUESTS):
                 completions.append(timed(lambda: client.post(f"{mesh.url}/v1/completions", json=body)
                                          .raise_for_status()))
-                agent_lists.append(timed(lambda: client.get(f"{mesh.url}/admin/api/agents").raise_for_status()))
+                pages.append(timed(lambda: client.get(f"{mesh.url}/admin/api/agents").raise_for_status()))
+                snapshots.append(timed(lambda: client.get(f"{mesh.url}/admin/api/snapshot").raise_for_status()))
         for load in loads:
             load.stop()
     elapsed = after[0] - before[0]
+    completion_ms, page_ms, snapshot_ms = ([ms for ms, _ in calls] for calls in (completions, pages, snapshots))
     return ControlRow(num_agents, welcomed, join_s, join_p50, (after[1] - before[1]) / elapsed, rss,
                       (after[2] - before[2]) / elapsed, plans, (after[3] - before[3]) / elapsed,
-                      percentile(completions, 50), percentile(completions, 99), percentile(agent_lists, 50),
-                      percentile(agent_lists, 99), (after[4] - before[4]) / elapsed)
+                      percentile(completion_ms, 50), percentile(completion_ms, 99), percentile(page_ms, 50),
+                      percentile(page_ms, 99), percentile(snapshot_ms, 50), percentile(snapshot_ms, 99),
+                      max(len(r.content) for _, r in snapshots), (after[4] - before[4]) / elapsed)
 
 
 def per_heartbeat_us(row: ControlRow) -> float:
@@ -180,14 +189,16 @@ def report(rows: list[ControlRow], mtls: bool, window_s: float, capable: bool) -
     print(f"\nsimulated agents ({boxes}) against one coordinator ({'mTLS' if mtls else 'insecure'}), one real "
           f"agent serving the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
     print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
-          "plans computed | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | /admin/api/agents p50/p99 ms | "
-          "load client cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "plans computed | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | agents page p50/p99 ms | "
+          "UI snapshot p50/p99 ms | UI snapshot KiB | load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
               f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | {r.plans_computed} | "
               f"{r.heartbeats_per_s:.0f} | {per_heartbeat_us(r):.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
-              f"{r.agents_api_p50_ms:.0f} / {r.agents_api_p99_ms:.0f} | {r.load_cores:.2f} |")
+              f"{r.page_api_p50_ms:.0f} / {r.page_api_p99_ms:.0f} | "
+              f"{r.snapshot_api_p50_ms:.0f} / {r.snapshot_api_p99_ms:.0f} | {r.snapshot_bytes / 1024:.1f} | "
+              f"{r.load_cores:.2f} |")
 
 
 def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s: float = 20.0,

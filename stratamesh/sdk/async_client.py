@@ -50,8 +50,14 @@ class AsyncMesh:
         return calls.models_from_json(await self._json("GET", "/v1/models"))
 
     async def agents(self) -> list[Agent]:
-        """Every agent the coordinator knows, with its newest load figures."""
-        return calls.agents_from_json(await self._json("GET", "/admin/api/agents"))
+        """Every agent the coordinator knows, with its newest load figures (a page of the admin API at a time)."""
+        agents: list[Agent] = []
+        after: str | None = None
+        while True:
+            body = await self._json("GET", calls.agents_path(after))
+            agents += calls.agents_from_json(body)
+            if (after := calls.next_after(body, after)) is None:
+                return agents
 
     @overload
     async def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 64,

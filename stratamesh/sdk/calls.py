@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlencode
 
 from stratamesh.sdk.errors import (
     AmbiguousModelError,
@@ -20,6 +21,7 @@ from stratamesh.sdk.results import Agent, ChatChunk, CompletionChunk, Message, M
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 CONNECT_TIMEOUT_S = 10.0
+AGENTS_PAGE = 10_000        # agents asked for per call when listing them all: the admin API's largest page
 
 MessageLike = Message | Mapping[str, Any]
 T = TypeVar("T")
@@ -117,8 +119,23 @@ def models_from_json(body: Any) -> list[Model]:
     return shaped("model list", lambda b: [Model.from_json(m) for m in b["data"]], body)
 
 
+def agents_path(after: str | None) -> str:
+    """GET /admin/api/agents for the page after the agent id `after` (None: the first page)."""
+    params = {"limit": AGENTS_PAGE} if after is None else {"limit": AGENTS_PAGE, "after": after}
+    return f"/admin/api/agents?{urlencode(params)}"
+
+
 def agents_from_json(body: Any) -> list[Agent]:
     return shaped("agent list", lambda b: [Agent.from_json(a) for a in b["agents"]], body)
+
+
+def next_after(body: Any, after: str | None) -> str | None:
+    """The cursor of the page after this one (None: it was the last; a coordinator older than paging sends every
+    agent at once, and no cursor)."""
+    cursor = body.get("next_after") if isinstance(body, dict) else None
+    if cursor is not None and (not isinstance(cursor, str) or cursor == after):
+        raise UnexpectedResponseError(f"the agent list's next_after {cursor!r} does not page on from {after!r}")
+    return cursor
 
 
 def embeddings_from_json(body: Any) -> list[list[float]]:

@@ -1,5 +1,5 @@
 """The admin API's models, re-plans, stats, events and snapshots over a real registry and deployer, its OpenAPI
-document, and the admin UI's static files."""
+document, and the admin UI's static files (pages of agents and the stream's deltas: test_admin_fleet.py)."""
 
 from __future__ import annotations
 
@@ -121,11 +121,11 @@ async def test_stats_events_and_the_snapshot_the_ui_draws(mesh) -> None:
         events = (await client.get("/admin/api/events", params={"limit": 5})).json()["events"]
         assert events[0]["kind"] == "agent_connected" and events[0]["agent_id"] == "a3"   # the spare, last
         assert [e["kind"] for e in events].count("plan") == 1
-    snapshot = admin.snapshot()
+    snapshot = (await admin.view()).snapshot()
     assert len(snapshot["agents"]) == 3 and [p["model_id"] for p in snapshot["plans"]] == ["m"]
     assert snapshot["stats"]["t"] == T0 + 9 and snapshot["drains"] == [] and snapshot["events"]
-    schemas.Agents(agents=snapshot["agents"])       # what the stream sends obeys the documented shapes
-    schemas.Models(models=snapshot["models"])
+    assert snapshot["num_agents"] == 3 and [s["num_agents"] for s in snapshot["sites"]] == [3]
+    schemas.Snapshot(**snapshot)                    # what the stream sends obeys the documented shapes
 
 
 async def test_the_openapi_document_describes_the_admin_api(mesh) -> None:
@@ -134,11 +134,14 @@ async def test_the_openapi_document_describes_the_admin_api(mesh) -> None:
         doc = (await client.get("/openapi.json")).json()
     paths = doc["paths"]
     for path in ("/admin/api/agents", "/admin/api/plans", "/admin/api/models", "/admin/api/models/{model_id}/replan",
-                 "/admin/api/stats", "/admin/api/events", "/admin/api/stream", "/admin/api/links",
-                 "/admin/api/agents/{agent_id}/drain"):
+                 "/admin/api/stats", "/admin/api/events", "/admin/api/stream", "/admin/api/snapshot",
+                 "/admin/api/links", "/admin/api/agents/{agent_id}/drain"):
         assert path in paths, path
     assert "DeployModel" in str(paths["/admin/api/models"]["post"]["requestBody"])
-    assert {"AgentView", "PlanView", "StatsPoint", "Capabilities"} <= doc["components"]["schemas"].keys()
+    assert {"AgentView", "AgentsPage", "PlanView", "StatsPoint", "Capabilities", "Snapshot", "SiteView",
+            "SiteLinkView"} <= doc["components"]["schemas"].keys()
+    assert {p["name"] for p in paths["/admin/api/agents"]["get"]["parameters"]} == {
+        "limit", "after", "site", "state", "tier", "serving", "q"}
     assert "text/event-stream" in paths["/admin/api/stream"]["get"]["responses"]["200"]["content"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import TELEMETRY_RECORD_EVERY_S
+from stratamesh.coordinator.fleet_view import AgentQuery
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Telemetry
@@ -31,7 +32,7 @@ def test_a_thousand_heartbeats_are_one_commit_with_each_agents_newest() -> None:
     assert [(ts, t.queue_depth) for ts, t in registry.telemetry("a1")] == [(102.49, 249)]
 
 
-def test_telemetry_history_gets_a_row_per_period_and_the_admin_view_the_newest() -> None:
+async def test_telemetry_history_gets_a_row_per_period_and_the_admin_view_the_newest() -> None:
     registry, now = Registry(":memory:"), [100.0]      # the clock, as test_deployer keeps it
     deployer = Deployer(registry, clock=lambda: now[0])
     agent = Agent("a1", 1)
@@ -43,6 +44,6 @@ def test_telemetry_history_gets_a_row_per_period_and_the_admin_view_the_newest()
         deployer.tick()
     history = [ts for ts, _ in registry.telemetry("a1")]
     assert history == [100.0 + TELEMETRY_RECORD_EVERY_S * k for k in range(3)]
-    (view,) = admin.agents()
+    (view,) = (await admin.agents_page(AgentQuery(limit=10)))["agents"]
     assert view["telemetry"]["queue_depth"] == int(3 * TELEMETRY_RECORD_EVERY_S) - 1
     assert view["telemetry"]["received"] == now[0]

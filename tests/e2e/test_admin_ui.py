@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from itertools import permutations
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
@@ -294,8 +294,48 @@ def fixture_snapshot(now: float) -> dict:
                "finished_unix_s": now - 95, "error": ""}]
     stats = {"t": now, "tokens_per_s": 2400.0, "requests_per_s": 3.5, "ttft_p50_s": 0.12, "ttft_p99_s": 0.4,
              "itl_p50_s": 0.02, "itl_p99_s": 0.05, "running": 12, "waiting": 3}
-    return {"ts": now, "agents": agents, "plans": plans, "links": links, "models": models, "drains": drains,
-            "stats": stats, "events": events}
+    serving = {s["agent_id"] for p in plans for s in p["stages"]}
+    return {"ts": now, "num_agents": len(agents), "sites": site_sums(agents, serving), "agents": agents,
+            "plans": plans, "links": links, "site_links": [], "models": models, "drains": drains, "stats": stats,
+            "events": events}
+
+
+def site_sums(agents: list[dict], serving: set[str]) -> list[dict]:
+    """The per-site sums a snapshot carries (as coordinator/fleet_view.py's site_summaries adds them up)."""
+    sites: dict[str, dict] = {}
+    for a in agents:
+        caps, up = a["capabilities"], a["state"] in ("online", "connected")
+        site = sites.setdefault(caps["site"], {"site": caps["site"], "num_agents": 0, "num_up": 0, "num_serving": 0,
+                                               "states": {}, "tiers": {}, "num_gpus": 0, "gpu_mem_bytes": 0,
+                                               "ram_total_bytes": 0, "num_cpus": 0, "tokens_per_s": 0.0,
+                                               "queue_depth": 0})
+        for key, value in (("num_agents", 1), ("num_up", up), ("num_serving", a["agent_id"] in serving),
+                           ("num_gpus", len(caps["gpus"])), ("num_cpus", caps["num_cpus"]),
+                           ("gpu_mem_bytes", sum(g["mem_total_bytes"] for g in caps["gpus"])),
+                           ("ram_total_bytes", caps["ram_total_bytes"])):
+            site[key] += value
+        site["states"][a["state"]] = site["states"].get(a["state"], 0) + 1
+        site["tiers"][caps["tier"]] = site["tiers"].get(caps["tier"], 0) + 1
+        if up and a["telemetry"]:
+            site["tokens_per_s"] += a["telemetry"]["tokens_per_s"]
+            site["queue_depth"] += a["telemetry"]["queue_depth"]
+    return [sites[name] for name in sorted(sites)]
+
+
+def agents_page(agents: list[dict], query: dict[str, list[str]]) -> dict:
+    """GET /admin/api/agents over fixed agents: a page in id order after the cursor, behind the filters."""
+    site, state, text = (query[key][0] if key in query else None for key in ("site", "state", "q"))
+
+    def keep(a: dict) -> bool:
+        found = f"{a['agent_id']} {a['name']} {a['capabilities']['hostname']} {a['address']}".lower()
+        return ((site is None or a["capabilities"]["site"] == site) and (state is None or a["state"] == state)
+                and (text is None or text.lower() in found))
+
+    matching = sorted((a for a in agents if keep(a)), key=lambda a: a["agent_id"])
+    after, limit = query.get("after", [""])[0], int(query.get("limit", ["100"])[0])
+    rest = [a for a in matching if a["agent_id"] > after]
+    return {"agents": rest[:limit], "next_after": rest[limit - 1]["agent_id"] if len(rest) > limit else None,
+            "total": len(matching)}
 
 
 def fixture_api(route, snapshot: dict, user: dict = INSECURE_USER, refuse: str = "") -> None:
@@ -316,7 +356,10 @@ def fixture_api(route, snapshot: dict, user: dict = INSECURE_USER, refuse: str =
                              body=f"retry: 500\nevent: snapshot\ndata: {json.dumps(snapshot)}\n\n")
     now = snapshot["ts"]
     points = [{**snapshot["stats"], "t": now - 120 + i, "tokens_per_s": 2000 + 400 * (i % 7)} for i in range(120)]
-    answers = {"/admin/api/stats": {"interval_s": 1.0, "points": points}, "/admin/api/requests": {"requests": []}}
+    answers = {"/admin/api/stats": {"interval_s": 1.0, "points": points}, "/admin/api/requests": {"requests": []},
+               "/admin/api/snapshot": snapshot,
+               "/admin/api/agents": agents_page(snapshot["agents"],
+                                                parse_qs(urlparse(route.request.url).query, keep_blank_values=True))}
     if path in answers:
         return route.fulfill(status=200, content_type="application/json", body=json.dumps(answers[path]))
     return route.fulfill(status=404, content_type="application/json",

@@ -135,5 +135,6 @@ def test_control_benchmark_welcomes_every_simulated_agent_and_prints_its_table(f
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
     assert cells[1] == "40", result.stdout                      # every simulated agent welcomed
     assert float(cells[4]) > 0 and float(cells[8]) > 0          # the coordinator worked, heartbeats flowed
+    assert float(cells[13]) > 1                                 # the UI's snapshot: 41 agents in full, over 1 KiB
     # boxes too small for a stage cost no plan; 40 that could hold one are weighed in a burst or two, not 40 times
     assert int(cells[7]) <= (5 if "--capable" in flags else 0), result.stdout
