@@ -4,9 +4,7 @@ among those) and the deltas between views, the stream itself behind a real uvico
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from stratamesh.coordinator.api import admin_schemas as schemas
@@ -32,6 +29,7 @@ from stratamesh.fleet.types import Capabilities, GpuInfo, LinkMeasurement, Telem
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from stratamesh.sdk import AsyncMesh, calls
 from stratamesh.sdk.errors import UnexpectedResponseError
+from tests.coordinator.served import served
 from tests.coordinator.test_deployer import Agent, model_dir, ready_pair  # noqa: F401 (a fixture)
 
 T0 = 1_700_000_000.0
@@ -237,15 +235,8 @@ async def test_a_view_holds_the_links_among_the_agents_it_holds_and_sums_the_oth
 @pytest.fixture
 async def live(fleet: Fleet) -> AsyncIterator[str]:
     """The admin API behind a real uvicorn on a loopback port: its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(fleet.app, log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    await task
+    async with served(fleet.app) as url:
+        yield url
 
 
 async def sse(response: httpx.Response) -> AsyncIterator[tuple[str, dict]]:

@@ -4,12 +4,9 @@ caller too, 413 for a big body, token caps; and the count drops back when a stre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-import uvicorn
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.api.admission import Gate, Limits
@@ -18,6 +15,7 @@ from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.errors import InvalidInput
+from tests.coordinator.served import served
 from tests.coordinator.test_api import FakeGenerator, codecs  # noqa: F401 (a fixture)
 
 NOW = 1_800_000_000.0
@@ -31,21 +29,6 @@ def gated_app(codecs: tuple[TextCodec, TextCodec], limits: Limits, token_delay_s
     gate = install_access(app, access, clock=lambda: NOW, limits=limits)
     keys = [access.create_key("client", f"app-{i}", NOW)[0] for i in range(3)]
     return app, gate, keys
-
-
-@asynccontextmanager
-async def served(app) -> AsyncIterator[str]:  # noqa: ANN001
-    """The app on a real uvicorn server on loopback (httpx's ASGI transport would buffer whole streams)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False))
-    server.install_signal_handlers = lambda: None    # uvicorn < 0.29
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 def client(url: str, key: str) -> httpx.AsyncClient:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,12 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from stratamesh.coordinator.api.openai import ModelCard, create_app
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.errors import ModelNotFound, StageFailed
 from stratamesh.fleet.types import SamplingParams
+from tests.coordinator.served import served
 
 STORY = "The quick brown fox jumps over the lazy dog. Café 🙂 déjà vu. "
 FAIL_AFTER = 5  # tokens the "flaky" model yields before its stage dies
@@ -442,15 +441,8 @@ async def test_official_openai_client(client: httpx.AsyncClient, gen: FakeGenera
 @pytest.fixture
 async def live_url(gen: FakeGenerator) -> AsyncIterator[str]:
     """The app behind a real uvicorn on a loopback port, so that clients can really disconnect."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(gen), log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    await task
+    async with served(create_app(gen)) as url:
+        yield url
 
 
 async def wait_closed(gen: FakeGenerator, num: int, timeout_s: float = 3.0) -> None:

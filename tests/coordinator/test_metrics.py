@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +18,7 @@ from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.metrics import ApiMetrics, Phases, one_two_five_buckets
 from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
 from stratamesh.fleet.types import SamplingParams
+from tests.coordinator.served import served
 from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeGenerator, codecs, sse_events  # noqa: F401  (a fixture)
 
 TINY = {"model_name": "tiny", "engine": "0"}
@@ -165,16 +164,8 @@ async def test_failures_after_acceptance_are_errors_not_successes(client: httpx.
 @pytest.fixture
 async def live(gen: MeshLikeGenerator) -> AsyncIterator[httpx.AsyncClient]:
     """The app behind a real uvicorn on a loopback port, so that a client can really leave."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(gen, ApiMetrics()), log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as c:
+    async with served(create_app(gen, ApiMetrics())) as url, httpx.AsyncClient(base_url=url) as c:
         yield c
-    server.should_exit = True
-    await task
 
 
 async def scrape_until(client: httpx.AsyncClient, sample: str, value: float, timeout_s: float = 5.0,
