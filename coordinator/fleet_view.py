@@ -10,11 +10,12 @@ import heapq
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from operator import attrgetter
 from statistics import median
 from typing import Any
 
+from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import AgentRecord, LinkRecord
 from stratamesh.fleet.types import Telemetry
 
@@ -23,27 +24,6 @@ RECENT_S = 60.0             # agents whose state changed this recently are held 
 RECENT_MAX = 20             # ... the newest this many: a site going dark changes hundreds at once
 SITE_LINKS_MAX = 100        # pairs of sites a view sums links up for, those with the most links first
 UP_STATES = frozenset({"online", "connected"})
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-_FIELDS: dict[type, tuple[str, ...]] = {}       # a dataclass type -> its field names, looked up once
-
-
-def plain(value: Any) -> Any:
-    """A dataclass value (and those nested in it, in tuples and dicts) as JSON-ready dicts and lists: what
-    dataclasses.asdict gives, without its deep copies, which were most of the cost of listing 10,000 agents."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    names = _FIELDS.get(kind)
-    if names is not None:
-        return {name: plain(getattr(value, name)) for name in names}
-    if isinstance(value, (tuple, list)):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if is_dataclass(value) and not isinstance(value, type):
-        _FIELDS[kind] = tuple(f.name for f in fields(value))
-        return plain(value)
-    return value
 
 
 def agent_json(agent: AgentRecord, metrics_address: str, telemetry: tuple[float, Telemetry] | None) -> dict[str, Any]:

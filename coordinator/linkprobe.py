@@ -120,15 +120,19 @@ class OriginLinkProber:
         self._every_s = every_s
         self._measure = measure
         self._probed_at: dict[Peer, float] = {}
+        self._peers: list[Peer] = []
+        self._membership = -1       # the deployer's membership count self._peers was read at
 
     async def probe_due(self) -> list[Peer]:
         """Measures and records the links that are due; returns the peers it probed."""
-        peers = self._deployer.peers()
-        # An agent that left is forgotten, so its reconnection counts as new.
-        connected = set(peers)
-        self._probed_at = {p: t for p, t in self._probed_at.items() if p in connected}
+        if self._deployer.membership != self._membership:   # read again only when agents came or went: it lists
+            self._membership = self._deployer.membership     # every agent, and this runs every second
+            self._peers = self._deployer.peers()
+            # An agent that left is forgotten, so its reconnection counts as new.
+            connected = set(self._peers)
+            self._probed_at = {p: t for p, t in self._probed_at.items() if p in connected}
         now = self._clock()
-        due = due_peers(peers, self._probed_at, now, self._every_s)
+        due = due_peers(self._peers, self._probed_at, now, self._every_s)
         if due:
             self._probed_at.update((p, now) for p in due)
             self._deployer.links_reported(ORIGIN, await self._measure(due))

@@ -16,9 +16,10 @@ from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.control.models import ModelInfo
 from stratamesh.coordinator.enrollment import Revoker
 from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json, agents_that_matter, page_of,
-                                               plain, site_links, site_summaries)
+                                               site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin, RequestRecord
+from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, LinkRecord
 from stratamesh.coordinator.registry import ModelRecord, Registry

@@ -3,19 +3,20 @@ embedded RegistryStore (coordinator/registry_store.py), and the only one built i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
+from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
                                             PlanRecord, StagePlacement, StageRecord)
 from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad,
@@ -25,6 +26,8 @@ __all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecor
            "StageRecord"]
 
 log = logging.getLogger(__name__)
+
+CAPABILITIES_CACHED = 65_536    # distinct capability reports kept parsed: more than a fleet of 10,000 holds at once
 
 Migration = Callable[[Database], None]
 
@@ -160,10 +163,13 @@ MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history
 
 
 def _caps_to_json(caps: Capabilities) -> str:
-    return json.dumps(asdict(caps), sort_keys=True)
+    return json.dumps(plain(caps), sort_keys=True)
 
 
+@functools.lru_cache(maxsize=CAPABILITIES_CACHED)
 def _caps_from_json(text: str) -> Capabilities:
+    """Capabilities from their JSON, each distinct text parsed once: an agent's rarely changes, and parsing them was
+    nine tenths of reading 10,000 agents (the admin API's pages and the UI's view read them all)."""
     d = json.loads(text)
     return Capabilities(**{**d, "gpus": tuple(GpuInfo(**g) for g in d["gpus"]),
                            "backends": tuple(d["backends"]),
@@ -173,10 +179,14 @@ def _caps_from_json(text: str) -> Capabilities:
 _PRIMARY_KEYS = {"agents": "agent_id", "stages": "assignment_id"}     # of the tables _update writes
 
 
-def _telemetry_row(agent_id: str, telemetry: Telemetry, ts: float) -> dict[str, Any]:
-    return {"agent_id": agent_id, "ts": ts, "queue_depth": telemetry.queue_depth,
-            "tokens_per_s": telemetry.tokens_per_s, "kv_usage": max((s.kv_usage for s in telemetry.stages), default=0.0),
-            "telemetry_json": json.dumps(asdict(telemetry))}
+# Plain SQL: sqlite-utils' insert_all works out its query anew for every batch, a tenth of a busy coordinator's CPU.
+_INSERT_TELEMETRY = ("INSERT INTO telemetry (agent_id, ts, queue_depth, tokens_per_s, kv_usage, telemetry_json) "
+                     "VALUES (?, ?, ?, ?, ?, ?)")
+
+
+def _telemetry_row(agent_id: str, telemetry: Telemetry, ts: float) -> tuple[str, float, int, float, float, str]:
+    return (agent_id, ts, telemetry.queue_depth, telemetry.tokens_per_s,
+            max((s.kv_usage for s in telemetry.stages), default=0.0), json.dumps(plain(telemetry)))
 
 
 def _telemetry_from_json(text: str) -> Telemetry:
@@ -495,7 +505,7 @@ class Registry:
         with self._tx() as db:
             db.conn.executemany("UPDATE agents SET last_seen = ? WHERE agent_id = ?",
                                 [(ts, agent_id) for agent_id, ts in seen.items()])
-            db["telemetry"].insert_all((_telemetry_row(*row) for row in telemetry), batch_size=1000)
+            db.conn.executemany(_INSERT_TELEMETRY, (_telemetry_row(*row) for row in telemetry))
 
     def telemetry(self, agent_id: str, since: float = 0.0, limit: int = 1000) -> list[tuple[float, Telemetry]]:
         """An agent's telemetry newer than since, oldest first (at most the newest limit rows)."""
@@ -524,16 +534,23 @@ class Registry:
         """Keep each link's newest measurement from agent_id; a failed probe keeps the last figures."""
         with self._tx() as db:
             for m in links:
-                row = {"agent_id": agent_id, "peer_id": m.peer_agent_id, "error": m.error, "ts": now}
-                if not m.error:
-                    row |= {"rtt_s": m.rtt_s, "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s}
-                db["links"].upsert(row, pk=("agent_id", "peer_id"))
+                if m.error:
+                    db.conn.execute(_UPSERT_FAILED_LINK, (agent_id, m.peer_agent_id, m.error, now))
+                else:
+                    db.conn.execute(_UPSERT_LINK, (agent_id, m.peer_agent_id, "", now, m.rtt_s, m.bandwidth_bytes_per_s))
 
     def links(self) -> list[LinkRecord]:
         """Every link measured at least once, ordered by its two ends."""
         rows = self._rows("SELECT * FROM links WHERE rtt_s IS NOT NULL ORDER BY agent_id, peer_id")
         return [LinkRecord(**r) for r in rows]
 
+
+# Plain SQL: sqlite-utils' upsert reads the table's schema for every row.
+_UPSERT_LINK = ("INSERT INTO links (agent_id, peer_id, error, ts, rtt_s, bandwidth_bytes_per_s) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (agent_id, peer_id) DO UPDATE SET error = excluded.error, ts = excluded.ts, "
+                "rtt_s = excluded.rtt_s, bandwidth_bytes_per_s = excluded.bandwidth_bytes_per_s")
+_UPSERT_FAILED_LINK = ("INSERT INTO links (agent_id, peer_id, error, ts) VALUES (?, ?, ?, ?) "       # keeps the figures
+                       "ON CONFLICT (agent_id, peer_id) DO UPDATE SET error = excluded.error, ts = excluded.ts")
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
                  "kv_block_size", "tp_degree", "runtime", "quantize")

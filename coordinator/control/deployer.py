@@ -150,6 +150,11 @@ class Deployer:
     def peers(self) -> list[Peer]:
         return self._roster.peers()
 
+    @property
+    def membership(self) -> int:
+        """A count bumped whenever an agent connects or leaves: peers() is the same while it stays."""
+        return self._roster.membership
+
     def stage_address(self, agent_id: str) -> str:
         return self._roster.stage_address(agent_id)
 

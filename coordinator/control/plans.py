@@ -123,6 +123,9 @@ class Plans:
         need = self._smallest_stage(model_id)
         return {a: caps for a, caps in self.plannable().items() if caps.usable_mem_bytes >= need}
 
+    def _capable_ids(self, model_id: str) -> frozenset[str]:
+        return frozenset(self._capable(model_id))
+
     def could_hold_a_stage(self, capabilities: Capabilities) -> bool:
         """Whether a box has the memory for at least one stage of some model."""
         if self._least_stage_bytes is None:
@@ -188,10 +191,11 @@ class Plans:
         """Re-plans each replica whose active plan has a stage on a dead agent, over the agents there are."""
         liveness = self._roster.liveness
         for model in self._registry.models():
-            plannable = frozenset(self._capable(model.model_id))
             for plan in self._registry.active_plans(model.model_id):
                 key = (model.model_id, plan.replica)
-                if self._unplaceable.get(key) == plannable:
+                # the agents that could take a stage are read (from every agent) only where a plan needs them:
+                # this runs every tick, and nearly always finds nothing dead
+                if key in self._unplaceable and self._unplaceable[key] == self._capable_ids(model.model_id):
                     continue
                 standby = self._registry.standby_plan(model.model_id, plan.replica)
                 if standby and any(liveness.is_dead(s.agent_id) for s in standby.stages):
@@ -201,7 +205,7 @@ class Plans:
                     log.warning("re-planning %s: agents %s are dead", _named(model.model_id, plan.replica),
                                 ", ".join(dead))
                     if not self._plan(model.model_id, len(plan.stages), previous=plan, replica=plan.replica):
-                        self._unplaceable[key] = plannable
+                        self._unplaceable[key] = self._capable_ids(model.model_id)
         self.release_unplanned()
         self.reconcile()
 
@@ -229,7 +233,7 @@ class Plans:
         if not self._joins_settled():
             return
         for model in self._registry.models():
-            plannable = frozenset(self._capable(model.model_id))    # a box too small for any stage changes nothing
+            plannable = self._capable_ids(model.model_id)    # a box too small for any stage changes nothing
             for plan in self._registry.active_plans(model.model_id):
                 key = (model.model_id, plan.replica)
                 if self._considered.get(key) == plannable or not self._routes.serves(plan) \
@@ -275,7 +279,7 @@ class Plans:
         stages whose agent lacks them. A first plan or replica that did not fit is tried again once the agents
         that could hold it change and their joins settle."""
         for model_id, num_stages in list(self._pending.items()):
-            capable, key = frozenset(self._capable(model_id)), (model_id, 0)
+            capable, key = self._capable_ids(model_id), (model_id, 0)
             if len(capable) < num_stages or key in self._unplaceable \
                     and (self._unplaceable[key] == capable or not self._joins_settled()):
                 continue
@@ -294,9 +298,12 @@ class Plans:
         """Plans each served model's missing replicas (as many stages as its first) where the agents its other
         replicas leave could hold one; one that did not fit waits for the plannable agents to change and settle."""
         for model in self._registry.models():
-            plannable = frozenset(self._capable(model.model_id))
             first = self._registry.active_plan(model.model_id)
-            for replica in range(1, model.num_replicas if first else 0):
+            replicas = range(1, model.num_replicas if first else 0)
+            if not replicas:    # one replica (or none yet): no need to read every agent, as this runs every tick
+                continue
+            plannable = self._capable_ids(model.model_id)
+            for replica in replicas:
                 key = (model.model_id, replica)
                 if self._registry.active_plan(model.model_id, replica) is not None or key in self._unplaceable \
                         and (self._unplaceable[key] == plannable or not self._joins_settled()):
@@ -377,7 +384,7 @@ class Plans:
                                  prediction=prediction(planned), replica=replica)
         self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
         self._unplaceable.pop((model_id, replica), None)
-        self._considered[(model_id, replica)] = frozenset(self._capable(model_id))   # made with these: weighed
+        self._considered[(model_id, replica)] = self._capable_ids(model_id)   # made with these: weighed
         log.info("%s %s: %s", "standby plan for" if standby else "planned", _named(model_id, replica), reason)
 
 

@@ -63,6 +63,7 @@ class Roster:
         self._unrecorded: dict[str, tuple[Telemetry, float]] = {}   # telemetry due in the history, newest
         self._recorded_at: dict[str, float] = {}   # when each agent's telemetry history last got a row
         self._pruned_at = float("-inf")
+        self.membership = 0     # bumped whenever an agent connects or is forgotten: who peers() lists may differ
         # (from, to) agent ids -> the newest measured bandwidth of that link (bytes/s), as the registry keeps them
         self._bandwidths = {(r.agent_id, r.peer_id): r.bandwidth_bytes_per_s for r in registry.links()}
 
@@ -126,6 +127,7 @@ class Roster:
         now = self._clock()
         self.liveness.heard(link.agent_id, now)
         self._links[link.agent_id] = link
+        self.membership += 1
         # A restarted agent listens on a new port: its old address points nowhere now.
         old = self._address_of.get(link.agent_id)
         if old is not None and self._addresses.get(old) == link.agent_id:
@@ -216,6 +218,7 @@ class Roster:
 
     def _forget(self, agent_id: str) -> None:
         del self._links[agent_id]
+        self.membership += 1
         self._loaded.pop(agent_id, None)
         self.telemetry.pop(agent_id, None)
         self.telemetry_at.pop(agent_id, None)

@@ -71,6 +71,36 @@ async def test_an_agent_that_reconnects_is_measured_again_at_once() -> None:
     assert measure.asked == [["a1", "a2"], ["a2"]]
 
 
+class CountingDeployer(Deployer):
+    """A deployer that counts how often its every connected agent is listed."""
+
+    listed = 0
+
+    def peers(self) -> list[Peer]:
+        self.listed += 1
+        return super().peers()
+
+
+async def test_the_origin_lists_the_agents_again_only_when_one_came_or_went() -> None:
+    now = [100.0]
+    deployer = CountingDeployer(Registry(":memory:"), clock=lambda: now[0])
+    measure = FakeMeasure()
+    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    a1, a2 = Agent("a1", 8), Agent("a2", 8)
+    connect_all(deployer, [a1])
+    for _ in range(3):          # a second apart, as it runs: one agent, listed once
+        await prober.probe_due()
+        now[0] += 1
+    assert deployer.listed == 1
+    connect_all(deployer, [a2])
+    await prober.probe_due()
+    await prober.probe_due()
+    assert deployer.listed == 2 and measure.asked == [["a1"], ["a2"]]
+    deployer.agent_disconnected(a1.link)
+    now[0] += 300               # a1 would be due again, but it has gone
+    assert await prober.probe_due() == [Peer("a2", a2.link.stage_address)] and deployer.listed == 3
+
+
 def test_nobody_is_asked_to_probe_an_agent_behind_another_nat() -> None:
     """A gRPC probe cannot reach an agent behind a NAT the prober is not behind: only its own site's agents (and
     nobody outside) measure their links to it; it measures its links out."""

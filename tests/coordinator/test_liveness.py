@@ -21,6 +21,23 @@ def test_an_agent_is_dead_once_its_lease_runs_out_and_only_then() -> None:
     assert live.expired(3.5) == ["b"]
 
 
+def test_a_lease_that_ends_sooner_than_those_before_it_is_still_found() -> None:
+    """expired() skips its walk over the leases until the earliest can have run out: a lease shortened since (the
+    fleet shrank, so agents beat faster), a restarted coordinator's grace and a stall must all move that point."""
+    live = Liveness(CONFIG)
+    live.interval_s = 8.0                        # a large fleet: leases of 4 beats
+    live.heard("a", 0.0)                         # until 32
+    assert live.expired(1.0) == []
+    live.interval_s = 0.0                        # the fleet shrank: leases of 2 s again
+    live.heard("b", 1.0)                         # until 3, before a's
+    assert live.expired(3.01) == ["b"]
+    live.expect("c", 4.0)                        # until 14 (the restart grace), before a's
+    assert live.expired(14.01) == ["c"]
+    live.stalled(5.0)                            # a's lease gets the stall back: until 37
+    assert live.expired(36.9) == []
+    assert live.expired(37.01) == ["a"]
+
+
 def test_one_sign_waits_for_the_lease_and_two_are_death_at_once() -> None:
     live = Liveness(CONFIG)
     live.heard("a", 0.0)
