@@ -110,6 +110,9 @@ class ControlPlaneCollector(Collector):
             yield CounterMetricFamily("stratamesh:coordinator_stalled_seconds", "Time the coordinator's event loop "
                                       "could not check leases on time, given back to every lease.",
                                       value=self._liveness.stalled_s)
+            yield CounterMetricFamily("stratamesh:agents_declared_dead", "Agents declared dead (a lease that ran "
+                                      "out, or a lost stream and an unreachable Stage service at once).",
+                                      value=self._liveness.num_declared_dead)
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

@@ -70,6 +70,7 @@ class Liveness:
         self._agents: dict[str, _Agent] = {}
         self.interval_s = 0.0       # the heartbeat interval agents are told: a lease is at least LEASE_BEATS of it
         self.stalled_s = 0.0        # every stall given back to the leases since the start (stalled)
+        self.num_declared_dead = 0  # deaths declared since the start, by lease or by both signs of failure
         # No live agent's deadline is earlier than this: expired() looks at every lease only once it has passed
         # (it is checked ten times a second, and 10,000 leases end some 24 s apart from their heartbeats).
         self._earliest_s = float("inf")
@@ -159,6 +160,7 @@ class Liveness:
     def _declare_dead(self, agent: _Agent, now: float) -> None:
         config = self.config
         agent.dead = True
+        self.num_declared_dead += 1
         agent.deaths.append(now)
         while agent.deaths and agent.deaths[0] < now - config.flap_window_s:
             agent.deaths.popleft()

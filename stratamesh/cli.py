@@ -293,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     control.add_argument("--mtls", action="store_true", help="a secure mesh: certificates issued in bulk")
     control.add_argument("--capable", action="store_true",
                          help="simulated boxes with the RAM for a stage (but slow): the planner weighs their joins")
-    control.add_argument("--log-dir", default="", help="keep the daemons' logs here")
+    control.add_argument("--log-dir", default="", help="keep the daemons' logs (and registry) here, a folder per fleet size")
     control.set_defaults(func=_bench_control)
     return parser
 

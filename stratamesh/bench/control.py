@@ -5,15 +5,16 @@ agents (stratamesh/bench/sim_agents.py, in --processes processes) that register,
 interval the coordinator asks for and, with --churn-per-min, drop and come back. Measured per size:
 
 - join: from starting the simulated agents to the last one's welcome (and how many were welcomed in --join-timeout);
-  and the plans the planner computed from the joins to the end of the window (with --capable the simulated boxes
-  could each hold a stage, so the planner weighs them: joins are weighed in bursts, not one by one);
+  and from the joins to the end of the window, the plans the planner computed (with --capable the simulated boxes
+  could each hold a stage, so the planner weighs them: joins are weighed in bursts, not one by one) and the agents
+  the coordinator declared dead (a storm it cannot keep up with shows here first);
 - over a quiet window of --window seconds after that: the coordinator's CPU (cores) and RSS, its registry's
   commits per second (stratamesh:registry_commits), and the heartbeats the simulated agents sent per second (and
   the coordinator's CPU per heartbeat: all its CPU in the window over them, an upper bound);
 - then the API's latency under that load, one request after the other: API_REQUESTS 8-token completions, as many
   pages of GET /admin/api/agents (the first 100 agents: what the UI's table asks) and as many GET
   /admin/api/snapshot (what the UI's live stream sends first: the sites summed up, the agents that matter in full),
-  with the snapshot's size;
+  with the snapshot's size, and how many of them failed;
 - what the load client itself cost (its processes' CPU), since it shares this machine with the coordinator.
 """
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +58,7 @@ class ControlRow:
     coordinator_rss_mib: float
     commits_per_s: float
     plans_computed: int         # from the first join to the end of the window
+    declared_dead: int          # agents the coordinator declared dead, from the first join to the end of the window
     heartbeats_per_s: float
     completion_p50_ms: float
     completion_p99_ms: float
@@ -63,6 +67,7 @@ class ControlRow:
     snapshot_api_p50_ms: float  # GET /admin/api/snapshot
     snapshot_api_p99_ms: float
     snapshot_bytes: int         # the largest snapshot of the API_REQUESTS
+    api_errors: int             # API requests that failed (each kind: API_REQUESTS)
     load_cores: float           # the simulated agents' processes, over the window
 
 
@@ -107,28 +112,42 @@ class LoadProcess:
         return found[-1] if found else None
 
     def stop(self) -> dict | None:
-        self.process.terminate()
+        """Ends the process (if it still runs) and returns its last report."""
+        if self.process.poll() is None:
+            self.process.terminate()
         self.process.wait(timeout=60)
         self._reader.join(timeout=10)
         return self.latest("stopped")
 
+    def __enter__(self) -> LoadProcess:
+        return self
 
-def timed(call) -> tuple[float, httpx.Response]:  # noqa: ANN001
-    """How long call() took, in ms, and its response."""
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def timed(call) -> tuple[float, httpx.Response | None]:  # noqa: ANN001
+    """How long call() took, in ms, and its response (None: it failed, and the log says why)."""
     started = time.perf_counter()
-    response = call()
+    try:
+        response = call().raise_for_status()
+    except httpx.HTTPError as e:
+        log.warning("API request failed: %s", e)
+        response = None
     return (time.perf_counter() - started) * 1e3, response
 
 
 def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, join_timeout_s: float,
-             churn_per_min: float, mtls: bool, log_dir: str, capable: bool = False) -> ControlRow:
+             churn_per_min: float, mtls: bool, log_dir: str | None, capable: bool = False) -> ControlRow:
     mesh = LocalMesh(model_dir, num_agents=1, insecure=not mtls, log_dir=log_dir, keep_logs=False)
-    with mesh, tempfile.TemporaryDirectory() as tmp:
+    # the simulated agents' processes end with the run however it ends (a run that failed left thousands running)
+    with mesh, tempfile.TemporaryDirectory() as tmp, ExitStack() as running:
         pid = mesh.coordinator.pid
         args = ["--churn-per-min", str(churn_per_min), "--join-timeout", str(join_timeout_s), "--report-every", "1"]
         if capable:     # RAM for a stage of the demo model, but too slow to be worth moving a stage to
             args += ["--ram-mib", "8192", "--gflops", "1"]
         plans_before = counter(mesh, "stratamesh:plans_computed_total")
+        deaths_before = counter(mesh, "stratamesh:agents_declared_dead_total")
         if mtls:
             pki_dir = f"{mesh.registry_path()}.pki"
             started = time.monotonic()
@@ -139,7 +158,7 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
         # a join storm, and the coordinator rightly declares its agents dead
         processes = processes or -(-num_agents // AGENTS_PER_PROCESS)
         share = -(-num_agents // processes)
-        loads = [LoadProcess(mesh, first, min(share, num_agents - first), args)
+        loads = [running.enter_context(LoadProcess(mesh, first, min(share, num_agents - first), args))
                  for first in range(0, num_agents, share)]
         deadline = time.monotonic() + join_timeout_s + 60
         while any(p.latest("joined") is None for p in loads) and time.monotonic() < deadline:
@@ -157,25 +176,27 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
                  sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
         rss = process_rss_mib(pid)
         plans = int(counter(mesh, "stratamesh:plans_computed_total") - plans_before)
+        deaths = int(counter(mesh, "stratamesh:agents_declared_dead_total") - deaths_before)
         # then the API under that load, one request after the other
         completions, pages, snapshots = [], [], []
         body = {"model": Path(model_dir).name, "prompt": "The mesh", "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
         with httpx.Client(timeout=60, headers=mesh.headers) as client:
             for _ in range(API_REQUESTS):
-                completions.append(timed(lambda: client.post(f"{mesh.url}/v1/completions", json=body)
-                                         .raise_for_status()))
-                pages.append(timed(lambda: client.get(f"{mesh.url}/admin/api/agents").raise_for_status()))
-                snapshots.append(timed(lambda: client.get(f"{mesh.url}/admin/api/snapshot").raise_for_status()))
-        for load in loads:
-            load.stop()
+                completions.append(timed(lambda: client.post(f"{mesh.url}/v1/completions", json=body)))
+                pages.append(timed(lambda: client.get(f"{mesh.url}/admin/api/agents")))
+                snapshots.append(timed(lambda: client.get(f"{mesh.url}/admin/api/snapshot")))
     elapsed = after[0] - before[0]
-    completion_ms, page_ms, snapshot_ms = ([ms for ms, _ in calls] for calls in (completions, pages, snapshots))
+    # latencies of the requests that succeeded (nan where none did)
+    completion_ms, page_ms, snapshot_ms = ([ms for ms, r in calls if r is not None] or [math.nan]
+                                           for calls in (completions, pages, snapshots))
+    errors = sum(r is None for calls in (completions, pages, snapshots) for _, r in calls)
     return ControlRow(num_agents, welcomed, join_s, join_p50, (after[1] - before[1]) / elapsed, rss,
-                      (after[2] - before[2]) / elapsed, plans, (after[3] - before[3]) / elapsed,
+                      (after[2] - before[2]) / elapsed, plans, deaths, (after[3] - before[3]) / elapsed,
                       percentile(completion_ms, 50), percentile(completion_ms, 99), percentile(page_ms, 50),
                       percentile(page_ms, 99), percentile(snapshot_ms, 50), percentile(snapshot_ms, 99),
-                      max(len(r.content) for _, r in snapshots), (after[4] - before[4]) / elapsed)
+                      max((len(r.content) for _, r in snapshots if r is not None), default=0), errors,
+                      (after[4] - before[4]) / elapsed)
 
 
 def per_heartbeat_us(row: ControlRow) -> float:
@@ -189,15 +210,16 @@ def report(rows: list[ControlRow], mtls: bool, window_s: float, capable: bool) -
     print(f"\nsimulated agents ({boxes}) against one coordinator ({'mTLS' if mtls else 'insecure'}), one real "
           f"agent serving the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
     print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
-          "plans computed | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | agents page p50/p99 ms | "
-          "UI snapshot p50/p99 ms | UI snapshot KiB | load client cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "plans computed | declared dead | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | "
+          "agents page p50/p99 ms | UI snapshot p50/p99 ms | UI snapshot KiB | API errors | load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
               f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | {r.plans_computed} | "
+              f"{r.declared_dead:,} | "
               f"{r.heartbeats_per_s:.0f} | {per_heartbeat_us(r):.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
               f"{r.page_api_p50_ms:.0f} / {r.page_api_p99_ms:.0f} | "
-              f"{r.snapshot_api_p50_ms:.0f} / {r.snapshot_api_p99_ms:.0f} | {r.snapshot_bytes / 1024:.1f} | "
+              f"{r.snapshot_api_p50_ms:.0f} / {r.snapshot_api_p99_ms:.0f} | {r.snapshot_bytes / 1024:.1f} | {r.api_errors} | "
               f"{r.load_cores:.2f} |")
 
 
@@ -208,7 +230,7 @@ def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s:
     rows = []
     for size in sizes:
         rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
-                             log_dir or None, capable))
+                             f"{log_dir}/{size}-agents" if log_dir else None, capable))   # a mesh of its own
         log.warning("%d simulated agents: done", size)
     report(rows, mtls, window_s, capable)
     return rows

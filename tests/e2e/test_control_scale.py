@@ -69,6 +69,7 @@ def test_hundreds_of_boxes_join_while_streams_run_and_a_dead_one_is_found_within
         mesh.start()
         reference = asyncio.run(run_streams(mesh.url, MODEL, jobs, headers=mesh.headers))
         plans_before = metric(mesh, "stratamesh:plans_computed_total")
+        deaths_before = metric(mesh, "stratamesh:agents_declared_dead_total")
         joined: dict[str, bool] = {}
         release = asyncio.Event()
 
@@ -114,6 +115,7 @@ def test_hundreds_of_boxes_join_while_streams_run_and_a_dead_one_is_found_within
         # within the lease, plus the time the coordinator could not check it (given back to every lease) and one
         # check's period
         assert 0 < found_dead_s <= lease_s + stalled + LIVENESS_CHECK_S + 0.05
+        assert metric(mesh, "stratamesh:agents_declared_dead_total") - deaths_before == 1    # the joins cost no death
         assert metric(mesh, "stratamesh:plans_computed_total") - plans_before <= MAX_PLANS_FOR_THE_JOINS
     finally:
         for load in loads:
