@@ -124,6 +124,7 @@ class Plans:
         return {a: caps for a, caps in self.plannable().items() if caps.usable_mem_bytes >= need}
 
     def _capable_ids(self, model_id: str) -> frozenset[str]:
+        """The ids of _capable: what a plan was made or refused with (a read of every agent)."""
         return frozenset(self._capable(model_id))
 
     def could_hold_a_stage(self, capabilities: Capabilities) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.roster import AgentLink
@@ -26,6 +27,25 @@ class FakeMeasure:
                 else LinkMeasurement(p.agent_id, 1e-3, 1e8) for p in peers]
 
 
+@dataclass
+class Probing:
+    """A deployer over an in-memory registry, the origin's prober of it (every 300 s, FakeMeasure), and their clock."""
+
+    registry: Registry
+    deployer: Deployer
+    measure: FakeMeasure
+    prober: OriginLinkProber
+    now: list[float]
+
+
+def origin_probing(failing: Sequence[str] = (), deployer_type: type[Deployer] = Deployer) -> Probing:
+    registry, now = Registry(":memory:"), [100.0]
+    deployer = deployer_type(registry, clock=lambda: now[0])
+    measure = FakeMeasure(failing)
+    return Probing(registry, deployer, measure, OriginLinkProber(deployer, clock=lambda: now[0], every_s=300,
+                                                                 measure=measure), now)
+
+
 def test_due_peers_are_the_new_ones_and_those_probed_a_period_ago() -> None:
     a, b, b_moved = Peer("a", "h:1"), Peer("b", "h:2"), Peer("b", "h:3")
     probed_at = {a: 100.0, b: 50.0}
@@ -36,10 +56,8 @@ def test_due_peers_are_the_new_ones_and_those_probed_a_period_ago() -> None:
 
 
 async def test_the_origin_measures_each_agent_on_connect_and_again_when_due() -> None:
-    registry, now = Registry(":memory:"), [100.0]
-    deployer = Deployer(registry, clock=lambda: now[0])
-    measure = FakeMeasure(failing=["a2"])
-    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    p = origin_probing(failing=["a2"])
+    registry, deployer, measure, prober, now = p.registry, p.deployer, p.measure, p.prober, p.now
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     assert await prober.probe_due() == [] and measure.asked == []
     connect_all(deployer, [a1, a2])
@@ -56,10 +74,8 @@ async def test_the_origin_measures_each_agent_on_connect_and_again_when_due() ->
 
 
 async def test_an_agent_that_reconnects_is_measured_again_at_once() -> None:
-    now = [100.0]
-    deployer = Deployer(Registry(":memory:"), clock=lambda: now[0])
-    measure = FakeMeasure()
-    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    p = origin_probing()
+    deployer, measure, prober, now = p.deployer, p.measure, p.prober, p.now
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     connect_all(deployer, [a1, a2])
     await prober.probe_due()
@@ -82,10 +98,9 @@ class CountingDeployer(Deployer):
 
 
 async def test_the_origin_lists_the_agents_again_only_when_one_came_or_went() -> None:
-    now = [100.0]
-    deployer = CountingDeployer(Registry(":memory:"), clock=lambda: now[0])
-    measure = FakeMeasure()
-    prober = OriginLinkProber(deployer, clock=lambda: now[0], every_s=300, measure=measure)
+    p = origin_probing(deployer_type=CountingDeployer)
+    deployer, measure, prober, now = p.deployer, p.measure, p.prober, p.now
+    assert isinstance(deployer, CountingDeployer)
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     connect_all(deployer, [a1])
     for _ in range(3):          # a second apart, as it runs: one agent, listed once
