@@ -69,7 +69,8 @@ class _Call:
 
 
 Inbound = SessionOpen | StepChunk | StepChunks | StepBatch | SessionClose | SessionHold | _Poison | _Call
-Arrival = tuple[Inbound, int]   # a message and when it arrived (Unix ns)
+# a message, when it arrived (Unix ns), and the assignment it is for ("": the stage its session is open on here)
+Arrival = tuple[Inbound, int, str]
 
 
 class StageService(pb_grpc.StageServicer):
@@ -138,7 +139,7 @@ class StageService(pb_grpc.StageServicer):
     async def _take(self, messages: AsyncIterator[pb.StageMessage], transport: str, peer: str) -> int:
         """Puts each message from a previous hop in the inbox, in order; returns how many came."""
         num_messages = 0
-        opened: set[str] = set()    # sessions whose messages come over this stream
+        opened: dict[str, str] = {}     # session -> its assignment here, of the sessions opened over this stream
         received = self.observer.receiving(peer, transport)
         try:
             async for message in messages:
@@ -150,15 +151,15 @@ class StageService(pb_grpc.StageServicer):
                     self._reject(message, exc)
                     continue
                 if isinstance(inbound, SessionOpen):
-                    opened.add(inbound.session_id)
+                    opened[inbound.session_id] = inbound.assignment_id
                 elif isinstance(inbound, SessionClose):
-                    opened.discard(inbound.session_id)
-                self._inbox.put_nowait((inbound, time.time_ns()))
+                    opened.pop(inbound.session_id, None)
+                self._inbox.put_nowait((inbound, time.time_ns(), message.to))
         finally:
             # The previous hop is gone (or done): nothing more can arrive for its sessions, so they end here
             # and downstream instead of holding KV blocks until this agent stops.
-            for session_id in opened:
-                self._inbox.put_nowait((SessionClose(session_id), 0))
+            for session_id, assignment_id in opened.items():
+                self._inbox.put_nowait((SessionClose(session_id), 0, assignment_id))
         return num_messages
 
     async def Info(self, request: pb.StageInfoRequest, context: grpc.aio.ServicerContext) -> pb.StageInfo:
@@ -209,7 +210,7 @@ class StageService(pb_grpc.StageServicer):
         """Runs fn on the worker between steps, where the engines may change (once ready() holds there, if given),
         and returns what it did."""
         call = _Call(fn, ready)
-        self._inbox.put_nowait((call, 0))
+        self._inbox.put_nowait((call, 0, ""))
         return await call.done
 
     def _unpark(self, engine: StageEngine, session_id: str) -> None:
@@ -217,7 +218,7 @@ class StageService(pb_grpc.StageServicer):
             if engine.unpark(session_id):
                 log.info("imported session %s was never resumed: freed", session_id)
 
-        self._inbox.put_nowait((_Call(free), 0))
+        self._inbox.put_nowait((_Call(free), 0, ""))
 
     # ------------------------------------------------------------ worker
     async def _work(self) -> None:
@@ -236,7 +237,7 @@ class StageService(pb_grpc.StageServicer):
     def _drain(self) -> None:
         waiting, self._waiting = self._waiting, []
         for call in waiting:        # calls that waited for a step: the one just run may have readied them
-            self._apply(call, 0)
+            self._apply(call, 0, "")
         while not self._inbox.empty():
             self._apply(*self._inbox.get_nowait())
 
@@ -256,7 +257,7 @@ class StageService(pb_grpc.StageServicer):
                 return
             self._drain()
 
-    def _apply(self, message: Inbound, arrived_ns: int) -> None:
+    def _apply(self, message: Inbound, arrived_ns: int, to: str) -> None:
         if isinstance(message, _Call):
             if message.ready is not None and not message.done.cancelled() and not message.ready():
                 self._waiting.append(message)
@@ -273,57 +274,58 @@ class StageService(pb_grpc.StageServicer):
                         log.debug("session %s opened on %s (%d prompt tokens)", message.session_id,
                                   message.assignment_id, len(message.prompt_token_ids))
                 case StepChunk():
-                    self._add_chunk(message, arrived_ns)
+                    self._add_chunk(message, arrived_ns, to)
                 case StepChunks():
-                    self._add_chunks(message, arrived_ns)
+                    self._add_chunks(message, arrived_ns, to)
                 case StepBatch():
-                    self._add_batch(message, arrived_ns)
+                    self._add_batch(message, arrived_ns, to)
                 case SessionClose():
-                    engine = self._host.engine_of(message.session_id)
+                    engine = self._host.engine_of(message.session_id, to)
                     if engine is not None:
                         engine.close(message.session_id, outbox)
                 case SessionHold():
-                    engine = self._host.engine_of(message.session_id)
+                    engine = self._host.engine_of(message.session_id, to)
                     if engine is not None:
                         engine.hold(message.session_id, outbox)
                 case _Poison():
-                    self._fail(message.session_id, message.exc, outbox, message.unreachable)
+                    self._fail(message.session_id, message.exc, outbox, message.unreachable, to)
         except MeshError as exc:
-            if isinstance(message, SessionOpen) and self._host.engine_of(message.session_id) is None:
+            if isinstance(message, SessionOpen) and self._host.engine_of(message.session_id,
+                                                                         message.assignment_id) is None:
                 self._refuse_open(message, exc, outbox)
             else:
-                self._fail(_session_of(message), exc, outbox)
+                self._fail(_session_of(message), exc, outbox, to=to)
         self._send(outbox)
 
-    def _add_chunk(self, chunk: StepChunk, arrived_ns: int) -> None:
-        engine = self._engine_of(chunk.session_id)
+    def _add_chunk(self, chunk: StepChunk, arrived_ns: int, to: str) -> None:
+        engine = self._engine_of(chunk.session_id, to)
         engine.add(chunk, None, arrived_ns)
         self.observer.arrived(engine, chunk, arrived_ns, chunk.sent_unix_ns)
 
-    def _add_chunks(self, message: StepChunks, arrived_ns: int) -> None:
+    def _add_chunks(self, message: StepChunks, arrived_ns: int, to: str) -> None:
         """Each chunk on its own: a bad one fails its session, not the others."""
         for chunk in message.chunks:
             try:
-                self._add_chunk(chunk, arrived_ns)
+                self._add_chunk(chunk, arrived_ns, to)
             except MeshError as exc:
                 outbox = Outbox()
-                self._fail(chunk.session_id, exc, outbox)
+                self._fail(chunk.session_id, exc, outbox, to=to)
                 self._send(outbox)
 
-    def _add_batch(self, batch: StepBatch, arrived_ns: int) -> None:
+    def _add_batch(self, batch: StepBatch, arrived_ns: int, to: str) -> None:
         try:
             hidden, row = codec.decode(batch.hidden), 0   # [sum of chunk lengths, hidden]
         except MeshError as exc:
             outbox = Outbox()
             for chunk in batch.chunks:
-                self._fail(chunk.session_id, exc, outbox)
+                self._fail(chunk.session_id, exc, outbox, to=to)
             self._send(outbox)
             return
         for chunk in batch.chunks:
             rows = hidden[row:row + len(chunk.token_ids)]
             row += len(chunk.token_ids)
             try:
-                engine = self._engine_of(chunk.session_id)
+                engine = self._engine_of(chunk.session_id, to)
                 if rows.shape[1] != engine.runner.model.config.hidden_size:
                     raise InvalidInput(f"batch.hidden has {rows.shape[1]} columns, expected "
                                        f"{engine.runner.model.config.hidden_size}")
@@ -331,11 +333,11 @@ class StageService(pb_grpc.StageServicer):
                 self.observer.arrived(engine, chunk, arrived_ns, batch.sent_unix_ns)
             except MeshError as exc:
                 outbox = Outbox()
-                self._fail(chunk.session_id, exc, outbox)
+                self._fail(chunk.session_id, exc, outbox, to=to)
                 self._send(outbox)
 
-    def _engine_of(self, session_id: str) -> StageEngine:
-        engine = self._host.engine_of(session_id)
+    def _engine_of(self, session_id: str, to: str) -> StageEngine:
+        engine = self._host.engine_of(session_id, to)
         if engine is None:
             raise InvalidInput(f"session_id {session_id!r} is not open here")
         return engine
@@ -379,15 +381,16 @@ class StageService(pb_grpc.StageServicer):
     # ------------------------------------------------------------ sending
     def _send(self, outbox: Outbox, sent_ns: int = 0) -> None:
         """Sends what a step or message produced; sent_ns stamps a step's results with when it finished."""
-        for address, message in outbox.stage_messages:
+        for hop, message in outbox.stage_messages:
             if sent_ns and isinstance(message, StepBatch):
                 message = replace(message, sent_unix_ns=sent_ns)
-            if address == self.address:     # the next step of a pipeline whose first stage is here too
-                self._inbox.put_nowait((message, time.time_ns()))
+            if hop.address == self.address:     # a stage here too: the first of a pipeline fed here, or the next
+                self._inbox.put_nowait((message, time.time_ns(), hop.assignment_id))
                 continue
             coded = "" if not isinstance(message, StepBatch) else (
                 message.hidden.dtype if message.hidden.codec == "raw" else message.hidden.codec)
-            self._send_to(self._next_stages, address, convert.stage_message_to_pb(message), coded)
+            self._send_to(self._next_stages, hop.address, convert.stage_message_to_pb(message, hop.assignment_id),
+                          coded)
         by_origin: dict[str, list[TokenEvent]] = {}
         for origin, event in outbox.events:
             by_origin.setdefault(origin, []).append(replace(event, sent_unix_ns=sent_ns) if sent_ns else event)
@@ -405,9 +408,10 @@ class StageService(pb_grpc.StageServicer):
         self.observer.sent(address, message.ByteSize(), codec, stream.transport)
 
     # ------------------------------------------------------------ failures
-    def _fail(self, session_id: str, exc: BaseException, outbox: Outbox, unreachable: str = "") -> None:
-        """Ends the session here and downstream, and tells its origin why (and which hop was lost, if one was)."""
-        engine = self._host.engine_of(session_id) if session_id else None
+    def _fail(self, session_id: str, exc: BaseException, outbox: Outbox, unreachable: str = "", to: str = "") -> None:
+        """Ends the session here (on the stage of assignment to, if given) and downstream, and tells its origin why
+        (and which hop was lost, if one was)."""
+        engine = self._host.engine_of(session_id, to) if session_id else None
         message = engine.close(session_id, outbox) if engine is not None else None
         if message is None:   # it ended here (closed, or preempted) while a step of it was on its way
             log.debug("dropped a message for unknown session %s: %s", session_id, exc)
@@ -430,13 +434,14 @@ class StageService(pb_grpc.StageServicer):
         for session_id, message in self._open_sessions():
             next_hop = message.route[0] if message.route else message.feed
             if next_hop is not None and next_hop.address == stream.address:
-                self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0))
+                self._inbox.put_nowait((_Poison(session_id, StageFailed(str(exc)), stream.address), 0,
+                                        message.assignment_id))
 
     def _origin_broken(self, stream: OutboundStream, exc: BaseException | None) -> None:
         """Ends every session whose origin can no longer be reached: nobody would take its tokens."""
         for session_id, message in self._open_sessions():
             if message.origin == stream.address:
-                self._inbox.put_nowait((SessionClose(session_id), 0))
+                self._inbox.put_nowait((SessionClose(session_id), 0, message.assignment_id))
 
     def _open_sessions(self) -> list[tuple[str, SessionOpen]]:
         """(session id, its open message) of every session open on any stage here."""
@@ -448,9 +453,9 @@ class StageService(pb_grpc.StageServicer):
             session_ids = [c.session_id for c in getattr(message, kind).chunks]
         else:
             session_ids = [getattr(message, kind).session_id] if kind else []
-        known = [s for s in session_ids if s and self._host.engine_of(s) is not None]
+        known = [s for s in session_ids if s and self._host.engine_of(s, message.to) is not None]
         for session_id in known:
-            self._inbox.put_nowait((_Poison(session_id, exc), 0))
+            self._inbox.put_nowait((_Poison(session_id, exc), 0, message.to))
         if not known:
             log.info("rejected a stage message: %s", exc)
 

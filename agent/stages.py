@@ -122,8 +122,12 @@ class StageHost:
             raise InvalidInput(f"assignment_id {assignment_id!r} is not served here")
         return engine
 
-    def engine_of(self, session_id: str) -> StageEngine | None:
-        """The engine a session is open on, if any."""
+    def engine_of(self, session_id: str, assignment_id: str = "") -> StageEngine | None:
+        """The engine a session is open on, if any: that of the assignment named, when it is served here (an agent
+        may serve two stages of one pipeline, on two of its GPUs, and both hold the session), else any."""
+        named = self.engines.get(assignment_id)
+        if named is not None:
+            return named if session_id in named.sessions else None
         for engine in self.engines.values():
             if session_id in engine.sessions:
                 return engine

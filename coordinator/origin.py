@@ -223,14 +223,14 @@ class _Request:
             origin.stats.num_replayed_tokens += len(token_ids) - 1 - cached
         return cached
 
-    def _send_prefill(self, stream: OutboundStream, session_id: str, token_ids: list[int], start: int,
+    def _send_prefill(self, stream: OutboundStream, first: Hop, session_id: str, token_ids: list[int], start: int,
                       trace_id: str) -> int:
         step = 0
         for begin in range(start, len(token_ids), self._chunk):
             piece = tuple(token_ids[begin:begin + self._chunk])
             last = begin + self._chunk >= len(token_ids)
             stream.send(convert.stage_message_to_pb(
-                StepChunk(session_id, step, begin, piece, last, trace_id, time.time_ns())))
+                StepChunk(session_id, step, begin, piece, last, trace_id, time.time_ns()), first.assignment_id))
             step += 1
         return step
 
@@ -342,7 +342,7 @@ class Generation(_Request):
         with self._origin.session(session_id, route, trace_id, self._span_id) as (live, stream):
             cached = await self._open(live, stream, session_id, route, block_size, token_ids, first, resume_from,
                                       decode)
-            self._send_prefill(stream, session_id, token_ids, cached, trace_id)
+            self._send_prefill(stream, route[0], session_id, token_ids, cached, trace_id)
             if hand_off_to:
                 hand_off = _HandOff(asyncio.create_task(
                     move_kv(session_id, route, hand_off_to, wait_for_prefill=True)), tuple(hand_off_to))
@@ -402,7 +402,7 @@ class Embedding(_Request):
         # not movable: a drain need not move it, it ends as soon as its prompt is through
         with self._origin.session(session_id, route, trace_id, self._span_id, movable=False) as (live, stream):
             cached = await self._open(live, stream, session_id, route, block_size, self._prompt, first)
-            self._send_prefill(stream, session_id, self._prompt, cached, trace_id)
+            self._send_prefill(stream, route[0], session_id, self._prompt, cached, trace_id)
             event = await self._origin.next_event(live, session_id)
         if not event.embedding:
             raise StageFailed(f"the last stage answered session {session_id} with a token, not an embedding")
@@ -509,7 +509,7 @@ class Origin:
         finally:
             del self._sessions[session_id]
             if stream.alive and not live.moved:
-                stream.send(convert.stage_message_to_pb(SessionClose(session_id)))
+                stream.send(convert.stage_message_to_pb(SessionClose(session_id), route[0].assignment_id))
 
     async def next_event(self, live: _Live, session_id: str, opened: bool = False) -> TokenEvent:
         """The session's next token (or, with opened, its open answer); raises on errors."""
@@ -555,7 +555,8 @@ class Origin:
             if live.movable and live.runs_through(address) and not live.leaving:
                 live.leaving = address
                 if live.stream is not None and live.stream.alive:
-                    live.stream.send(convert.stage_message_to_pb(SessionHold(session_id)))
+                    live.stream.send(convert.stage_message_to_pb(SessionHold(session_id),
+                                                                 live.route[0].assignment_id))
                 asked += 1
         return asked
 

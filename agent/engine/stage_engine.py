@@ -45,7 +45,8 @@ class EngineConfig:
 class Outbox:
     """What a step or a message asks the data plane to send, in order."""
 
-    stage_messages: list[tuple[str, StepBatch | StepChunks | SessionOpen | SessionClose | SessionHold]] = field(
+    # each to the stage its hop names: the address it listens on and the assignment it serves there
+    stage_messages: list[tuple[Hop, StepBatch | StepChunks | SessionOpen | SessionClose | SessionHold]] = field(
         default_factory=list)
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
@@ -126,7 +127,7 @@ class StageEngine:
         if self.is_first:
             self.scheduler.pipeline_depth = len(message.route) + 1
         if message.route:
-            outbox.stage_messages.append((message.route[0].address, message.forwarded(cached)))
+            outbox.stage_messages.append((message.route[0], message.forwarded(cached)))
         else:
             event = TokenEvent(message.session_id, -1, opened=True,
                                cached_tokens=min(cached, message.max_cached_tokens))
@@ -154,7 +155,7 @@ class StageEngine:
         self._left_ns.pop(session_id, None)
         self.scheduler.close(session_id)
         if message.route:
-            outbox.stage_messages.append((message.route[0].address, SessionClose(session_id)))
+            outbox.stage_messages.append((message.route[0], SessionClose(session_id)))
         return message
 
     def hold(self, session_id: str, outbox: Outbox) -> None:
@@ -163,7 +164,7 @@ class StageEngine:
         if message is None:
             return                      # it ended already: nothing to hold
         if message.route:
-            outbox.stage_messages.append((message.route[0].address, SessionHold(session_id)))
+            outbox.stage_messages.append((message.route[0], SessionHold(session_id)))
         elif session_id in self.loops:
             self.loops[session_id].held = True
 
@@ -290,7 +291,7 @@ class StageEngine:
     def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         """Each sampled token to its origin and, while its decode loop goes on, as the next step to the first stage
         (one message per first stage)."""
-        feeds: dict[str, list[StepChunk]] = {}
+        feeds: dict[Hop, list[StepChunk]] = {}
         sent_ns = time.time_ns()
         for chunk in batch.chunks:
             if not chunk.sample:
@@ -299,15 +300,15 @@ class StageEngine:
             loop = self.loops.get(chunk.session_id)
             if loop is not None and loop.sampled(event.token_id):
                 position = chunk.start_pos + chunk.num_tokens          # of the token just sampled
-                feeds.setdefault(loop.feed.address, []).append(StepChunk(
+                feeds.setdefault(loop.feed, []).append(StepChunk(
                     chunk.session_id, chunk.item.step + 1, position, (event.token_id,), True, chunk.item.trace_id,
                     sent_ns))
             elif loop is not None:                                      # over: its last token, or held
                 event = replace(event, held=loop.held)
                 del self.loops[chunk.session_id]
             outbox.events.append((self.sessions[chunk.session_id].origin, event))
-        for address, chunks in feeds.items():
-            outbox.stage_messages.append((address, StepChunks(tuple(chunks))))
+        for feed, chunks in feeds.items():
+            outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
 
     def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         """The step's hidden rows to each session's next stage, one message per next stage, in the hop's codec: raw in
@@ -328,7 +329,7 @@ class StageEngine:
                                          else wire_dtype(self.assignment.stage.dtype, hop.dtype)]
             hidden = codec.encode(hidden if hidden.dtype == travels else hidden.to(travels),
                                   "int8" if hop.codec == "int8" else "raw")
-            outbox.stage_messages.append((hop.address, StepBatch(tuple(chunks), hidden)))
+            outbox.stage_messages.append((hop, StepBatch(tuple(chunks), hidden)))
 
 
 def _event(chunk: ScheduledChunk, output: StepOutput) -> TokenEvent:

@@ -150,7 +150,15 @@ def tensor_from_pb(msg: pb.Tensor) -> TensorBlob:
     return TensorBlob(msg.dtype, tuple(msg.shape), msg.data, msg.codec or "raw", scales)
 
 
-def stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
+def stage_message_to_pb(message: StageMessage, to: str = "") -> pb.StageMessage:
+    """The wire form of a data-plane message; to: the assignment it is for ("": its session's stage there)."""
+    msg = _stage_message_to_pb(message)
+    if to:
+        msg.to = to
+    return msg
+
+
+def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
     match message:
         case SessionOpen():
             return pb.StageMessage(open=pb.SessionOpen(

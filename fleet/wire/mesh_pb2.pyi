@@ -582,20 +582,22 @@ class SessionHold(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class StageMessage(_message.Message):
-    __slots__ = ("open", "chunk", "close", "batch", "chunks", "hold")
+    __slots__ = ("open", "chunk", "close", "batch", "chunks", "hold", "to")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: StepChunk
     close: SessionClose
     batch: StepBatch
     chunks: StepChunks
     hold: SessionHold
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ..., chunks: _Optional[_Union[StepChunks, _Mapping]] = ..., hold: _Optional[_Union[SessionHold, _Mapping]] = ...) -> None: ...
+    to: str
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ..., chunks: _Optional[_Union[StepChunks, _Mapping]] = ..., hold: _Optional[_Union[SessionHold, _Mapping]] = ..., to: _Optional[str] = ...) -> None: ...
 
 class PushSummary(_message.Message):
     __slots__ = ("num_messages",)

@@ -89,8 +89,8 @@ async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
         host.close()
 
 
-def send(stream: OutboundStream, message) -> None:
-    stream.send(convert.stage_message_to_pb(message))
+def send(stream: OutboundStream, message, to: str = "") -> None:
+    stream.send(convert.stage_message_to_pb(message, to))
 
 
 async def open_session(stream, origin, address, session_id: str, prompt: list[int], cache: bool = True) -> int:

@@ -8,7 +8,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from stratamesh.fleet.types import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.types import (Assignment, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StageSpec,
+                                    StepChunk)
 from tests.agent.test_dataplane import greedy_reference, send, serving
 
 
@@ -31,7 +32,7 @@ def start(stream, session_id: str, first: Hop, origin_address: str, prompt: list
     send(stream, SessionOpen(session_id, first.assignment_id, route, origin_address, SamplingParams(),
                              prompt_token_ids=tuple(prompt), feed=first, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids))
-    send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True))
+    send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True), to=first.assignment_id)
 
 
 async def tokens_of(origin, session_id: str, count: int) -> list:
@@ -125,3 +126,29 @@ async def test_two_stages_form_a_ring_the_last_feeding_the_first(tiny_model) -> 
         for (session_id, prompt), events in zip(prompts.items(), results, strict=True):
             assert [e.token_id for e in events] == greedy_reference(whole, prompt, 12), session_id
         await eventually(lambda: not last_host.engine("a1").loops)
+
+
+@pytest.mark.parametrize("load_order", [("a0", "a1"), ("a1", "a0")], ids=["first-loaded-first", "last-loaded-first"])
+async def test_two_stages_of_one_pipeline_on_one_agent_each_get_their_own_steps(tiny_model, load_order) -> None:
+    """An agent may serve two stages of one pipeline (on two of its GPUs): both hold each session, so every step
+    names the assignment it is for, whichever stage the agent loaded first."""
+    whole = tiny_spec(tiny_model, 0, 2)
+    specs = {"a0": tiny_spec(tiny_model, 0, 1), "a1": tiny_spec(tiny_model, 1, 2)}
+    first_id, second_id = load_order
+    async with serving(specs[first_id], first_id, "two-gpus") as (host, _, origin, address, stream):
+        await host.load(Assignment(second_id, specs[second_id]))
+        assert list(host.engines) == list(load_order)
+        prompts = {"g1": [5, 17, 42, 99, 7], "g2": list(range(30, 44))}
+        for session_id, prompt in prompts.items():
+            start(stream, session_id, Hop(address, "a0"), address, prompt, route=(Hop(address, "a1", "float32"),),
+                  max_new_tokens=10)
+        results = await asyncio.gather(*(tokens_of(origin, s, 10) for s in prompts))
+        for (session_id, prompt), events in zip(prompts.items(), results, strict=True):
+            assert [e.token_id for e in events] == greedy_reference(whole, prompt, 10), session_id
+        # each stage computed its own layers of every token: the prompt and 9 fed tokens (the 10th ends the loop)
+        for assignment_id in ("a0", "a1"):
+            sessions = host.engine(assignment_id).scheduler.sessions
+            assert {s: sessions[s].num_computed for s in prompts} == {s: len(p) + 9 for s, p in prompts.items()}
+        for session_id in prompts:
+            send(stream, SessionClose(session_id), to="a0")
+        await eventually(lambda: host.num_sessions == 0)

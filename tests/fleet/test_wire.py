@@ -60,6 +60,8 @@ STAGE_MESSAGES = [
 def test_stage_messages_round_trip(message) -> None:
     wire = convert.stage_message_to_pb(message).SerializeToString()
     assert convert.stage_message_from_pb(pb.StageMessage.FromString(wire)) == message
+    addressed = pb.StageMessage.FromString(convert.stage_message_to_pb(message, "a7").SerializeToString())
+    assert addressed.to == "a7" and convert.stage_message_from_pb(addressed) == message
 
 
 def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_know() -> None:
