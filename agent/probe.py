@@ -6,8 +6,8 @@ import logging
 import os
 import platform
 import socket
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
@@ -49,8 +49,43 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> str:
         return ""
 
 
-def read_nvml(nvml: Any = None) -> list[RawGpu]:
-    """Every NVIDIA GPU through nvml (default: pynvml); [] where there is no driver or NVML fails."""
+def read_nvml(nvml: Any = None, environ: Mapping[str, str] = os.environ) -> list[RawGpu]:
+    """The NVIDIA GPUs this process may use, through nvml (default: pynvml), each with the index CUDA gives it here
+    (environ's CUDA_VISIBLE_DEVICES: see visible_gpus); [] where there is no driver or NVML fails."""
+    gpus = _read_every_nvml_gpu(nvml)
+    return visible_gpus(gpus, environ.get("CUDA_VISIBLE_DEVICES")) if gpus else gpus
+
+
+def visible_gpus(gpus: Sequence[RawGpu], cuda_visible_devices: str | None) -> list[RawGpu]:
+    """The GPUs of NVML's list (every GPU, in PCI bus order) that CUDA shows this process, indexed as CUDA and torch
+    index them: "cuda:0" is the first one CUDA_VISIBLE_DEVICES names. None: every GPU. Entries are NVML indices or
+    (prefixes of) UUIDs; as CUDA does, the list ends at the first entry that names no GPU, or one named already
+    ("-1" hides every GPU). A MIG instance is not a GPU NVML lists here: the list ends there too, with a warning.
+    (CUDA numbers GPUs in PCI bus order only with CUDA_DEVICE_ORDER=PCI_BUS_ID, which probe() sets.)"""
+    if cuda_visible_devices is None:
+        return list(gpus)
+
+    def named(entry: str) -> RawGpu | None:
+        if entry.lstrip("+-").isdigit():
+            index = int(entry)
+            return gpus[index] if 0 <= index < len(gpus) else None
+        matches = [g for g in gpus if _text(g.uuid).startswith(entry)]
+        if entry.startswith("MIG-"):
+            log.warning("CUDA_VISIBLE_DEVICES names MIG instance %s: the agent serves on whole GPUs only", entry)
+        return matches[0] if len(matches) == 1 and entry.startswith("GPU-") else None
+
+    out: list[RawGpu] = []
+    named_already: set[int] = set()     # NVML indices
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        gpu = named(entry) if entry else None
+        if gpu is None or gpu.index in named_already:
+            break
+        named_already.add(gpu.index)
+        out.append(replace(gpu, index=len(out)))
+    return out
+
+
+def _read_every_nvml_gpu(nvml: Any) -> list[RawGpu]:
     try:
         if nvml is None:
             import pynvml as nvml
@@ -154,17 +189,18 @@ def _before_ampere(gpu: GpuInfo) -> bool:
         return False
 
 
+def _text(value: str | bytes | None) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+
+
 def parse_gpu(raw: RawGpu) -> GpuInfo:
     """NVML's raw values in our units: str names, "major.minor", watts."""
-    def text(value: str | bytes | None) -> str:
-        return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
-
     def number(value: int | None, scale: float = 1.0) -> float | None:
         return None if value is None else value * scale
 
     cc = raw.compute_capability
     return GpuInfo(
-        raw.index, text(raw.name), raw.mem_total_bytes, raw.mem_free_bytes, text(raw.uuid),
+        raw.index, _text(raw.name), raw.mem_total_bytes, raw.mem_free_bytes, _text(raw.uuid),
         compute_capability=f"{cc[0]}.{cc[1]}" if cc else "",
         utilization_pct=number(raw.utilization_pct), temperature_c=number(raw.temperature_c),
         power_w=number(raw.power_mw, 1e-3), power_limit_w=number(raw.power_limit_mw, 1e-3))
@@ -224,7 +260,13 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     operator's choice for every stage here ("" lets the planner pick; InvalidInput where check_dtype refuses it);
     use_gpus=False: the agent serves on the CPU alone, and reports no GPU (`stratamesh agent --no-gpu`); runtime:
     the operator's choice of what computes every stage here (see check_runtime). An agent that may run ONNX Runtime
-    stages (runtime onnxruntime or auto) measures them too, in a cache of their own (ONNX_CACHE_NAME)."""
+    stages (runtime onnxruntime or auto) measures them too, in a cache of their own (ONNX_CACHE_NAME).
+
+    Sets CUDA_DEVICE_ORDER=PCI_BUS_ID in this process, unless set already, before CUDA starts: CUDA then numbers the
+    GPUs as NVML does, so that the index each GPU is reported with is the "cuda:N" a stage placed on it runs on."""
+    if os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID") != "PCI_BUS_ID":
+        log.warning("CUDA_DEVICE_ORDER=%s: CUDA may number this box's GPUs otherwise than NVML, and a stage placed "
+                    "on one GPU run on another", os.environ["CUDA_DEVICE_ORDER"])
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)

@@ -11,7 +11,7 @@ import pytest
 from stratamesh.agent import probe as probe_module
 from stratamesh.agent.probe import (
     RawGpu, backends_for, check_dtype, check_runtime, onnx_backend, parse_cpu_bf16, parse_cpu_model, parse_gpu, parse_meminfo,
-    probe, ranks_for, read_cpuinfo, read_nvml, read_onnx_providers,
+    probe, ranks_for, read_cpuinfo, read_nvml, read_onnx_providers, visible_gpus,
 )
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.types import GpuInfo
@@ -124,6 +124,36 @@ def test_read_nvml_reads_every_field_of_every_gpu() -> None:
         RawGpu(0, b"NVIDIA H100", 80 << 30, 79 << 30, b"GPU-a", (9, 0), 12, 45, 98_000, 700_000),
         RawGpu(1, "NVIDIA L4", 24 << 30, 23 << 30, "GPU-b", (8, 9), 0, 33, 16_000, 72_000)]
     assert nvml.shut_down
+
+
+def test_read_nvml_reports_the_gpus_cuda_shows_this_process_under_the_indices_cuda_gives_them() -> None:
+    nvml = FakeNvml([H100, L4])
+    assert [(g.index, g.uuid) for g in read_nvml(nvml, {"CUDA_VISIBLE_DEVICES": "1"})] == [(0, "GPU-b")]
+    assert [(g.index, g.uuid) for g in read_nvml(nvml, {"CUDA_VISIBLE_DEVICES": "1,0"})] == [(0, "GPU-b"),
+                                                                                           (1, b"GPU-a")]
+    assert read_nvml(nvml, {}) == read_nvml(nvml)
+
+
+RAW = [RawGpu(i, "NVIDIA H100", 80 << 30, 79 << 30, f"GPU-{u}") for i, u in enumerate(["8a1f-00", "8a2c-01",
+                                                                                        "b7e0-02", "b7e1-03"])]
+
+
+@pytest.mark.parametrize(("setting", "expected"), [
+    (None, ["8a1f-00", "8a2c-01", "b7e0-02", "b7e1-03"]),       # unset: every GPU, as NVML lists them
+    ("", []),                                                    # set and empty: none
+    ("2,3", ["b7e0-02", "b7e1-03"]),                             # cuda:0 is NVML's GPU 2
+    ("3, 1", ["b7e1-03", "8a2c-01"]),                            # in the order named, spaces allowed
+    ("GPU-b7e1-03,GPU-8a1f", ["b7e1-03", "8a1f-00"]),            # whole UUIDs, and unique prefixes
+    ("GPU-8a,2", []),                                            # a prefix of two GPUs names none: the list ends
+    ("1,7,2", ["8a2c-01"]),                                      # no GPU 7: the list ends there, as in CUDA
+    ("0,0,1", ["8a1f-00"]),                                      # named twice: ends there
+    ("-1", []),                                                  # the usual way to hide every GPU
+    ("MIG-5f1e,0", []),                                          # a MIG instance is not a whole GPU
+])
+def test_visible_gpus_follows_cuda_visible_devices(setting: str | None, expected: list[str]) -> None:
+    visible = visible_gpus(RAW, setting)
+    assert [g.uuid.removeprefix("GPU-") for g in visible] == expected
+    assert [g.index for g in visible] == list(range(len(expected)))       # torch's cuda:N, not NVML's
 
 
 @pytest.mark.parametrize("failing", [("nvmlInit",), ("nvmlDeviceGetCount",), ("nvmlDeviceGetHandleByIndex",)])
