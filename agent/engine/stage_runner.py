@@ -19,7 +19,7 @@ from stratamesh.fleet.types import SamplingParams, StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage
-from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice
+from stratamesh.kernels.models.tp import check_tp, head_slice, load_tp_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.sampler import sample
 
@@ -80,10 +80,11 @@ class StageRunner:
         if spec.tp_degree > 1:   # the other ranks load their shards while this one loads its own
             threads = max(1, torch.get_num_threads() // spec.tp_degree)
             ranks = RankGroup(spec, num_blocks, threads, on_group_failure)
+        group: list[Collectives] = []      # bound once the other ranks are in
         try:
-            model = load_stage(spec, config)
+            model = _load_rank_0(spec, config, group)
             if ranks is not None:
-                model = apply_tp(model, 0, spec.tp_degree, ranks.start().all_reduce)
+                group.append(ranks.start())
         except BaseException:
             if ranks is not None:
                 ranks.close()
@@ -96,9 +97,7 @@ class StageRunner:
         """On a GPU the weights come first (rank 0's shard, then the others'): the KV cache gets what is left."""
         torch.cuda.set_device(spec.device)
         group: list[Collectives] = []      # bound once the other ranks are in
-        model = load_stage(spec, config)
-        if spec.tp_degree > 1:
-            model = apply_tp(model, 0, spec.tp_degree, lambda t: group[0].all_reduce(t))
+        model = _load_rank_0(spec, config, group)
         workspace = step_workspace_bytes(config, max_batch_tokens, model.dtype.itemsize, spec.is_last, spec.tp_degree)
         num_blocks = _num_blocks(spec, config, gpu_kv_bytes(read_gpu_memory(spec.device), utilization, workspace))
         ranks = None
@@ -216,6 +215,13 @@ class StageRunner:
             return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
         logits = model.logits(hidden[rows]) if logits is None else logits[rows]    # [num sampled, vocab]
         return StepOutput(tokens=_pick(sampled, logits, sampling))
+
+
+def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:
+    """The stage, or rank 0's shards of a tensor-parallel one, whose sums go over group[0] once it is up."""
+    if spec.tp_degree == 1:
+        return load_stage(spec, config)
+    return load_tp_stage(spec, 0, lambda t: group[0].all_reduce(t), config)
 
 
 def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:

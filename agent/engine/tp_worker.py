@@ -19,8 +19,7 @@ from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.agent.engine.tp_group import (Collectives, Forward, LoadFailed, Ready, ReadKv, Stop, WriteKv,
                                               backend_for, rank_device, recv, send, store_for)
 from stratamesh.fleet.types import StageSpec
-from stratamesh.kernels.models.decoder import load_stage
-from stratamesh.kernels.models.tp import apply_tp
+from stratamesh.kernels.models.tp import load_tp_stage
 
 log = logging.getLogger("stratamesh.tp_worker")
 
@@ -59,16 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        model = load_stage(replace(spec, device=device))
+        group: list[Collectives] = []      # bound once every rank is in
+        model = load_tp_stage(replace(spec, device=device), args.rank, lambda t: group[0].all_reduce(t))
     except Exception as exc:  # whatever stops the load, rank 0 hears why
         send(conn, LoadFailed(f"{type(exc).__name__}: {exc}"))
         return 1
     send(conn, Ready())
     # joining blocks until every rank is in: rank 0 joins once all said Ready
-    collectives = Collectives(store_for(args.rank, spec.tp_degree, args.store_port), args.rank, spec.tp_degree,
-                              backend_for(device))
-    runner = StageRunner(apply_tp(model, args.rank, spec.tp_degree, collectives.all_reduce), args.num_blocks,
-                         rank=args.rank)
+    group.append(Collectives(store_for(args.rank, spec.tp_degree, args.store_port), args.rank, spec.tp_degree,
+                             backend_for(device)))
+    runner = StageRunner(model, args.num_blocks, rank=args.rank)
     try:
         serve(runner, conn)
     except EOFError:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,17 @@ EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """A part of a tensor to read instead of all of it: along dimension dim, whose length must be size, the
+    length entries from start (a tensor-parallel rank's rows or columns: kernels.models.tp)."""
+
+    dim: int
+    start: int
+    length: int
+    size: int
+
+
 class Checkpoint:
     """A model folder's safetensors, single-file or sharded; files are opened only while loading.
 
@@ -34,11 +46,13 @@ class Checkpoint:
         return sorted(self._stored)
 
     def load(self, names: Iterable[str], dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """The named tensors as owned copies in dtype on device; CheckpointError naming any missing one.
+             device: str | torch.device = "cpu", slices: Mapping[str, Slice] | None = None) -> dict[str, torch.Tensor]:
+        """The named tensors as owned copies in dtype on device; CheckpointError naming any missing one. slices: of
+        the tensors it names, only that part is read (CheckpointError where the tensor's shape has no such part).
 
         Each tensor is read onto the device and cast there, one at a time: a stage for a GPU never sits whole in
         RAM, and a tensor stored in dtype is never converted."""
+        slices = slices or {}
         by_file: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for name in names:
             if name not in self._stored:
@@ -53,8 +67,10 @@ class Checkpoint:
             on_cpu = torch.device(device).type == "cpu"
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name, stored_name in file_names:
-                    # on the CPU copy=True, so nothing keeps the file's memory map alive
-                    out[name] = f.get_tensor(stored_name).to(dtype=dtype, copy=on_cpu)
+                    if name in slices:
+                        out[name] = _read_slice(f, name, stored_name, slices[name], dtype, device)
+                    else:       # on the CPU copy=True, so nothing keeps the file's memory map alive
+                        out[name] = f.get_tensor(stored_name).to(dtype=dtype, copy=on_cpu)
         return out
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -70,6 +86,18 @@ class Checkpoint:
             raise CheckpointError(f"{self.model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         with safe_open(str(single), framework="pt") as f:
             return {name: SINGLE_FILE for name in f.keys()}
+
+
+def _read_slice(f, name: str, stored_name: str, part: Slice, dtype: torch.dtype,
+                device: str | torch.device) -> torch.Tensor:
+    """The part of a tensor a Slice names, read alone, as an owned contiguous tensor in dtype on device."""
+    view = f.get_slice(stored_name)
+    shape = view.get_shape()
+    if len(shape) <= part.dim or shape[part.dim] != part.size:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, expected {part.size} along dimension "
+                              f"{part.dim}")
+    read = view[(slice(None),) * part.dim + (slice(part.start, part.start + part.length),)]
+    return torch.empty(read.shape, dtype=dtype, device=device).copy_(read)     # one copy, cast as it goes
 
 
 def layer_tensor_names(config: ModelConfig, layer_idx: int) -> list[str]:

@@ -99,16 +99,18 @@ class StageModel:
 
     paged_only = False      # whether it attends over a paged KV cache only (new_cache refuses)
 
-    def __init__(self, config: ModelConfig, spec: StageSpec, tensors: dict[str, torch.Tensor]) -> None:
-        _check_shapes(config, tensors)
+    def __init__(self, config: ModelConfig, spec: StageSpec, tensors: dict[str, torch.Tensor], world_size: int = 1,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged) -> None:
+        """world_size > 1: tensors are one rank's shards of a tensor-parallel stage (kernels.models.tp), and reduce
+        sums the partial outputs of its o and down projections over the ranks."""
+        _check_shapes(config, tensors, world_size)
         self.config, self.spec = config, spec
         self.dtype = TORCH_DTYPES[spec.dtype]
         self._take(tensors)
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
-        # The heads this model computes and how partial outputs of the attention and MLP projections combine:
-        # all heads and nothing to combine, until a sharding transformation (kernels.models.tp) changes them.
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+        # The heads this model computes and how partial outputs of the attention and MLP projections combine.
+        self.num_heads, self.num_kv_heads = config.num_heads // world_size, config.num_kv_heads // world_size
+        self.reduce = reduce
 
     @property
     def tensor_names(self) -> list[str]:
@@ -271,13 +273,19 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
     """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors (config: its
     config.json, if the caller read it already)."""
     config = config or read_config(spec.model_path)
+    tensors = Checkpoint(spec.model_path).load(checked_tensor_names(spec, config), TORCH_DTYPES[spec.dtype],
+                                               spec.device)
+    return StageModel(config, spec, quantize_tensors(tensors, config) if spec.quantize else tensors)
+
+
+def checked_tensor_names(spec: StageSpec, config: ModelConfig) -> list[str]:
+    """The names of the tensors the stage holds; CheckpointError if the model is not the one the spec names, or if
+    its device is not one of this process (check_device)."""
     if config.num_layers != spec.num_layers:
         raise CheckpointError(f"{spec.model_path} has {config.num_layers} layers, the stage spec says "
                               f"{spec.num_layers}")
-    names = stage_tensor_names(config, spec.start_layer, spec.end_layer)
     check_device(spec.device)
-    tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device)
-    return StageModel(config, spec, quantize_tensors(tensors, config) if spec.quantize else tensors)
+    return stage_tensor_names(config, spec.start_layer, spec.end_layer)
 
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -303,19 +311,19 @@ def check_device(device: str) -> None:
                               f"CUDA device(s)")
 
 
-def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """CheckpointError if a tensor's shape disagrees with the config."""
+def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor], world_size: int = 1) -> None:
+    """CheckpointError if a tensor's shape disagrees with the config (of one rank's shards, when world_size > 1)."""
     c = config
-    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_dim, kv_dim = c.num_heads * c.head_dim // world_size, c.num_kv_heads * c.head_dim // world_size
+    mlp = c.intermediate_size // world_size
     expected = {
         "input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
         "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.q_proj.bias": (q_dim,),
         "self_attn.k_proj.weight": (kv_dim, c.hidden_size), "self_attn.k_proj.bias": (kv_dim,),
         "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.v_proj.bias": (kv_dim,),
         "self_attn.o_proj.weight": (c.hidden_size, q_dim), "self_attn.o_proj.bias": (c.hidden_size,),
-        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "mlp.gate_proj.weight": (mlp, c.hidden_size), "mlp.up_proj.weight": (mlp, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, mlp),
     }
     top = {EMBED: (c.vocab_size, c.hidden_size), LM_HEAD: (c.vocab_size, c.hidden_size), FINAL_NORM: (c.hidden_size,)}
     for name, t in tensors.items():

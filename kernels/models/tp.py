@@ -8,13 +8,15 @@ stay whole on every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.kernels.models.config import ModelConfig
-from stratamesh.kernels.models.decoder import StageModel
+from stratamesh.fleet.types import StageSpec
+from stratamesh.kernels.models.checkpoint import Checkpoint, Slice
+from stratamesh.kernels.models.config import ModelConfig, read_config
+from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, checked_tensor_names
 
 # The parameter name's tail after "model.layers.{i}." -> the dimension split across ranks, and in units of what
 COLUMN = {"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads", "self_attn.v_proj": "kv_heads",
@@ -30,28 +32,50 @@ def check_tp(config: ModelConfig, world_size: int) -> None:
             raise InvalidInput(f"a tensor-parallel group of {world_size} cannot split {count} {what} evenly")
 
 
-def shard_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], rank: int,
-                  world_size: int) -> dict[str, torch.Tensor]:
-    """Rank's shards of a stage's checkpoint tensors (owned copies, so the whole tensors can be freed)."""
+def shard_slices(config: ModelConfig, names: Iterable[str], rank: int, world_size: int) -> dict[str, Slice]:
+    """The part of each named tensor that rank holds, of those split across ranks (the others it holds whole:
+    norms, embedding, LM head, o_proj's bias, which is added once after the sum)."""
     check_tp(config, world_size)
     units = {"heads": config.num_heads * config.head_dim, "kv_heads": config.num_kv_heads * config.head_dim,
              "mlp": config.intermediate_size}
     out = {}
-    for name, t in tensors.items():
+    for name in names:
         tail = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
         column, row = COLUMN.get(tail.rsplit(".", 1)[0]), ROW.get(tail)
         if column is not None:      # weight [out, in] or bias [out]: this rank's rows
-            out[name] = _slice(t, 0, units[column], rank, world_size)
+            dim, size = 0, units[column]
         elif row is not None:       # weight [out, in]: this rank's columns
-            out[name] = _slice(t, 1, units[row], rank, world_size)
-        else:                       # norms, embedding, LM head, o_proj's bias (added once after the sum)
-            out[name] = t
+            dim, size = 1, units[row]
+        else:
+            continue
+        per_rank = size // world_size
+        out[name] = Slice(dim, rank * per_rank, per_rank, size)
     return out
+
+
+def shard_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], rank: int,
+                  world_size: int) -> dict[str, torch.Tensor]:
+    """Rank's shards of a stage's tensors (owned copies, so the whole tensors can be freed)."""
+    slices = shard_slices(config, tensors, rank, world_size)
+    return {name: t if name not in slices else _slice(t, slices[name]) for name, t in tensors.items()}
+
+
+def load_tp_stage(spec: StageSpec, rank: int, all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                  config: ModelConfig | None = None) -> StageModel:
+    """Rank's part of a tensor-parallel stage (of spec.tp_degree ranks), on spec.device: each split tensor is read
+    from the checkpoint as rank's shard alone, so a rank never holds the whole stage, in RAM or on its GPU;
+    all_reduce sums a tensor over the ranks (it may be bound after the load, once the group is up)."""
+    config = config or read_config(spec.model_path)
+    names = checked_tensor_names(spec, config)
+    tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device,
+                                               shard_slices(config, names, rank, spec.tp_degree))
+    return StageModel(config, spec, tensors, spec.tp_degree, all_reduce)
 
 
 def apply_tp(model: StageModel, rank: int, world_size: int,
              all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> StageModel:
-    """Turns a whole stage into rank's part of a tensor-parallel one; all_reduce sums a tensor over the ranks."""
+    """Turns a whole stage in memory into rank's part of a tensor-parallel one; all_reduce sums a tensor over the
+    ranks. (A served stage reads its shards alone: load_tp_stage.)"""
     c = model.config
     model.reshard(shard_tensors(c, model.tensors, rank, world_size), c.num_heads // world_size,
                   c.num_kv_heads // world_size, all_reduce)
@@ -64,7 +88,6 @@ def head_slice(num_kv_heads: int, rank: int, world_size: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _slice(t: torch.Tensor, dim: int, size: int, rank: int, world_size: int) -> torch.Tensor:
-    assert t.shape[dim] == size, (tuple(t.shape), dim, size)
-    per_rank = size // world_size
-    return t.narrow(dim, rank * per_rank, per_rank).clone()
+def _slice(t: torch.Tensor, part: Slice) -> torch.Tensor:
+    assert t.shape[part.dim] == part.size, (tuple(t.shape), part)
+    return t.narrow(part.dim, part.start, part.length).clone()

@@ -5,6 +5,8 @@ over TCP); tests/agent/test_tp_runner.py runs them as the separate processes an 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,11 +14,11 @@ import pytest
 import torch
 
 from stratamesh.agent.engine.tp_group import Collectives, store_for
-from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage
-from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice, shard_tensors
+from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice, load_tp_stage, shard_tensors
 from tests.kernels.test_decoder import hf_greedy, hf_logits, prompt
 
 NUM_LAYERS = 6
@@ -33,7 +35,7 @@ def sharded_ranks(model_dir, world_size: int, start: int = 0, end: int = NUM_LAY
     stores = [master] + [store_for(r, world_size, master.port) for r in range(1, world_size)]
     with ThreadPoolExecutor(world_size) as pool:   # joining a group blocks until every rank is in
         groups = list(pool.map(lambda r: Collectives(stores[r], r, world_size, "gloo"), range(world_size)))
-    return [apply_tp(load_stage(spec), r, world_size, groups[r].all_reduce) for r in range(world_size)]
+    return [load_tp_stage(spec, r, groups[r].all_reduce) for r in range(world_size)]
 
 
 def on_every_rank(ranks: list[StageModel], fn) -> list:
@@ -115,6 +117,35 @@ def test_the_shards_put_together_are_the_whole_tensors(tiny_model):
     for name in (p + "input_layernorm.weight", "model.embed_tokens.weight"):
         assert all(s[name] is whole[name] for s in shards)   # replicated, not copied
     assert head_slice(config.num_kv_heads, 3, 4) == slice(3, 4)
+
+
+def test_a_rank_reads_from_the_checkpoint_exactly_its_shards(tiny_model):
+    """What a served rank loads (its shards alone, read as slices of the checkpoint's tensors) is what sharding the
+    whole stage in memory gives, for every tensor, biases and replicated ones included."""
+    model_dir = tiny_model("qwen2", **GQA)
+    config = read_config(model_dir)
+    whole = load_stage(StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS)).tensors
+    spec = StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS, tp_degree=4)
+    for rank in range(4):
+        loaded = load_tp_stage(spec, rank, lambda t: t).tensors
+        expected = shard_tensors(config, whole, rank, 4)
+        assert loaded.keys() == expected.keys()
+        for name, t in expected.items():
+            assert torch.equal(loaded[name], t) and loaded[name].is_contiguous(), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert loaded[q].shape[0] == whole[q].shape[0] // 4
+
+
+def test_a_shard_of_a_tensor_whose_shape_the_config_does_not_imply_is_refused(tiny_model, tmp_path):
+    model_dir = tiny_model("llama", **GQA)
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] *= 2        # the MLP's tensors are half as wide as this says
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up)_proj\.weight' has shape .* expected \d+ along "
+                                              r"dimension 0"):
+        load_tp_stage(StageSpec("tiny", str(bad), 0, 2, NUM_LAYERS, tp_degree=2), 0, lambda t: t)
 
 
 @pytest.mark.parametrize("world_size, what", [(3, "attention heads"), (4, "KV heads")])
