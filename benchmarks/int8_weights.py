@@ -36,7 +36,7 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, greedy_tokens
-from stratamesh.kernels.models.onnx_stage import load_runtime_stage
+from stratamesh.kernels.models.onnx_stage import export_stages, load_runtime_stage
 from stratamesh.kernels.ops.quant import exact_products, linear, quantize_int8
 from stratamesh.kernels.tiny_model import write_tiny_model
 
@@ -53,6 +53,13 @@ def spec(model_dir: Path, quantize: str, runtime: str = "torch", start: int = 0,
 def stage(stage_spec: StageSpec) -> StageModel:
     """The stage as an agent loads it (ONNX Runtime's export kept in the cache folder: main sets it)."""
     return load_runtime_stage(stage_spec, os.environ["STRATAMESH_CACHE_DIR"])
+
+
+def onnx_specs(wide: Path) -> list[StageSpec]:
+    """Every ONNX Runtime stage the runs load, the largest first: the demo model's and the wide model's whole, and
+    each memory row's."""
+    ranges = [(DEMO_DIR, 0, None), (wide, 0, None), *((DEMO_DIR, start, end) for start, end in STAGES)]
+    return [spec(model_dir, q, "onnxruntime", start, end) for model_dir, start, end in ranges for q in KINDS.values()]
 
 
 def memory_rows(runtime: str) -> list[tuple[str, int, int]]:
@@ -168,6 +175,8 @@ def main() -> None:
     hidden = args.wide_hidden
     wide = write_tiny_model(Path(tempfile.mkdtemp()) / "wide", num_layers=4, hidden_size=hidden,
                             intermediate_size=hidden * 11 // 4, num_heads=hidden // 64, num_kv_heads=hidden // 256)
+    if "onnxruntime" in args.runtimes:     # its exports made first, one a core (they are what takes longest)
+        export_stages(onnx_specs(wide), os.environ["STRATAMESH_CACHE_DIR"])
     print(f"demo model ({DEMO_DIR.name}), {torch.get_num_threads()} threads")
     for runtime in args.runtimes:
         print(f"\n## {runtime}\n")

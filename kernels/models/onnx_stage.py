@@ -22,9 +22,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import multiprocessing
+import os
 import tempfile
 import warnings
 from collections.abc import Generator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -222,7 +225,11 @@ def _input_names(num_layers: int) -> list[str]:
 def export_path(model: StageModel, cache_dir: str | Path) -> Path:
     """Where the export of the model's layers lives: named by model, layer range, dtype, weights and opset, keyed by
     the checkpoint files' sizes and times and torch's version (any change exports again)."""
-    spec = model.spec
+    return _export_path_of(model.spec, cache_dir)
+
+
+def _export_path_of(spec: StageSpec, cache_dir: str | Path) -> Path:
+    """export_path of the stage spec names."""
     files = sorted(Path(spec.model_path).glob("*.safetensors")) + [Path(spec.model_path, "config.json")]
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [str(Path(spec.model_path).resolve()), torch.__version__]).encode()).hexdigest()
@@ -267,6 +274,25 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
              model.spec.model_id, path)
     return path
+
+
+def export_stages(specs: Sequence[StageSpec], cache_dir: str | Path) -> list[Path]:
+    """export_layers of each spec's stage, the ones not cached yet in parallel processes (one a core: an export is
+    seconds of single-threaded tracing, and each process exports the same file export_layers would)."""
+    paths = [_export_path_of(spec, cache_dir) for spec in specs]
+    pending = list({path: spec for path, spec in zip(paths, specs) if not path.exists()}.values())
+    workers = min(len(pending), os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_export_stage, pending, [cache_dir] * len(pending)))
+    else:
+        for spec in pending:
+            _export_stage(spec, cache_dir)
+    return paths
+
+
+def _export_stage(spec: StageSpec, cache_dir: str | Path) -> Path:
+    return export_layers(load_stage(spec), cache_dir)
 
 
 def check_exportable(model: StageModel) -> None:
