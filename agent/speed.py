@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from stratamesh.fleet.state import cache_home
-from stratamesh.fleet.types import GpuInfo, SpeedInfo
+from stratamesh.fleet.types import GpuInfo, SpeedInfo, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,16 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
 def measure_onnx_speeds(torch_cpu: SpeedInfo) -> tuple[SpeedInfo, ...]:
     """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with int8 weights (dtype "int8"): what a decode
     step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports of the probe
-    models, made in a temporary folder: about 25 s on 2 cores, the most of it exporting). Its large matmul and copy
-    are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
+    models, made first in a temporary folder, one a core: about 25 s on 2 cores, the most of it exporting). Its large
+    matmul and copy are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
     (coordinator.placement.decode_rate), as they are here."""
+    from stratamesh.kernels.models.onnx_stage import export_stages   # (imports the kernels)
+
     speeds = []
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-onnx-") as exports:
+        # every export the steps below load, made first, one a core (exporting is most of the time), the largest first
+        export_stages([_probe_spec(exports, "cpu", shape, layers, quantize, "onnxruntime")
+                       for shape, layers in reversed(PROBE_STAGES) for quantize in ("", "int8")], exports)
         for dtype, quantize, bytes_per_param in (("float32", "", 4.0), ("int8", "int8", 1.0)):
             step_s = partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports, quantize=quantize)
             decode = measure_decode("cpu", step_s=step_s, bytes_per_param=bytes_per_param)
@@ -100,6 +105,7 @@ class _ProbeModel:
 # enough for them to dominate (a 1B model's layers are wider still: this is a floor on what they reach).
 NARROW = _ProbeModel(64, 128, 2, 1)
 WIDE = _ProbeModel(512, 1408, 8, 2)
+PROBE_STAGES = ((NARROW, 1), (NARROW, OVERHEAD_LAYERS), (WIDE, OVERHEAD_LAYERS))   # what measure_decode steps through
 
 
 def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS, step_s: Callable[..., float] | None = None,
@@ -132,18 +138,11 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, bat
     quantized: StageSpec.quantize; its layers computed by runtime, an ONNX Runtime export kept in onnx_cache)."""
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
-    from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
-    from stratamesh.kernels.tiny_model import write_tiny_model
+    from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StepChunk
 
     # beside the exports, one model of each shape: their export serves every batch size
     with nullcontext(onnx_cache) if onnx_cache else tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as folder:
-        model_dir = Path(folder, f"probe-{shape.hidden}-{layers}")
-        if not model_dir.exists():
-            write_tiny_model(model_dir, num_layers=layers, hidden_size=shape.hidden,
-                             intermediate_size=shape.intermediate, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
-                             vocab_size=PROBE_VOCAB)
-        spec = StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize,
-                         runtime=runtime)
+        spec = _probe_spec(folder, device, shape, layers, quantize, runtime)
         runner = StageRunner.load(spec, 16 << 20, onnx_cache=onnx_cache)
     engine = StageEngine(Assignment("probe", spec), runner, EngineConfig(enable_prefix_cache=False,
                                                                          cuda_graphs=False))
@@ -165,6 +164,19 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, bat
         times.append(time.perf_counter() - start)
     runner.close()
     return sorted(times)[len(times) // 2]
+
+
+def _probe_spec(folder: str | Path, device: str, shape: _ProbeModel, layers: int, quantize: str = "",
+                runtime: str = "torch") -> StageSpec:
+    """The whole of a random Llama of that shape in folder (written there unless it is already), as one stage."""
+    from stratamesh.kernels.tiny_model import write_tiny_model
+
+    model_dir = Path(folder, f"probe-{shape.hidden}-{layers}")
+    if not model_dir.exists():
+        write_tiny_model(model_dir, num_layers=layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_heads=shape.heads, num_kv_heads=shape.kv_heads, vocab_size=PROBE_VOCAB)
+    return StageSpec("speed-probe", str(model_dir), 0, layers, layers, device=device, quantize=quantize,
+                     runtime=runtime)
 
 
 def _measure_int8(float32: SpeedInfo, n: int, reps: int) -> SpeedInfo:
