@@ -1,12 +1,20 @@
 """What a pipeline hop costs the transport alone: a ring of processes forwarding one activation message over gRPC.
 
     python benchmarks/hop_floor.py [--processes 2 4] [--messages 3000] [--hidden 256] [--plaintext-too]
+                                   [--step-us 0] [--awake-too]
 
 Each process runs a real Stage gRPC server (fleet.wire.channels: the mesh's limits, keepalive and mutual TLS with
 certificates of a fresh CA) and forwards every StepBatch it receives to the next process over a persistent
 OutboundStream, as stages do; the first process times each lap. No model runs: per hop = lap / processes is the
 floor a stage-to-stage hop cannot go under with gRPC-Python on this machine, to read beside
 benchmarks/decode_latency.py's per-hop cost (which adds the stages' own work and their contention for the cores).
+
+--step-us N: each process works N microseconds on a message before it forwards it (a busy loop, as a stage's step
+holds its core), and per hop is given net of that work: (lap - processes x N) / processes. In a ring where stages
+step, each process waits most of a lap for its next message, and its core may halt meanwhile (on a VM the hypervisor
+takes it back): the wake-up is paid on every hop. --awake-too runs each ring a second time beside idle-priority
+spinners, one per core (SCHED_IDLE: they take a core only when nothing else wants it), which keep the cores from
+halting: the difference between the two rows is what the halted cores cost a hop.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ def _credentials(ca: tuple[bytes, bytes], index: int) -> MeshTls:
     return MeshTls(ca[1], cert, key)
 
 
-def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, hidden: int, messages: int) -> None:
-    """One process of the ring; process 0 starts the message and times each lap into laps (microseconds)."""
+def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, hidden: int, messages: int,
+         step_us: int) -> None:
+    """One process of the ring; process 0 starts the message and times each lap into laps (microseconds); each
+    works step_us on a message before it forwards it."""
     logging.getLogger("stratamesh").setLevel(logging.ERROR)   # a ring that stops breaks its streams: expected
     from stratamesh.fleet.wire import mesh_pb2 as pb
     from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -56,6 +66,7 @@ def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, h
                             done.set_result(None)
                             continue
                         message.batch.sent_unix_ns = time.perf_counter_ns()
+                    _work(step_us)
                     pool.get(f"127.0.0.1:{ports[(index + 1) % n]}").send(message)
                 return pb.PushSummary()
 
@@ -84,26 +95,45 @@ def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, h
     asyncio.run(main())
 
 
-def ring_per_hop_us(num_processes: int, tls: bool, hidden: int, messages: int) -> list[float]:
-    """Per-hop microseconds of each lap of a ring of num_processes."""
+def _work(step_us: int) -> None:
+    """A step's stand-in: step_us of a busy core."""
+    end = time.perf_counter_ns() + step_us * 1000
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def _spin() -> None:
+    """Keeps a core from halting, at the lowest priority there is: any other thread that wants the core gets it."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
+def ring_per_hop_us(num_processes: int, tls: bool, hidden: int, messages: int, step_us: int = 0,
+                    awake: bool = False) -> list[float]:
+    """Per-hop microseconds of each lap of a ring of num_processes, net of their step_us; awake: beside a spinner per
+    core (_spin)."""
     ctx = mp.get_context("spawn")
     ports = ctx.Array("i", [0] * num_processes)
     ca = pki.create_ca("hop-floor", time.time() - 60) if tls else None
     manager = ctx.Manager()
     laps = manager.list()
     events, stop = [ctx.Event() for _ in range(num_processes)], ctx.Event()
-    procs = [ctx.Process(target=node, args=(i, ports, events[i], stop, laps, ca, hidden, messages), daemon=True)
-             for i in range(num_processes)]
+    procs = [ctx.Process(target=node, args=(i, ports, events[i], stop, laps, ca, hidden, messages, step_us),
+                         daemon=True) for i in range(num_processes)]
+    spinners = [ctx.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)] if awake else []
     try:
-        for p in procs[1:]:
+        for p in spinners + procs[1:]:
             p.start()
         for e in events[1:]:
             e.wait(60)
         procs[0].start()
         procs[0].join(300)
-        return [lap / num_processes for lap in laps]
+        return [lap / num_processes - step_us for lap in laps]
     finally:
         stop.set()
+        for p in spinners:
+            p.terminate()
         for p in procs:
             p.join(10)
             if p.is_alive():
@@ -117,15 +147,28 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=3000, help="laps timed per ring")
     parser.add_argument("--hidden", type=int, default=256, help="floats per message (one token's activations)")
     parser.add_argument("--plaintext-too", action="store_true", help="also without TLS")
+    parser.add_argument("--step-us", type=int, default=0, help="each process's work on a message before forwarding")
+    parser.add_argument("--awake-too", action="store_true",
+                        help="also with an idle-priority spinner per core, so that no core halts between messages")
     args = parser.parse_args()
     modes = [True, False] if args.plaintext_too else [True]
-    print(f"one [1, {args.hidden}] float32 activation message around a ring of processes, {args.messages} laps\n")
-    print(f"| {'ring':<28} | {'per hop p50 us':>14} | {'p90 us':>7} |\n|{'-' * 30}|{'-' * 16}|{'-' * 9}|")
+    awake_modes = [False, True] if args.awake_too else [False]
+    print(f"one [1, {args.hidden}] float32 activation message around a ring of processes, {args.messages} laps; "
+          f"each process works {args.step_us} us on a message before forwarding it (per hop is net of it)\n")
+    print(f"| {'ring':<46} | {'per hop p50 us':>14} | {'p90 us':>7} |\n|{'-' * 48}|{'-' * 16}|{'-' * 9}|")
+    medians = {}
     for n in args.processes:
         for tls in modes:
-            hops = ring_per_hop_us(n, tls, args.hidden, args.messages)
-            name = f"{n} processes, {'mTLS' if tls else 'plaintext'}"
-            print(f"| {name:<28} | {statistics.median(hops):14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
+            for awake in awake_modes:
+                hops = ring_per_hop_us(n, tls, args.hidden, args.messages, args.step_us, awake)
+                name = f"{n} processes, {'mTLS' if tls else 'plaintext'}" + (", cores kept awake" if awake else "")
+                medians[n, tls, awake] = statistics.median(hops)
+                print(f"| {name:<46} | {medians[n, tls, awake]:14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
+    for (n, tls, awake), median in medians.items():
+        if awake:
+            asleep = medians[n, tls, False]
+            print(f"\n{n} processes, {'mTLS' if tls else 'plaintext'}: halting cores cost a hop {asleep - median:.0f} us "
+                  f"(cores kept awake / not: {median / asleep:.2f}x)")
 
 
 if __name__ == "__main__":

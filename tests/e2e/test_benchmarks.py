@@ -97,9 +97,13 @@ def test_gpu_serving_benchmark_runs_quick_on_whatever_device_there_is() -> None:
 
 def test_hop_floor_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hop_floor.py"), "--processes", "2",
-                             "--messages", "50"], capture_output=True, text=True, timeout=300)
+                             "--messages", "50", "--step-us", "200", "--awake-too"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| 2 processes, mTLS" in result.stdout and "per hop p50 us" in result.stdout
+    assert "| 2 processes, mTLS  " in result.stdout and "per hop p50 us" in result.stdout
+    assert "| 2 processes, mTLS, cores kept awake" in result.stdout
+    assert re.search(r"2 processes, mTLS: halting cores cost a hop -?\d+ us \(cores kept awake / not: [\d.]+x\)",
+                     result.stdout), result.stdout
 
 
 def test_wan_links_benchmark_narrows_the_codec_of_a_slow_link_and_prints_the_ratio() -> None:
