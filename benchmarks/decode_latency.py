@@ -12,6 +12,10 @@ TPOT is each request's time per output token at the client, (last token - first 
 defines it; gaps between single SSE events are no measure (a stage that runs ahead delivers tokens in bursts). All
 meshes are up at once and the rounds interleave (one request to each mesh per round), so a slow minute of this
 shared machine hits every configuration alike; the table gives the median over rounds.
+
+Where a token's time goes is read from the agents' own histograms over the timed rounds, per stage: its step (the
+layers), the hop into it (the previous stage's step ending to the message's arrival here: the sender's serving path,
+gRPC, the receiver's wake-up) and the queue (arrival to the step that takes it).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
@@ -84,6 +89,34 @@ def tpot_ms(mesh: LocalMesh, model: str, num_tokens: int) -> float:
     return (last - first) * 1e3 / (count - 1)
 
 
+# the agents' histograms that say where a token's time goes at each stage
+STAGE_TIMES = {"step": "stratamesh:stage_compute_seconds", "hop in": "stratamesh:hop_transfer_seconds",
+               "queue": "stratamesh:stage_queue_seconds"}
+
+
+def stage_times(mesh: LocalMesh) -> dict[str, dict[str, tuple[float, float]]]:
+    """layer range -> what -> (seconds, count) of each STAGE_TIMES histogram, summed over the mesh's agents."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    names = {name: what for what, name in STAGE_TIMES.items()}
+    for index in range(len(mesh.agents)):
+        for family in text_string_to_metric_families(mesh.metrics_text(index)):
+            what = names.get(family.name)
+            for sample in family.samples if what else ():
+                if sample.name.endswith(("_sum", "_count")):
+                    seconds, count = out.setdefault(sample.labels["stage"], {}).get(what, (0.0, 0.0))
+                    seconds, count = (seconds + sample.value, count) if sample.name.endswith("_sum") else (
+                        seconds, count + sample.value)
+                    out[sample.labels["stage"]][what] = (seconds, count)
+    return out
+
+
+def mean_ms(before: dict[str, dict[str, tuple[float, float]]], after: dict[str, dict[str, tuple[float, float]]],
+            stage: str, what: str) -> float:
+    """The mean of a stage's histogram between two readings, in ms (nan where nothing was observed)."""
+    (s0, c0), (s1, c1) = before.get(stage, {}).get(what, (0.0, 0.0)), after[stage].get(what, (0.0, 0.0))
+    return (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else float("nan")
+
+
 def pct(samples: list[float], q: float) -> float:
     return statistics.quantiles(samples, n=100)[int(q) - 1] if len(samples) > 1 else samples[0]
 
@@ -110,9 +143,11 @@ def main() -> None:
         for mesh in meshes.values():
             tpot_ms(mesh, model_dir.name, 16)   # warm-up: first-touch allocations, streams
         samples: dict[str, list[float]] = {name: [] for name in configs}
+        before = {name: stage_times(mesh) for name, mesh in meshes.items()}
         for _ in range(args.rounds):
             for name, mesh in meshes.items():
                 samples[name].append(tpot_ms(mesh, model_dir.name, args.tokens))
+        after = {name: stage_times(mesh) for name, mesh in meshes.items()}
     tcp = tcp_round_trips_ms(hidden * 4)
 
     print(f"model {model_dir.name}, {args.rounds} interleaved rounds of one {args.tokens}-token greedy request per "
@@ -131,6 +166,15 @@ def main() -> None:
     if args.plaintext_too:
         plain = statistics.median(samples["3 stages, plaintext (--insecure)"])
         print(f"mTLS cost per hop = (TPOT_3 - TPOT_3 plaintext) / 3 = {(three - plain) / 3:.3f} ms")
+
+    print(f"\nwhere a token's time goes, per stage (means over the timed rounds, from the agents' histograms; the hop "
+          f"into the first stage of a single stage is its feeding itself):\n")
+    print(f"| {'configuration':<36} | {'layers':>6} | {'step ms':>8} | {'hop in ms':>9} | {'queue ms':>8} |")
+    print(f"|{'-' * 38}|{'-' * 8}|{'-' * 10}|{'-' * 11}|{'-' * 10}|")
+    for name in configs:
+        for stage in sorted(after[name], key=lambda layers: int(layers.split("-")[0])):
+            step, hop, queue = (mean_ms(before[name], after[name], stage, what) for what in STAGE_TIMES)
+            print(f"| {name:<36} | {stage:>6} | {step:8.3f} | {hop:9.3f} | {queue:8.3f} |")
 
 
 if __name__ == "__main__":
