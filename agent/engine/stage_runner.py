@@ -234,13 +234,15 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
 def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor,
           sampling: Mapping[str, SamplingParams]) -> dict[str, int]:
     """Each chunk's next token from its row of logits [num chunks, vocab]: the greedy ones by one argmax where the
-    logits are (one copy to the host for all of them), the others by sample() on the CPU, keyed by (seed, position)
-    so that every device draws the same token."""
+    logits are (one copy to the host for all of them), the others by sample() on the CPU (their rows copied to the
+    host together), keyed by (seed, position) so that every device draws the same token."""
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}
-    for i, chunk in enumerate(chunks):
-        if chunk.session_id not in tokens:
-            position = chunk.start_pos + chunk.end - chunk.begin    # the position of the new token
-            tokens[chunk.session_id] = sample(logits[i].cpu(), sampling[chunk.session_id], position)
+    sampled = [i for i, c in enumerate(chunks) if c.session_id not in tokens]
+    on_host = logits[sampled].cpu() if sampled else logits
+    for row, i in enumerate(sampled):
+        chunk = chunks[i]
+        position = chunk.start_pos + chunk.end - chunk.begin        # the position of the new token
+        tokens[chunk.session_id] = sample(on_host[row], sampling[chunk.session_id], position)
     return tokens
