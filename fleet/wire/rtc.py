@@ -13,6 +13,9 @@ proves the peer holds its key. A peer with any other certificate (a self-signed 
 
 The data channel carries whole messages of any size: each data-channel message is one byte (MORE or LAST) and at
 most PIECE_BYTES of a message, in order (the channel is ordered and reliable).
+
+aiortc is imported when a process first makes or answers an offer (_webrtc): a daemon that never meets a NAT never
+loads it (a tenth of a second at every start here, and libav's 36 MB where it is not installed).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-import aioice.ice
-from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
-from aiortc.rtcdtlstransport import RTCCertificate, certificate_digest
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -36,6 +39,9 @@ from stratamesh.fleet import pki
 from stratamesh.fleet.errors import InvalidInput, Refused, StageFailed
 from stratamesh.fleet.types import RtcAnswer, RtcOffer
 from stratamesh.fleet.wire.channels import PROCESS, MeshTls, current_tls, revoked
+
+if TYPE_CHECKING:
+    from aiortc import RTCDataChannel, RTCPeerConnection
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +59,27 @@ class RtcRefused(Refused):
     """A WebRTC peer is not who the mesh says, or refused us: no channel."""
 
 
+_offered: list[str] = []     # the addresses ICE candidates are offered on (offer_addresses); []: aioice's choice
+
+
 def offer_addresses(hosts: Sequence[str]) -> None:
     """Offers ICE candidates on these addresses only (the one a daemon listens on, so that it stays off other
     networks; and loopback, which aioice never offers by itself); empty: every address but loopback.
-    aioice has no option for it, so this replaces its lookup of the host's addresses for the whole process."""
-    chosen = [h for h in hosts if _is_address(h) and not ipaddress.ip_address(h).is_unspecified]
-    if chosen:
-        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: list(chosen)
-    else:
-        aioice.ice.get_host_addresses = _aioice_addresses
+    aioice has no option for it, so _webrtc replaces its lookup of the host's addresses for the whole process."""
+    _offered[:] = [h for h in hosts if _is_address(h) and not ipaddress.ip_address(h).is_unspecified]
 
 
-_aioice_addresses = aioice.ice.get_host_addresses
+def _webrtc() -> ModuleType:
+    """aiortc, imported on first use, with aioice's lookup of the host's addresses answering offer_addresses'."""
+    import aioice.ice
+    import aiortc
+    import aiortc.rtcdtlstransport
+
+    if not hasattr(aioice.ice, "_stratamesh_host_addresses"):
+        own = aioice.ice._stratamesh_host_addresses = aioice.ice.get_host_addresses
+        aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: (
+            list(_offered) if _offered else own(use_ipv4, use_ipv6))
+    return aiortc
 
 
 def _is_address(host: str) -> bool:
@@ -100,6 +115,7 @@ def check_peer(peer_id: str, cert_pem: bytes, sdp: str, tls: MeshTls | None, now
     if not fingerprints:
         raise RtcRefused(f"{peer_id}'s SDP names no DTLS fingerprint")
     cert = x509.load_pem_x509_certificate(cert_pem)
+    certificate_digest = _webrtc().rtcdtlstransport.certificate_digest
     for algorithm, value in fingerprints:
         if algorithm.lower() not in ("sha-256", "sha-384", "sha-512") or \
                 value.upper() != certificate_digest(cert, algorithm.lower()):
@@ -202,7 +218,7 @@ async def dial(peer_id: str, signal: Signal, tls: object = PROCESS,
         if answer.error:
             raise RtcRefused(f"{peer_id} refused a data channel: {answer.error}")
         channel.peer_serial = check_peer(peer_id, answer.cert_pem, answer.sdp, tls, time.time())
-        await pc.setRemoteDescription(RTCSessionDescription(answer.sdp, "answer"))
+        await pc.setRemoteDescription(_webrtc().RTCSessionDescription(answer.sdp, "answer"))
         await asyncio.wait_for(_opened(channel), timeout_s)
         channel.close_if_revoked()
     except BaseException as exc:
@@ -253,7 +269,7 @@ async def accept(offer: RtcOffer, on_channel: Callable[[DataChannel], None],
     _background(close_unless_opened())
 
     try:
-        await pc.setRemoteDescription(RTCSessionDescription(offer.sdp, "offer"))
+        await pc.setRemoteDescription(_webrtc().RTCSessionDescription(offer.sdp, "offer"))
         await pc.setLocalDescription(await pc.createAnswer())
     except Exception as exc:  # a malformed SDP: refused, like a bad certificate
         await pc.close()
@@ -285,11 +301,13 @@ async def _opened(channel: DataChannel) -> None:
 
 def _peer_connection(tls: MeshTls | None) -> RTCPeerConnection:
     """A peer connection with no STUN server (None would mean Google's) whose DTLS certificate is the mesh one."""
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    aiortc = _webrtc()
+    pc = aiortc.RTCPeerConnection(aiortc.RTCConfiguration(iceServers=[]))
     if tls is not None:
         key = serialization.load_pem_private_key(tls.key_pem, password=None)
         # aiortc takes no certificate from its caller: it makes one per connection, kept in this attribute
-        pc._RTCPeerConnection__certificates = [RTCCertificate(key, x509.load_pem_x509_certificate(tls.cert_pem))]
+        pc._RTCPeerConnection__certificates = [aiortc.rtcdtlstransport.RTCCertificate(
+            key, x509.load_pem_x509_certificate(tls.cert_pem))]
     return pc
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +159,11 @@ async def test_revoking_a_peers_certificate_closes_its_open_channel(ca):
     with pytest.raises(rtc.StageFailed, match="closed"):
         channel.send(b"after")
     await callee.close()
+
+
+def test_a_daemon_loads_aiortc_only_once_it_meets_a_peer_behind_nat() -> None:
+    """Agents and coordinators start without aiortc (and libav): it is imported with the first offer made or answered."""
+    code = ("import sys, stratamesh.agent.daemon, stratamesh.coordinator.daemon, stratamesh.fleet.wire.rtc as rtc; "
+            "rtc.offer_addresses(['127.0.0.1']); print(sorted(m for m in ('aiortc', 'aioice', 'av') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stderr[-2000:]
