@@ -76,8 +76,9 @@ class AgentOptions:
     weights_dir: str = ""               # where fetched tensors are kept; "": the cache folder's weights/
 
 
-async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
-    """The agent's mesh credentials (enrolling first if it holds none), or None in insecure mode."""
+async def _mesh_tls(options: AgentOptions, browser: discovery.Browser) -> MeshTls | None:
+    """The agent's mesh credentials (enrolling first if it holds none, at the coordinator browser finds), or None in
+    insecure mode."""
     if options.insecure:
         warn_insecure("agent")
         return None
@@ -87,11 +88,7 @@ async def _mesh_tls(options: AgentOptions) -> MeshTls | None:
             return options.enroll
         if options.coordinator:
             raise NotEnrolled("--coordinator was given without --enroll (the coordinator's enroll=host:port)")
-        browser = discovery.Browser(interfaces=list(options.interfaces))
-        try:
-            record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
-        finally:
-            await browser.close()
+        record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
         if "enroll" not in record.properties:     # discovery checked it is a port when present
             raise NotEnrolled(f"the coordinator of mesh {options.mesh} offers no enrollment: it runs --insecure")
         return f"{record.host}:{record.properties['enroll']}"
@@ -113,7 +110,14 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
-    use_tls(await _mesh_tls(options))   # before anything listens or dials
+    # One browser finds the coordinator to enroll and then to connect: the second find answers from its cache at
+    # once, where a second browser's query waited ~1.1 s (mDNS multicasts a record at most once a second).
+    browser = discovery.Browser(interfaces=list(options.interfaces))
+    try:
+        use_tls(await _mesh_tls(options, browser))   # before anything listens or dials
+    except BaseException:
+        await browser.close()
+        raise
     loop, group_failures = asyncio.get_running_loop(), []
 
     def group_down(reason: str) -> None:
@@ -152,7 +156,6 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     stage_address = f"{options.advertise_host or options.host}:{port}"
     service.address = stage_address
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
-    browser = discovery.Browser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(
         kind="agent", instance=f"{options.name}-{options.agent_id}", mesh=options.mesh,
         host=options.advertise_host or options.host, port=port,
