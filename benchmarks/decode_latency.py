@@ -31,7 +31,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
@@ -97,16 +96,10 @@ STAGE_TIMES = {"step": "stratamesh:stage_compute_seconds", "hop in": "stratamesh
 def stage_times(mesh: LocalMesh) -> dict[str, dict[str, tuple[float, float]]]:
     """layer range -> what -> (seconds, count) of each STAGE_TIMES histogram, summed over the mesh's agents."""
     out: dict[str, dict[str, tuple[float, float]]] = {}
-    names = {name: what for what, name in STAGE_TIMES.items()}
-    for index in range(len(mesh.agents)):
-        for family in text_string_to_metric_families(mesh.metrics_text(index)):
-            what = names.get(family.name)
-            for sample in family.samples if what else ():
-                if sample.name.endswith(("_sum", "_count")):
-                    seconds, count = out.setdefault(sample.labels["stage"], {}).get(what, (0.0, 0.0))
-                    seconds, count = (seconds + sample.value, count) if sample.name.endswith("_sum") else (
-                        seconds, count + sample.value)
-                    out[sample.labels["stage"]][what] = (seconds, count)
+    for what, name in STAGE_TIMES.items():
+        counts = mesh.agent_sums(f"{name}_count", "stage")
+        for stage, seconds in mesh.agent_sums(f"{name}_sum", "stage").items():
+            out.setdefault(stage, {})[what] = (seconds, counts.get(stage, 0.0))
     return out
 
 
@@ -167,8 +160,8 @@ def main() -> None:
         plain = statistics.median(samples["3 stages, plaintext (--insecure)"])
         print(f"mTLS cost per hop = (TPOT_3 - TPOT_3 plaintext) / 3 = {(three - plain) / 3:.3f} ms")
 
-    print(f"\nwhere a token's time goes, per stage (means over the timed rounds, from the agents' histograms; the hop "
-          f"into the first stage of a single stage is its feeding itself):\n")
+    print("\nwhere a token's time goes, per stage (means over the timed rounds, from the agents' histograms; the hop "
+          "into the first stage of a single stage is its feeding itself):\n")
     print(f"| {'configuration':<36} | {'layers':>6} | {'step ms':>8} | {'hop in ms':>9} | {'queue ms':>8} |")
     print(f"|{'-' * 38}|{'-' * 8}|{'-' * 10}|{'-' * 11}|{'-' * 10}|")
     for name in configs:

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from kv_routing import FULL, serve
 from stratamesh.bench.datasets import random_requests, regular_token_ids
@@ -71,21 +70,9 @@ class Row:
     transports: str         # what carried the agents' messages to each other, as their /metrics count it
 
 
-def agent_counts(mesh: LocalMesh, name: str, label: str, **only: str) -> dict[str, float]:
-    """The agents' counter name summed by one of its labels (over the samples whose labels match only)."""
-    by_label: dict[str, float] = {}
-    for index in range(len(mesh.agent_metrics)):
-        for family in text_string_to_metric_families(mesh.metrics_text(index)):
-            for sample in family.samples:
-                if sample.name == f"{name}_total" and all(sample.labels.get(k) == v for k, v in only.items()):
-                    key = sample.labels[label]
-                    by_label[key] = by_label.get(key, 0.0) + sample.value
-    return by_label
-
-
 def activation_bytes(mesh: LocalMesh) -> dict[str, float]:
     """Bytes of activations the agents have sent to one another, by codec, from their /metrics."""
-    return agent_counts(mesh, "stratamesh:link_activation_bytes", "codec")
+    return mesh.agent_sums("stratamesh:link_activation_bytes_total", "codec")
 
 
 def send_all(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, output_len: int, concurrency: int,
@@ -117,7 +104,7 @@ def run_profile(model_dir: Path, profile: str, codec: str, reach: str, args: arg
             before = activation_bytes(mesh)
             c16 = send_all(mesh, model_dir.name, vocab, args.num_prompts, args.output_len, 16, args.seed + 1)
             sent = {k: v - before.get(k, 0.0) for k, v in activation_bytes(mesh).items()}
-            transports = agent_counts(mesh, "stratamesh:transport_messages", "transport", direction="sent")
+            transports = mesh.agent_sums("stratamesh:transport_messages_total", "transport", direction="sent")
     tokens = c16.total_input_tokens + c16.total_output_tokens
     return Row(profile, codec, reach, c1, c16, sum(sent.values()) / tokens, ",".join(k for k, v in sent.items() if v),
                ",".join(sorted(k for k, v in transports.items() if v)))

@@ -257,6 +257,19 @@ class LocalMesh:
         return subprocess.run(host.command([sys.executable, "-c", fetch, url]), capture_output=True, text=True,
                               timeout=60, check=True).stdout
 
+    def agent_sums(self, sample: str, by: str, **only: str) -> dict[str, float]:
+        """One sample of the agents' /metrics ("stratamesh:link_activation_bytes_total", a histogram's "..._sum"),
+        summed over the agents by one of its labels, of the samples whose labels match only."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        sums: dict[str, float] = {}
+        for index in range(len(self.agent_metrics)):
+            for family in text_string_to_metric_families(self.metrics_text(index)):
+                for s in family.samples:
+                    if s.name == sample and all(s.labels.get(k) == v for k, v in only.items()):
+                        sums[s.labels[by]] = sums.get(s.labels[by], 0.0) + s.value
+        return sums
+
     def wait_ready(self, timeout_s: float) -> None:
         """Waits until /health says every model is ready (LaunchError after timeout_s)."""
         health = self._wait_health(lambda h: h.get("status") == "ok", timeout_s)

@@ -28,7 +28,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -60,6 +59,7 @@ class RtcRefused(Refused):
 
 
 _offered: list[str] = []     # the addresses ICE candidates are offered on (offer_addresses); []: aioice's choice
+_aioice_addresses: Callable[[bool, bool], list[str]] | None = None     # aioice's own lookup, once _webrtc replaced it
 
 
 def offer_addresses(hosts: Sequence[str]) -> None:
@@ -75,8 +75,9 @@ def _webrtc() -> ModuleType:
     import aiortc
     import aiortc.rtcdtlstransport
 
-    if not hasattr(aioice.ice, "_stratamesh_host_addresses"):
-        own = aioice.ice._stratamesh_host_addresses = aioice.ice.get_host_addresses
+    global _aioice_addresses
+    if _aioice_addresses is None:
+        own = _aioice_addresses = aioice.ice.get_host_addresses
         aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: (
             list(_offered) if _offered else own(use_ipv4, use_ipv6))
     return aiortc

@@ -183,7 +183,7 @@ def test_a_single_rank_nccl_group_on_a_gpu_matches_the_whole_model(tiny_model):
     whole = load_stage(spec)
     expected = whole.logits(whole.forward(ids, torch.arange(ids.numel()), whole.new_cache())).cpu()
     group = Collectives(store_for(0, 1, 0), 0, 1, "nccl")
-    sharded = apply_tp(load_stage(spec), 0, 1, group.all_reduce)
+    sharded = load_tp_stage(spec, 0, group.all_reduce)     # as a served rank loads (StageRunner, tp_worker)
     got = sharded.logits(sharded.forward(ids, torch.arange(ids.numel()), sharded.new_cache())).cpu()
     assert group.num_all_reduces == 2 * NUM_LAYERS
     torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
