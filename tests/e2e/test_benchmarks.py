@@ -20,6 +20,19 @@ def test_decode_latency_benchmark_prints_its_table() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 3 stages (3 hops per token)" in result.stdout
     assert "per-hop cost" in result.stdout
+    # where a token's time goes: a row per stage of each mesh, each with a step, a hop in and a queue time
+    breakdown = [line for line in result.stdout.splitlines() if re.match(r"\| [13] stages? .*\| +\d+-\d+ \|", line)]
+    assert [row.split("|")[2].strip() for row in breakdown] == ["0-6", "0-2", "2-4", "4-6"], result.stdout
+    assert all(re.fullmatch(r"(\| +[\d.]+ ){3}\|", "|" + row.split("|", 3)[3]) for row in breakdown), breakdown
+
+
+def test_mesh_start_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mesh_start.py"), "--starts", "1",
+                             "--agents", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| mTLS", "| insecure"))]
+    assert len(rows) == 2 and all(re.search(r"\| +\d+ \|$", row) for row in rows), result.stdout
+    assert re.search(r"start, mTLS / insecure: [\d.]+x", result.stdout), result.stdout
 
 
 def test_stage_step_benchmark_prints_its_table() -> None:

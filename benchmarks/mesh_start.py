@@ -1,0 +1,73 @@
+"""How long a local mesh takes to start, and where an agent's start goes (what every e2e test and `stratamesh up` pay).
+
+    python benchmarks/mesh_start.py [--starts 4] [--agents 3]
+
+Starts a LocalMesh of the tiny Llama with mutual TLS (agents enroll) and --insecure, alternately, --starts times
+each, and times LocalMesh.start(): from nothing to /health ready with every agent connected. From each agent's log:
+how long after it began serving stages it registered with the coordinator (finding it by zeroconf, then the control
+stream's welcome). The last line is the ratio mTLS / insecure: what enrolling costs a start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.kernels.tiny_model import write_tiny_model
+
+SERVING, REGISTERED = "serving stages on", "registered with coordinator"
+
+
+def registration_s(log: Path) -> float:
+    """Seconds from an agent's 'serving stages' log line to its 'registered' one."""
+    stamps = {}
+    for line in log.read_text().splitlines():
+        for mark in (SERVING, REGISTERED):
+            if mark in line and mark not in stamps:
+                stamps[mark] = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return stamps[REGISTERED] - stamps[SERVING]
+
+
+def start_once(model_dir: Path, agents: int, insecure: bool) -> tuple[float, list[float]]:
+    """(seconds LocalMesh.start() took, each agent's registration_s)."""
+    with tempfile.TemporaryDirectory(prefix="mesh-start-") as logs:
+        mesh = LocalMesh(str(model_dir), num_agents=agents, insecure=insecure, log_dir=logs)
+        started = time.perf_counter()
+        with mesh:
+            took = time.perf_counter() - started
+        return took, [registration_s(Path(logs, f"agent{i}.log")) for i in range(agents)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--starts", type=int, default=4, help="starts of each kind, interleaved")
+    parser.add_argument("--agents", type=int, default=3)
+    args = parser.parse_args()
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama", arch="llama", num_layers=6)
+    kinds = {"mTLS (agents enroll)": False, "insecure": True}
+    starts: dict[str, list[float]] = {k: [] for k in kinds}
+    registrations: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.starts):
+        for kind, insecure in kinds.items():
+            took, registered = start_once(model_dir, args.agents, insecure)
+            starts[kind].append(took)
+            registrations[kind] += registered
+
+    print(f"a LocalMesh of {args.agents} agents (tiny Llama), {args.starts} interleaved starts of each kind\n")
+    print(f"| {'kind':<22} | {'start median s':>14} | {'min s':>6} | {'max s':>6} | {'agent registers ms p50':>22} |")
+    print(f"|{'-' * 24}|{'-' * 16}|{'-' * 8}|{'-' * 8}|{'-' * 24}|")
+    for kind in kinds:
+        s, r = starts[kind], registrations[kind]
+        print(f"| {kind:<22} | {statistics.median(s):14.2f} | {min(s):6.2f} | {max(s):6.2f} | "
+              f"{statistics.median(r) * 1e3:22.0f} |")
+    secure, insecure = (statistics.median(starts[k]) for k in kinds)
+    print(f"\nstart, mTLS / insecure: {secure / insecure:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
