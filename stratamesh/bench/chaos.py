@@ -159,6 +159,7 @@ class FailoverRun:
     routes_after: list[list[str]] = field(default_factory=list)   # running requests' routes after the failover
     drain_output: str = ""                                         # what `stratamesh drain` printed, and ...
     drain_exit: int | None = None                                  # ... its exit code
+    killed_rank_pids: dict[int, list[int]] = field(default_factory=dict)   # the killed agent's ranks > 0, by rank
 
     @property
     def stalls(self) -> list[float]:
@@ -208,7 +209,8 @@ async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Strea
     That rank is killed in every group the agent holds: beside the serving group it may hold another of the
     stage (a standby plan's, or a replaced stage's kept for reuse), and which process serves is not visible."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
-        for pid in mesh.rank_pids(mesh.agent_index(run.killed_address))[rank]:
+        run.killed_rank_pids = mesh.rank_pids(mesh.agent_index(run.killed_address))
+        for pid in run.killed_rank_pids[rank]:
             os.kill(pid, signal.SIGKILL)
         await wait_for_failover(mesh.url, mesh.headers, run.killed_address)
 
