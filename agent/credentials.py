@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -15,7 +16,7 @@ from stratamesh.fleet.wire.channels import MeshTls
 from stratamesh.fleet.wire.enroll import enroll
 
 __all__ = ["NotEnrolled", "default_state_dir", "enroll", "load_credentials", "obtain_credentials",
-           "save_credentials", "stored_agent_id"]
+           "read_join_token", "save_credentials", "stored_agent_id"]
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,37 @@ def save_credentials(state_dir: str, tls: MeshTls) -> None:
 
 
 async def obtain_credentials(state_dir: str, agent_id: str, mesh: str, join_token: str,
-                             find_enroll_address: Callable[[], Awaitable[str]]) -> MeshTls:
-    """The credentials kept in state_dir, or new ones from enrolling with join_token (then kept there)."""
+                             find_enroll_address: Callable[[], Awaitable[str]], join_token_file: str = "") -> MeshTls:
+    """The credentials kept in state_dir, or new ones from enrolling with join_token (then kept there); without
+    join_token, with the one in join_token_file, read once the coordinator is found (see read_join_token)."""
     tls = load_credentials(state_dir, agent_id, time.time())
     if tls is not None:
         return tls
-    if not join_token:
+    if not join_token and not join_token_file:
         raise NotEnrolled(f"agent {agent_id} holds no mesh certificate in {state_dir}: start it with "
                           "--join-token (from `stratamesh token create` on the coordinator), or run the "
                           "whole mesh with --insecure for development")
-    tls = await enroll(await find_enroll_address(), join_token, mesh, agent_id)
+    address = await find_enroll_address()
+    tls = await enroll(address, join_token or read_join_token(join_token_file), mesh, agent_id)
     save_credentials(state_dir, tls)
     log.info("enrolled in mesh %s as %s; certificate kept in %s", mesh, agent_id, state_dir)
     return tls
+
+
+def read_join_token(path: str) -> str:
+    """The join token in the file at path: its text, or the join_token of a coordinator's bootstrap file (JSON; see
+    `stratamesh coordinator --bootstrap-file`). Read when the agent enrolls, after it found the coordinator: a
+    coordinator started beside the agent writes its bootstrap file before it can be found."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise NotEnrolled(f"cannot read the join token file {path}: {exc.strerror or exc}") from exc
+    if not text.startswith("{"):
+        return text
+    try:
+        token = json.loads(text)["join_token"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise NotEnrolled(f"the join token file {path} is JSON without a join_token") from exc
+    if not isinstance(token, str):
+        raise NotEnrolled(f"the join token file {path} is JSON without a join_token")
+    return token

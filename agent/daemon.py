@@ -67,6 +67,7 @@ class AgentOptions:
     otlp_traces_endpoint: str = ""      # export spans over OTLP/HTTP to this collector
     insecure: bool = False              # plaintext, no certificate: development only, and it says so
     join_token: str = ""                # presented to the coordinator when the agent holds no certificate
+    join_token_file: str = ""           # ... or the token in this file, read when enrolling (--join-token-file)
     state_dir: str = ""                 # its key and certificate; default: default_state_dir(mesh)
     enroll: str | None = None           # host:port of the coordinator's enrollment endpoint; None: zeroconf
     owner_limits: OwnerLimits = field(default_factory=OwnerLimits)   # when the box's owner wants it to rest
@@ -94,7 +95,8 @@ async def _mesh_tls(options: AgentOptions, browser: discovery.Browser) -> MeshTl
         return f"{record.host}:{record.properties['enroll']}"
 
     state_dir = options.state_dir or default_state_dir(options.mesh)
-    return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token, find_enroll)
+    return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token, find_enroll,
+                                    options.join_token_file)
 
 
 def exit_now(reason: str) -> None:

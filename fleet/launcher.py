@@ -92,8 +92,15 @@ class LocalMesh:
             raise LaunchError("this mesh is already running (entering its with-block starts it): a second start "
                               "would leave the first processes behind")
         atexit.register(self.stop)  # never leave daemons behind, even if the caller forgets
-        self.start_coordinator(timeout_s)
-        spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
+        # Agents that find the coordinator by zeroconf start beside it, not after it: importing torch takes each of
+        # them seconds of CPU, which the coordinator's own start (~1 s) overlaps. They read the join token from the
+        # coordinator's bootstrap file when they enroll, once they found it: it wrote the file before advertising.
+        early = self._agents_find_coordinator()
+        self._spawn_coordinator(True, ["--http-port", str(self.http_port)])
+        spawned = [self._spawn_agent(index) for index in range(self.num_agents)] if early else []
+        self._coordinator_started(timeout_s)
+        if not early:
+            spawned = [self._spawn_agent(index) for index in range(self.num_agents)]
         for index, process in enumerate(spawned):  # they import torch in parallel; collect addresses after
             self._agent_started(index, self._await_line(process, _AGENT_LINE, timeout_s))
         self.wait_ready(timeout_s)
@@ -113,6 +120,14 @@ class LocalMesh:
         self._start_coordinator(timeout_s, False, ports, bootstrap=False)
 
     def _start_coordinator(self, timeout_s: float, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
+        self._spawn_coordinator(deploy, ports, bootstrap)
+        self._coordinator_started(timeout_s)
+
+    def _agents_find_coordinator(self) -> bool:
+        """Whether every agent finds the coordinator by zeroconf: then it may start before the coordinator listens."""
+        return self.use_zeroconf and all(self._same_site(self.agent_hosts.get(i)) for i in range(self.num_agents))
+
+    def _spawn_coordinator(self, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
         args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
@@ -123,6 +138,9 @@ class LocalMesh:
         elif bootstrap:    # a join token, operator key and admin password: those in the file that still work, or new
             args += ["--bootstrap-file", self._bootstrap_path()]
         self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args], host=self.coordinator_host)
+
+    def _coordinator_started(self, timeout_s: float) -> None:
+        """Waits for the coordinator to print its addresses; takes its bootstrap credentials."""
         self.url, self.grpc_address, self.enroll_address = self._await_line(
             self.coordinator, _COORDINATOR_LINE, timeout_s)
         if not self.insecure:   # what the coordinator wrote at start: a join token and an operator key
@@ -228,10 +246,11 @@ class LocalMesh:
             args += [*_on_host(host), *_site_of(host)]
         if not self.use_zeroconf or not self._same_site(host):
             args += ["--coordinator", self.grpc_address, "--enroll", self.enroll_address]
-        args += ["--insecure"] if self.insecure else ["--state-dir", self.agent_state_dir(index)]
-        env = {"STRATAMESH_JOIN_TOKEN": self.join_token} if self.join_token else {}
+        # the join token is read from the bootstrap file the coordinator keeps it in (it renews an expired one there)
+        args += ["--insecure"] if self.insecure else ["--state-dir", self.agent_state_dir(index),
+                                                       "--join-token-file", self._bootstrap_path()]
         process = self._spawn(f"agent{index}", [*args, *self.agent_args, *self.agent_args_by_index.get(index, [])],
-                              env, host)
+                              host=host)
         if index < len(self.agents):
             self.agents[index] = process
         else:

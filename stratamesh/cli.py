@@ -143,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--join-token", default=os.environ.get("STRATAMESH_JOIN_TOKEN", ""),
                        help="from `stratamesh token create`: enrolls the agent if it holds no certificate "
                        "(default: $STRATAMESH_JOIN_TOKEN)")
+    agent.add_argument("--join-token-file", default="", metavar="FILE",
+                       help="read the join token from FILE instead, when enrolling: its text, or the join_token of "
+                       "a coordinator's --bootstrap-file (read once the coordinator is found, so a coordinator "
+                       "started beside the agent may write it; keeps the token out of the process list)")
     agent.add_argument("--state-dir", default="", help="the agent's key and certificate "
                        "(default: agent-<mesh> in $STRATAMESH_HOME, else $XDG_STATE_HOME/stratamesh, else "
                        "~/.local/state/stratamesh)")
@@ -418,6 +422,7 @@ def _agent(args: argparse.Namespace) -> None:
                             enable_prefix_cache=not args.no_prefix_cache, cuda_graphs=not args.enforce_eager),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, insecure=args.insecure, join_token=args.join_token,
+        join_token_file=args.join_token_file,
         state_dir=state_dir, enroll=args.enroll, **overrides)
     set_process_fields(component="agent", agent_id=options.agent_id)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,7 +11,7 @@ import grpc
 import pytest
 
 from stratamesh.agent.credentials import (NotEnrolled, enroll, load_credentials, obtain_credentials,
-                                          save_credentials, stored_agent_id)
+                                          read_join_token, save_credentials, stored_agent_id)
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import Enroller, EnrollService, MeshCa
 from stratamesh.coordinator.registry import Registry
@@ -113,6 +114,40 @@ async def test_without_a_certificate_or_token_the_agent_says_how_to_join(tmp_pat
 
     with pytest.raises(NotEnrolled, match="--join-token"):
         await obtain_credentials(str(tmp_path / "agent"), "edge-1", "m", "", find)
+
+
+async def test_a_token_file_is_read_once_the_coordinator_is_found(coordinator: Coordinator, tmp_path: Path) -> None:
+    """As `stratamesh up` starts its agents beside the coordinator: the bootstrap file it reads the token from is
+    written by the coordinator before the agent can find it."""
+    token_file = tmp_path / "bootstrap.json"
+
+    async def find() -> str:
+        token, _ = coordinator.enroller.create_token(3600)
+        token_file.write_text(json.dumps({"join_token": str(token), "api_key": "sk-sm-x"}))
+        return coordinator.address
+
+    tls = await obtain_credentials(str(tmp_path / "agent"), "edge-1", "m", "", find, str(token_file))
+    assert pki.cert_info(tls.cert_pem).name == "edge-1"
+    assert stored_agent_id(str(tmp_path / "agent")) == "edge-1"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("smj1.0a1b2c3d.abc\n", "smj1.0a1b2c3d.abc"),
+    ('{"join_token": "smj1.0a1b2c3d.abc", "api_key": "k"}', "smj1.0a1b2c3d.abc"),
+    ('{"api_key": "k"}', NotEnrolled),
+    ('{"join_token": 7}', NotEnrolled),
+    ("{not json", NotEnrolled),
+    (None, NotEnrolled),           # no such file
+])
+def test_read_join_token(tmp_path: Path, text: str | None, expected: str | type[Exception]) -> None:
+    path = tmp_path / "token"
+    if text is not None:
+        path.write_text(text)
+    if isinstance(expected, str):
+        assert read_join_token(str(path)) == expected
+    else:
+        with pytest.raises(expected, match=str(path)):
+            read_join_token(str(path))
 
 
 def test_stored_credentials_are_checked_when_read(tmp_path: Path) -> None:
