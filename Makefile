@@ -30,13 +30,17 @@ $(NFT):
 	  || (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends nftables >/dev/null) \
 	  || echo "nftables could not be installed: the NAT tests will be skipped"
 
+# A pytest-xdist worker a core: the tests that start real processes (marked slow) run one after another on one of
+# them (tests/conftest.py), the rest beside them on the others (the whole suite: 1179 s -> 837 s on 2 cores).
+XDIST := -n auto --dist loadgroup
+
 test: $(STAMP) $(BROWSER) $(NFT)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 $(XDIST)
 
 # The suite as on a shared CI box: another process keeps one core busy all along (`.ci/run --busy`).
 test-busy: $(STAMP) $(BROWSER) $(NFT)
 	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
-	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25
+	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 $(XDIST)
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(XDIST)

@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
     # the paged-decode kernel's tests run in Triton's interpreter; it must be chosen before anything imports Triton
     # (transformers' modeling modules do, when a test module imports one at its top)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each worker computes on its share of the cores: two workers' OpenMP pools of one thread a core each would
+    # spin-wait on one another (a step 10-50x slower), the agents of the other worker's meshes in between
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
 
@@ -33,3 +37,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs a worker a core), the tests that start real processes (marked slow) run on
+    one worker, one after another as without xdist: two meshes at once on two cores would each see the other's load in
+    every timing they print, and the suite's robustness to a busy box is tested by `make test-busy`, not by chance.
+    The other tests spread over the workers beside them."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))
