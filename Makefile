@@ -33,6 +33,9 @@ $(NFT):
 # A pytest-xdist worker a core: the tests that start real processes (marked slow) run one after another on one of
 # them (tests/conftest.py), the rest beside them on the others (the whole suite: 1179 s -> 837 s on 2 cores).
 XDIST := -n auto --dist loadgroup
+# The suite starts ~250 Python processes (agents, coordinators, benchmarks, CLI calls): with PYTHONDONTWRITEBYTECODE
+# set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
+export PYTHONDONTWRITEBYTECODE :=
 
 test: $(STAMP) $(BROWSER) $(NFT)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 $(XDIST)
