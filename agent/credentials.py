@@ -96,9 +96,9 @@ def read_join_token(path: str) -> str:
     if not text.startswith("{"):
         return text
     try:
-        token = json.loads(text)["join_token"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise NotEnrolled(f"the join token file {path} is JSON without a join_token") from exc
+        token = json.loads(text).get("join_token")
+    except (ValueError, AttributeError):
+        token = None
     if not isinstance(token, str):
         raise NotEnrolled(f"the join token file {path} is JSON without a join_token")
     return token
