@@ -1,6 +1,6 @@
 """Per-token decode latency through 1 and 3 pipeline stages, and what one network hop costs.
 
-    python benchmarks/decode_latency.py [--tokens 96] [--rounds 7] [--model DIR] [--plaintext-too]
+    python benchmarks/decode_latency.py [--tokens 96] [--rounds 7] [--model DIR] [--plaintext-too] [--event-engine-too]
 
 Every mesh serves the same 6-layer tiny Llama (so compute per token is the same), one agent per stage with one
 torch thread each, mutual TLS on. A generation's decode loop is a ring: the last stage feeds each sampled token
@@ -16,6 +16,10 @@ shared machine hits every configuration alike; the table gives the median over r
 Where a token's time goes is read from the agents' own histograms over the timed rounds, per stage: its step (the
 layers), the hop into it (the previous stage's step ending to the message's arrival here: the sender's serving path,
 gRPC, the receiver's wake-up) and the queue (arrival to the step that takes it).
+
+--plaintext-too adds 3 stages without TLS; --event-engine-too adds 3 stages whose daemons' gRPC polls with EventEngine's
+threads (gRPC's default) rather than on its completion-queue thread as the mesh's do (fleet/wire/polling.py): what
+each costs a hop.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from stratamesh.kernels.tiny_model import write_tiny_model
 
 PROMPT = "The mesh carries every layer of the model from the edge to the cloud and back"
 TARGET_HOP_MS = 0.3
+PLAINTEXT = "3 stages, plaintext (--insecure)"
+EVENT_ENGINE = "3 stages, gRPC EventEngine polling"
 
 
 def _echo_server(port_queue: multiprocessing.Queue, payload_bytes: int) -> None:
@@ -46,6 +52,11 @@ def _echo_server(port_queue: multiprocessing.Queue, payload_bytes: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while data := conn.recv(payload_bytes, socket.MSG_WAITALL):
         conn.sendall(data)
+
+
+def _grpc_env(experiments: str | None) -> dict[str, str]:
+    """A mesh's extra environment for its daemons' GRPC_EXPERIMENTS (None: none, they poll as the mesh does)."""
+    return {} if experiments is None else {"GRPC_EXPERIMENTS": experiments}
 
 
 def tcp_round_trips_ms(payload_bytes: int, count: int = 2000) -> list[float]:
@@ -121,18 +132,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="requests per configuration, interleaved")
     parser.add_argument("--plaintext-too", action="store_true",
                         help="also run 3 stages in --insecure mode: what mTLS costs per token")
+    parser.add_argument("--event-engine-too", action="store_true",
+                        help="also run 3 stages with gRPC's default polling (EventEngine): what it costs per token")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else write_tiny_model(
         Path(tempfile.mkdtemp()) / "tiny-llama", arch="llama", num_layers=6)
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
-    configs = {"1 stage (0 hops per token)": (1, False), "3 stages (3 hops per token)": (3, False)}
+    # name -> (stages, insecure, the daemons' GRPC_EXPERIMENTS: None for the mesh's own, "" for gRPC's default)
+    configs: dict[str, tuple[int, bool, str | None]] = {"1 stage (0 hops per token)": (1, False, None),
+                                                        "3 stages (3 hops per token)": (3, False, None)}
     if args.plaintext_too:
-        configs["3 stages, plaintext (--insecure)"] = (3, True)
+        configs[PLAINTEXT] = (3, True, None)
+    if args.event_engine_too:
+        configs[EVENT_ENGINE] = (3, False, "")
 
     with ExitStack() as stack:
         meshes = {name: stack.enter_context(LocalMesh(str(model_dir), num_agents=k, threads_per_agent=1,
-                                                      insecure=insecure))
-                  for name, (k, insecure) in configs.items()}
+                                                      insecure=insecure, extra_env=_grpc_env(experiments)))
+                  for name, (k, insecure, experiments) in configs.items()}
         for mesh in meshes.values():
             tpot_ms(mesh, model_dir.name, 16)   # warm-up: first-touch allocations, streams
         samples: dict[str, list[float]] = {name: [] for name in configs}
@@ -157,8 +174,11 @@ def main() -> None:
     print(f"\nper-hop cost = (TPOT_3 - TPOT_1) / 3 = {per_hop:.3f} ms (target <= {TARGET_HOP_MS} ms with mTLS: "
           f"{verdict}) = {per_hop / statistics.median(tcp):.1f}x a raw loopback TCP round trip")
     if args.plaintext_too:
-        plain = statistics.median(samples["3 stages, plaintext (--insecure)"])
+        plain = statistics.median(samples[PLAINTEXT])
         print(f"mTLS cost per hop = (TPOT_3 - TPOT_3 plaintext) / 3 = {(three - plain) / 3:.3f} ms")
+    if args.event_engine_too:
+        engine = statistics.median(samples[EVENT_ENGINE])
+        print(f"EventEngine's polling cost per hop = (TPOT_3 EventEngine - TPOT_3) / 3 = {(engine - three) / 3:.3f} ms")
 
     print("\nwhere a token's time goes, per stage (means over the timed rounds, from the agents' histograms; the hop "
           "into the first stage of a single stage is its feeding itself):\n")

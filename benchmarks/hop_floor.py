@@ -15,6 +15,10 @@ step, each process waits most of a lap for its next message, and its core may ha
 takes it back): the wake-up is paid on every hop. --awake-too runs each ring a second time beside idle-priority
 spinners, one per core (SCHED_IDLE: they take a core only when nothing else wants it), which keep the cores from
 halting: the difference between the two rows is what the halted cores cost a hop.
+
+The rings' gRPC polls as the mesh's daemons do (fleet/wire/polling.py: on grpc.aio's completion-queue thread,
+EventEngine off). --event-engine-too runs each ring a second time with gRPC's default, EventEngine's threads polling
+the sockets: the difference is what that hand-off between threads costs a hop.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import statistics
 import time
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # before grpc loads: a terminated peer's GOAWAY is expected here
+
+from stratamesh.fleet.wire.polling import CLASSIC_POLLING, use_classic_polling  # noqa: E402
+
+use_classic_polling()       # before grpc loads: as the mesh's daemons poll (a ring's processes inherit it)
 
 from stratamesh.fleet import pki  # noqa: E402
 from stratamesh.fleet.wire.channels import MeshTls  # noqa: E402
@@ -110,9 +118,10 @@ def _spin() -> None:
 
 
 def ring_per_hop_us(num_processes: int, tls: bool, hidden: int, messages: int, step_us: int = 0,
-                    awake: bool = False) -> list[float]:
+                    awake: bool = False, event_engine: bool = False) -> list[float]:
     """Per-hop microseconds of each lap of a ring of num_processes, net of their step_us; awake: beside a spinner per
-    core (_spin)."""
+    core (_spin); event_engine: its processes' gRPC polls with EventEngine (gRPC's default), not as the mesh's."""
+    os.environ["GRPC_EXPERIMENTS"] = "" if event_engine else CLASSIC_POLLING     # what the processes started inherit
     ctx = mp.get_context("spawn")
     ports = ctx.Array("i", [0] * num_processes)
     ca = pki.create_ca("hop-floor", time.time() - 60) if tls else None
@@ -150,9 +159,12 @@ def main() -> None:
     parser.add_argument("--step-us", type=int, default=0, help="each process's work on a message before forwarding")
     parser.add_argument("--awake-too", action="store_true",
                         help="also with an idle-priority spinner per core, so that no core halts between messages")
+    parser.add_argument("--event-engine-too", action="store_true",
+                        help="also with gRPC's default polling (EventEngine's threads), not the mesh's")
     args = parser.parse_args()
     modes = [True, False] if args.plaintext_too else [True]
     awake_modes = [False, True] if args.awake_too else [False]
+    engine_modes = [False, True] if args.event_engine_too else [False]
     print(f"one [1, {args.hidden}] float32 activation message around a ring of processes, {args.messages} laps; "
           f"each process works {args.step_us} us on a message before forwarding it (per hop is net of it)\n")
     print(f"| {'ring':<46} | {'per hop p50 us':>14} | {'p90 us':>7} |\n|{'-' * 48}|{'-' * 16}|{'-' * 9}|")
@@ -160,15 +172,22 @@ def main() -> None:
     for n in args.processes:
         for tls in modes:
             for awake in awake_modes:
-                hops = ring_per_hop_us(n, tls, args.hidden, args.messages, args.step_us, awake)
-                name = f"{n} processes, {'mTLS' if tls else 'plaintext'}" + (", cores kept awake" if awake else "")
-                medians[n, tls, awake] = statistics.median(hops)
-                print(f"| {name:<46} | {medians[n, tls, awake]:14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
-    for (n, tls, awake), median in medians.items():
-        if awake:
-            asleep = medians[n, tls, False]
-            print(f"\n{n} processes, {'mTLS' if tls else 'plaintext'}: halting cores cost a hop {asleep - median:.0f} us "
+                for engine in engine_modes:
+                    hops = ring_per_hop_us(n, tls, args.hidden, args.messages, args.step_us, awake, engine)
+                    name = (f"{n} processes, {'mTLS' if tls else 'plaintext'}" + (", cores kept awake" if awake else "")
+                            + (", gRPC EventEngine" if engine else ""))
+                    medians[n, tls, awake, engine] = median = statistics.median(hops)
+                    print(f"| {name:<46} | {median:14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
+    for (n, tls, awake, engine), median in medians.items():
+        ring = f"{n} processes, {'mTLS' if tls else 'plaintext'}"
+        if awake and not engine:
+            asleep = medians[n, tls, False, False]
+            print(f"\n{ring}: halting cores cost a hop {asleep - median:.0f} us "
                   f"(cores kept awake / not: {median / asleep:.2f}x)")
+        if engine and not awake:
+            classic = medians[n, tls, False, False]
+            print(f"\n{ring}: EventEngine's polling costs a hop {median - classic:.0f} us "
+                  f"(the mesh's / EventEngine's: {classic / median:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refus
 from stratamesh.fleet.types import AGENT_RUNTIMES, DEFAULT_ROUTER_MODE, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
 from stratamesh.fleet.logs import configure_logging, set_process_fields
+from stratamesh.fleet.wire.polling import use_classic_polling
 
 if TYPE_CHECKING:
     from stratamesh.fleet.launcher import LocalMesh
@@ -31,6 +32,7 @@ log = logging.getLogger("stratamesh")
 
 
 def main(argv: list[str] | None = None) -> None:
+    use_classic_polling()   # before any command loads gRPC (nothing imported above does)
     parser = _parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
