@@ -1,6 +1,7 @@
 """Per-token decode latency through 1 and 3 pipeline stages, and what one network hop costs.
 
     python benchmarks/decode_latency.py [--tokens 96] [--rounds 7] [--model DIR] [--plaintext-too] [--event-engine-too]
+                                        [--asyncio-too]
 
 Every mesh serves the same 6-layer tiny Llama (so compute per token is the same), one agent per stage with one
 torch thread each, mutual TLS on. A generation's decode loop is a ring: the last stage feeds each sampled token
@@ -18,8 +19,9 @@ layers), the hop into it (the previous stage's step ending to the message's arri
 gRPC, the receiver's wake-up) and the queue (arrival to the step that takes it).
 
 --plaintext-too adds 3 stages without TLS; --event-engine-too adds 3 stages whose daemons' gRPC polls with EventEngine's
-threads (gRPC's default) rather than on its completion-queue thread as the mesh's do (fleet/wire/polling.py): what
-each costs a hop.
+threads (gRPC's default) rather than on its completion-queue thread as the mesh's do (fleet/wire/polling.py);
+--asyncio-too adds 3 stages whose daemons run asyncio's own event loop, not uvloop's (fleet/event_loop.py): what each
+costs a hop.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ PROMPT = "The mesh carries every layer of the model from the edge to the cloud a
 TARGET_HOP_MS = 0.3
 PLAINTEXT = "3 stages, plaintext (--insecure)"
 EVENT_ENGINE = "3 stages, gRPC EventEngine polling"
+ASYNCIO = "3 stages, asyncio's event loop"
 
 
 def _echo_server(port_queue: multiprocessing.Queue, payload_bytes: int) -> None:
@@ -52,11 +55,6 @@ def _echo_server(port_queue: multiprocessing.Queue, payload_bytes: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while data := conn.recv(payload_bytes, socket.MSG_WAITALL):
         conn.sendall(data)
-
-
-def _grpc_env(experiments: str | None) -> dict[str, str]:
-    """A mesh's extra environment for its daemons' GRPC_EXPERIMENTS (None: none, they poll as the mesh does)."""
-    return {} if experiments is None else {"GRPC_EXPERIMENTS": experiments}
 
 
 def tcp_round_trips_ms(payload_bytes: int, count: int = 2000) -> list[float]:
@@ -134,22 +132,26 @@ def main() -> None:
                         help="also run 3 stages in --insecure mode: what mTLS costs per token")
     parser.add_argument("--event-engine-too", action="store_true",
                         help="also run 3 stages with gRPC's default polling (EventEngine): what it costs per token")
+    parser.add_argument("--asyncio-too", action="store_true",
+                        help="also run 3 stages on asyncio's own event loop: what it costs per token")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else write_tiny_model(
         Path(tempfile.mkdtemp()) / "tiny-llama", arch="llama", num_layers=6)
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
-    # name -> (stages, insecure, the daemons' GRPC_EXPERIMENTS: None for the mesh's own, "" for gRPC's default)
-    configs: dict[str, tuple[int, bool, str | None]] = {"1 stage (0 hops per token)": (1, False, None),
-                                                        "3 stages (3 hops per token)": (3, False, None)}
+    # name -> (stages, insecure, the daemons' extra environment)
+    configs: dict[str, tuple[int, bool, dict[str, str]]] = {"1 stage (0 hops per token)": (1, False, {}),
+                                                            "3 stages (3 hops per token)": (3, False, {})}
     if args.plaintext_too:
-        configs[PLAINTEXT] = (3, True, None)
+        configs[PLAINTEXT] = (3, True, {})
     if args.event_engine_too:
-        configs[EVENT_ENGINE] = (3, False, "")
+        configs[EVENT_ENGINE] = (3, False, {"GRPC_EXPERIMENTS": ""})      # "": gRPC's default
+    if args.asyncio_too:
+        configs[ASYNCIO] = (3, False, {"STRATAMESH_EVENT_LOOP": "asyncio"})
 
     with ExitStack() as stack:
         meshes = {name: stack.enter_context(LocalMesh(str(model_dir), num_agents=k, threads_per_agent=1,
-                                                      insecure=insecure, extra_env=_grpc_env(experiments)))
-                  for name, (k, insecure, experiments) in configs.items()}
+                                                      insecure=insecure, extra_env=env))
+                  for name, (k, insecure, env) in configs.items()}
         for mesh in meshes.values():
             tpot_ms(mesh, model_dir.name, 16)   # warm-up: first-touch allocations, streams
         samples: dict[str, list[float]] = {name: [] for name in configs}
@@ -179,6 +181,9 @@ def main() -> None:
     if args.event_engine_too:
         engine = statistics.median(samples[EVENT_ENGINE])
         print(f"EventEngine's polling cost per hop = (TPOT_3 EventEngine - TPOT_3) / 3 = {(engine - three) / 3:.3f} ms")
+    if args.asyncio_too:
+        loop = statistics.median(samples[ASYNCIO])
+        print(f"asyncio's loop cost per hop = (TPOT_3 asyncio - TPOT_3) / 3 = {(loop - three) / 3:.3f} ms")
 
     print("\nwhere a token's time goes, per stage (means over the timed rounds, from the agents' histograms; the hop "
           "into the first stage of a single stage is its feeding itself):\n")

@@ -1,7 +1,7 @@
 """What a pipeline hop costs the transport alone: a ring of processes forwarding one activation message over gRPC.
 
     python benchmarks/hop_floor.py [--processes 2 4] [--messages 3000] [--hidden 256] [--plaintext-too]
-                                   [--step-us 0] [--awake-too]
+                                   [--step-us 0] [--awake-too] [--event-engine-too] [--asyncio-too]
 
 Each process runs a real Stage gRPC server (fleet.wire.channels: the mesh's limits, keepalive and mutual TLS with
 certificates of a fresh CA) and forwards every StepBatch it receives to the next process over a persistent
@@ -17,8 +17,9 @@ spinners, one per core (SCHED_IDLE: they take a core only when nothing else want
 halting: the difference between the two rows is what the halted cores cost a hop.
 
 The rings' gRPC polls as the mesh's daemons do (fleet/wire/polling.py: on grpc.aio's completion-queue thread,
-EventEngine off). --event-engine-too runs each ring a second time with gRPC's default, EventEngine's threads polling
-the sockets: the difference is what that hand-off between threads costs a hop.
+EventEngine off), on the daemons' event loop (fleet/event_loop.py: uvloop's). --event-engine-too runs each ring a
+second time with gRPC's default, EventEngine's threads polling the sockets; --asyncio-too, on asyncio's own loop: the
+difference is what each costs a hop.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # before grpc loads: a terminated peer's GOAWAY is expected here
 
+from stratamesh.fleet import event_loop  # noqa: E402
 from stratamesh.fleet.wire.polling import CLASSIC_POLLING, use_classic_polling  # noqa: E402
 
 use_classic_polling()       # before grpc loads: as the mesh's daemons poll (a ring's processes inherit it)
@@ -100,7 +102,7 @@ def node(index: int, ports, ready, stop, laps, ca: tuple[bytes, bytes] | None, h
         await pool.close()
         await server.stop(None)
 
-    asyncio.run(main())
+    event_loop.run(main())      # the loop STRATAMESH_EVENT_LOOP names, as in a daemon
 
 
 def _work(step_us: int) -> None:
@@ -118,10 +120,12 @@ def _spin() -> None:
 
 
 def ring_per_hop_us(num_processes: int, tls: bool, hidden: int, messages: int, step_us: int = 0,
-                    awake: bool = False, event_engine: bool = False) -> list[float]:
+                    awake: bool = False, event_engine: bool = False, loop: str = "uvloop") -> list[float]:
     """Per-hop microseconds of each lap of a ring of num_processes, net of their step_us; awake: beside a spinner per
-    core (_spin); event_engine: its processes' gRPC polls with EventEngine (gRPC's default), not as the mesh's."""
+    core (_spin); event_engine: its processes' gRPC polls with EventEngine (gRPC's default), not as the mesh's; loop:
+    the event loop they run on (fleet/event_loop.py)."""
     os.environ["GRPC_EXPERIMENTS"] = "" if event_engine else CLASSIC_POLLING     # what the processes started inherit
+    os.environ["STRATAMESH_EVENT_LOOP"] = loop
     ctx = mp.get_context("spawn")
     ports = ctx.Array("i", [0] * num_processes)
     ca = pki.create_ca("hop-floor", time.time() - 60) if tls else None
@@ -161,10 +165,12 @@ def main() -> None:
                         help="also with an idle-priority spinner per core, so that no core halts between messages")
     parser.add_argument("--event-engine-too", action="store_true",
                         help="also with gRPC's default polling (EventEngine's threads), not the mesh's")
+    parser.add_argument("--asyncio-too", action="store_true", help="also on asyncio's own event loop, not uvloop's")
     args = parser.parse_args()
     modes = [True, False] if args.plaintext_too else [True]
     awake_modes = [False, True] if args.awake_too else [False]
-    engine_modes = [False, True] if args.event_engine_too else [False]
+    # what runs as the mesh does (""), then each variant asked for
+    variants = [""] + ["gRPC EventEngine"] * args.event_engine_too + ["asyncio loop"] * args.asyncio_too
     print(f"one [1, {args.hidden}] float32 activation message around a ring of processes, {args.messages} laps; "
           f"each process works {args.step_us} us on a message before forwarding it (per hop is net of it)\n")
     print(f"| {'ring':<46} | {'per hop p50 us':>14} | {'p90 us':>7} |\n|{'-' * 48}|{'-' * 16}|{'-' * 9}|")
@@ -172,22 +178,24 @@ def main() -> None:
     for n in args.processes:
         for tls in modes:
             for awake in awake_modes:
-                for engine in engine_modes:
-                    hops = ring_per_hop_us(n, tls, args.hidden, args.messages, args.step_us, awake, engine)
+                for variant in variants:
+                    hops = ring_per_hop_us(n, tls, args.hidden, args.messages, args.step_us, awake,
+                                           event_engine=variant == "gRPC EventEngine",
+                                           loop="asyncio" if variant == "asyncio loop" else "uvloop")
                     name = (f"{n} processes, {'mTLS' if tls else 'plaintext'}" + (", cores kept awake" if awake else "")
-                            + (", gRPC EventEngine" if engine else ""))
-                    medians[n, tls, awake, engine] = median = statistics.median(hops)
+                            + (f", {variant}" if variant else ""))
+                    medians[n, tls, awake, variant] = median = statistics.median(hops)
                     print(f"| {name:<46} | {median:14.0f} | {statistics.quantiles(hops, n=10)[8]:7.0f} |")
-    for (n, tls, awake, engine), median in medians.items():
+    for (n, tls, awake, variant), median in medians.items():
         ring = f"{n} processes, {'mTLS' if tls else 'plaintext'}"
-        if awake and not engine:
-            asleep = medians[n, tls, False, False]
+        if awake and not variant:
+            asleep = medians[n, tls, False, ""]
             print(f"\n{ring}: halting cores cost a hop {asleep - median:.0f} us "
                   f"(cores kept awake / not: {median / asleep:.2f}x)")
-        if engine and not awake:
-            classic = medians[n, tls, False, False]
-            print(f"\n{ring}: EventEngine's polling costs a hop {median - classic:.0f} us "
-                  f"(the mesh's / EventEngine's: {classic / median:.2f}x)")
+        if variant and not awake:
+            mesh = medians[n, tls, False, ""]
+            print(f"\n{ring}: the {variant} costs a hop {median - mesh:.0f} us "
+                  f"(the mesh's / the {variant}'s: {mesh / median:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, plan_main
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
+from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
 from stratamesh.fleet.types import AGENT_RUNTIMES, DEFAULT_ROUTER_MODE, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
@@ -305,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Runs body(stop) on asyncio; SIGINT or SIGTERM sets stop for a clean shutdown."""
+    """Runs body(stop) on an event loop; SIGINT or SIGTERM sets stop for a clean shutdown."""
     async def runner() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -314,7 +315,7 @@ def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await body(stop)
 
     try:
-        asyncio.run(runner())
+        event_loop.run(runner())   # uvloop's, unless STRATAMESH_EVENT_LOOP=asyncio (fleet/event_loop.py)
     except MeshError as exc:      # bad flags, a bad model folder, ...: say so, no traceback
         log.error("%s", exc)
         raise SystemExit(EXIT_REFUSED if isinstance(exc, Refused) else 1) from None

@@ -14,7 +14,7 @@ PY=.venv/bin/python
 PACKAGES=(grpcio protobuf zeroconf ifaddr pydantic pydantic_core annotated-types typing-inspection typing_extensions
           sqlite-utils sqlite-fts4 click-default-group click tabulate fastapi starlette anyio annotated-doc uvicorn h11
           cryptography cffi pycparser opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
-          pytest pluggy iniconfig pytest-asyncio pytest-timeout)
+          uvloop pytest pluggy iniconfig pytest-asyncio pytest-timeout)
 rm -rf .whl && mkdir .whl
 for name in "${PACKAGES[@]}"; do
     version=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")

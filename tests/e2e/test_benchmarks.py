@@ -16,14 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_decode_latency_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_latency.py"), "--tokens", "6",
-                             "--rounds", "1", "--event-engine-too"], capture_output=True, text=True, timeout=300)
+                             "--rounds", "1", "--event-engine-too", "--asyncio-too"], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 3 stages (3 hops per token)" in result.stdout
     assert "per-hop cost" in result.stdout
     assert re.search(r"EventEngine's polling cost per hop = .* = -?[\d.]+ ms", result.stdout), result.stdout
+    assert re.search(r"asyncio's loop cost per hop = .* = -?[\d.]+ ms", result.stdout), result.stdout
     # where a token's time goes: a row per stage of each mesh, each with a step, a hop in and a queue time
     breakdown = [line for line in result.stdout.splitlines() if re.match(r"\| [13] stages?[ ,].*\| +\d+-\d+ \|", line)]
-    assert [row.split("|")[2].strip() for row in breakdown] == ["0-6"] + ["0-2", "2-4", "4-6"] * 2, result.stdout
+    assert [row.split("|")[2].strip() for row in breakdown] == ["0-6"] + ["0-2", "2-4", "4-6"] * 3, result.stdout
     assert all(re.fullmatch(r"(\| +[\d.]+ ){3}\|", "|" + row.split("|", 3)[3]) for row in breakdown), breakdown
 
 
@@ -111,16 +113,19 @@ def test_gpu_serving_benchmark_runs_quick_on_whatever_device_there_is() -> None:
 
 def test_hop_floor_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hop_floor.py"), "--processes", "2",
-                             "--messages", "50", "--step-us", "200", "--awake-too", "--event-engine-too"],
+                             "--messages", "50", "--step-us", "200", "--awake-too", "--event-engine-too",
+                             "--asyncio-too"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| 2 processes, mTLS  " in result.stdout and "per hop p50 us" in result.stdout
     assert "| 2 processes, mTLS, cores kept awake  " in result.stdout
     assert "| 2 processes, mTLS, gRPC EventEngine  " in result.stdout
+    assert "| 2 processes, mTLS, asyncio loop  " in result.stdout
     assert re.search(r"2 processes, mTLS: halting cores cost a hop -?\d+ us \(cores kept awake / not: [\d.]+x\)",
                      result.stdout), result.stdout
-    assert re.search(r"2 processes, mTLS: EventEngine's polling costs a hop -?\d+ us \(the mesh's / EventEngine's: "
-                     r"[\d.]+x\)", result.stdout), result.stdout
+    for variant in ("gRPC EventEngine", "asyncio loop"):
+        assert re.search(rf"2 processes, mTLS: the {variant} costs a hop -?\d+ us \(the mesh's / the {variant}'s: "
+                         r"[\d.]+x\)", result.stdout), result.stdout
 
 
 def test_wan_links_benchmark_narrows_the_codec_of_a_slow_link_and_prints_the_ratio() -> None:
