@@ -75,6 +75,19 @@ def activation_bytes(mesh: LocalMesh) -> dict[str, float]:
     return mesh.agent_sums("stratamesh:link_activation_bytes_total", "codec")
 
 
+def wait_for_link(mesh: LocalMesh, a: str, b: str, timeout_s: float = 120.0) -> None:
+    """Waits until the coordinator holds a measurement of the link between agents a and b (either way): until then
+    a route's link runs in what the planner chose without it (raw), and the runs would time that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        links = httpx.get(f"{mesh.url}/admin/api/links", headers=mesh.headers, timeout=10).json()["links"]
+        if any({link["agent_id"], link["peer_id"]} == {a, b} and link["bandwidth_bytes_per_s"] > 0 and not link["error"]
+               for link in links):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the link between {a} and {b} was not measured in {timeout_s:.0f} s")
+
+
 def send_all(mesh: LocalMesh, model: str, vocab: list[int], num_prompts: int, output_len: int, concurrency: int,
              seed: int) -> BenchMetrics:
     """All of num_prompts random 16-token prompts sent at once, at most concurrency in flight; none may fail."""
@@ -99,6 +112,7 @@ def run_profile(model_dir: Path, profile: str, codec: str, reach: str, args: arg
                          agent_hosts={0: near, 1: far}, coordinator_args=["--wire-codec", codec],
                          log_dir=args.log_dir or None)
         with mesh:
+            wait_for_link(mesh, mesh.agent_ids[0], mesh.agent_ids[1])
             send_all(mesh, model_dir.name, vocab, 4, 4, 4, seed=99)   # warm-up: connections, first steps
             c1 = send_all(mesh, model_dir.name, vocab, args.num_prompts // 4, args.output_len, 1, args.seed)
             before = activation_bytes(mesh)
