@@ -4,7 +4,8 @@
 
 Starts the agents' Link service (gRPC, as fleet/wire/channels.py makes it) and an asyncio TCP echo and sink
 server, then times the same work on both: round trips of one message on one open stream (256 B, as the probe
-sends, and 8 KiB), and a stream of 1 MiB chunks. Bulk MB/s is the median over the repeats. With
+sends, and 8 KiB), and a stream of the probe's chunks (fleet/links.py: BULK_CHUNK_BYTES; the gRPC side keeps
+the probe's window of them on their way). Bulk MB/s is the median over the repeats. With
 --separate-process both servers run in a child process, as a peer agent would.
 """
 
@@ -19,7 +20,7 @@ import time
 
 import grpc
 
-from stratamesh.fleet.links import BULK_CHUNK_BYTES, PAYLOAD_BYTES, LinkService, bulk_transfer, echo_round_trips_s
+from stratamesh.fleet.links import BULK_CHUNK_BYTES, PAYLOAD_BYTES, LinkService, bulk_bandwidth, echo_round_trips_s
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_channel, make_server
 
@@ -110,9 +111,9 @@ async def run(args: argparse.Namespace) -> None:
     async with make_channel(f"127.0.0.1:{grpc_port}") as channel:
         stub = pb_grpc.LinkStub(channel)
         grpc_bulk, tcp_bulk = [], []
+        rtt_s = statistics.median(await echo_round_trips_s(stub, 20, PAYLOAD_BYTES))   # sizes the bulk window
         for _ in range(args.repeats):
-            num_bytes, elapsed_s = await bulk_transfer(stub, args.bulk_mib << 20, max_s=60.0)
-            grpc_bulk.append(num_bytes / elapsed_s)
+            grpc_bulk.append(await bulk_bandwidth(stub, args.bulk_mib << 20, 60.0, rtt_s))
             tcp_bulk.append(await _tcp_bulk_bytes_per_s(tcp_port, args.bulk_mib << 20))
         for size in SIZES:
             grpc_rtts = await echo_round_trips_s(stub, args.pings, size)

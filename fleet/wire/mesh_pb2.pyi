@@ -767,10 +767,14 @@ class BulkChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class BulkSummary(_message.Message):
-    __slots__ = ("num_bytes",)
+    __slots__ = ("num_bytes", "timed_bytes", "timed_s")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMED_S_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
-    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+    timed_bytes: int
+    timed_s: float
+    def __init__(self, num_bytes: _Optional[int] = ..., timed_bytes: _Optional[int] = ..., timed_s: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable", "embedding", "held")

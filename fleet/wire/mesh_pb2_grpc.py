@@ -556,7 +556,7 @@ class LinkStub:
                 request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.FromString,
                 _registered_method=True)
-        self.Bulk = channel.stream_unary(
+        self.Bulk = channel.stream_stream(
                 '/stratamesh.v1.Link/Bulk',
                 request_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkChunk.SerializeToString,
                 response_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkSummary.FromString,
@@ -587,7 +587,7 @@ def add_LinkServicer_to_server(servicer, server):
                     request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.EchoMessage.SerializeToString,
             ),
-            'Bulk': grpc.stream_unary_rpc_method_handler(
+            'Bulk': grpc.stream_stream_rpc_method_handler(
                     servicer.Bulk,
                     request_deserializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkChunk.FromString,
                     response_serializer=stratamesh_dot_fleet_dot_wire_dot_mesh__pb2.BulkSummary.SerializeToString,
@@ -642,7 +642,7 @@ class Link:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/stratamesh.v1.Link/Bulk',

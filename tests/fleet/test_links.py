@@ -5,19 +5,25 @@ from __future__ import annotations
 import asyncio
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from stratamesh.fleet.links import NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, LinkService, measure_link, measure_peers
+from stratamesh.fleet.links import (NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, LinkService, later_half_rate,
+                                    measure_link, measure_peers)
+from stratamesh.fleet.netbed import LinkProfile, Netbed
 from stratamesh.fleet.types import Peer
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 
 MiB = 1 << 20
+LINK_PEER = str(Path(__file__).with_name("link_peer.py"))
 
 
 class CountingLinkService(LinkService):
@@ -25,12 +31,17 @@ class CountingLinkService(LinkService):
 
     def __init__(self) -> None:
         self.bulk_bytes: list[int] = []
+        self.bulk_ended = asyncio.Event()
 
     async def Bulk(self, request_iterator: AsyncIterator[pb.BulkChunk],
-                   context: grpc.aio.ServicerContext) -> pb.BulkSummary:
-        summary = await super().Bulk(request_iterator, context)
-        self.bulk_bytes.append(summary.num_bytes)
-        return summary
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BulkSummary]:
+        latest = pb.BulkSummary()
+        try:
+            async for latest in super().Bulk(request_iterator, context):
+                yield latest
+        finally:            # the prober may end the call under chunks still on their way
+            self.bulk_bytes.append(latest.num_bytes)
+            self.bulk_ended.set()
 
 
 @pytest.fixture
@@ -102,6 +113,7 @@ async def test_the_bulk_phase_stops_at_its_time_cap(link_server) -> None:
     address, service = link_server
     # A TiB would take minutes: returning at all (well inside the 30 s guard) means the time cap stopped it.
     await asyncio.wait_for(measure_link(address, num_pings=1, bulk_max_bytes=1 << 40, bulk_max_s=0.1), 30)
+    await asyncio.wait_for(service.bulk_ended.wait(), 30)      # the cancelled call reaches the server after
     assert 0 < service.bulk_bytes[0] < 1 << 40
 
 
@@ -117,3 +129,36 @@ async def test_a_dead_or_silent_peer_is_reported_as_an_error_and_the_others_stil
     assert dead.peer_agent_id == "dead" and dead.error.startswith("UNAVAILABLE") and dead.rtt_s == 0
     assert quiet.peer_agent_id == "silent" and quiet.error
     assert live.peer_agent_id == "live" and not live.error and live.rtt_s > 0 and live.bandwidth_bytes_per_s > 0
+
+
+def test_the_rate_is_the_slope_through_bursty_arrivals() -> None:
+    # 64 KB every 0.1 s, handed over two chunks at a time: the slope is 640 KB/s where two points can say 320
+    replies = [pb.BulkSummary(timed_bytes=b, timed_s=t) for b, t in
+               ((32_000, 0.1), (64_000, 0.1), (96_000, 0.2), (128_000, 0.2), (160_000, 0.3), (192_000, 0.3))]
+    assert later_half_rate(replies) == pytest.approx(640_000)
+    assert later_half_rate(replies[1:3]) == pytest.approx(320_000)
+    assert later_half_rate(replies[:2]) == 0.0          # one burst: no time passed, nothing to say
+
+
+async def test_a_slow_link_is_measured_with_about_a_second_of_its_bytes(netbed: Netbed) -> None:
+    """Two probes in a row of a 5 Mbit/s, 80 ms uplink both measure it, each with about BULK_MAX_S of the link's
+    bytes. The bulk phase's writes once ran megabytes ahead of such a link (gRPC's and the kernel's buffers) and
+    its answer waited for all of them: 4 MiB, 7 s of this link for a 1 s measurement, and a 2 Mbit/s link's probe
+    ran past its 10 s timeout, so such an agent's links were never measured."""
+    rate_bytes_per_s = 5e6 / 8
+    far = netbed.add_host("far", LinkProfile("dsl-uplink", rate_mbit=5, rtt_ms=80))
+    netbed.attach_here()
+    peer = subprocess.Popen(far.command([sys.executable, LINK_PEER, "7200"]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        probes = await measure_peers([Peer("far", f"{far.address}:7200")] * 2)
+        received = [await asyncio.wait_for(asyncio.to_thread(peer.stdout.readline), 30) for _ in probes]
+    finally:
+        peer.kill()
+        peer.wait()
+    for probe, line in zip(probes, received):
+        assert not probe.error
+        assert probe.rtt_s >= 0.080
+        assert 0.5 * rate_bytes_per_s <= probe.bandwidth_bytes_per_s <= 1.25 * rate_bytes_per_s, probe
+        # BULK_MAX_S of the link, the first chunk, and the window of about a quarter second still on its way
+        assert int(line.split()[1]) <= 2.0 * rate_bytes_per_s, line

@@ -35,18 +35,6 @@ def test_the_profiles_the_issue_names() -> None:
 
 
 @pytest.fixture
-def netbed() -> Iterator[Netbed]:
-    prefix = f"sm-{secrets.token_hex(3)}"
-    try:
-        check_can_build(prefix)
-    except NetbedUnavailable as exc:
-        pytest.skip(f"the WAN test bed cannot run here: {exc}")
-    with Netbed(prefix) as bed:
-        yield bed
-    assert bed.leftovers() == []
-
-
-@pytest.fixture
 def servers() -> Iterator[list[subprocess.Popen]]:
     started: list[subprocess.Popen] = []
     yield started

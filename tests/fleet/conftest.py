@@ -1,0 +1,23 @@
+"""Fixtures of the fleet tests that several files share."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from stratamesh.fleet.netbed import Netbed, NetbedUnavailable, check_can_build
+
+
+@pytest.fixture
+def netbed() -> Iterator[Netbed]:
+    """A WAN test bed of network namespaces (skips where this machine cannot build one); checks nothing is left."""
+    prefix = f"sm-{secrets.token_hex(3)}"
+    try:
+        check_can_build(prefix)
+    except NetbedUnavailable as exc:
+        pytest.skip(f"the WAN test bed cannot run here: {exc}")
+    with Netbed(prefix) as bed:
+        yield bed
+    assert bed.leftovers() == []
