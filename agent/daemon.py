@@ -21,6 +21,7 @@ from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.engine.tp_group import GroupFailed
+from stratamesh.agent.heap import keep_freed_memory
 from stratamesh.agent.probe import probe
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.telemetry import TelemetrySampler
@@ -110,6 +111,7 @@ def exit_now(reason: str) -> None:
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
+    keep_freed_memory()
     if options.num_threads > 0:
         torch.set_num_threads(options.num_threads)
     # One browser finds the coordinator to enroll and then to connect: the second find answers from its cache at

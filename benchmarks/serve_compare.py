@@ -1,7 +1,7 @@
 """Output tokens/s of transformers and stratamesh side by side, at concurrency 1, 8 and 32.
 
     python benchmarks/serve_compare.py [--concurrency 1 8 32] [--input-len 128] [--output-len 64] [--rounds 3]
-                                       [--range-ratio R] [--shared-prefix] [--quick]
+                                       [--range-ratio R] [--shared-prefix] [--quick] [--baseline-keeps-freed-memory]
 
 One random-weight Llama (8 layers, hidden 512 by default) and the same token-id prompts for:
   (a) transformers generate, one request at a time (greedy);
@@ -15,6 +15,8 @@ PASS/FAIL (printed, never asserted): issue 20's at C=1 and at the largest concur
 --range-ratio draws each prompt's input and output length from [len*(1-R), len*(1+R)] (vLLM's
 --random-range-ratio): the workload where continuous batching pulls ahead of padded batches.
 --shared-prefix adds TTFT p50 of requests sharing a long prefix, prefix cache on vs off.
+The agents keep freed memory in malloc's heap (agent/heap.py); transformers runs with glibc's defaults, as a
+user's script does, unless --baseline-keeps-freed-memory gives it the agents' settings too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from stratamesh.agent.heap import keep_freed_memory
 from stratamesh.fleet.launcher import LaunchError, LocalMesh
 
 from stratamesh.bench.datasets import (
@@ -209,6 +212,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefix-requests", type=int, default=32)
     parser.add_argument("--prefix-concurrency", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="tiny model, C=1 and 4, few short prompts")
+    parser.add_argument("--baseline-keeps-freed-memory", action="store_true",
+                        help="transformers' rows run with the agents' malloc settings (agent/heap.py), not glibc's "
+                             "defaults")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.input_len, args.output_len, args.min_prompts, args.rounds = [1, 4], 16, 8, 4, 1
@@ -219,13 +225,17 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.baseline_keeps_freed_memory and not keep_freed_memory():
+        raise SystemExit("--baseline-keeps-freed-memory: malloc's settings could not be changed here (not glibc)")
     model_dir = Path(args.model) if args.model else write_model(Path(tempfile.mkdtemp()), args.quick)
     vocab = regular_token_ids(model_dir)
     sets = prompt_sets(vocab, args)
     rows = interleaved_rounds(model_dir, sets, args.rounds)
+    heap = "the agents' (agent/heap.py)" if args.baseline_keeps_freed_memory else "glibc's defaults"
     print(f"model {model_dir.name}, input {args.input_len} tokens, output {args.output_len} tokens, "
           f"range ratio {args.range_ratio}, "
-          f"prompts per column max(2C, {args.min_prompts}), {os.cpu_count()} CPUs\n")
+          f"prompts per column max(2C, {args.min_prompts}), {os.cpu_count()} CPUs; transformers' malloc settings: "
+          f"{heap}\n")
     print_throughput(rows, args.concurrency, args.rounds)
     if args.shared_prefix:
         requests = shared_prefix_requests(vocab, args.prefix_requests, args.prefix_len, args.suffix_len,

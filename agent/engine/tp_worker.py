@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from stratamesh.agent.engine.stage_runner import StageRunner
+from stratamesh.agent.heap import keep_freed_memory
 from stratamesh.agent.engine.tp_group import (Collectives, Forward, LoadFailed, Ready, ReadKv, Stop, WriteKv,
                                               backend_for, rank_device, recv, send, store_for)
 from stratamesh.fleet.types import StageSpec
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
     conn = Connection(socket.socket(fileno=args.fd).detach())
+    keep_freed_memory()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     spec = StageSpec(**json.loads(args.spec))
