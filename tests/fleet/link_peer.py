@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -16,19 +16,26 @@ from stratamesh.fleet.wire.channels import bind, make_server
 
 
 class ReportingLinkService(LinkService):
+    """LinkService that calls on_bulk_end with the bytes each Bulk call received, as the call ends (also when the
+    prober ends it under chunks still on their way)."""
+
+    def __init__(self, on_bulk_end: Callable[[int], None]) -> None:
+        self._on_bulk_end = on_bulk_end
+
     async def Bulk(self, request_iterator: AsyncIterator[pb.BulkChunk],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BulkSummary]:
         latest = pb.BulkSummary()
         try:
             async for latest in super().Bulk(request_iterator, context):
                 yield latest
-        finally:            # also when the prober ends the call under chunks still on their way
-            print(f"bulk {latest.num_bytes}", flush=True)
+        finally:
+            self._on_bulk_end(latest.num_bytes)
 
 
 async def serve(port: int) -> None:
     server = make_server()
-    pb_grpc.add_LinkServicer_to_server(ReportingLinkService(), server)
+    pb_grpc.add_LinkServicer_to_server(ReportingLinkService(lambda num_bytes: print(f"bulk {num_bytes}", flush=True)),
+                                       server)
     bind(server, "0.0.0.0", port)
     await server.start()
     print("ready", flush=True)

@@ -11,37 +11,32 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from stratamesh.fleet.links import (NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, LinkService, later_half_rate,
+from stratamesh.fleet.links import (NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, later_half_rate,
                                     measure_link, measure_peers)
 from stratamesh.fleet.netbed import LinkProfile, Netbed
 from stratamesh.fleet.types import Peer
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
+from tests.fleet.link_peer import ReportingLinkService
 
 MiB = 1 << 20
 LINK_PEER = str(Path(__file__).with_name("link_peer.py"))
 
 
-class CountingLinkService(LinkService):
+class CountingLinkService(ReportingLinkService):
     """LinkService that remembers how many bytes each Bulk call received."""
 
     def __init__(self) -> None:
+        super().__init__(self._bulk_ended)
         self.bulk_bytes: list[int] = []
         self.bulk_ended = asyncio.Event()
 
-    async def Bulk(self, request_iterator: AsyncIterator[pb.BulkChunk],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BulkSummary]:
-        latest = pb.BulkSummary()
-        try:
-            async for latest in super().Bulk(request_iterator, context):
-                yield latest
-        finally:            # the prober may end the call under chunks still on their way
-            self.bulk_bytes.append(latest.num_bytes)
-            self.bulk_ended.set()
+    def _bulk_ended(self, num_bytes: int) -> None:
+        self.bulk_bytes.append(num_bytes)
+        self.bulk_ended.set()
 
 
 @pytest.fixture
