@@ -16,9 +16,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.agent.heap import keep_freed_memory
 from stratamesh.agent.engine.tp_group import (Collectives, Forward, LoadFailed, Ready, ReadKv, Stop, WriteKv,
                                               backend_for, rank_device, recv, send, store_for)
+from stratamesh.agent.heap import keep_freed_memory
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.tp import load_tp_stage
 
