@@ -80,6 +80,9 @@ def timed_get(url: str) -> tuple[float, dict]:
 def test_ten_thousand_agents_show_by_site_page_by_page_and_live(fleet: tuple[LocalMesh, list[LoadProcess]]) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
     expect = sync_api.expect
+    # Each check waits for the page to show its state, up to 30 s rather than Playwright's 5: a page of a site's
+    # agents took over 5 s to come on a busy CI box (the API lists 10,000 agents in 0.4-1.5 s when it is quiet)
+    expect.set_options(timeout=30_000)
     mesh, loads = fleet
     total = NUM_SIMULATED + 1
     (first_kind, first), (delta_kind, delta) = first_events(mesh.url, 2)
