@@ -38,12 +38,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
     return make
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs a worker a core), the tests that start real processes (marked slow) run on
-    one worker, one after another as without xdist: two meshes at once on two cores would each see the other's load in
-    every timing they print, and the suite's robustness to a busy box is tested by `make test-busy`, not by chance.
-    The other tests spread over the workers beside them."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("processes"))
