@@ -20,7 +20,7 @@ from stratamesh.bench.sim_agents import agent_id
 from stratamesh.coordinator.daemon import LIVENESS_CHECK_S
 from stratamesh.fleet.launcher import LocalMesh
 
-from .streams import held, settled_requests
+from .streams import decisive, held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def wait_for(predicate, timeout_s: float, what: str):  # noqa: ANN001, ANN201
 def test_hundreds_of_boxes_join_while_streams_run_and_a_dead_one_is_found_within_its_lease(
         tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=96, seed=25)
+    jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=96, seed=25), model_dir)
     mesh = LocalMesh(str(model_dir), num_agents=2, num_stages=2, insecure=True, log_dir=str(tmp_path / "logs"),
                      db=str(tmp_path / "registry.db"))
     loads: list[LoadProcess] = []

@@ -16,7 +16,7 @@ from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from .streams import held, settled_requests
+from .streams import decisive, held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ MODEL = "tiny-llama"
 def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """3 stages and a spare; 8 streams of 64 tokens (greedy and seeded); kill -9 the middle stage's agent."""
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=3)
+    jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=3), model_dir)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
@@ -53,7 +53,7 @@ def test_a_coordinator_crash_cuts_its_streams_frees_the_stages_and_a_restart_ser
         tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """The origin lives in the coordinator: its generations end with it; stages must not keep their KV."""
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(2, regular_token_ids(model_dir), prompt_len=20, max_tokens=400, seed=5)
+    jobs = decisive(make_jobs(2, regular_token_ids(model_dir), prompt_len=20, max_tokens=400, seed=5), model_dir)
     with LocalMesh(str(model_dir), num_agents=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
 
@@ -79,7 +79,7 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
         tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
     vocab = regular_token_ids(model_dir)
-    long_jobs = make_jobs(8, vocab, prompt_len=20, max_tokens=240, seed=7)
+    long_jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=240, seed=7), model_dir)
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, headers=mesh.headers))
@@ -104,6 +104,7 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
         assert joined["while streaming"]                                  # it joined while they streamed
         assert [o.tokens for o in during_join] == [o.tokens for o in reference]
         assert [r["num_failovers"] for r in records] == [0] * 8          # nobody was moved
-        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(make_jobs(8, vocab, 20, 64, seed=8)), stage=1))
+        jobs = held(decisive(make_jobs(8, vocab, 20, 64, seed=8), model_dir))
+        run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
         assert [o.tokens for o in run.outcomes] == [o.tokens for o in run.reference]
         assert all(mesh.agent_addresses[3] in route for route in run.routes_after)   # the newcomer took over

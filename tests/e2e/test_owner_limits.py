@@ -17,7 +17,7 @@ from stratamesh.bench.chaos import FailoverRun, StreamOutcome, disturb_stage_mid
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.fleet.launcher import LocalMesh
 
-from .streams import held, settled_requests
+from .streams import decisive, held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_an_agent_past_its_owners_limit_rests_mid_stream_and_serves_again_after_
     limits = {i: ["--max-gpu-temp", "80", "--sensor-file", str(sensors[i]), "--limit-grace", "1s",
                   "--limit-cooldown", "2s"] for i in range(3)}
     # held open: every stream still runs when the rest is over, however busy the box
-    jobs = held(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=96, seed=5))
+    jobs = held(decisive(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=96, seed=5), model_dir))
     with LocalMesh(str(model_dir), num_agents=3, num_stages=2, agent_args_by_index=limits,
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
 

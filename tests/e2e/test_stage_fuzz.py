@@ -15,6 +15,8 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.stage_fuzz import ENDED_EARLY, Target, fuzz_concurrently
 from stratamesh.fleet.launcher import LocalMesh
 
+from .streams import decisive
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
@@ -63,7 +65,7 @@ def targets_of(mesh: LocalMesh, model_dir: Path) -> dict[str, Target]:
 
 def test_malformed_stage_messages_hurt_no_generation(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(4, regular_token_ids(model_dir), prompt_len=20, max_tokens=160, seed=3)
+    jobs = decisive(make_jobs(4, regular_token_ids(model_dir), prompt_len=20, max_tokens=160, seed=3), model_dir)
     with LocalMesh(str(model_dir), num_agents=2, num_stages=2, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         reference = asyncio.run(run_streams(mesh.url, MODEL, jobs, headers=mesh.headers))

@@ -22,7 +22,7 @@ from stratamesh.bench.chaos import (FailoverRun, disturb_stage_mid_stream, kill_
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.sdk import Mesh
 
-from .streams import held, settled_requests
+from .streams import decisive, held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +140,7 @@ def test_up_restarts_a_killed_agent_and_every_stream_finishes_identically(tiny_m
                                                                            tmp_path: Path) -> None:
     """`stratamesh up --agents 4 --stages 3` (a spare), 6 streams, kill -9 of the middle stage's agent."""
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=11)
+    jobs = decisive(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=11), model_dir)
     up = Up(model_dir, agents=4, stages=3, cwd=tmp_path)
     try:
         before = time.time()
@@ -173,7 +173,7 @@ def test_up_restarts_a_killed_agent_and_every_stream_finishes_identically(tiny_m
 
 def test_mesh_local_restarts_a_killed_agent_under_its_id(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=12)
+    jobs = decisive(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=12), model_dir)
     with Mesh.local(model_dir, agents=4, stages=3, log_dir=str(tmp_path / "logs"),
                     db=str(tmp_path / "registry.db")) as mesh:
         processes = mesh.local_mesh

@@ -21,7 +21,7 @@ from stratamesh.fleet.launcher import LocalMesh
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
-from .streams import held, settled_requests
+from .streams import decisive, held, settled_requests
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
     """An edge and three 2-rank agents for 3 stages: one agent is left over. kill -9 of rank 1 of a group
     mid-stream: its agent goes down with it, and the streams go on through a re-planned pipeline."""
     model_dir = tiny_models["llama"]
-    jobs = make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=7)
+    jobs = decisive(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=7), model_dir)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, agent_args_by_index={i: CLOUD for i in (1, 2, 3)},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
         plan = active_plan(mesh)
