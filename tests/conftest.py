@@ -21,7 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # each worker computes on its share of the cores: two workers' OpenMP pools of one thread a core each would
     # spin-wait on one another (a step 10-50x slower), the agents of the other worker's meshes in between
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-# agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache
+# agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache: one folder for the
+# whole run, since pytest-xdist's workers inherit it from the controller, which imported this module first
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
 
 

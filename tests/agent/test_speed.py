@@ -200,12 +200,15 @@ def test_the_overheads_split_a_step_into_a_fixed_part_and_a_part_per_layer(times
 
 
 @pytest.mark.slow
-def test_onnx_runtime_is_measured_through_its_own_stages() -> None:
+def test_onnx_runtime_is_measured_through_its_own_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ONNX Runtime's decode costs come from the real engine running exports of the probe models (its large
     matmul and copy are torch's); the exports go with the probe, nothing is left in the cache folder."""
     from stratamesh.agent.speed import measure_onnx_speeds
     from stratamesh.fleet.state import cache_home
 
+    # a cache folder of its own: the test session's is shared by every xdist worker, whose agents write theirs there
+    monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
     torch_cpu = SpeedInfo("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
     before = set(cache_home(os.environ).rglob("*"))
     ort, int8 = measure_onnx_speeds(torch_cpu)
