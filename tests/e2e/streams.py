@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import torch
 
-from stratamesh.bench.chaos import StreamJob
+from stratamesh.bench.chaos import StreamJob, StreamOutcome
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.config import read_config
-from stratamesh.kernels.models.decoder import StageModel, load_stage, one_sequence
+from stratamesh.kernels.models.decoder import StageModel, greedy_tokens, load_stage, one_sequence
 
 # A held stream (StreamJob.hold_tokens) asks for about the tiny models' whole context room (2048 tokens): it runs
 # until the test releases it, then ends at its own max_tokens.
@@ -44,6 +44,22 @@ def decisive(jobs: list[StreamJob], model_dir: Path, seed: int = 0) -> list[Stre
             job = replace(job, prompt_ids=tuple(rng.choice(vocab) for _ in job.prompt_ids))
         out.append(job)
     return out
+
+
+def which_diverged(model_dir: Path, jobs: list[StreamJob], **runs: list[StreamOutcome]) -> str:
+    """For each greedy job the runs disagree on, where each run first left the model's greedy tokens in one process
+    (float32): an assertion message that tells a wrong reference run from a wrong failover."""
+    num_layers = read_config(model_dir).num_layers
+    stage = load_stage(StageSpec("which-diverged", str(model_dir), 0, num_layers, num_layers))
+    lines = []
+    for i, job in enumerate(jobs):
+        tokens = {name: outcomes[i].tokens for name, outcomes in runs.items()}
+        if job.temperature != 0 or len({tuple(t) for t in tokens.values()}) == 1:
+            continue
+        model = greedy_tokens(stage, list(job.prompt_ids), max(len(t) for t in tokens.values()))
+        left = {name: next((k for k, (a, b) in enumerate(zip(t, model)) if a != b), None) for name, t in tokens.items()}
+        lines.append(f"job {i}: first token off the one-process model's, by run: {left}")
+    return "\n".join(lines)
 
 
 def smallest_margin(stage: StageModel, prompt_ids: tuple[int, ...], num_tokens: int) -> float:

@@ -18,7 +18,7 @@ from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
 from .reference import encode
-from .streams import HOLD_TOKENS, decisive, held, settled_requests
+from .streams import HOLD_TOKENS, decisive, held, settled_requests, which_diverged
 from .test_mesh import PROMPT, complete_ids
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,8 @@ def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models:
         states = {a["agent_id"]: a["state"] for a in agents}
     assert run.drain_exit == 0 and "drained" in run.drain_output, run.drain_output
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
-    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # identical, none lost
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # identical,
+        model_dir, jobs, reference=run.reference, drained=run.outcomes)                             # none lost
     assert len(run.routes_after) == 8 and all(r[1] == spare_address for r in run.routes_after)
     assert states[drained_id] == "drained"
     # Every session moved once, with its KV: nothing was computed again, here or on the spare.

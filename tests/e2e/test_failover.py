@@ -16,7 +16,7 @@ from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from .streams import decisive, held, settled_requests
+from .streams import decisive, held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,8 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
         records = settled_requests(mesh, 8)
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
-    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # none repeated, none missing
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # none repeated,
+        model_dir, jobs, reference=run.reference, failover=run.outcomes)                            # none missing
     assert len(run.routes_after) == 8 and all(run.killed_address not in r for r in run.routes_after)
     assert all(r["num_failovers"] >= 1 and r["state"] == "finished" for r in records)
     assert len(run.stalls) == 8
@@ -106,5 +107,6 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
         assert [r["num_failovers"] for r in records] == [0] * 8          # nobody was moved
         jobs = held(decisive(make_jobs(8, vocab, 20, 64, seed=8), model_dir))
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-        assert [o.tokens for o in run.outcomes] == [o.tokens for o in run.reference]
+        assert [o.tokens for o in run.outcomes] == [o.tokens for o in run.reference], which_diverged(
+            model_dir, jobs, reference=run.reference, failover=run.outcomes)
         assert all(mesh.agent_addresses[3] in route for route in run.routes_after)   # the newcomer took over

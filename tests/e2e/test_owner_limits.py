@@ -17,7 +17,7 @@ from stratamesh.bench.chaos import FailoverRun, StreamOutcome, disturb_stage_mid
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.fleet.launcher import LocalMesh
 
-from .streams import decisive, held, settled_requests
+from .streams import decisive, held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,8 @@ def test_an_agent_past_its_owners_limit_rests_mid_stream_and_serves_again_after_
         until(lambda: agent_state(mesh, rested_id) == "connected")        # after its cool-down
         events = httpx.get(f"{mesh.url}/admin/api/events", headers=mesh.headers).json()["events"]
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
-    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # identical, none lost
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # identical,
+        model_dir, jobs, reference=run.reference, rested=run.outcomes)                              # none lost
     assert run.routes_after and all(run.killed_address not in route for route in run.routes_after)
     assert [r["num_failovers"] for r in records] == [0] * 6                         # moved, not failed over
     kinds = [e["kind"] for e in events if e.get("agent_id") == rested_id]

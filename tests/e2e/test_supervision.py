@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.bench.chaos import (FailoverRun, disturb_stage_mid_stream, kill_stage_mid_stream, make_jobs,
-                                    wait_for_failover)
+from stratamesh.bench.chaos import (FailoverRun, StreamJob, disturb_stage_mid_stream, kill_stage_mid_stream,
+                                    make_jobs, wait_for_failover)
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.sdk import Mesh
 
-from .streams import decisive, held, settled_requests
+from .streams import decisive, held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 
@@ -130,9 +130,10 @@ def wait_until(condition, timeout_s: float = 120.0) -> bool:
     return ok
 
 
-def check_streams(run: FailoverRun) -> None:
+def check_streams(run: FailoverRun, jobs: list[StreamJob], model_dir: Path) -> None:
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
-    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]   # none repeated, none missing
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # none repeated,
+        model_dir, jobs, reference=run.reference, failover=run.outcomes)                            # none missing
     assert all(run.killed_address not in route for route in run.routes_after)
 
 
@@ -163,7 +164,7 @@ def test_up_restarts_a_killed_agent_and_every_stream_finishes_identically(tiny_m
         assert up.process.poll() is None
     finally:
         code = up.stop()
-    check_streams(run)
+    check_streams(run, jobs, model_dir)
     assert up.wait_for_line(rf"\({re.escape(agent_id)}\) exited with status -9; restarting it in 1 s", 0)
     assert health["status"] == "ok" and health["num_agents"] == 4
     assert not [line for line in up.lines if re.search(rf"\({re.escape(victim)}\) (is back|exited)", line)]
@@ -186,5 +187,5 @@ def test_mesh_local_restarts_a_killed_agent_under_its_id(tiny_models: dict[str, 
         assert [a.state for a in mesh.agents()].count("connected") == 4
         records = settled_requests(processes, 6)
         assert processes.agents[index].poll() is None
-    check_streams(run)
+    check_streams(run, jobs, model_dir)
     assert all(r["num_failovers"] >= 1 and r["state"] == "finished" for r in records)

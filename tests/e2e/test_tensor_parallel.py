@@ -21,7 +21,7 @@ from stratamesh.fleet.launcher import LocalMesh
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
-from .streams import decisive, held, settled_requests
+from .streams import decisive, held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,8 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
             time.sleep(0.2)
         new_plan = active_plan(mesh)
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
-    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]
+    assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(
+        model_dir, jobs, reference=run.reference, failover=run.outcomes)
     assert exit_code != 0                                # the agent went down with its group ...
     assert not any(Path(f"/proc/{pid}").exists() for pids in rank_pids.values() for pid in pids)   # ... and its ranks
     assert all(r["num_failovers"] >= 1 and r["state"] == "finished" for r in records)
