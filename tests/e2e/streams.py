@@ -35,8 +35,7 @@ MIN_MARGIN = 1e-4
 def decisive(jobs: list[StreamJob], model_dir: Path, seed: int = 0) -> list[StreamJob]:
     """The jobs, each greedy one's prompt drawn again (as long, from the regular vocabulary) until each of its
     max_tokens greedy steps leads the runner-up logit by MIN_MARGIN in a one-process run of the model."""
-    num_layers = read_config(model_dir).num_layers
-    stage = load_stage(StageSpec("decisive", str(model_dir), 0, num_layers, num_layers))
+    stage = whole_model(model_dir)
     vocab, rng = regular_token_ids(model_dir), random.Random(seed)
     out = []
     for job in jobs:
@@ -49,8 +48,7 @@ def decisive(jobs: list[StreamJob], model_dir: Path, seed: int = 0) -> list[Stre
 def which_diverged(model_dir: Path, jobs: list[StreamJob], **runs: list[StreamOutcome]) -> str:
     """For each greedy job the runs disagree on, where each run first left the model's greedy tokens in one process
     (float32): an assertion message that tells a wrong reference run from a wrong failover."""
-    num_layers = read_config(model_dir).num_layers
-    stage = load_stage(StageSpec("which-diverged", str(model_dir), 0, num_layers, num_layers))
+    stage = whole_model(model_dir)
     lines = []
     for i, job in enumerate(jobs):
         tokens = {name: outcomes[i].tokens for name, outcomes in runs.items()}
@@ -60,6 +58,12 @@ def which_diverged(model_dir: Path, jobs: list[StreamJob], **runs: list[StreamOu
         left = {name: next((k for k, (a, b) in enumerate(zip(t, model)) if a != b), None) for name, t in tokens.items()}
         lines.append(f"job {i}: first token off the one-process model's, by run: {left}")
     return "\n".join(lines)
+
+
+def whole_model(model_dir: Path) -> StageModel:
+    """The model in one stage, in this process (float32), as the one-process reference computes it."""
+    num_layers = read_config(model_dir).num_layers
+    return load_stage(StageSpec(Path(model_dir).name, str(model_dir), 0, num_layers, num_layers))
 
 
 def smallest_margin(stage: StageModel, prompt_ids: tuple[int, ...], num_tokens: int) -> float:
