@@ -32,8 +32,7 @@ $(NFT):
 
 # A pytest-xdist worker a core (the whole suite: 1179 s -> 837-871 s on 2 cores). The tests that start real processes
 # (marked slow) spread over the workers like the rest, so two meshes may run at once: each must bear the other's load,
-# as on a shared CI box. (Until 2026-11-29 conftest.py asked xdist to run them on one worker; xdist had already
-# grouped the tests when that hook ran, so it never did, and every landed suite ran them side by side.)
+# as on a shared CI box.
 XDIST := -n auto
 # The suite starts ~250 Python processes (agents, coordinators, benchmarks, CLI calls): with PYTHONDONTWRITEBYTECODE
 # set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
