@@ -237,6 +237,14 @@ class Roster:
         """The newest measured bandwidth (bytes/s) from sender to receiver (or, unmeasured, the other way); None."""
         return self._bandwidths.get((sender, receiver)) or self._bandwidths.get((receiver, sender))
 
+    def same_box(self, a: str, b: str) -> bool:
+        """Whether two connected agents run on one box: the same hostname, and Stage services on the same IP address.
+        Their link is a copy through that box's loopback, whose probe measures how busy the box is, not a network.
+        (Both, because network namespaces on one box share its hostname, and sites behind NAT may reuse addresses.)"""
+        x, y = self._links.get(a), self._links.get(b)
+        return (x is not None and y is not None and x.capabilities.hostname == y.capabilities.hostname
+                and _host(x.stage_address) == _host(y.stage_address))
+
     def tick(self) -> None:
         """Writes the heartbeats taken, prunes old telemetry, and re-probes links when due."""
         self.flush()
@@ -280,3 +288,8 @@ class Roster:
 
     def is_connected(self, agent_id: str) -> bool:
         return agent_id in self._links
+
+
+def _host(address: str) -> str:
+    """The host part of a "host:port" address ("[::1]:50051" -> "::1")."""
+    return address.rpartition(":")[0].strip("[]")

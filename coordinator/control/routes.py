@@ -50,15 +50,25 @@ class Disaggregation:
         return ("prefill" if self.prefills(plan) else "decode") if self.prefill_replicas else ""
 
 
-def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], float | None]) -> list[str]:
+def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], float | None],
+               same_box: Callable[[str, str], bool]) -> list[str]:
     """The codec of the link into each stage of plan: none into the first (token ids); into each other, policy where
-    it names one, else the most exact that keeps the link within its share of the sending stage's predicted step
-    (partitioner/wire_codec.py) at the link's newest measured bandwidth; unmeasured, what the planner chose."""
+    it names one; else raw between two agents of one box (same_box: no network to spare, and a lossy codec would
+    change the model's output), and otherwise the most exact that keeps the link within its share of the sending
+    stage's predicted step (partitioner/wire_codec.py) at the link's newest measured bandwidth; unmeasured, what the
+    planner chose.
+
+    Loopback is why same_box comes first: its probe times how soon the receiving agent's event loop answers, so a
+    busy box reads as a slow link. Streams of a float32 test mesh that left the model's greedy tokens in CI, with two
+    meshes side by side on 2 cores, are, token for token, what int8 on its link after layer 2 gives."""
     num_links = len(plan.stages) - 1
     if policy != "auto":
         return ["", *[policy] * num_links]
     codecs = [""]
     for k, (sender, receiver) in enumerate(itertools.pairwise(plan.stages)):
+        if same_box(sender.agent_id, receiver.agent_id):
+            codecs.append("")
+            continue
         measured = bandwidth(sender.agent_id, receiver.agent_id)
         step_s, send_bytes = (_predicted(plan, name, k) for name in ("stage_step_s", "stage_send_bytes"))
         if measured and step_s and send_bytes:
@@ -139,7 +149,7 @@ class Routes:
 
     def link_codecs(self, plan: PlanRecord) -> list[str]:
         """The codec of the link into each stage of plan (hop_codecs)."""
-        return hop_codecs(plan, self.wire_codec, self._roster.bandwidth)
+        return hop_codecs(plan, self.wire_codec, self._roster.bandwidth, self._roster.same_box)
 
     def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
                       avoid: Collection[str] = ()) -> list[Hop] | None:

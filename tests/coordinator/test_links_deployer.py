@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
@@ -99,10 +101,21 @@ def test_a_terrible_measured_link_keeps_consecutive_stages_off_it(model_dir: Pat
     assert bad not in plan(fine + [LinkMeasurement("a2", 0.5, 1e6)])     # 1 MB/s and 500 ms: avoided
 
 
-def two_stages(model_dir: Path, wire_codec: str = "auto") -> tuple[Deployer, Registry]:
+def on(agent: Agent, hostname: str, ip: str) -> Agent:
+    """The agent as if it ran on the box of that hostname, its Stage service on that IP address."""
+    agent.caps = replace(agent.caps, hostname=hostname)
+    agent.link.capabilities = agent.caps
+    agent.link.stage_address = f"{ip}:{agent.link.stage_address.rpartition(':')[2]}"
+    return agent
+
+
+def two_stages(model_dir: Path, wire_codec: str = "auto",
+               boxes: tuple[tuple[str, str], tuple[str, str]] = (("box-a1", "10.0.0.1"), ("box-a2", "10.0.0.2")),
+               ) -> tuple[Deployer, Registry]:
+    """A model on two agents, each on the box (hostname, Stage IP address) boxes gives it."""
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 100.0, wire_codec=wire_codec)
-    connect_all(deployer, [Agent("a1", 8), Agent("a2", 8)])
+    connect_all(deployer, [on(Agent(f"a{i + 1}", 8), *box) for i, box in enumerate(boxes)])
     deployer.add_model("m", str(model_dir), num_stages=2)
     return deployer, registry
 
@@ -127,3 +140,21 @@ def test_a_wire_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> No
     plan = registry.active_plan("m")
     deployer.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
     assert deployer.link_codecs(plan) == ["", "float16"]
+
+
+@pytest.mark.parametrize("boxes, on_one_box", [
+    ((("box", "127.0.0.1"), ("box", "127.0.0.1")), True),       # `stratamesh up`: every agent on loopback
+    ((("box", "10.0.0.5"), ("box", "10.0.0.5")), True),         # two agents of one box on its LAN address
+    ((("box", "10.0.0.1"), ("box", "10.0.0.2")), False),        # network namespaces of one box (the WAN test bed)
+    ((("edge-1", "192.168.1.10"), ("edge-2", "192.168.1.10")), False),    # two sites' NAT'd boxes, one address
+], ids=["loopback", "one-box-lan-address", "namespaces", "reused-private-address"])
+def test_a_link_between_two_agents_of_one_box_stays_raw_however_slow_its_probe(
+        model_dir: Path, boxes: tuple[tuple[str, str], tuple[str, str]], on_one_box: bool) -> None:
+    """A loopback probe measures how busy the box is: it must not make the mesh lossy (and its output another)."""
+    deployer, registry = two_stages(model_dir, boxes=boxes)
+    plan = registry.active_plan("m")
+    sender, receiver = (s.agent_id for s in plan.stages)
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.014, 5e4)])     # 50 KB/s: int8 anywhere else
+    assert deployer.link_codecs(plan) == ["", "" if on_one_box else "int8"]
+    forced, registry = two_stages(model_dir, wire_codec="float16", boxes=boxes)
+    assert forced.link_codecs(registry.active_plan("m")) == ["", "float16"]      # a policy still applies to every link
