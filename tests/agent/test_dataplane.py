@@ -89,6 +89,14 @@ async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
         host.close()
 
 
+async def eventually(predicate, timeout_s: float = 10.0) -> None:
+    """Polls predicate until it holds (AssertionError after timeout_s): waits for a state, not for a duration."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "the state never came"
+        await asyncio.sleep(0.005)
+
+
 def send(stream: OutboundStream, message, to: str = "") -> None:
     stream.send(convert.stage_message_to_pb(message, to))
 
@@ -125,8 +133,7 @@ async def test_concurrent_sessions_batch_and_each_matches_its_reference(stage) -
     assert 3 * 10 <= host.num_step_tokens <= 3 * 11 and host.layers_cpu_s > 0
     for i in range(len(prompts)):
         send(stream, SessionClose(f"s{i}"))
-    await asyncio.sleep(0.2)
-    assert host.num_sessions == 0
+    await eventually(lambda: host.num_sessions == 0)
 
 
 async def test_a_repeated_prompt_is_served_from_the_prefix_cache(stage) -> None:
@@ -152,8 +159,7 @@ async def test_a_bad_session_fails_alone_while_another_completes(stage) -> None:
     assert "start_pos" in bad.error and bad.error_stage == "agent-under-test"
     assert await good == greedy_reference(spec, prompt, 8)
     send(stream, SessionClose("good"))
-    await asyncio.sleep(0.2)
-    assert host.num_sessions == 0                 # the bad one was dropped, the good one closed
+    await eventually(lambda: host.num_sessions == 0)  # the bad one was dropped, the good one closed
 
 
 async def test_token_ids_outside_the_vocabulary_fail_the_session(stage) -> None:

@@ -10,20 +10,12 @@ import pytest
 
 from stratamesh.fleet.types import (Assignment, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StageSpec,
                                     StepChunk)
-from tests.agent.test_dataplane import greedy_reference, send, serving
+from tests.agent.test_dataplane import eventually, greedy_reference, send, serving
 
 
 def tiny_spec(tiny_model, start: int, end: int) -> StageSpec:
     path = tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)
     return StageSpec("m", str(path), start, end, 2, kv_block_size=4)
-
-
-async def eventually(predicate, timeout_s: float = 10.0) -> None:
-    """Polls predicate until it holds (AssertionError after timeout_s): waits for a state, not for a duration."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "the state never came"
-        await asyncio.sleep(0.005)
 
 
 def start(stream, session_id: str, first: Hop, origin_address: str, prompt: list[int], route: tuple[Hop, ...] = (),
