@@ -96,6 +96,9 @@ class StageView(BaseModel):
     state: str
     cached_blocks: int = Field(0, description="KV blocks its prefix cache holds, as its KV events told the router")
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
+    link_codec: str = Field("", description='how activations reach it from the stage before, as routes use it now: '
+                            '"" raw in the dtype they travel in (and always into the first stage, which takes token '
+                            'ids), or "float16", "bfloat16", "int8" (partitioner/wire_codec.py)')
     weights: WeightsView | None = Field(None, description="how its agent's fetch of its tensors went; null: the "
                                         "agent read them from a folder of its own")
 

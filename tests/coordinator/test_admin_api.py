@@ -17,6 +17,7 @@ from stratamesh.coordinator.api.ui import UI_DIR, mount_ui
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.origin import Origin
+from stratamesh.fleet.types import LinkMeasurement
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
 
 T0 = 1_700_000_000.0
@@ -78,6 +79,11 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
             ("m", 6, "active"), ("m2", 6, "active")]
         # where each stage runs and in what precision, as its spec says (these agents are CPU boxes)
         assert {(s["device"], s["dtype"]) for p in plans for s in p["stages"]} == {("cpu", "float32")}
+        # how activations reach each stage, as routes use it now: token ids into the first; a 2 Mbit/s link, int8
+        sender, receiver = (s.agent_id for s in registry.active_plan("m").stages)
+        deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
+        plans = (await client.get("/admin/api/plans")).json()["plans"]
+        assert [s["link_codec"] for p in plans if p["model_id"] == "m" for s in p["stages"]] == ["", "int8"]
         # what the planner predicted: tokens/s at a concurrency, the step, and each stage's part of it
         for plan in plans:
             predicted, steps = plan["predicted"], [s["predicted_step_s"] for s in plan["stages"]]
