@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
 from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents, wire_dtype
 from stratamesh.partitioner.wire_codec import check_policy, choose_codec
+
+log = logging.getLogger(__name__)
 
 # kv mode weighs a generation decoding on a replica as this many prompt tokens to prefill there: each decode
 # step of the batch costs about one token's compute per sequence, and a prefill takes a few such steps.
@@ -79,6 +82,14 @@ def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], fl
     return codecs
 
 
+def _rate(bytes_per_s: float | None) -> str:
+    """bytes/s as "0.25 MB/s" or "1250 MB/s" (no exponent); "none" when unmeasured."""
+    if not bytes_per_s:
+        return "none"
+    mb = bytes_per_s / 1e6
+    return f"{mb:.3g} MB/s" if mb < 1000 else f"{mb:.0f} MB/s"
+
+
 def _predicted(plan: PlanRecord, name: str, index: int) -> Any:
     """One stage's figure of the plan's prediction; None where it has none (a plan stored before it had them)."""
     values = plan.prediction.get(name) or ()
@@ -105,6 +116,7 @@ class Routes:
         self.prefixes = PrefixIndex(clock)     # kv mode: what each replica's stages hold in their prefix caches
         self._served: set[str] = set()         # models that were ready since this coordinator started
         self._turns: dict[str, int] = {}       # model id -> routes handed out (whose turn is next)
+        self._codecs: dict[tuple[str, int], str] = {}   # (plan id, stage) -> the codec into it routes used last
         self._waiters: list[asyncio.Future[None]] = []
 
     def serves(self, plan: PlanRecord) -> bool:
@@ -148,8 +160,17 @@ class Routes:
         return [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
 
     def link_codecs(self, plan: PlanRecord) -> list[str]:
-        """The codec of the link into each stage of plan (hop_codecs)."""
-        return hop_codecs(plan, self.wire_codec, self._roster.bandwidth, self._roster.same_box)
+        """The codec of the link into each stage of plan (hop_codecs); logs each link that narrows or changes codec."""
+        codecs = hop_codecs(plan, self.wire_codec, self._roster.bandwidth, self._roster.same_box)
+        for k, codec in enumerate(codecs[1:], start=1):
+            before = self._codecs.get((plan.plan_id, k), "")
+            if codec != before:
+                sender, receiver = plan.stages[k - 1].agent_id, plan.stages[k].agent_id
+                log.info("the link %s -> %s into stage %d of %s carries %s now (was %s; its newest measured bandwidth: "
+                         "%s)", sender, receiver, k, plan.model_id, codec or "raw", before or "raw",
+                         _rate(self._roster.bandwidth(sender, receiver)))
+                self._codecs[plan.plan_id, k] = codec
+        return codecs
 
     def prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
                       avoid: Collection[str] = ()) -> list[Hop] | None:

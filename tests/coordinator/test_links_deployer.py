@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -158,3 +159,25 @@ def test_a_link_between_two_agents_of_one_box_stays_raw_however_slow_its_probe(
     assert deployer.link_codecs(plan) == ["", "" if on_one_box else "int8"]
     forced, registry = two_stages(model_dir, wire_codec="float16", boxes=boxes)
     assert forced.link_codecs(registry.active_plan("m")) == ["", "float16"]      # a policy still applies to every link
+
+
+def test_a_link_that_changes_codec_is_logged_once_per_change(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    deployer, registry = two_stages(model_dir)
+    plan = registry.active_plan("m")
+    sender, receiver = (s.agent_id for s in plan.stages)
+    caplog.set_level(logging.INFO, logger="stratamesh.coordinator.control.routes")
+
+    def changes() -> list[str]:
+        deployer.link_codecs(plan)
+        deployer.link_codecs(plan)       # asked again, unchanged: not logged again
+        said = [r.getMessage() for r in caplog.records if "carries" in r.getMessage()]
+        caplog.clear()
+        return said
+
+    assert changes() == []                                                        # raw, as planned
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
+    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries int8 now (was raw; its newest "
+                         f"measured bandwidth: 0.25 MB/s)"]
+    deployer.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
+    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries raw now (was int8; its newest "
+                         f"measured bandwidth: 10000 MB/s)"]
