@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -55,6 +57,24 @@ def test_matches_the_reference(mix, num_heads, num_kv_heads, window):
     expected = paged_attention_reference(q, batch.seqs, keys, values, window)
     assert out.shape == q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_batches_match_the_reference(seed: int) -> None:
+    """Batches as a busy stage forms them: up to 24 sequences, mostly decodes with up to 150 cached tokens, some
+    prefill chunks of 2-40 tokens after 0-100 cached; GQA or not, head 16 or 64, block 4 or 16, a window or none.
+    (CPU attention runs SDPA's flash kernel on 4-D inputs, queries grouped per KV head: shapes it must not miss.)"""
+    rng = random.Random(seed)
+    block_size, (num_heads, num_kv_heads) = rng.choice([4, 16]), rng.choice([(4, 2), (8, 4), (4, 4), (8, 1)])
+    specs = [(rng.randint(0, 150), 1) if rng.random() < 0.7
+             else (rng.choice([0, rng.randint(0, 100)]), rng.randint(2, 40)) for _ in range(rng.randint(1, 24))]
+    num_blocks = sum(-(-(start + length) // block_size) + 1 for start, length in specs)
+    cache = PagedKVCache(3, num_blocks, block_size, num_kv_heads, rng.choice([16, 64]))
+    window = rng.choice([None, None, None, 7, 32])
+    batch, q, k, v, keys, values = build_batch(cache, specs, num_heads, seed=seed)
+    out = batch.attend(1, q, k, v, batch.positions, window)
+    torch.testing.assert_close(out.double(), paged_attention_reference(q, batch.seqs, keys, values, window),
+                               atol=ATOL, rtol=0)
 
 
 def test_new_tokens_land_in_their_slots_of_their_layer_only():
