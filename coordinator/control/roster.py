@@ -13,6 +13,7 @@ from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
                                     Shutdown, Telemetry)
+from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class Roster:
         (Both, because network namespaces on one box share its hostname, and sites behind NAT may reuse addresses.)"""
         x, y = self._links.get(a), self._links.get(b)
         return (x is not None and y is not None and x.capabilities.hostname == y.capabilities.hostname
-                and _host(x.stage_address) == _host(y.stage_address))
+                and address_host(x.stage_address) == address_host(y.stage_address))
 
     def tick(self) -> None:
         """Writes the heartbeats taken, prunes old telemetry, and re-probes links when due."""
@@ -288,8 +289,3 @@ class Roster:
 
     def is_connected(self, agent_id: str) -> bool:
         return agent_id in self._links
-
-
-def _host(address: str) -> str:
-    """The host part of a "host:port" address ("[::1]:50051" -> "::1")."""
-    return address.rpartition(":")[0].strip("[]")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from stratamesh.fleet.types import RtcAnswer, RtcOffer
-from stratamesh.fleet.wire.stream import dialable
+from stratamesh.fleet.wire.stream import address_host, dialable
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ async def nat_address(peer: str, stage_address: str, timeout_s: float = DIAL_CHE
     "ipv4:host:port"), which is not the host it serves at, and this coordinator cannot dial that address (no route
     to it, or no answer in timeout_s)."""
     seen = _peer_host(peer)
-    if not seen or seen == stage_address.rpartition(":")[0].strip("[]") or ipaddress.ip_address(seen).is_loopback:
+    if not seen or seen == address_host(stage_address) or ipaddress.ip_address(seen).is_loopback:
         return ""
     return "" if await dialable(stage_address, timeout_s) else seen
 
@@ -90,7 +90,7 @@ def _peer_host(peer: str) -> str:
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return ""
-    host = rest.rpartition(":")[0].strip("[]")
+    host = address_host(rest)
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -135,6 +135,11 @@ class OutboundStream:
             lost.cancel()
 
 
+def address_host(address: str) -> str:
+    """The host part of a "host:port" address, IPv6 brackets dropped ("[::1]:50051" -> "::1")."""
+    return address.rpartition(":")[0].strip("[]")
+
+
 async def dialable(address: str, timeout_s: float = DIAL_CHECK_S) -> bool:
     """Whether a TCP connection to host:port can be opened: False when there is no route to it or nothing answers
     in timeout_s; True when it opens, and when it is refused (the host is there and its daemon is not: the gRPC
