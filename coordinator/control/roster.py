@@ -11,8 +11,8 @@ from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessCon
 from stratamesh.coordinator.records import StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
-                                    Shutdown, Telemetry)
+from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, ProbeLinks, Registration,
+                                    Release, Shutdown, Telemetry)
 from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ TELEMETRY_PRUNE_EVERY_S = 60.0
 # flush (every tick): each agent's newest last_seen, and its telemetry history at most once per this many seconds
 # (a fleet of 10,000 agents at 0.5 s would otherwise write 20,000 rows a second).
 TELEMETRY_RECORD_EVERY_S = 5.0
+# Routes believe a drop in a link's bandwidth once two readings in a row show it (Roster.bandwidth); a reading under
+# this share of the one before is measured again at once, so that a real drop counts within seconds.
+DROP_CONFIRM = 0.5
 
 
 class AgentNotConnected(MeshError, LookupError):
@@ -67,6 +70,7 @@ class Roster:
         self.membership = 0     # bumped whenever an agent connects or is forgotten: who peers() lists may differ
         # (from, to) agent ids -> the newest measured bandwidth of that link (bytes/s), as the registry keeps them
         self._bandwidths = {(r.agent_id, r.peer_id): r.bandwidth_bytes_per_s for r in registry.links()}
+        self._earlier: dict[tuple[str, str], float] = {}     # ... and the reading before it, since this start
 
     def start(self, now: float) -> None:
         """After a (re)start no agent is connected until it says so."""
@@ -226,17 +230,36 @@ class Roster:
         self._recorded_at.pop(agent_id, None)
 
     def links_reported(self, agent_id: str, links: list[LinkMeasurement]) -> None:
-        """Stores an agent's link measurements for the planner and the operator."""
+        """Stores an agent's link measurements for the planner and the operator. A reading under DROP_CONFIRM of the
+        one before asks the agent to measure that link again at once: bandwidth() believes a drop only when a second
+        reading confirms it."""
         self._registry.record_links(agent_id, links, self._clock())
+        again: list[Peer] = []
         for m in links:
-            if not m.error:
-                self._bandwidths[agent_id, m.peer_agent_id] = m.bandwidth_bytes_per_s
-            else:
+            if m.error:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
+                continue
+            key = (agent_id, m.peer_agent_id)
+            before = self._bandwidths.get(key)
+            if before is not None:
+                self._earlier[key] = before
+            self._bandwidths[key] = m.bandwidth_bytes_per_s
+            peer = self._links.get(m.peer_agent_id)
+            if before and m.bandwidth_bytes_per_s < DROP_CONFIRM * before and peer is not None:
+                again.append(Peer(peer.agent_id, peer.stage_address))
+        if again and agent_id in self._links:
+            self._links[agent_id].send(ProbeLinks(tuple(again)))
 
     def bandwidth(self, sender: str, receiver: str) -> float | None:
-        """The newest measured bandwidth (bytes/s) from sender to receiver (or, unmeasured, the other way); None."""
-        return self._bandwidths.get((sender, receiver)) or self._bandwidths.get((receiver, sender))
+        """The bandwidth (bytes/s) from sender to receiver that routes pick its codec by (or, unmeasured, the other
+        way's); None. It is the better of the link's two newest readings: one slow reading (a busy moment of either
+        box, or of the network) does not make a LAN link lossy and the mesh's output another. A real drop shows in
+        the second reading too, which links_reported() asks for at once."""
+        for key in ((sender, receiver), (receiver, sender)):
+            newest = self._bandwidths.get(key)
+            if newest:
+                return max(newest, self._earlier.get(key, 0.0))
+        return None
 
     def same_box(self, a: str, b: str) -> bool:
         """Whether two connected agents run on one box: the same hostname, and Stage services on the same IP address.

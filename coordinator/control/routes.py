@@ -58,8 +58,8 @@ def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], fl
     """The codec of the link into each stage of plan: none into the first (token ids); into each other, policy where
     it names one; else raw between two agents of one box (same_box: no network to spare, and a lossy codec would
     change the model's output), and otherwise the most exact that keeps the link within its share of the sending
-    stage's predicted step (partitioner/wire_codec.py) at the link's newest measured bandwidth; unmeasured, what the
-    planner chose.
+    stage's predicted step (partitioner/wire_codec.py) at the link's measured bandwidth (Roster.bandwidth: the better
+    of its two newest readings); unmeasured, what the planner chose.
 
     Loopback is why same_box comes first: its probe times how soon the receiving agent's event loop answers, so a
     busy box reads as a slow link. Streams of a float32 test mesh that left the model's greedy tokens in CI, with two
@@ -166,8 +166,8 @@ class Routes:
             before = self._codecs.get((plan.plan_id, k), "")
             if codec != before:
                 sender, receiver = plan.stages[k - 1].agent_id, plan.stages[k].agent_id
-                log.info("the link %s -> %s into stage %d of %s carries %s now (was %s; its newest measured bandwidth: "
-                         "%s)", sender, receiver, k, plan.model_id, codec or "raw", before or "raw",
+                log.info("the link %s -> %s into stage %d of %s carries %s now (was %s; its measured bandwidth: %s)",
+                         sender, receiver, k, plan.model_id, codec or "raw", before or "raw",
                          _rate(self._roster.bandwidth(sender, receiver)))
                 self._codecs[plan.plan_id, k] = codec
         return codecs

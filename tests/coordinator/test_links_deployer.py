@@ -136,6 +136,33 @@ def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir:
     assert deployer.link_codecs(plan) == ["", ""]                                  # a fast link: raw, exact
 
 
+def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: Path) -> None:
+    """One slow reading between two boxes (a busy moment) leaves a LAN link raw and asks for another at once; a drop
+    that the second reading confirms narrows it; a fast reading widens it at once."""
+    agents = {a.link.agent_id: a for a in (on(Agent("a1", 8), "box-a1", "10.0.0.1"),
+                                          on(Agent("a2", 8), "box-a2", "10.0.0.2"))}
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    connect_all(deployer, list(agents.values()))
+    deployer.add_model("m", str(model_dir), num_stages=2)
+    plan = registry.active_plan("m")
+    sender, receiver = (s.agent_id for s in plan.stages)
+    fast, slow = LinkMeasurement(receiver, 1e-4, 1e10), LinkMeasurement(receiver, 0.08, 2.5e5)
+    deployer.links_reported(sender, [fast])
+    agent = agents[sender]
+    agent.sent.clear()
+    deployer.links_reported(sender, [slow])
+    assert deployer.link_codecs(plan) == ["", ""]                  # not believed yet: still raw, exact
+    assert probes(agent) == [[peer(agents[receiver])]]             # ... and measured again at once
+    deployer.links_reported(sender, [slow])
+    assert deployer.link_codecs(plan) == ["", "int8"]              # confirmed
+    assert len(probes(agent)) == 1                                 # no drop from the reading before: no new probe
+    deployer.links_reported(sender, [fast])
+    assert deployer.link_codecs(plan) == ["", ""]                  # faster: believed at once
+    deployer.links_reported(sender, [replace(fast, bandwidth_bytes_per_s=0.6e10)])
+    assert len(probes(agent)) == 1                                 # a drop to 60%: the next period's probe will do
+
+
 def test_a_wire_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
     deployer, registry = two_stages(model_dir, wire_codec="float16")
     plan = registry.active_plan("m")
@@ -176,8 +203,8 @@ def test_a_link_that_changes_codec_is_logged_once_per_change(model_dir: Path, ca
 
     assert changes() == []                                                        # raw, as planned
     deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
-    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries int8 now (was raw; its newest "
-                         f"measured bandwidth: 0.25 MB/s)"]
+    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries int8 now (was raw; its measured "
+                         f"bandwidth: 0.25 MB/s)"]
     deployer.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
-    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries raw now (was int8; its newest "
-                         f"measured bandwidth: 10000 MB/s)"]
+    assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries raw now (was int8; its measured "
+                         f"bandwidth: 10000 MB/s)"]
