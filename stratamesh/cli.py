@@ -279,6 +279,9 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--prompt-len", type=int, default=32)
     chaos.add_argument("--max-tokens", type=int, default=64)
     chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--margin", type=float, default=1e-4,
+                       help="draw greedy prompts whose every step leads its runner-up logit by this much, so that a "
+                            "failover's reordered float sums cannot change them (0: any prompt)")
     chaos.set_defaults(func=_bench_chaos)
     plan_check = bench_commands.add_parser(
         "plan", help="local meshes of N agents: the planner's predicted tokens/s next to the measured")
@@ -494,7 +497,7 @@ def _bench_chaos(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
 
     report = chaos_main(args.model or builtin_model_dir(), args.agents, args.stages, args.duration, args.clients,
-                        args.kill_every, args.jobs, args.prompt_len, args.max_tokens, args.seed)
+                        args.kill_every, args.jobs, args.prompt_len, args.max_tokens, args.seed, args.margin)
     if report.num_failed or report.num_mismatched:
         raise SystemExit(1)
 

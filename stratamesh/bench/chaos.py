@@ -339,9 +339,16 @@ def _ms(stalls: Sequence[float], seconds: float) -> str:
 
 
 def chaos_main(model_dir: str, num_agents: int, num_stages: int, duration_s: float, num_clients: int,
-               kill_every_s: float, num_jobs: int, prompt_len: int, max_tokens: int, seed: int) -> ChaosReport:
-    """`stratamesh bench chaos`: starts a local mesh, runs the chaos and prints the table."""
+               kill_every_s: float, num_jobs: int, prompt_len: int, max_tokens: int, seed: int,
+               min_margin: float = 1e-4) -> ChaosReport:
+    """`stratamesh bench chaos`: starts a local mesh, runs the chaos and prints the table. Greedy prompts are drawn
+    so that each greedy step leads its runner-up by min_margin (bench.margins; 0: any prompt): a failover reorders
+    float sums, so an output that differs on a closer step says nothing about the mesh."""
     jobs = make_jobs(num_jobs, regular_token_ids(model_dir), prompt_len, max_tokens, seed)
+    if min_margin > 0:
+        from stratamesh.bench.margins import decisive     # (it loads the model in this process)
+        jobs = decisive(jobs, model_dir, seed, min_margin)
+        print(f"greedy prompts drawn so that each of their greedy steps leads by {min_margin:g} or more", flush=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request would bury the table
     with LocalMesh(model_dir, num_agents=num_agents, num_stages=num_stages) as mesh:
         print(f"mesh of {num_agents} agents ({num_stages} stages) up; logs in {mesh.log_dir}", flush=True)

@@ -16,11 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from stratamesh.bench.chaos import StreamOutcome, make_jobs, run_streams, wait_for_tokens
 from stratamesh.bench.control import LoadProcess
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.sim_agents import agent_id
 from stratamesh.coordinator.daemon import LIVENESS_CHECK_S
 from stratamesh.fleet.launcher import LocalMesh
 
-from .streams import decisive, held, settled_requests
+from .streams import held, settled_requests
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.chaos import drain_stage_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
 from .reference import encode
-from .streams import HOLD_TOKENS, decisive, held, settled_requests, which_diverged
+from .streams import HOLD_TOKENS, held, settled_requests, which_diverged
 from .test_mesh import PROMPT, complete_ids
 
 pytestmark = pytest.mark.slow

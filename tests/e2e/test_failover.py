@@ -12,11 +12,12 @@ import pytest
 
 from stratamesh.bench.chaos import StreamOutcome, kill_stage_mid_stream, make_jobs, run_streams, wait_for_tokens
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from .streams import decisive, held, settled_requests, which_diverged
+from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,10 @@ import pytest
 
 from stratamesh.bench.chaos import FailoverRun, StreamOutcome, disturb_stage_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.fleet.launcher import LocalMesh
 
-from .streams import decisive, held, settled_requests, which_diverged
+from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 

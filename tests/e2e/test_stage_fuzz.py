@@ -12,10 +12,9 @@ import schemathesis
 
 from stratamesh.bench.chaos import make_jobs, run_streams
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.stage_fuzz import ENDED_EARLY, Target, fuzz_concurrently
 from stratamesh.fleet.launcher import LocalMesh
-
-from .streams import decisive
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,10 @@ import pytest
 from stratamesh.bench.chaos import (FailoverRun, StreamJob, disturb_stage_mid_stream, kill_stage_mid_stream,
                                     make_jobs, wait_for_failover)
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.sdk import Mesh
 
-from .streams import decisive, held, settled_requests, which_diverged
+from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,14 @@ import pytest
 
 from stratamesh.bench.chaos import kill_rank_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
 from stratamesh.fleet.launcher import LocalMesh
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
-from .streams import decisive, held, settled_requests, which_diverged
+from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
 

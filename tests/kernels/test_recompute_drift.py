@@ -1,6 +1,6 @@
 """A context whose KV is recomputed in one prefill, as a failover's new route recomputes it, continues as the decoded
 one did: its logits stay within the margin the end-to-end tests keep between a greedy step's two best tokens
-(tests/e2e/streams.py MIN_MARGIN), so those tests can ask for identical tokens after a failover."""
+(stratamesh/bench/margins.py MIN_MARGIN), so those tests can ask for identical tokens after a failover."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from stratamesh.bench.margins import MIN_MARGIN
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from tests.e2e.streams import MIN_MARGIN
 
 NUM_BLOCKS, BLOCK = 64, 16
 
