@@ -346,7 +346,7 @@ def chaos_main(model_dir: str, num_agents: int, num_stages: int, duration_s: flo
     float sums, so an output that differs on a closer step says nothing about the mesh."""
     jobs = make_jobs(num_jobs, regular_token_ids(model_dir), prompt_len, max_tokens, seed)
     if min_margin > 0:
-        from stratamesh.bench.margins import decisive     # (it loads the model in this process)
+        from stratamesh.bench.margins import decisive     # (it imports this module, and torch)
         jobs = decisive(jobs, model_dir, seed, min_margin)
         print(f"greedy prompts drawn so that each of their greedy steps leads by {min_margin:g} or more", flush=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request would bury the table

@@ -42,9 +42,9 @@ def decisive(jobs: list[StreamJob], model_dir: str | Path, seed: int = 0,
         while job.temperature == 0 and smallest_margin(stage, job.prompt_ids, job.max_tokens) < min_margin:
             draws += 1
             if draws > MAX_DRAWS:
-                raise InvalidInput(f"no prompt of {len(job.prompt_ids)} tokens in {MAX_DRAWS} draws has {job.max_tokens} "
-                                   f"greedy steps that each lead by {min_margin:g}: ask for fewer tokens or a "
-                                   "smaller margin")
+                raise InvalidInput(f"no prompt of {len(job.prompt_ids)} tokens in {MAX_DRAWS} draws has "
+                                   f"{job.max_tokens} greedy steps that each lead by {min_margin:g}: ask for fewer "
+                                   "tokens or a smaller margin")
             job = replace(job, prompt_ids=tuple(rng.choice(vocab) for _ in job.prompt_ids))
         out.append(job)
     return out
