@@ -57,9 +57,9 @@ class PeerProbes:
         self._ids.append(newcomer.agent_id)
         self._sites.setdefault(newcomer.capabilities.site, set()).add(newcomer.agent_id)
         partners = self._partners(newcomer, links)
-        _probe(newcomer, partners)
+        probe(newcomer, partners)
         for partner in partners:
-            _probe(partner, [newcomer])
+            probe(partner, [newcomer])
 
     def tick(self, links: Mapping[str, AgentLink]) -> None:
         """Once a period is up, asks every connected agent to measure its links to its partners again."""
@@ -70,7 +70,7 @@ class PeerProbes:
         self._ids = [a for a in dict.fromkeys(self._ids) if a in links]
         self._sites = {site: kept for site, ids in self._sites.items() if (kept := {a for a in ids if a in links})}
         for link in links.values():
-            _probe(link, self._partners(link, links))
+            probe(link, self._partners(link, links))
 
     def _partners(self, prober: AgentLink, links: Mapping[str, AgentLink]) -> list[AgentLink]:
         """Up to fanout other connected agents: prober's site's first, then others at random (all in a small fleet)."""
@@ -93,7 +93,7 @@ class PeerProbes:
         return [links[a] for a in chosen]
 
 
-def _probe(prober: AgentLink, peers: Sequence[AgentLink]) -> None:
+def probe(prober: AgentLink, peers: Sequence[AgentLink]) -> None:
     """Asks prober to measure its links to those of peers it can dial."""
     reachable = tuple(Peer(p.agent_id, p.stage_address) for p in peers if dials(prober.nat, p))
     if reachable:

@@ -6,13 +6,13 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from stratamesh.coordinator.linkprobe import PeerProbes, peers_of
+from stratamesh.coordinator.linkprobe import PeerProbes, peers_of, probe
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.records import StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, ProbeLinks, Registration,
-                                    Release, Shutdown, Telemetry)
+from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
+                                    Shutdown, Telemetry)
 from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class Roster:
         one before asks the agent to measure that link again at once: bandwidth() believes a drop only when a second
         reading confirms it."""
         self._registry.record_links(agent_id, links, self._clock())
-        again: list[Peer] = []
+        again: list[AgentLink] = []
         for m in links:
             if m.error:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
@@ -244,11 +244,10 @@ class Roster:
             if before is not None:
                 self._earlier[key] = before
             self._bandwidths[key] = m.bandwidth_bytes_per_s
-            peer = self._links.get(m.peer_agent_id)
-            if before and m.bandwidth_bytes_per_s < DROP_CONFIRM * before and peer is not None:
-                again.append(Peer(peer.agent_id, peer.stage_address))
+            if before and m.bandwidth_bytes_per_s < DROP_CONFIRM * before and m.peer_agent_id in self._links:
+                again.append(self._links[m.peer_agent_id])
         if again and agent_id in self._links:
-            self._links[agent_id].send(ProbeLinks(tuple(again)))
+            probe(self._links[agent_id], again)
 
     def bandwidth(self, sender: str, receiver: str) -> float | None:
         """The bandwidth (bytes/s) from sender to receiver that routes pick its codec by (or, unmeasured, the other

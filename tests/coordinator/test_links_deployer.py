@@ -114,11 +114,20 @@ def two_stages(model_dir: Path, wire_codec: str = "auto",
                boxes: tuple[tuple[str, str], tuple[str, str]] = (("box-a1", "10.0.0.1"), ("box-a2", "10.0.0.2")),
                ) -> tuple[Deployer, Registry]:
     """A model on two agents, each on the box (hostname, Stage IP address) boxes gives it."""
+    deployer, registry, _ = two_stage_agents(model_dir, wire_codec, boxes)
+    return deployer, registry
+
+
+def two_stage_agents(model_dir: Path, wire_codec: str = "auto",
+                     boxes: tuple[tuple[str, str], tuple[str, str]] = (("box-a1", "10.0.0.1"), ("box-a2", "10.0.0.2")),
+                     ) -> tuple[Deployer, Registry, dict[str, Agent]]:
+    """two_stages(), and its agents by id."""
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 100.0, wire_codec=wire_codec)
-    connect_all(deployer, [on(Agent(f"a{i + 1}", 8), *box) for i, box in enumerate(boxes)])
+    agents = {f"a{i + 1}": on(Agent(f"a{i + 1}", 8), *box) for i, box in enumerate(boxes)}
+    connect_all(deployer, list(agents.values()))
     deployer.add_model("m", str(model_dir), num_stages=2)
-    return deployer, registry
+    return deployer, registry, agents
 
 
 def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir: Path) -> None:
@@ -139,12 +148,7 @@ def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir:
 def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: Path) -> None:
     """One slow reading between two boxes (a busy moment) leaves a LAN link raw and asks for another at once; a drop
     that the second reading confirms narrows it; a fast reading widens it at once."""
-    agents = {a.link.agent_id: a for a in (on(Agent("a1", 8), "box-a1", "10.0.0.1"),
-                                          on(Agent("a2", 8), "box-a2", "10.0.0.2"))}
-    registry = Registry(":memory:")
-    deployer = Deployer(registry, clock=lambda: 100.0)
-    connect_all(deployer, list(agents.values()))
-    deployer.add_model("m", str(model_dir), num_stages=2)
+    deployer, registry, agents = two_stage_agents(model_dir)
     plan = registry.active_plan("m")
     sender, receiver = (s.agent_id for s in plan.stages)
     fast, slow = LinkMeasurement(receiver, 1e-4, 1e10), LinkMeasurement(receiver, 0.08, 2.5e5)
