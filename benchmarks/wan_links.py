@@ -38,7 +38,8 @@ from kv_routing import FULL, serve
 from stratamesh.bench.datasets import random_requests, regular_token_ids
 from stratamesh.bench.metrics import BenchMetrics
 from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.fleet.netbed import PROFILES, Netbed, NetbedUnavailable, check_can_build, stop_on_sigterm
+from stratamesh.fleet.netbed import (PROFILES, Netbed, NetbedUnavailable, check_can_build, nat_tool,
+                                     stop_on_sigterm)
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import load_stage, one_sequence
@@ -216,6 +217,8 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         check_can_build(f"sm-{secrets.token_hex(3)}")
+        if "nat" in args.reach.split(","):
+            nat_tool()      # before the first run, not after the direct ones
     except NetbedUnavailable as exc:
         print(f"skipped: {exc}", file=sys.stderr)
         sys.exit(SKIP)

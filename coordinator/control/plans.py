@@ -331,7 +331,7 @@ class Plans:
         taken = self._taken(model.model_id, plan.replica)
         agents = {a: caps for a, caps in plannable.items() if a not in taken}
         chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
-                               self._registry.links(), _pins(model), self._hosts(agents), model.quantize)
+                               self._roster.links(), _pins(model), self._hosts(agents), model.quantize)
         # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
         return [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                 spare, replace(s.spec, device=spec.device, dtype=spec.dtype,
@@ -368,7 +368,7 @@ class Plans:
             raise PlacementError(f"cannot place {_named(model_id, replica)} yet: {len(agents)} of {num_stages} "
                                  f"agents")
         self.num_computed += 1
-        return plan_stages(model_id, model.path, model.config, agents, num_stages, self._registry.links(),
+        return plan_stages(model_id, model.path, model.config, agents, num_stages, self._roster.links(),
                            previous, _pins(model), self._hosts(agents), model.quantize)
 
     def _hosts(self, agents: Mapping[str, Capabilities]) -> Hosts:

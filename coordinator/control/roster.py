@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stratamesh.coordinator.linkprobe import PeerProbes, peers_of, probe
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.records import StageRecord
+from stratamesh.coordinator.records import LinkRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
@@ -68,9 +68,9 @@ class Roster:
         self._recorded_at: dict[str, float] = {}   # when each agent's telemetry history last got a row
         self._pruned_at = float("-inf")
         self.membership = 0     # bumped whenever an agent connects or is forgotten: who peers() lists may differ
-        # (from, to) agent ids -> the newest measured bandwidth of that link (bytes/s), as the registry keeps them
-        self._bandwidths = {(r.agent_id, r.peer_id): r.bandwidth_bytes_per_s for r in registry.links()}
-        self._earlier: dict[tuple[str, str], float] = {}     # ... and the reading before it, since this start
+        # (from, to) agent ids -> the newest reading of that link (rtt_s, bytes/s), as the registry keeps them
+        self._newest = {(r.agent_id, r.peer_id): (r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()}
+        self._earlier: dict[tuple[str, str], tuple[float, float]] = {}     # ... and the one before, since this start
 
     def start(self, now: float) -> None:
         """After a (re)start no agent is connected until it says so."""
@@ -240,11 +240,11 @@ class Roster:
                 log.info("agent %s could not measure its link to %s: %s", agent_id, m.peer_agent_id, m.error)
                 continue
             key = (agent_id, m.peer_agent_id)
-            before = self._bandwidths.get(key)
+            before = self._newest.get(key)
             if before is not None:
                 self._earlier[key] = before
-            self._bandwidths[key] = m.bandwidth_bytes_per_s
-            if before and m.bandwidth_bytes_per_s < DROP_CONFIRM * before and m.peer_agent_id in self._links:
+            self._newest[key] = (m.rtt_s, m.bandwidth_bytes_per_s)
+            if before and m.bandwidth_bytes_per_s < DROP_CONFIRM * before[1] and m.peer_agent_id in self._links:
                 again.append(self._links[m.peer_agent_id])
         if again and agent_id in self._links:
             probe(self._links[agent_id], again)
@@ -255,10 +255,20 @@ class Roster:
         box, or of the network) does not make a LAN link lossy and the mesh's output another. A real drop shows in
         the second reading too, which links_reported() asks for at once."""
         for key in ((sender, receiver), (receiver, sender)):
-            newest = self._bandwidths.get(key)
+            newest = self._newest.get(key, (0.0, 0.0))[1]
             if newest:
-                return max(newest, self._earlier.get(key, 0.0))
+                return max(newest, self._earlier.get(key, (0.0, 0.0))[1])
         return None
+
+    def links(self) -> list[LinkRecord]:
+        """The registry's measured links as the planner prices them: the round trip and the bandwidth of each at the
+        better of its two newest readings, as bandwidth() gives routes, so one slow reading moves no stage either."""
+        out = []
+        for r in self._registry.links():
+            rtt_s, bandwidth = self._earlier.get((r.agent_id, r.peer_id), (r.rtt_s, r.bandwidth_bytes_per_s))
+            out.append(replace(r, rtt_s=min(r.rtt_s, rtt_s), bandwidth_bytes_per_s=max(r.bandwidth_bytes_per_s,
+                                                                                        bandwidth)))
+        return out
 
     def same_box(self, a: str, b: str) -> bool:
         """Whether two connected agents run on one box: the same hostname, and Stage services on the same IP address.

@@ -102,6 +102,25 @@ def test_a_terrible_measured_link_keeps_consecutive_stages_off_it(model_dir: Pat
     assert bad not in plan(fine + [LinkMeasurement("a2", 0.5, 1e6)])     # 1 MB/s and 500 ms: avoided
 
 
+def test_one_slow_reading_moves_no_stage_off_a_link_and_a_confirmed_one_does(model_dir: Path) -> None:
+    """The planner prices a link as routes do (Roster.bandwidth): at the better of its two newest readings."""
+    def plan(*readings: LinkMeasurement) -> set[frozenset[str]]:
+        registry = Registry(":memory:")
+        deployer = Deployer(registry, clock=lambda: 100.0)
+        connect_all(deployer, [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)])
+        for reading in readings:
+            deployer.links_reported("a1", [LinkMeasurement("a3", 0.3e-3, 1.25e9), reading])
+        deployer.add_model("m", str(model_dir), num_stages=3)
+        return adjacent_pairs(registry, "m")
+
+    link = frozenset(("a1", "a2"))
+    fast, terrible = LinkMeasurement("a2", 0.3e-3, 1.25e9), LinkMeasurement("a2", 0.5, 1e6)
+    assert link in plan(fast)
+    assert link in plan(fast, terrible)                   # one slow reading: a busy moment, not believed
+    assert link not in plan(fast, terrible, terrible)     # confirmed: avoided
+    assert link in plan(fast, terrible, terrible, fast)   # faster again: believed at once
+
+
 def on(agent: Agent, hostname: str, ip: str) -> Agent:
     """The agent as if it ran on the box of that hostname, its Stage service on that IP address."""
     agent.caps = replace(agent.caps, hostname=hostname)

@@ -67,7 +67,7 @@ def test_netns_mesh(cache_home: str) -> None:
     if result.returncode == SKIP:
         pytest.skip(result.stderr.strip())
     assert_ok(result, r"^namespaces: sm-[0-9a-f]{6}-\*$", r"^plan: 3 stages on 3 hosts$",
-              *(rf"^  stage {i}: layers \[\d+, \d+\) on h\d at 10\.77\.0\.1\d:\d+$" for i in range(3)),
+              *(rf"^  stage {i}: layers \[\d+, \d+\) on h\d at 10\.77\.\d+\.1\d:\d+$" for i in range(3)),
               r"^completion: '.+'$", r"^torn down: processes stopped, namespaces deleted$")
     prefix = re.search(r"^namespaces: (sm-[0-9a-f]{6})-", result.stdout, re.MULTILINE).group(1)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
