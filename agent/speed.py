@@ -66,7 +66,7 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
 def measure_onnx_speeds(torch_cpu: SpeedInfo) -> tuple[SpeedInfo, ...]:
     """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with int8 weights (dtype "int8"): what a decode
     step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports of the probe
-    models, made first in a temporary folder, one a core: about 25 s on 2 cores, the most of it exporting). Its large
+    models, made first in a temporary folder, one a core: about 16 s on 2 cores). Its large
     matmul and copy are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
     (coordinator.placement.decode_rate), as they are here."""
     from stratamesh.kernels.models.onnx_stage import export_stages   # (imports the kernels)

@@ -175,7 +175,7 @@ def main() -> None:
     hidden = args.wide_hidden
     wide = write_tiny_model(Path(tempfile.mkdtemp()) / "wide", num_layers=4, hidden_size=hidden,
                             intermediate_size=hidden * 11 // 4, num_heads=hidden // 64, num_kv_heads=hidden // 256)
-    if "onnxruntime" in args.runtimes:     # its exports made first, one a core (they are what takes longest)
+    if "onnxruntime" in args.runtimes:     # its exports made first: a layer traced per model and weights, one a core
         export_stages(onnx_specs(wide), os.environ["STRATAMESH_CACHE_DIR"])
     print(f"demo model ({DEMO_DIR.name}), {torch.get_num_threads()} threads")
     for runtime in args.runtimes:

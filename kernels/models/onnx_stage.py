@@ -7,8 +7,10 @@ hidden states out, with attention over the stage's paged KV cache:
   input the graph reads in place (bound without a copy); it gathers the slots of each sequence's cached prefix.
 - The step's own K and V are outputs [layers, N, KV, D] that the engine writes into their slots after the run:
   ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
-The embedding, the final norm and the LM head stay in torch (a gather and one matmul). Exports are cached per
-(checkpoint, layer range, dtype, weights, opset) in a cache directory; a changed checkpoint is exported again.
+The embedding, the final norm and the LM head stay in torch (a gather and one matmul). The exporter traces one
+layer, its weights inputs (layer_template: seconds, once per model shapes and weights), and a stage's graph is
+copies of it chained, each bound to its own layer's weights (onnx_compose). Exports are cached per (checkpoint,
+layer range, dtype, weights, opset) in a cache directory; a changed checkpoint is exported again.
 
 int8 weights (StageSpec.quantize) are torch's own (kernels.ops.quant: per-output-channel scales) computed by ONNX
 Runtime's MatMulNBits (com.microsoft) at accuracy_level 4: it quantizes each block of INT8_BLOCK activations of a
@@ -26,7 +28,7 @@ import multiprocessing
 import os
 import tempfile
 import warnings
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -165,60 +167,75 @@ def _linear(x: torch.Tensor, w: torch.Tensor | BlockInt8Weight, bias: torch.Tens
     return out if bias is None else out + bias
 
 
-class _Layers(torch.nn.Module):
-    """The graph exported: the stage's layers as one function of a step's hidden states, RoPE tables, attention
-    index and the layers' KV pools. Its weights become the ONNX file's initializers (int8 ones as BlockInt8Weight)."""
+_WEIGHTS = ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias")
 
-    def __init__(self, model: StageModel) -> None:
+
+def layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor]:
+    """A layer's weights as the exported graph takes them, by name: an int8 one as its BlockInt8Weight's packed and
+    scales tensors ("qkv_packed", "qkv_scales")."""
+    out = {}
+    for name in _WEIGHTS:
+        tensor = getattr(layer, name)
+        if isinstance(tensor, Int8Weight):
+            w = BlockInt8Weight.of(tensor)
+            out[f"{name}_packed"], out[f"{name}_scales"] = w.packed, w.scales
+        elif tensor is not None:
+            out[name] = tensor.detach().contiguous()
+    return out
+
+
+class _Layer(torch.nn.Module):
+    """The graph traced: one decoder layer as a function of a step's hidden states, RoPE tables, attention index,
+    the layer's KV pools and its weights (layer_tensors, in the order of `names`). Its weights are inputs, so that
+    one trace serves every layer of a model of these shapes (onnx_compose.compose_layers)."""
+
+    def __init__(self, model: StageModel, names: Sequence[str], in_features: Mapping[str, int]) -> None:
         super().__init__()
         c = model.config
         self.eps, self.heads, self.kv_heads, self.head_dim = c.rms_norm_eps, model.num_heads, model.num_kv_heads, \
             c.head_dim
-        self.layers: list[LayerWeights] = []
-        for i, layer in enumerate(model._layers):
-            own = {}
-            for name in ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias"):
-                tensor = getattr(layer, name)
-                if isinstance(tensor, Int8Weight):
-                    w = BlockInt8Weight.of(tensor)
-                    self.register_buffer(f"l{i}_{name}_packed", w.packed)
-                    self.register_buffer(f"l{i}_{name}_scales", w.scales)
-                    own[name] = w
-                elif tensor is not None:
-                    self.register_buffer(f"l{i}_{name}", tensor.detach().clone().contiguous())
-                    own[name] = getattr(self, f"l{i}_{name}")
-            self.layers.append(LayerWeights(**own))
+        self.names, self.in_features = tuple(names), dict(in_features)    # int8 weights' row lengths
+
+    def weights(self, tensors: Sequence[torch.Tensor]) -> LayerWeights:
+        """The layer's LayerWeights from the graph's weight inputs."""
+        given = dict(zip(self.names, tensors, strict=True))
+        own = {}
+        for name in _WEIGHTS:
+            if f"{name}_packed" in given:
+                own[name] = BlockInt8Weight(given[f"{name}_packed"], given[f"{name}_scales"], self.in_features[name])
+            elif name in given:
+                own[name] = given[name]
+        return LayerWeights(**own)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_slots: torch.Tensor,
                 rows: torch.Tensor, unpad: torch.Tensor, past_mask: torch.Tensor, new_mask: torch.Tensor,
-                *pools: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                k_pool: torch.Tensor, v_pool: torch.Tensor,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        layer = self.weights(tensors)
         num_seqs, most_new = rows.shape
         blocked = ~torch.cat([past_mask, new_mask], dim=-1)[:, None, None]     # [B, 1, 1, T, P + T]
         cos, sin = cos[:, None], sin[:, None]
-        x, new_k, new_v = hidden, [], []
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.eps)
-            qkv = _linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
-            qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-            new_k.append(k)
-            new_v.append(v)
-            keys = torch.cat([pools[2 * i][past_slots], k[rows]], dim=1)              # [B, P + T, KV, D]
-            values = torch.cat([pools[2 * i + 1][past_slots], v[rows]], dim=1)
-            # [B, KV, G, T, D] against keys [B, KV, 1, D, S]: each group of G query heads shares its KV head
-            queries = q[rows].view(num_seqs, most_new, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
-            scores = queries @ keys.permute(0, 2, 3, 1)[:, :, None] * dim ** -0.5          # [B, KV, G, T, S]
-            weights = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
-            out = weights @ values.permute(0, 2, 1, 3)[:, :, None]                        # [B, KV, G, T, D]
-            out = out.permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)[unpad]
-            x = x + _linear(out, layer.o, layer.o_bias)
-            x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down, _linear)
-        return x, torch.stack(new_k), torch.stack(new_v)
+        x = hidden
+        h = rms_norm(x, layer.input_norm, self.eps)
+        qkv = _linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        keys = torch.cat([k_pool[past_slots], k[rows]], dim=1)              # [B, P + T, KV, D]
+        values = torch.cat([v_pool[past_slots], v[rows]], dim=1)
+        # [B, KV, G, T, D] against keys [B, KV, 1, D, S]: each group of G query heads shares its KV head
+        queries = q[rows].view(num_seqs, most_new, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
+        scores = queries @ keys.permute(0, 2, 3, 1)[:, :, None] * dim ** -0.5          # [B, KV, G, T, S]
+        weights = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
+        out = weights @ values.permute(0, 2, 1, 3)[:, :, None]                        # [B, KV, G, T, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)[unpad]
+        x = x + _linear(out, layer.o, layer.o_bias)
+        x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down, _linear)
+        return x, k[None], v[None]                 # new K and V: [1, N, KV, D], concatenated over the layers
 
 
 def _input_names(num_layers: int) -> list[str]:
-    """The graph's inputs: the step's, then each layer's K and V pool."""
+    """The stage graph's inputs: the step's, then each layer's K and V pool."""
     return [*_INPUTS, *(f"{kind}{i}" for i in range(num_layers) for kind in ("k", "v"))]
 
 
@@ -240,35 +257,21 @@ def _export_path_of(spec: StageSpec, cache_dir: str | Path) -> Path:
 
 
 def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
-    """The model's layers as an ONNX file (weights beside it, as external data), exported once and cached."""
+    """The model's layers as an ONNX file (weights beside it, as external data), made once and cached: copies of
+    the layer template (layer_template) chained, each with its layer's weights."""
     path = export_path(model, cache_dir)
     if path.exists():
         return path
+    import onnx     # (here: an agent serving torch stages only never loads onnx)
+
+    from stratamesh.kernels.models.onnx_compose import compose_layers
+
     check_exportable(model)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)    # (its notes on torchvision ops it skips)
     path.parent.mkdir(parents=True, exist_ok=True)
-    c, layers = model.config, model.spec.end_layer - model.spec.start_layer
-    # sizes of 2 or more, all different: the exporter keeps a dimension of 0 or 1 (or equal to another) fixed
-    index = AttentionIndex.of([SeqSlice(0, 3, 4, [0, 1]), SeqSlice(3, 2, 2, [2])], block_size=4)
-    num_tokens, pool = 5, torch.zeros(12, model.num_kv_heads, c.head_dim, dtype=model.dtype)
-    hidden = torch.zeros(num_tokens, c.hidden_size, dtype=model.dtype)
-    cos = torch.ones(num_tokens, c.head_dim, dtype=model.dtype)
-    example = (hidden, cos, cos.clone(), index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
-               *[pool.clone() for _ in range(2 * layers)])
-    n, b, t, p, s = (torch.export.Dim(name, min=1) for name in ("tokens", "seqs", "new", "past", "slots"))
-    shapes = ({0: n}, {0: n}, {0: n}, {0: b, 1: p}, {0: b, 1: t}, {0: n}, {0: b, 1: t, 2: p}, {0: b, 1: t, 2: t},
-              tuple({0: s} for _ in range(2 * layers)))      # (the pools are one varargs parameter)
-    names = _input_names(layers)
-    with warnings.catch_warnings():     # (the exporter's notes on how it named the dynamic axes)
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
-        program = torch.onnx.export(_Layers(model).eval(), example, dynamic_shapes=shapes, input_names=names,
-                                    output_names=["hidden_out", "new_k", "new_v"], opset_version=OPSET,
-                                    dynamo=True, optimize=True, verbose=False,
-                                    custom_translation_table={
-                                        torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
+    layers = [{name: t.numpy() for name, t in layer_tensors(layer).items()} for layer in model._layers]
+    template = onnx.load(str(layer_template(model, cache_dir)))
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # the .onnx names its .data: save both by their names
-        program.save(str(Path(tmp, path.name)), external_data=True)
+        compose_layers(template, _INPUTS[1:], layers, Path(tmp, path.name))
         Path(tmp, f"{path.name}.data").replace(f"{path}.data")
         Path(tmp, path.name).replace(path)    # last: an export whose .onnx exists is whole
     log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
@@ -276,17 +279,63 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     return path
 
 
+def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
+    """The ONNX graph of one of the model's layers with its weights as inputs (WEIGHT_PREFIX + name), traced once
+    per layer shapes, dtype, weights and opset and torch's version, and cached."""
+    from stratamesh.kernels.models.onnx_compose import OUTPUTS, WEIGHT_PREFIX
+
+    tensors = layer_tensors(model._layers[0])
+    in_features = {name: getattr(model._layers[0], name).q.shape[1] for name in _WEIGHTS
+                   if isinstance(getattr(model._layers[0], name), Int8Weight)}
+    c = model.config
+    key = hashlib.sha256(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
+                              + [model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, in_features,
+                                 torch.__version__]).encode()).hexdigest()
+    path = Path(cache_dir, "onnx", f"layer-opset{OPSET}-{key[:16]}.onnx")
+    if path.exists():
+        return path
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)    # (its notes on torchvision ops it skips)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # sizes of 2 or more, all different: the exporter keeps a dimension of 0 or 1 (or equal to another) fixed
+    index = AttentionIndex.of([SeqSlice(0, 3, 4, [0, 1]), SeqSlice(3, 2, 2, [2])], block_size=4)
+    num_tokens, pool = 5, torch.zeros(12, model.num_kv_heads, c.head_dim, dtype=model.dtype)
+    hidden = torch.zeros(num_tokens, c.hidden_size, dtype=model.dtype)
+    cos = torch.ones(num_tokens, c.head_dim, dtype=model.dtype)
+    example = (hidden, cos, cos.clone(), index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
+               pool, pool.clone(), *tensors.values())
+    n, b, t, p, s = (torch.export.Dim(name, min=1) for name in ("tokens", "seqs", "new", "past", "slots"))
+    shapes = ({0: n}, {0: n}, {0: n}, {0: b, 1: p}, {0: b, 1: t}, {0: n}, {0: b, 1: t, 2: p}, {0: b, 1: t, 2: t},
+              {0: s}, {0: s}, tuple({} for _ in tensors))      # (the weights are one varargs parameter)
+    names = [*_INPUTS, "k", "v", *(WEIGHT_PREFIX + name for name in tensors)]
+    with warnings.catch_warnings():     # (the exporter's notes on how it named the dynamic axes)
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
+        program = torch.onnx.export(_Layer(model, list(tensors), in_features).eval(), example, dynamic_shapes=shapes,
+                                    input_names=names, output_names=list(OUTPUTS), opset_version=OPSET,
+                                    dynamo=True, optimize=True, verbose=False,
+                                    custom_translation_table={
+                                        torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        program.save(str(Path(tmp, path.name)))
+        Path(tmp, path.name).replace(path)
+    return path
+
+
 def export_stages(specs: Sequence[StageSpec], cache_dir: str | Path) -> list[Path]:
-    """export_layers of each spec's stage, the ones not cached yet in parallel processes (one a core: an export is
-    seconds of single-threaded tracing, and each process exports the same file export_layers would)."""
+    """export_layers of each spec's stage. The stages of one model and weights share their traced layer, the most of
+    an export's time: the first stage of each such group not cached yet is exported in parallel processes (one a
+    core), then the rest here, each a chain of copies of its group's layer."""
     paths = [_export_path_of(spec, cache_dir) for spec in specs]
     pending = list({path: spec for path, spec in zip(paths, specs) if not path.exists()}.values())
-    workers = min(len(pending), os.cpu_count() or 1)
+    firsts: dict[tuple[str, str, str], StageSpec] = {}
+    for spec in pending:
+        firsts.setdefault((spec.model_path, spec.dtype, spec.quantize), spec)
+    workers = min(len(firsts), os.cpu_count() or 1)
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_export_stage, pending, [cache_dir] * len(pending)))
-    else:
-        for spec in pending:
+            list(pool.map(_export_stage, firsts.values(), [cache_dir] * len(firsts)))
+    for spec in pending:
+        if workers <= 1 or spec not in firsts.values():
             _export_stage(spec, cache_dir)
     return paths
 

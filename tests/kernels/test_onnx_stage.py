@@ -30,7 +30,7 @@ from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models.onnx_stage import (AttentionIndex, BlockInt8Weight, OrtStageModel, export_layers,
-                                                  export_path, export_stages, load_runtime_stage)
+                                                  export_path, export_stages, layer_tensors, load_runtime_stage)
 from stratamesh.kernels.ops.paged_attention import SeqSlice
 from stratamesh.kernels.ops.quant import exact_products
 
@@ -192,6 +192,24 @@ def test_an_export_is_made_once_and_again_when_the_checkpoint_changes(tiny_model
     weights = next(model_dir.glob("*.safetensors"))
     os.utime(weights, ns=(made, weights.stat().st_mtime_ns + 1_000_000_000))
     assert export_path(model, tmp_path) != path                            # a changed checkpoint: a new key
+
+
+def test_the_stages_of_a_model_share_one_traced_layer_each_copy_holding_its_own_layers_weights(
+        model_dir: Path, tmp_path: Path) -> None:
+    def templates() -> int:
+        return len(list((tmp_path / "onnx").glob("layer-*.onnx")))
+
+    export_layers(load_stage(StageSpec("m", str(model_dir), 0, 2, 6)), tmp_path)
+    model = load_stage(StageSpec("m", str(model_dir), 2, 6, 6))
+    path = export_layers(model, tmp_path)
+    assert templates() == 1                 # the second stage traced nothing
+    initializers = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+    for i, layer in enumerate(model._layers):          # layers 2..5 of the checkpoint, in order
+        for name, tensor in layer_tensors(layer).items():
+            assert np.array_equal(initializers[f"l{i}.{name}"], tensor.numpy()), (i, name)
+    assert not [name for name in initializers if name.startswith("l4.")]
+    export_layers(load_stage(StageSpec("m", str(model_dir), 0, 2, 6, quantize="int8")), tmp_path)
+    assert templates() == 2                 # int8 weights: a layer of other inputs and nodes
 
 
 @pytest.mark.parametrize("spec, message", [
