@@ -10,7 +10,7 @@ hidden states out, with attention over the stage's paged KV cache:
 The embedding, the final norm and the LM head stay in torch (a gather and one matmul). The exporter traces one
 layer, its weights inputs (layer_template: seconds, once per model shapes and weights), and a stage's graph is
 copies of it chained, each bound to its own layer's weights (onnx_compose). Exports are cached per (checkpoint,
-layer range, dtype, weights, opset) in a cache directory; a changed checkpoint is exported again.
+layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again.
 
 int8 weights (StageSpec.quantize) are torch's own (kernels.ops.quant: per-output-channel scales) computed by ONNX
 Runtime's MatMulNBits (com.microsoft) at accuracy_level 4: it quantizes each block of INT8_BLOCK activations of a
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import math
 import multiprocessing
+import inspect
 import os
 import tempfile
 import warnings
@@ -249,11 +250,20 @@ def _export_path_of(spec: StageSpec, cache_dir: str | Path) -> Path:
     """export_path of the stage spec names."""
     files = sorted(Path(spec.model_path).glob("*.safetensors")) + [Path(spec.model_path, "config.json")]
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-                              + [str(Path(spec.model_path).resolve()), torch.__version__]).encode()).hexdigest()
+                              + [str(Path(spec.model_path).resolve()), torch.__version__, _code_key()]
+                              ).encode()).hexdigest()
     weights = f"-{spec.quantize}" if spec.quantize else ""
     name = (f"{Path(spec.model_path).name}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}{weights}-opset{OPSET}"
             f"-{key[:12]}")
     return Path(cache_dir, "onnx", f"{name}.onnx")
+
+
+@cache
+def _code_key() -> str:
+    """A digest of the code a graph is traced and composed from: an upgrade that changes it exports again."""
+    files = [Path(__file__), Path(__file__).with_name("onnx_compose.py"),
+             *(Path(inspect.getsourcefile(op)) for op in (rms_norm, apply_rope, swiglu))]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
 def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
@@ -290,7 +300,7 @@ def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
     c = model.config
     key = hashlib.sha256(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
                               + [model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, in_features,
-                                 torch.__version__]).encode()).hexdigest()
+                                 torch.__version__, _code_key()]).encode()).hexdigest()
     path = Path(cache_dir, "onnx", f"layer-opset{OPSET}-{key[:16]}.onnx")
     if path.exists():
         return path

@@ -29,6 +29,7 @@ from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.kernels.models import onnx_stage
 from stratamesh.kernels.models.onnx_stage import (AttentionIndex, BlockInt8Weight, OrtStageModel, export_layers,
                                                   export_path, export_stages, layer_tensors, load_runtime_stage)
 from stratamesh.kernels.ops.paged_attention import SeqSlice
@@ -182,7 +183,8 @@ def test_the_attention_index_places_each_query_and_key() -> None:
     assert index.new_mask[1].tolist() == [[True, False, False], [False] * 3, [False] * 3]   # padding sees a past key
 
 
-def test_an_export_is_made_once_and_again_when_the_checkpoint_changes(tiny_model, tmp_path: Path) -> None:
+def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_changes(
+        tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model("llama", num_layers=2, seed=7)
     model = load_stage(StageSpec("m", str(model_dir), 0, 2, 2))
     path = export_layers(model, tmp_path)
@@ -192,6 +194,9 @@ def test_an_export_is_made_once_and_again_when_the_checkpoint_changes(tiny_model
     weights = next(model_dir.glob("*.safetensors"))
     os.utime(weights, ns=(made, weights.stat().st_mtime_ns + 1_000_000_000))
     assert export_path(model, tmp_path) != path                            # a changed checkpoint: a new key
+    changed = export_path(model, tmp_path)
+    monkeypatch.setattr(onnx_stage, "_code_key", lambda: "an upgrade")
+    assert export_path(model, tmp_path) != changed                         # changed code (an upgrade): a new key
 
 
 def test_the_stages_of_a_model_share_one_traced_layer_each_copy_holding_its_own_layers_weights(
