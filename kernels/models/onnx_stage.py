@@ -22,10 +22,10 @@ is repeated over its blocks, so the weights are exactly torch's; the activations
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import math
 import multiprocessing
-import inspect
 import os
 import tempfile
 import warnings
@@ -279,6 +279,8 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     check_exportable(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     layers = [{name: t.numpy() for name, t in layer_tensors(layer).items()} for layer in model._layers]
+    if len({tuple((name, t.shape, t.dtype) for name, t in layer.items()) for layer in layers}) > 1:
+        raise InvalidInput("ONNX Runtime stages serve layers of one shape: this stage's layers differ")
     template = onnx.load(str(layer_template(model, cache_dir)))
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # the .onnx names its .data: save both by their names
         compose_layers(template, _INPUTS[1:], layers, Path(tmp, path.name))
@@ -291,7 +293,7 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
 
 def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
     """The ONNX graph of one of the model's layers with its weights as inputs (WEIGHT_PREFIX + name), traced once
-    per layer shapes, dtype, weights and opset and torch's version, and cached."""
+    per layer shapes, dtype, weights, opset, torch's version and code, and cached."""
     from stratamesh.kernels.models.onnx_compose import OUTPUTS, WEIGHT_PREFIX
 
     tensors = layer_tensors(model._layers[0])

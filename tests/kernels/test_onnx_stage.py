@@ -229,6 +229,14 @@ def test_what_an_onnxruntime_stage_refuses(tiny_model, tmp_path: Path, spec: dic
         export_layers(model, tmp_path)
 
 
+def test_a_stage_whose_layers_differ_in_shape_is_refused(tiny_model, tmp_path: Path) -> None:
+    model = load_stage(StageSpec("m", str(tiny_model("llama", num_layers=2)), 0, 2, 2))
+    first = model._layers[0]
+    model._layers[1] = replace(model._layers[1], qkv_bias=torch.zeros(first.qkv.shape[0]))   # one layer biased
+    with pytest.raises(InvalidInput, match="layers of one shape"):
+        export_layers(model, tmp_path)
+
+
 def test_a_sliding_window_model_is_refused(tiny_model, tmp_path: Path) -> None:
     model_dir = tiny_model("mistral", num_layers=2, sliding_window=8)
     with pytest.raises(InvalidInput, match="sliding-window"):
