@@ -294,43 +294,80 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
 def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
     """The ONNX graph of one of the model's layers with its weights as inputs (WEIGHT_PREFIX + name), traced once
     per layer shapes, dtype, weights, opset, torch's version and code, and cached."""
-    from stratamesh.kernels.models.onnx_compose import OUTPUTS, WEIGHT_PREFIX
-
     tensors = layer_tensors(model._layers[0])
-    in_features = {name: getattr(model._layers[0], name).q.shape[1] for name in _WEIGHTS
-                   if isinstance(getattr(model._layers[0], name), Int8Weight)}
     c = model.config
     key = hashlib.sha256(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
-                              + [model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, in_features,
+                              + [model.num_heads, model.num_kv_heads, c.head_dim, c.rms_norm_eps, _in_features(model),
                                  torch.__version__, _code_key()]).encode()).hexdigest()
     path = Path(cache_dir, "onnx", f"layer-opset{OPSET}-{key[:16]}.onnx")
     if path.exists():
         return path
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)    # (its notes on torchvision ops it skips)
     path.parent.mkdir(parents=True, exist_ok=True)
+    program = trace_layers(model, 1)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        program.save(str(Path(tmp, path.name)))
+        Path(tmp, path.name).replace(path)
+    return path
+
+
+def trace_layers(model: StageModel, num_layers: int):
+    """The exporter's program of num_layers copies of the model's first layer in one graph, weights as inputs: one
+    is layer_template's; more is what tracing a whole stage costs (benchmarks/onnx_export.py's baseline: the exporter
+    traces every layer again)."""
+    from stratamesh.kernels.models.onnx_compose import OUTPUTS, WEIGHT_PREFIX
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)    # (its notes on torchvision ops it skips)
+    tensors, c = layer_tensors(model._layers[0]), model.config
     # sizes of 2 or more, all different: the exporter keeps a dimension of 0 or 1 (or equal to another) fixed
     index = AttentionIndex.of([SeqSlice(0, 3, 4, [0, 1]), SeqSlice(3, 2, 2, [2])], block_size=4)
     num_tokens, pool = 5, torch.zeros(12, model.num_kv_heads, c.head_dim, dtype=model.dtype)
     hidden = torch.zeros(num_tokens, c.hidden_size, dtype=model.dtype)
     cos = torch.ones(num_tokens, c.head_dim, dtype=model.dtype)
     example = (hidden, cos, cos.clone(), index.past_slots, index.rows, index.unpad, index.past_mask, index.new_mask,
-               pool, pool.clone(), *tensors.values())
+               *(pool.clone() for _ in range(2 * num_layers)), *(list(tensors.values()) * num_layers))
     n, b, t, p, s = (torch.export.Dim(name, min=1) for name in ("tokens", "seqs", "new", "past", "slots"))
     shapes = ({0: n}, {0: n}, {0: n}, {0: b, 1: p}, {0: b, 1: t}, {0: n}, {0: b, 1: t, 2: p}, {0: b, 1: t, 2: t},
-              {0: s}, {0: s}, tuple({} for _ in tensors))      # (the weights are one varargs parameter)
-    names = [*_INPUTS, "k", "v", *(WEIGHT_PREFIX + name for name in tensors)]
+              (*({0: s} for _ in range(2 * num_layers)), *({} for _ in range(len(tensors) * num_layers))))
+    if num_layers == 1:
+        names = [*_INPUTS, "k", "v", *(WEIGHT_PREFIX + name for name in tensors)]
+    else:
+        names = [*_input_names(num_layers), *(f"l{i}.{name}" for i in range(num_layers) for name in tensors)]
+    layers = _Layers(_Layer(model, list(tensors), _in_features(model)), num_layers)
     with warnings.catch_warnings():     # (the exporter's notes on how it named the dynamic axes)
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", FutureWarning)    # (torch.export's own use of a deprecated pytree API)
-        program = torch.onnx.export(_Layer(model, list(tensors), in_features).eval(), example, dynamic_shapes=shapes,
-                                    input_names=names, output_names=list(OUTPUTS), opset_version=OPSET,
-                                    dynamo=True, optimize=True, verbose=False,
-                                    custom_translation_table={
-                                        torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        program.save(str(Path(tmp, path.name)))
-        Path(tmp, path.name).replace(path)
-    return path
+        return torch.onnx.export(layers.eval(), example, dynamic_shapes=shapes, input_names=names,
+                                 output_names=list(OUTPUTS), opset_version=OPSET, dynamo=True, optimize=True,
+                                 verbose=False, custom_translation_table={
+                                     torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
+
+
+class _Layers(torch.nn.Module):
+    """num_layers copies of a _Layer, one after the other: the step's inputs, then each copy's K and V pools, then
+    each copy's weights."""
+
+    def __init__(self, layer: _Layer, num_layers: int) -> None:
+        super().__init__()
+        self.layer, self.num_layers = layer, num_layers
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_slots: torch.Tensor,
+                rows: torch.Tensor, unpad: torch.Tensor, past_mask: torch.Tensor, new_mask: torch.Tensor,
+                *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        step = (cos, sin, past_slots, rows, unpad, past_mask, new_mask)
+        pools, weights = rest[:2 * self.num_layers], rest[2 * self.num_layers:]
+        per_layer = len(weights) // self.num_layers
+        x, new_k, new_v = hidden, [], []
+        for i in range(self.num_layers):
+            x, k, v = self.layer(x, *step, pools[2 * i], pools[2 * i + 1], *weights[i * per_layer:(i + 1) * per_layer])
+            new_k.append(k)
+            new_v.append(v)
+        return x, torch.cat(new_k), torch.cat(new_v)
+
+
+def _in_features(model: StageModel) -> dict[str, int]:
+    """The row length of each of the first layer's int8 weights, by name."""
+    first = model._layers[0]
+    return {name: getattr(first, name).q.shape[1] for name in _WEIGHTS if isinstance(getattr(first, name), Int8Weight)}
 
 
 def export_stages(specs: Sequence[StageSpec], cache_dir: str | Path) -> list[Path]:

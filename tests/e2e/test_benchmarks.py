@@ -56,6 +56,14 @@ def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and "ratio = torch / onnxruntime" in result.stdout
 
 
+def test_onnx_export_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "onnx_export.py"), "--layers", "2",
+                             "--hidden", "128", "--quantize", "int8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^\| int8 \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", result.stdout, re.MULTILINE), \
+        result.stdout
+
+
 def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int8_weights.py"), "--prompts", "2",
                              "--tokens", "8", "--batches", "1", "2", "--prompt-len", "8", "--steps", "2",
