@@ -310,7 +310,7 @@ def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
     return path
 
 
-def trace_layers(model: StageModel, num_layers: int):
+def trace_layers(model: StageModel, num_layers: int) -> torch.onnx.ONNXProgram:
     """The exporter's program of num_layers copies of the model's first layer in one graph, weights as inputs: one
     is layer_template's; more is what tracing a whole stage costs (benchmarks/onnx_export.py's baseline: the exporter
     traces every layer again)."""
