@@ -255,9 +255,9 @@ class Roster:
         box, or of the network) does not make a LAN link lossy and the mesh's output another. A real drop shows in
         the second reading too, which links_reported() asks for at once."""
         for key in ((sender, receiver), (receiver, sender)):
-            newest = self._newest.get(key, (0.0, 0.0))[1]
-            if newest:
-                return max(newest, self._earlier.get(key, (0.0, 0.0))[1])
+            newest = self._newest.get(key)
+            if newest and newest[1]:
+                return _better(newest, self._earlier.get(key))[1]
         return None
 
     def links(self) -> list[LinkRecord]:
@@ -265,9 +265,8 @@ class Roster:
         better of its two newest readings, as bandwidth() gives routes, so one slow reading moves no stage either."""
         out = []
         for r in self._registry.links():
-            rtt_s, bandwidth = self._earlier.get((r.agent_id, r.peer_id), (r.rtt_s, r.bandwidth_bytes_per_s))
-            out.append(replace(r, rtt_s=min(r.rtt_s, rtt_s), bandwidth_bytes_per_s=max(r.bandwidth_bytes_per_s,
-                                                                                        bandwidth)))
+            rtt_s, bandwidth = _better((r.rtt_s, r.bandwidth_bytes_per_s), self._earlier.get((r.agent_id, r.peer_id)))
+            out.append(replace(r, rtt_s=rtt_s, bandwidth_bytes_per_s=bandwidth))
         return out
 
     def same_box(self, a: str, b: str) -> bool:
@@ -321,3 +320,10 @@ class Roster:
 
     def is_connected(self, agent_id: str) -> bool:
         return agent_id in self._links
+
+
+def _better(newest: tuple[float, float], earlier: tuple[float, float] | None) -> tuple[float, float]:
+    """A link's (round trip s, bytes/s), each at the better of its newest reading and the one before it (if any)."""
+    if earlier is None:
+        return newest
+    return min(newest[0], earlier[0]), max(newest[1], earlier[1])
