@@ -472,15 +472,17 @@ def _agent_of(fleet: FleetSnapshot, stage: PlannedStage) -> str:
 def stage_specs(plan: Plan, fleet: FleetSnapshot, agents: Mapping[str, Capabilities], model_id: str,
                 model_path: str, num_layers: int) -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage of the plan's first pipeline, in order, as the plan chose it: its dtype, its
-    device (stage_device), tp_degree its ranks, its runtime (onnxruntime for an onnxruntime backend) and its
-    weights' quantization."""
+    device (stage_device), tp_degree its ranks, its runtime (onnxruntime for an onnxruntime backend), its
+    weights' quantization and its KV cache: the reserve of each micro-batch the plan's throughput counts on."""
     out = []
-    for s in plan.pipelines[0].stages:
+    pipeline = plan.pipelines[0]
+    for s in pipeline.stages:
         agent = _agent_of(fleet, s)
         runtime = "onnxruntime" if s.backend.startswith("onnxruntime") else "torch"
         out.append((agent, StageSpec(model_id, model_path, s.start_layer, s.end_layer, num_layers, s.dtype,
                                      stage_device(s, agent, agents[agent]), tp_degree=len(s.devices),
-                                     runtime=runtime, quantize=s.weights)))
+                                     runtime=runtime, quantize=s.weights,
+                                     kv_cache_bytes=s.kv_budget_bytes * pipeline.micro_batches)))
     return out
 
 

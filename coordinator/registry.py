@@ -153,13 +153,19 @@ def _m015_model_num_stages(db: Database) -> None:
     db["models"].add_column("num_stages", int, not_null_default=0)
 
 
+def _m016_stage_kv_cache_bytes(db: Database) -> None:
+    """Stages carry the KV cache their plan reserved for them (0: a stage planned before this column)."""
+    db["stages"].add_column("kv_cache_bytes", int, not_null_default=0)
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
                                      _m006_model_site_pins, _m007_join_tokens_and_certificates,
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
-                                     _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages)
+                                     _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages,
+                                     _m016_stage_kv_cache_bytes)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -553,7 +559,7 @@ _UPSERT_FAILED_LINK = ("INSERT INTO links (agent_id, peer_id, error, ts) VALUES 
                        "ON CONFLICT (agent_id, peer_id) DO UPDATE SET error = excluded.error, ts = excluded.ts")
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
-                 "kv_block_size", "tp_degree", "runtime", "quantize")
+                 "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes")
 
 
 def _stage_row(plan_id: str, stage: StagePlacement) -> dict[str, Any]:

@@ -22,6 +22,7 @@ QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (ker
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
 MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
+MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: no box holds more)
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
 
@@ -147,6 +148,7 @@ class StageSpec:
     tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
     runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
     quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales (torch or ORT)
+    kv_cache_bytes: int = 0     # the KV cache its plan reserved for it, per rank; 0: the plan said nothing
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
@@ -167,6 +169,8 @@ class StageSpec:
             raise InvalidInput(f"stage quantize {self.quantize!r} is not one of {QUANTIZATIONS} (or none)")
         if self.quantize and self.tp_degree > 1:
             raise InvalidInput("int8 weights are for single-process stages (tp_degree 1)")
+        if not 0 <= self.kv_cache_bytes <= MAX_KV_CACHE_BYTES:
+            raise InvalidInput(f"stage kv_cache_bytes must be in 0..{MAX_KV_CACHE_BYTES}, got {self.kv_cache_bytes}")
 
     @property
     def is_first(self) -> bool:

@@ -159,7 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
     agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    agent.add_argument("--kv-cache-gib", type=float, default=0.5, help="paged KV cache per CPU stage")
+    agent.add_argument("--kv-cache-gib", type=_gib, default=0.0,
+                       help="paged KV cache per CPU stage (default: what the plan reserved for it, at least 0.5)")
     agent.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
                        help="share of a GPU its stage may fill (weights, workspace, then the KV cache: what is "
                             "left), as vLLM's; agents sharing a GPU split it")
@@ -359,6 +360,17 @@ def _coordinator(args: argparse.Namespace) -> None:
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
+
+
+def _gib(text: str) -> float:
+    """A size in GiB: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return value
 
 
 def _fraction(text: str) -> float:

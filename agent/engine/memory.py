@@ -1,5 +1,6 @@
-"""How much memory a stage's paged KV cache gets: a fixed budget on a CPU; on a GPU, what the operator's share of
-the GPU (--gpu-memory-utilization, as vLLM's) leaves after the weights and a step's working memory."""
+"""How much memory a stage's paged KV cache gets: on a CPU, what its plan reserved for it (or the operator's
+--kv-cache-gib); on a GPU, what the operator's share of the GPU (--gpu-memory-utilization, as vLLM's) leaves after
+the weights and a step's working memory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from stratamesh.fleet.errors import MeshError
 from stratamesh.kernels.models.config import ModelConfig
 
 WORKSPACE_FACTOR = 2         # temporaries alive at once, over the largest tensor of each kind a step makes
+MIN_CPU_KV_BYTES = 512 << 20     # a CPU stage's KV cache when its plan reserved less, or nothing
 
 
 class OutOfGpuMemory(MeshError):
@@ -30,6 +32,13 @@ def read_gpu_memory(device: str) -> GpuMemory:
     """The readings for a CUDA device ("cuda:N")."""
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     return GpuMemory(total_bytes, free_bytes, torch.cuda.memory_reserved(device))
+
+
+def cpu_kv_bytes(planned_bytes: int, configured_bytes: int = 0) -> int:
+    """A CPU stage's KV cache: configured_bytes if the operator set it, else what its plan reserved for it
+    (StageSpec.kv_cache_bytes: the sequences and context its predicted throughput counts on), at least
+    MIN_CPU_KV_BYTES."""
+    return configured_bytes or max(planned_bytes, MIN_CPU_KV_BYTES)
 
 
 def step_workspace_bytes(config: ModelConfig, max_batch_tokens: int, dtype_bytes: int, is_last: bool,

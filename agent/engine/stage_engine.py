@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     """How a stage batches: the KV cache budget, the per-step limits, prefix caching."""
 
-    kv_cache_bytes: int = 512 << 20         # a CPU stage's KV cache
+    kv_cache_bytes: int = 0                 # a CPU stage's KV cache; 0: what its plan reserved (memory.cpu_kv_bytes)
     gpu_memory_utilization: float = 0.9     # a GPU stage's weights, workspace and KV cache take this share of it
     cuda_graphs: bool = True                # a GPU stage replays its decode steps as CUDA graphs (else eager)
     max_batch_tokens: int = 512

@@ -12,7 +12,7 @@ import torch
 
 from stratamesh.agent.engine.decode_graphs import DecodeGraphs, can_capture
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk
-from stratamesh.agent.engine.memory import gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
+from stratamesh.agent.engine.memory import cpu_kv_bytes, gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.types import SamplingParams, StageSpec
@@ -62,13 +62,15 @@ class StageRunner:
         """Loads the stage's own tensors and its paged KV cache (per rank, for a TP stage, whose other ranks it
         launches; on_group_failure hears, from any thread, that the group went down).
 
-        The KV cache holds kv_cache_bytes on a CPU; on a GPU, what gpu_memory_utilization of the GPU leaves after
-        the weights and a workspace for steps of max_batch_tokens (agent.engine.memory). graph_batch > 0: a GPU
+        The KV cache holds kv_cache_bytes on a CPU (0: what the plan reserved, spec.kv_cache_bytes); on a GPU, what
+        gpu_memory_utilization of the GPU leaves after the weights and a workspace for steps of max_batch_tokens
+        (agent.engine.memory). graph_batch > 0: a GPU
         stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs). A stage
         whose runtime is onnxruntime runs its layers in ONNX Runtime (kernels.models.onnx_stage), from an export
         kept in onnx_cache (default: the cache folder, fleet.state.cache_home)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
+        kv_cache_bytes = cpu_kv_bytes(spec.kv_cache_bytes, kv_cache_bytes)
         if spec.runtime == "onnxruntime":
             model = load_runtime_stage(spec, onnx_cache or cache_home(os.environ), config)
             return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
@@ -99,7 +101,12 @@ class StageRunner:
         group: list[Collectives] = []      # bound once the other ranks are in
         model = _load_rank_0(spec, config, group)
         workspace = step_workspace_bytes(config, max_batch_tokens, model.dtype.itemsize, spec.is_last, spec.tp_degree)
-        num_blocks = _num_blocks(spec, config, gpu_kv_bytes(read_gpu_memory(spec.device), utilization, workspace))
+        kv_bytes = gpu_kv_bytes(read_gpu_memory(spec.device), utilization, workspace)
+        if kv_bytes < spec.kv_cache_bytes:
+            log.warning("stage [%d, %d) of %s: its plan reserved %.2f GiB of KV cache, %s leaves %.2f GiB (raise "
+                        "--gpu-memory-utilization): fewer sessions fit than planned", spec.start_layer,
+                        spec.end_layer, spec.model_id, spec.kv_cache_bytes / 2**30, spec.device, kv_bytes / 2**30)
+        num_blocks = _num_blocks(spec, config, kv_bytes)
         ranks = None
         if spec.tp_degree > 1:
             ranks = RankGroup(spec, num_blocks, 1, on_group_failure)

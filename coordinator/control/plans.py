@@ -332,10 +332,11 @@ class Plans:
         agents = {a: caps for a, caps in plannable.items() if a not in taken}
         chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
                                self._roster.links(), _pins(model), self._hosts(agents), model.quantize)
-        # the spare's own device and dtype (a KV move needs the same dtype: else the session is replayed)
+        # the spare's own device, dtype and KV cache (a KV move needs the same dtype: else the session is replayed)
         return [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
                                 spare, replace(s.spec, device=spec.device, dtype=spec.dtype,
-                                               quantize=spec.quantize), "assigned"))
+                                               quantize=spec.quantize, kv_cache_bytes=spec.kv_cache_bytes),
+                                "assigned"))
                 for s, (spare, spec) in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
 
     def _plan(self, model_id: str, num_stages: int, previous: PlanRecord | None = None,

@@ -104,15 +104,15 @@ def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
                         start_layer=spec.start_layer, end_layer=spec.end_layer,
                         num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device,
                         kv_block_size=spec.kv_block_size, tp_degree=spec.tp_degree, runtime=spec.runtime,
-                        quantize=spec.quantize)
+                        quantize=spec.quantize, kv_cache_bytes=spec.kv_cache_bytes)
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
     """A stage's spec; StageSpec checks its layer range, dtype, device, block size, tensor-parallel degree,
-    runtime and quantization."""
+    runtime, quantization and KV cache."""
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
                      msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1,
-                     msg.runtime or "torch", msg.quantize)
+                     msg.runtime or "torch", msg.quantize, msg.kv_cache_bytes)
 
 
 def assignment_to_pb(assignment: Assignment) -> pb.Assignment:

@@ -1,4 +1,5 @@
-"""What the plan says is what runs: each agent's device and dtype, from the policy, become its stage spec."""
+"""What the plan says is what runs: each agent's device and dtype, from the policy, and the KV cache the plan
+reserved become its stage spec."""
 
 from __future__ import annotations
 
@@ -197,6 +198,22 @@ def test_a_stored_mixed_placement_is_kept_and_repaired() -> None:
     assert (t4.device, t4.dtype) == ("cuda:0", "float16")
     assert (kept["spare"].device, kept["spare"].dtype) == ("cuda:0", "bfloat16")   # the spare's own, not the T4's
     assert (kept["spare"].start_layer, kept["spare"].end_layer) == (t4.start_layer, t4.end_layer)
+
+
+def test_each_stage_spec_carries_the_kv_cache_its_plan_counted_on() -> None:
+    """8 sequences of the context (2048 here) for each micro-batch of the plan, in the stage's dtype."""
+    agents = {"cpu": cpu_box("h1"), "gpu": gpu_box("h2", "9.0"), "t4": gpu_box("h3", "7.5")}
+    plan, specs = plan_stages("m", "/models/m", CONFIG, agents, 3)
+    (pipeline,) = plan.pipelines
+    assert pipeline.micro_batches > 1            # the reserve is counted once per micro-batch
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+    kv_per_token_layer = 2 * 2 * 64              # K and V of 2 KV heads of 64
+    for stage, (_, spec) in zip(pipeline.stages, specs, strict=True):
+        per_sequence = 2048 * (spec.end_layer - spec.start_layer) * kv_per_token_layer * itemsize[spec.dtype]
+        assert spec.kv_cache_bytes == pipeline.micro_batches * 8 * per_sequence
+        assert spec.kv_cache_bytes == pipeline.micro_batches * stage.kv_budget_bytes <= stage.memory_bytes + \
+            stage.headroom_bytes
+    assert len({spec.dtype for _, spec in specs}) == 3      # each stage in its own dtype's bytes
 
 
 # ------------------------------------------------------------------ the runtime

@@ -345,7 +345,8 @@ def test_a_models_quantization_and_its_stages_round_trip_across_a_restart(tmp_pa
     path = str(tmp_path / "q.db")
     reg = Registry(path)
     reg.add_model("m", "/models/m", 4, {}, now=T0, quantize="int8")
-    specs = [StageSpec("m", "/models/m", 0, 2, 4, quantize="int8"), StageSpec("m", "/models/m", 2, 4, 4)]
+    specs = [StageSpec("m", "/models/m", 0, 2, 4, quantize="int8", kv_cache_bytes=3 << 30),
+             StageSpec("m", "/models/m", 2, 4, 4)]
     reg.save_plan("p1", "m", [StagePlacement(f"p1-{i}", i, f"a{i}", s) for i, s in enumerate(specs)], "q", now=T0)
     reg.close()
     again = Registry(path)

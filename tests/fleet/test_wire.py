@@ -69,6 +69,11 @@ def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_k
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(spec)) == spec
     int8 = StageSpec("m", "/models/m", 2, 4, 6, quantize="int8")
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(int8)) == int8
+    reserved = StageSpec("m", "/models/m", 2, 4, 6, kv_cache_bytes=3 << 30)
+    assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(reserved)) == reserved
+    with pytest.raises(InvalidInput, match="kv_cache_bytes must be in"):
+        convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
+                                                num_layers=1, kv_cache_bytes=-1))
     with pytest.raises(InvalidInput, match="quantize 'int3'"):
         convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
                                                 num_layers=1, quantize="int3"))
