@@ -10,7 +10,8 @@ hidden states out, with attention over the stage's paged KV cache:
 The embedding, the final norm and the LM head stay in torch (a gather and one matmul). The exporter traces one
 layer, its weights inputs (layer_template: seconds, once per model shapes and weights), and a stage's graph is
 copies of it chained, each bound to its own layer's weights (onnx_compose). Exports are cached per (checkpoint,
-layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again.
+layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again, and
+the export it replaces (a copy of the stage's weights) is deleted.
 
 int8 weights (StageSpec.quantize) are torch's own (kernels.ops.quant: per-output-channel scales) computed by ONNX
 Runtime's MatMulNBits (com.microsoft) at accuracy_level 4: it quantizes each block of INT8_BLOCK activations of a
@@ -27,6 +28,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Generator, Mapping, Sequence
@@ -55,6 +57,7 @@ from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin
 log = logging.getLogger(__name__)
 
 OPSET = 18
+EXPORT_KEY_LEN = 12                     # hex digits of an export's key in its name
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 _INPUTS = ("hidden", "cos", "sin", "past_slots", "rows", "unpad", "past_mask", "new_mask")
 INT8_BLOCK = 128      # activations per int8 scale in MatMulNBits' integer products (1.8e-2 of a product's largest
@@ -241,21 +244,36 @@ def _input_names(num_layers: int) -> list[str]:
 
 
 def export_path(model: StageModel, cache_dir: str | Path) -> Path:
-    """Where the export of the model's layers lives: named by model, layer range, dtype, weights and opset, keyed by
-    the checkpoint files' sizes and times and torch's version (any change exports again)."""
+    """Where the export of the model's layers lives: named by checkpoint folder, layer range, dtype, weights and
+    opset, keyed by the checkpoint files' sizes and times, torch's version and the code (any change exports again)."""
     return _export_path_of(model.spec, cache_dir)
 
 
 def _export_path_of(spec: StageSpec, cache_dir: str | Path) -> Path:
-    """export_path of the stage spec names."""
+    """export_path of the stage spec names: <stage name>-<key>.onnx (_stage_name)."""
     files = sorted(Path(spec.model_path).glob("*.safetensors")) + [Path(spec.model_path, "config.json")]
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-                              + [str(Path(spec.model_path).resolve()), torch.__version__, _code_key()]
-                              ).encode()).hexdigest()
+                              + [torch.__version__, _code_key()]).encode()).hexdigest()
+    return Path(cache_dir, "onnx", f"{_stage_name(spec)}-{key[:EXPORT_KEY_LEN]}.onnx")
+
+
+def _stage_name(spec: StageSpec) -> str:
+    """What an export is an export of: the checkpoint folder (its name, and a digest of where it is), the layer range,
+    dtype, weights and opset."""
+    folder = Path(spec.model_path).resolve()
+    where = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
     weights = f"-{spec.quantize}" if spec.quantize else ""
-    name = (f"{Path(spec.model_path).name}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}{weights}-opset{OPSET}"
-            f"-{key[:12]}")
-    return Path(cache_dir, "onnx", f"{name}.onnx")
+    return f"{folder.name}-{where}-{spec.start_layer}-{spec.end_layer}-{spec.dtype}{weights}-opset{OPSET}"
+
+
+def _delete_replaced(path: Path, spec: StageSpec) -> None:
+    """Deletes the exports the one at path replaces: of the same stage of the same checkpoint folder, with another
+    key (older checkpoint files, another torch, older code). Each holds a copy of the stage's weights."""
+    export = re.compile(re.escape(_stage_name(spec)) + rf"-[0-9a-f]{{{EXPORT_KEY_LEN}}}\.onnx(\.data)?")
+    for old in path.parent.iterdir():
+        if export.fullmatch(old.name) and old.name not in (path.name, f"{path.name}.data"):
+            old.unlink(missing_ok=True)
+            log.info("deleted %s: replaced by %s", old, path.name)
 
 
 @cache
@@ -288,6 +306,7 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
         Path(tmp, path.name).replace(path)    # last: an export whose .onnx exists is whole
     log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
              model.spec.model_id, path)
+    _delete_replaced(path, model.spec)
     return path
 
 

@@ -13,6 +13,7 @@ with float32 activations is, and to the demo model's held-out perplexity.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def test_the_attention_index_places_each_query_and_key() -> None:
     assert index.new_mask[1].tolist() == [[True, False, False], [False] * 3, [False] * 3]   # padding sees a past key
 
 
-def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_changes(
+def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_changes_replacing_the_old_one(
         tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model("llama", num_layers=2, seed=7)
     model = load_stage(StageSpec("m", str(model_dir), 0, 2, 2))
@@ -191,10 +192,16 @@ def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_change
     assert path == export_path(model, tmp_path) and path.exists() and Path(f"{path}.data").exists()
     made = path.stat().st_mtime_ns
     assert export_layers(model, tmp_path).stat().st_mtime_ns == made       # found, not exported again
+    # exports that stay: another stage of the checkpoint, and the same stage of a copy of it elsewhere
+    other_stage = export_layers(load_stage(StageSpec("m", str(model_dir), 1, 2, 2)), tmp_path)
+    copy = Path(shutil.copytree(model_dir, tmp_path / "elsewhere" / model_dir.name))
+    of_copy = export_layers(load_stage(StageSpec("m", str(copy), 0, 2, 2)), tmp_path)
     weights = next(model_dir.glob("*.safetensors"))
     os.utime(weights, ns=(made, weights.stat().st_mtime_ns + 1_000_000_000))
-    assert export_path(model, tmp_path) != path                            # a changed checkpoint: a new key
-    changed = export_path(model, tmp_path)
+    changed = export_layers(model, tmp_path)
+    assert changed != path and changed.exists()                           # a changed checkpoint: a new key ...
+    assert not path.exists() and not Path(f"{path}.data").exists()        # ... and the export it replaces is gone
+    assert all(p.exists() and Path(f"{p}.data").exists() for p in (other_stage, of_copy))
     monkeypatch.setattr(onnx_stage, "_code_key", lambda: "an upgrade")
     assert export_path(model, tmp_path) != changed                         # changed code (an upgrade): a new key
 
