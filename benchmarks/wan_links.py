@@ -1,7 +1,8 @@
 """Two pipeline stages on two hosts of the WAN test bed, per link profile: what the link between them costs.
 
     sudo .venv/bin/python benchmarks/wan_links.py [--profiles lan,wan-20mbit-80ms] [--codecs auto,float32]
-                                                  [--reach direct,nat] [--num-prompts 32] [--output-len 32] [--quick]
+                                                  [--reach direct,nat] [--nat-profiles P,...] [--num-prompts 32]
+                                                  [--output-len 32] [--quick]
 
 For every link profile (fleet/netbed.py: LAN; 100 Mbit/s + 20 ms; 20 Mbit/s + 80 ms; 1% loss) and wire codec,
 a fresh test bed: the coordinator (and origin) and agent 0 on LAN cables, agent 1 behind a cable of the
@@ -9,7 +10,7 @@ profile, so the two stages of the model talk across it (the decode loop, stage 1
 token). One random-weight Llama (8 layers, hidden 512) split in 2 stages, 1 thread per agent. With --reach nat,
 agent 1 sits instead on a site behind NAT whose uplink has the profile: nobody can dial it, and whatever must
 reach it (the other stage, or the origin) does so over a WebRTC data channel; the table then also holds each
-profile's WebRTC throughput against the direct gRPC one.
+profile's WebRTC throughput against the direct gRPC one (--nat-profiles: of these profiles only; default all).
 
 Printed per profile and codec: output tokens/s at concurrency 1 and 16, TTFT p50 at concurrency 16, activation
 bytes per token between the stages (what the agents' /metrics count), and the codec the link used; then each
@@ -203,13 +204,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--codecs", default="auto", help="comma-separated wire codecs: auto, float32, float16, int8")
     parser.add_argument("--reach", default="direct",
                         help="comma-separated: direct (agent 1 can be dialed), nat (it sits behind NAT: WebRTC)")
+    parser.add_argument("--nat-profiles", default="",
+                        help="comma-separated: the profiles --reach nat runs for (default: every one of --profiles)")
     parser.add_argument("--num-prompts", type=int, default=32, help="at concurrency 16 (a quarter at 1)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default="", help="keep the daemons' logs here (one run at a time)")
     parser.add_argument("--model", choices=list(MODELS), default="small")
     parser.add_argument("--quick", action="store_true", help="few prompts and tokens (a smoke run)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if stray := set(args.nat_profiles.split(",")) - set(args.profiles.split(",")) - {""}:
+        parser.error(f"--nat-profiles {','.join(sorted(stray))}: not among --profiles")
+    return args
 
 
 def main() -> None:
@@ -229,9 +235,12 @@ def main() -> None:
         model_dir = write_tiny_model(Path(tmp) / f"llama-{args.model}", arch="llama", vocab_size=1024,
                                      **MODELS[args.model])
         rows = []
+        nat_profiles = (args.nat_profiles or args.profiles).split(",")
         for profile in args.profiles.split(","):
             for codec in args.codecs.split(","):
                 for reach in args.reach.split(","):
+                    if reach == "nat" and profile not in nat_profiles:
+                        continue
                     started = time.monotonic()
                     rows.append(run_profile(model_dir, profile, codec, reach, args))
                     log.warning("%s, codec %s, %s: done in %.0f s", profile, codec, reach, time.monotonic() - started)

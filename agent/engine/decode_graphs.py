@@ -90,17 +90,23 @@ class DecodeGraphs:
         return out[:len(seqs)]
 
     def _fill(self, seqs: Sequence[SeqSlice], inputs: torch.Tensor, size: int) -> None:
-        """Copies the step into the static inputs; rows past its own are padding: position 0, one key, scratch KV."""
+        """Copies the step into the static inputs; rows past its own are padding: position 0, one key, scratch KV.
+
+        Of the block tables only the columns the step's longest table fills are written: the kernel reads a row's
+        columns up to its context length only, so what an earlier step left further right is never read (a table of
+        every column is max_position_embeddings / block_size wide: 8,192 for a 128k-token model)."""
         bs, pad, scratch = self.cache.block_size, size - len(seqs), self.scratch_block
         positions = [s.start_pos for s in seqs] + [0] * pad
         slots = [s.block_table[s.start_pos // bs] * bs + s.start_pos % bs for s in seqs] + [scratch * bs] * pad
         lens = [s.start_pos + 1 for s in seqs] + [1] * pad
-        tables = [list(s.block_table) + [scratch] * (self.width - len(s.block_table)) for s in seqs]
-        tables += [[scratch] * self.width] * pad
+        columns = max((len(s.block_table) for s in seqs), default=1)
+        tables = [b for s in seqs for b in (*s.block_table, *[scratch] * (columns - len(s.block_table)))]
+        tables += [scratch] * (columns * pad)
         host = torch.tensor([positions, slots, lens], dtype=torch.long)      # [3, size], one copy up
         for static, values in zip((self._positions, self._slots, self._lens), host, strict=True):
             static[:size].copy_(values, non_blocking=True)
-        self._tables[:size].copy_(torch.tensor(tables, dtype=torch.long), non_blocking=True)
+        self._tables[:size, :columns].copy_(torch.tensor(tables, dtype=torch.long).view(size, columns),
+                                            non_blocking=True)
         self._inputs[:len(seqs)].copy_(inputs, non_blocking=True)
         if pad:
             self._inputs[len(seqs):size].zero_()

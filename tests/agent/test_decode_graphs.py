@@ -69,6 +69,23 @@ def test_a_decode_graph_step_padded_to_its_size_equals_the_ordinary_step(model_d
     assert decode(static, steps=4) == ordinary
 
 
+def test_a_graph_step_writes_and_reads_no_block_table_column_past_its_longest_table(model_dir) -> None:
+    """Each step writes the table columns its sessions fill, and the kernel reads no column past a row's context:
+    columns left further right by earlier steps (here: a session's block, planted before every step) change nothing."""
+    ordinary = decode(engine(model_dir, 0, 2, graph_batch=0, capture=True), steps=4)
+    static = engine(model_dir, 0, 2, graph_batch=4, capture=False)
+    graphs, fill = static.runner.graphs, static.runner.graphs._fill
+    assert graphs.width > 2                     # 2048 positions in blocks of 16: 128 columns, the sessions fill 2
+
+    def planted_fill(seqs, inputs, size) -> None:
+        graphs._tables.fill_(1)                 # block 1 (a session's) in every column, as if a step had left it
+        fill(seqs, inputs, size)
+        assert (graphs._tables[:size, 2:] == 1).all()     # written: the 2 columns of the longest table only
+
+    graphs._fill = planted_fill
+    assert decode(static, steps=4) == ordinary
+
+
 def test_a_middle_stage_graph_gives_the_hidden_rows_of_the_ordinary_step(model_dir) -> None:
     hidden = {sid: torch.randn(len(p) + 4, 256, generator=torch.Generator().manual_seed(len(p)))
               for sid, p in PROMPTS.items()}
