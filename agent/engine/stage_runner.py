@@ -64,10 +64,10 @@ class StageRunner:
 
         The KV cache holds kv_cache_bytes on a CPU (0: what the plan reserved, spec.kv_cache_bytes); on a GPU, what
         gpu_memory_utilization of the GPU leaves after the weights and a workspace for steps of max_batch_tokens
-        (agent.engine.memory). graph_batch > 0: a GPU
-        stage's decode steps of up to that many sessions run as CUDA graphs (agent.engine.decode_graphs). A stage
-        whose runtime is onnxruntime runs its layers in ONNX Runtime (kernels.models.onnx_stage), from an export
-        kept in onnx_cache (default: the cache folder, fleet.state.cache_home)."""
+        (agent.engine.memory). graph_batch > 0: a GPU stage's decode steps of up to that many sessions run as CUDA
+        graphs (agent.engine.decode_graphs). A stage whose runtime is onnxruntime runs its layers in ONNX Runtime
+        (kernels.models.onnx_stage), from an export kept in onnx_cache (default: the cache folder,
+        fleet.state.cache_home)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         kv_cache_bytes = cpu_kv_bytes(spec.kv_cache_bytes, kv_cache_bytes)

@@ -93,9 +93,9 @@ class StageView(BaseModel):
     dtype: str = "float32"       # what it computes in
     runtime: str = "torch"       # what computes its layers: "torch" or "onnxruntime"
     quantize: str = ""           # "int8": its weights in int8
-    kv_cache_bytes: int = Field(0, description="the KV cache its plan reserved for it, per rank (a CPU stage holds "
-                                "that, at least 0.5 GiB; a GPU stage what its share of the GPU leaves); 0: a plan "
-                                "stored before plans said")
+    kv_cache_bytes: int = Field(0, description="the KV cache its plan reserved for it, per rank: a CPU stage holds "
+                                "that (at least 0.5 GiB) unless its agent's --kv-cache-gib says otherwise, a GPU stage "
+                                "what its share of the GPU leaves; 0: a plan stored before plans said")
     state: str
     cached_blocks: int = Field(0, description="KV blocks its prefix cache holds, as its KV events told the router")
     predicted_step_s: float | None = Field(None, description="the planner's predicted time of one step (s)")
