@@ -90,6 +90,9 @@ function stageList(stages, view) {
         title: "how activations reach this stage from the one before: raw in its dtype, float16, or int8 with "
           + "per-token scales on a slow link", text: i === 0 ? "" : `← ${s.link_codec || s.dtype || "raw"}` }),
       el("td", { class: "muted mono", "data-testid": "stage-device", text: `${s.device || "cpu"} ${s.dtype || ""}${s.quantize ? ` ${s.quantize} weights` : ""}${s.runtime === "onnxruntime" ? " onnxruntime" : ""}` }),
+      el("td", { class: "muted", "data-testid": "stage-kv", title: "the KV cache its plan reserved for it: a CPU "
+          + "stage holds that (at least 0.5 GiB) unless its agent's --kv-cache-gib says otherwise; a GPU stage, what "
+          + "its share of the GPU leaves", text: s.kv_cache_bytes ? `KV ${fmtBytes(s.kv_cache_bytes)} planned` : "" }),
       el("td", { class: "muted", "data-testid": "stage-cached", title: "KV blocks its prefix cache holds, as its agent reported them to the router",
         text: `${s.cached_blocks || 0} blocks cached` }),
       el("td", { class: "muted" }, s.weights ? weightsCell(s.weights) : null),

@@ -268,7 +268,7 @@ def fixture_snapshot(now: float) -> dict:
         return {"plan_id": plan_id, "model_id": model_id, "state": state, "created": now - 300, "reason": "fixture",
                 "num_layers": layers, "replica": replica, "stages": [{"assignment_id": f"{plan_id}-{i}", "agent_id": a, "start_layer": s,
                                                   "end_layer": e, "tp_degree": tp, "state": st,
-                                                  "cached_blocks": 40 * i}
+                                                  "cached_blocks": 40 * i, "kv_cache_bytes": (i + 1) << 30}
                                                  for i, (a, s, e, tp, st) in enumerate(stages)]}
     plans = [plan("p1", "llama-8b", "active", 32, [("e1", 0, 2, 1, "ready"), ("c1", 2, 20, 1, "ready"),
                                                    ("c2", 20, 30, 1, "ready"), ("s1", 30, 32, 1, "ready")]),
@@ -390,6 +390,8 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.get_by_test_id("placement-segment")).to_have_count(9)
         expect(page.get_by_test_id("plan-replica").filter(has_text="replica 1")).to_have_count(1)
         expect(page.get_by_test_id("stage-cached").filter(has_text="120 blocks cached")).to_have_count(1)
+        # the KV cache each stage's plan reserved: stage 1 of the two llama-8b plans, 2 GiB
+        expect(page.get_by_test_id("stage-kv").filter(has_text="KV 2.1 GB planned")).to_have_count(2)
         fetching = page.get_by_test_id("stage-weights").filter(has_text="weights 40%")
         expect(fetching).to_contain_text("4.4 GB of 11.0 GB")
         expect(fetching).to_contain_text("1 corrupt chunk(s) fetched again")
