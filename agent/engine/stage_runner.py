@@ -21,7 +21,7 @@ from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_sta
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.models.tp import check_tp, head_slice, load_tp_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from stratamesh.kernels.ops.sampler import sample
+from stratamesh.kernels.ops.sampler import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -240,16 +240,16 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
 
 def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor,
           sampling: Mapping[str, SamplingParams]) -> dict[str, int]:
-    """Each chunk's next token from its row of logits [num chunks, vocab]: the greedy ones by one argmax where the
-    logits are (one copy to the host for all of them), the others by sample() on the CPU (their rows copied to the
-    host together), keyed by (seed, position) so that every device draws the same token."""
+    """Each chunk's next token from its row of logits [num chunks, vocab], where the logits are (one copy of the
+    picked ids to the host for each kind): the greedy ones by one argmax, the others by one sample_rows() keyed by
+    (seed, position), so that every device draws the same token."""
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}
     sampled = [i for i, c in enumerate(chunks) if c.session_id not in tokens]
-    on_host = logits[sampled].cpu() if sampled else logits
-    for row, i in enumerate(sampled):
-        chunk = chunks[i]
-        position = chunk.start_pos + chunk.end - chunk.begin        # the position of the new token
-        tokens[chunk.session_id] = sample(on_host[row], sampling[chunk.session_id], position)
+    if sampled:
+        # the position of each new token: its chunk's end
+        positions = [chunks[i].start_pos + chunks[i].end - chunks[i].begin for i in sampled]
+        drawn = sample_rows(logits[sampled], [sampling[chunks[i].session_id] for i in sampled], positions)
+        tokens.update((chunks[i].session_id, token) for i, token in zip(sampled, drawn, strict=True))
     return tokens

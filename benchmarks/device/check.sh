@@ -22,6 +22,7 @@ tail -1 "$OUT/device.txt"
 timeout 240 python3 -m pytest -m gpu -q -ra -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout \
     tests/agent/test_decode_graphs.py tests/agent/test_gpu_stage.py tests/agent/test_speed.py \
     tests/kernels/test_mixed_dtypes.py tests/kernels/test_tp.py tests/kernels/test_triton_decode.py \
+    tests/kernels/test_sampler.py \
     > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest -m gpu: exit $? ($(tail -1 "$OUT/pytest-gpu.log"))"
 timeout 330 python3 benchmarks/gpu_serving.py "$@" > "$OUT/gpu_serving.log" 2>&1

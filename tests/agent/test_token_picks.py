@@ -1,4 +1,5 @@
-"""A last stage's token picks: greedy rows by one argmax, sampled rows on the host, keyed by (seed, position)."""
+"""A last stage's token picks: greedy rows by one argmax, sampled rows by one sample_rows() where the logits are,
+keyed by (seed, position)."""
 
 from __future__ import annotations
 

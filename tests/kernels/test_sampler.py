@@ -1,4 +1,5 @@
-"""sample(): greedy, seeded reproducibility keyed by position, top-k / top-p, and the distribution."""
+"""sample() and sample_rows(): greedy, seeded reproducibility keyed by position, top-k / top-p, the distribution, a
+batch of rows of their own settings, and a GPU's draws."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from stratamesh.fleet.types import SamplingParams
-from stratamesh.kernels.ops.sampler import sample
+from stratamesh.kernels.ops.sampler import sample, sample_rows
 
 
 def logits(seed: int, vocab: int = 500) -> torch.Tensor:
@@ -61,3 +62,28 @@ def test_sampled_frequencies_follow_softmax_with_temperature():
     # chi-square with 3 degrees of freedom; 16.3 is its 0.999 quantile
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.3, (counts, expected)
+
+
+@pytest.mark.parametrize("params", [
+    # every row with a top-k (the rows' widest top-k ordered, narrower ones masked), then none with one, then mixed
+    [SamplingParams(1.0, top_k=5, seed=1), SamplingParams(0.7, top_k=50, seed=2), SamplingParams(2.0, top_k=1)],
+    [SamplingParams(1.0, seed=1), SamplingParams(0.7, top_p=0.8, seed=2), SamplingParams(1.3, top_p=0.3, seed=3)],
+    [SamplingParams(1.0, top_k=5, top_p=0.5, seed=4), SamplingParams(0.9, seed=5), SamplingParams(0.5, top_p=0.95)],
+])
+def test_a_batch_of_rows_draws_what_each_row_alone_draws(params) -> None:
+    for trial in range(40):
+        x = torch.stack([logits(100 * trial + i) for i in range(len(params))])
+        positions = [trial, 3 * trial + 1, 7]
+        seeded = [p if p.seed is not None else SamplingParams(p.temperature, p.top_k, p.top_p, seed=trial)
+                  for p in params]
+        assert sample_rows(x, seeded, positions) == [sample(x[i], p, pos) for i, (p, pos) in
+                                                     enumerate(zip(seeded, positions))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_sampled_on_a_gpu_draw_what_the_cpu_draws() -> None:
+    x = torch.randn(16, 32000, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(0.8, top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[i // 8], seed=i) for i in range(16)]
+    positions = list(range(100, 116))
+    assert sample_rows(x.cuda(), params, positions) == sample_rows(x, params, positions)
