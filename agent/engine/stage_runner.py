@@ -240,8 +240,8 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
 
 def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor,
           sampling: Mapping[str, SamplingParams]) -> dict[str, int]:
-    """Each chunk's next token from its row of logits [num chunks, vocab], where the logits are (one copy of the
-    picked ids to the host for each kind): the greedy ones by one argmax, the others by one sample_rows() keyed by
+    """Each chunk's next token from its row of logits [num chunks, vocab], computed where the logits are (only the
+    picked ids come back to the host): the greedy ones by one argmax, the others by one sample_rows() keyed by
     (seed, position), so that every device draws the same token."""
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
