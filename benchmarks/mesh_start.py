@@ -5,12 +5,15 @@
 Starts a LocalMesh of the tiny Llama with mutual TLS (agents enroll) and --insecure, alternately, --starts times
 each, and times LocalMesh.start(): from nothing to /health ready with every agent connected. From each agent's log:
 how long after it began serving stages it registered with the coordinator (finding it by zeroconf, then the control
-stream's welcome). The last line is the ratio mTLS / insecure: what enrolling costs a start.
+stream's welcome), and the CPU seconds each agent process had used once the mesh was ready (its imports, probe,
+enrollment and stage load: what every agent start costs a shared box). The last line is the ratio mTLS / insecure:
+what enrolling costs a start.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -33,14 +36,21 @@ def registration_s(log: Path) -> float:
     return stamps[REGISTERED] - stamps[SERVING]
 
 
-def start_once(model_dir: Path, agents: int, insecure: bool) -> tuple[float, list[float]]:
-    """(seconds LocalMesh.start() took, each agent's registration_s)."""
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user + system) process pid has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_once(model_dir: Path, agents: int, insecure: bool) -> tuple[float, list[float], list[float]]:
+    """(seconds LocalMesh.start() took, each agent's registration_s, each agent's CPU seconds at ready)."""
     with tempfile.TemporaryDirectory(prefix="mesh-start-") as logs:
         mesh = LocalMesh(str(model_dir), num_agents=agents, insecure=insecure, log_dir=logs)
         started = time.perf_counter()
         with mesh:
             took = time.perf_counter() - started
-        return took, [registration_s(Path(logs, f"agent{i}.log")) for i in range(agents)]
+            cpu = [cpu_s(agent.pid) for agent in mesh.agents]
+        return took, [registration_s(Path(logs, f"agent{i}.log")) for i in range(agents)], cpu
 
 
 def main() -> None:
@@ -52,19 +62,23 @@ def main() -> None:
     kinds = {"mTLS (agents enroll)": False, "insecure": True}
     starts: dict[str, list[float]] = {k: [] for k in kinds}
     registrations: dict[str, list[float]] = {k: [] for k in kinds}
+    cpus: dict[str, list[float]] = {k: [] for k in kinds}
+    start_once(model_dir, 1, True)      # the box's speeds measured and cached: every start below reads them
     for _ in range(args.starts):
         for kind, insecure in kinds.items():
-            took, registered = start_once(model_dir, args.agents, insecure)
+            took, registered, cpu = start_once(model_dir, args.agents, insecure)
             starts[kind].append(took)
             registrations[kind] += registered
+            cpus[kind] += cpu
 
     print(f"a LocalMesh of {args.agents} agents (tiny Llama), {args.starts} interleaved starts of each kind\n")
-    print(f"| {'kind':<22} | {'start median s':>14} | {'min s':>6} | {'max s':>6} | {'agent registers ms p50':>22} |")
-    print(f"|{'-' * 24}|{'-' * 16}|{'-' * 8}|{'-' * 8}|{'-' * 24}|")
+    print(f"| {'kind':<22} | {'start median s':>14} | {'min s':>6} | {'max s':>6} | {'agent CPU s p50':>15} | "
+          f"{'agent registers ms p50':>22} |")
+    print(f"|{'-' * 24}|{'-' * 16}|{'-' * 8}|{'-' * 8}|{'-' * 17}|{'-' * 24}|")
     for kind in kinds:
-        s, r = starts[kind], registrations[kind]
+        s, r, c = starts[kind], registrations[kind], cpus[kind]
         print(f"| {kind:<22} | {statistics.median(s):14.2f} | {min(s):6.2f} | {max(s):6.2f} | "
-              f"{statistics.median(r) * 1e3:22.0f} |")
+              f"{statistics.median(c):15.2f} | {statistics.median(r) * 1e3:22.0f} |")
     secure, insecure = (statistics.median(starts[k]) for k in kinds)
     print(f"\nstart, mTLS / insecure: {secure / insecure:.2f}x")
 

@@ -34,7 +34,7 @@ def test_mesh_start_benchmark_prints_its_table() -> None:
                              "--agents", "1"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| mTLS", "| insecure"))]
-    assert len(rows) == 2 and all(re.search(r"\| +\d+ \|$", row) for row in rows), result.stdout
+    assert len(rows) == 2 and all(re.search(r"\| +[\d.]+ \| +\d+ \|$", row) for row in rows), result.stdout
     assert re.search(r"start, mTLS / insecure: [\d.]+x", result.stdout), result.stdout
 
 
