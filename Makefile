@@ -32,8 +32,9 @@ $(NFT):
 
 # A pytest-xdist worker a core (the whole suite: 1179 s -> 837-871 s on 2 cores). The tests that start real processes
 # (marked slow) spread over the workers like the rest, so two meshes may run at once: each must bear the other's load,
-# as on a shared CI box.
-XDIST := -n auto
+# as on a shared CI box. They are collected first (tests/conftest.py), and a worker that runs out of tests takes half
+# of the other's (worksteal): the run ends on short tests on both, not on one long test while the other idles.
+XDIST := -n auto --dist worksteal
 # The suite starts ~250 Python processes (agents, coordinators, benchmarks, CLI calls): with PYTHONDONTWRITEBYTECODE
 # set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
 export PYTHONDONTWRITEBYTECODE :=

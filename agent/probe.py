@@ -270,7 +270,8 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     total, available = parse_meminfo(read_meminfo())
     gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)
-    onnx_providers = read_onnx_providers()
+    # onnxruntime is loaded only by an agent that may run it: a torch agent's start does without it
+    onnx_providers = read_onnx_providers() if runtime in ("onnxruntime", AUTO_RUNTIME) else []
     runtime = check_runtime(runtime, dtype, onnx_providers)
     cpuinfo = read_cpuinfo()
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)

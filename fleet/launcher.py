@@ -38,10 +38,26 @@ _AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+) metrics=(\S+)"
 
 
 GPU_MEMORY_UTILIZATION = 0.9     # of a GPU, for all this box's agents together (each gets its share)
+PATIENCE_ENV = "STRATAMESH_PATIENCE"   # multiplies every limit a local mesh waits under (a slow or shared box)
+
+
+def patience(environ: dict[str, str] | None = None) -> float:
+    """$STRATAMESH_PATIENCE (default 1): how many times longer than asked this box's mesh processes may take to
+    start and get ready before LocalMesh gives up on them (the test suite sets it from the machine's speed)."""
+    value = (os.environ if environ is None else environ).get(PATIENCE_ENV, "")
+    try:
+        return max(1.0, float(value)) if value else 1.0
+    except ValueError:
+        raise LaunchError(f"{PATIENCE_ENV}={value!r} is not a number") from None
 
 
 class LaunchError(MeshError):
     """A process of the local mesh failed to start or the mesh never became ready."""
+
+
+def _limit_s(timeout_s: float) -> float:
+    """timeout_s as this box's patience stretches it."""
+    return timeout_s * patience()
 
 
 @dataclass
@@ -293,18 +309,19 @@ class LocalMesh:
         """Waits until /health says every model is ready (LaunchError after timeout_s)."""
         health = self._wait_health(lambda h: h.get("status") == "ok", timeout_s)
         if health.get("status") != "ok":
-            raise LaunchError(f"mesh not ready after {timeout_s:.0f} s: {health}")
+            raise LaunchError(f"mesh not ready after {_limit_s(timeout_s):.0f} s: {health}")
 
     def wait_connected(self, num_agents: int, timeout_s: float) -> None:
         """Waits until /health counts num_agents agents connected (LaunchError after timeout_s)."""
         health = self._wait_health(lambda h: h.get("num_agents", 0) >= num_agents, timeout_s)
         if health.get("num_agents", 0) < num_agents:
             raise LaunchError(f"{health.get('num_agents', 0)} of {num_agents} agents connected after "
-                              f"{timeout_s:.0f} s")
+                              f"{_limit_s(timeout_s):.0f} s")
 
     def _wait_health(self, done: Callable[[dict], bool], timeout_s: float) -> dict:
-        """/health polled until done(it) or timeout_s passes (a mesh process dying raises LaunchError); the last."""
-        deadline = time.monotonic() + timeout_s
+        """/health polled until done(it) or timeout_s (times patience) passes (a mesh process dying raises
+        LaunchError); the last."""
+        deadline = time.monotonic() + _limit_s(timeout_s)
         while True:
             self._check_alive()
             health = self.health()
@@ -409,13 +426,13 @@ class LocalMesh:
                     found.append(match.groups())
 
         threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + _limit_s(timeout_s)
         while not found and time.monotonic() < deadline:
             if process.poll() is not None:
                 raise LaunchError(f"{_role(process)} exited with {process.returncode}; see {self.log_dir}")
             time.sleep(0.05)
         if not found:
-            raise LaunchError(f"{_role(process)} printed no address in {timeout_s:.0f} s")
+            raise LaunchError(f"{_role(process)} printed no address in {_limit_s(timeout_s):.0f} s")
         return found[0]
 
     def _check_alive(self) -> None:

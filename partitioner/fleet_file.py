@@ -12,13 +12,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import ErrorDetails
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.fleet_snapshot import (
-    NODE_LINK, ORIGIN, SITE_LINK, TIERS, WAN_LINK, Device, FleetSnapshot, Link, Speed,
+from stratamesh.partitioner.fleet_snapshot import (  # noqa: F401  (DEFAULT_LINKS, _engineering: the file's words)
+    DEFAULT_LINKS, ORIGIN, SCHEMA_PATH, SITE_LINK, TIERS, WAN_LINK, Device, FleetSnapshot, Link, Speed, _engineering,
+    _link_text,
 )
 from stratamesh.partitioner.profile import DTYPE_BYTES
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"   # what pydantic's model_json_schema writes
-SCHEMA_PATH = "docs/fleet.schema.json"                            # the checked-in copy, in the repository
 
 Tier = Literal[TIERS]                                   # type: ignore[valid-type]  # built from the tuple
 DeviceDtype = Literal[("", *sorted(DTYPE_BYTES))]       # type: ignore[valid-type]  # "" = the model's
@@ -30,20 +30,6 @@ def _whole_number(value: Any) -> Any:
 
 
 ByteCount = Annotated[int, BeforeValidator(_whole_number)]
-
-
-def _link_text(link: Link) -> str:
-    return f"{_engineering(link.bandwidth)} bytes/s with {_engineering(link.rtt_s)} s round trip"
-
-
-def _engineering(value: float) -> str:
-    """value with an exponent that is a multiple of 3: 25e9, 12.5e6, 300e-6."""
-    exponent = 3 * math.floor(math.log10(value) / 3) if value > 0 else 0
-    return f"{value / 10.0 ** exponent:.4g}e{exponent}" if exponent else f"{value:.4g}"
-
-
-DEFAULT_LINKS = (f"GPUs of one node {_link_text(NODE_LINK)}; devices of one site {_link_text(SITE_LINK)}; "
-                 f"devices at different sites {_link_text(WAN_LINK)}")
 
 
 class _Strict(BaseModel):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
 
+SCHEMA_PATH = "docs/fleet.schema.json"   # the fleet file's JSON Schema (fleet_file.py), checked in to the repository
 ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)
 TIERS = ("edge", "cloud")   # a device's tier
 
@@ -75,6 +77,21 @@ class Link:
 NODE_LINK = Link("", "", bandwidth=25e9, rtt_s=20e-6)
 SITE_LINK = Link("", "", bandwidth=1.25e9, rtt_s=0.3e-3)
 WAN_LINK = Link("", "", bandwidth=12.5e6, rtt_s=40e-3)
+
+
+def _engineering(value: float) -> str:
+    """value with an exponent that is a multiple of 3: 25e9, 12.5e6, 300e-6."""
+    exponent = 3 * math.floor(math.log10(value) / 3) if value > 0 else 0
+    return f"{value / 10.0 ** exponent:.4g}e{exponent}" if exponent else f"{value:.4g}"
+
+
+def _link_text(link: Link) -> str:
+    return f"{_engineering(link.bandwidth)} bytes/s with {_engineering(link.rtt_s)} s round trip"
+
+
+# what a pair of devices no link names is priced at (the fleet file's links[] documents it)
+DEFAULT_LINKS = (f"GPUs of one node {_link_text(NODE_LINK)}; devices of one site {_link_text(SITE_LINK)}; "
+                 f"devices at different sites {_link_text(WAN_LINK)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
-from stratamesh.partitioner.fleet_snapshot import ORIGIN, FleetSnapshot
-from stratamesh.partitioner.fleet_file import DEFAULT_LINKS, SCHEMA_PATH, fleet_from_dict, fleet_schema_text
+from stratamesh.partitioner.fleet_snapshot import DEFAULT_LINKS, ORIGIN, SCHEMA_PATH, FleetSnapshot
 from stratamesh.partitioner.plan import OBJECTIVES, Plan, PlanRequest
-from stratamesh.partitioner.planner import plan_pipeline
 from stratamesh.partitioner.profile import DTYPE_BYTES, profile_from_hf_config
+
+# The fleet file's pydantic models and the planner (numpy) are imported where a plan is made: every `stratamesh`
+# process builds this command's parser, and most never plan (an agent's start, a CLI call).
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class _PrintFleetSchema(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from stratamesh.partitioner.fleet_file import fleet_schema_text
+
         print(fleet_schema_text(), end="")
         parser.exit()
 
@@ -112,6 +115,8 @@ def run_plan(args: argparse.Namespace, warn: Callable[[str], None] = log.warning
         max_stages=args.max_stages, max_replicas=args.replicas, tensor_parallel=not args.no_tensor_parallel)
     for line in speed_warnings(fleet, profile.dtype, request.exclude):
         warn(line)
+    from stratamesh.partitioner.planner import plan_pipeline
+
     plan = plan_pipeline(profile, fleet, request)
     return plan.to_json() if args.json else render(plan)
 
@@ -149,6 +154,8 @@ def render(plan: Plan) -> str:
 
 def _read_fleet(path: Path) -> FleetSnapshot:
     """The fleet file at path; InvalidInput names the file and the bad field's path."""
+    from stratamesh.partitioner.fleet_file import fleet_from_dict
+
     raw = _read_json(path)
     try:
         return fleet_from_dict(raw)

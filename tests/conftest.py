@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stratamesh.kernels.tiny_model import write_tiny_model
+from tests.patience import patience, patient
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
@@ -24,6 +25,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache: one folder for the
 # whole run, since pytest-xdist's workers inherit it from the controller, which imported this module first
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
+patience()  # measured once, in the controller: its workers and every process they start read it from the environment
+
+
+def pytest_report_header() -> str:
+    return f"patience {patience():.2f} (STRATAMESH_PATIENCE: the suite's limits stretched for this machine)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test's limit (pytest-timeout's, unless it sets its own) scaled by the machine's patience; and the tests
+    that start processes (marked slow) first, so that pytest-xdist's workers end on short tests, not one on a long
+    one while the other idles."""
+    limit = patient(float(config.getini("timeout") or 0))
+    for item in items:
+        if limit and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)    # stable: the order within each stays
 
 
 @pytest.fixture(scope="session")
