@@ -8,6 +8,8 @@ measured."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -18,8 +20,9 @@ import pytest
 from stratamesh.bench.chaos import make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.agent.probe import parse_cpu_model, parse_gpu, read_cpuinfo, read_nvml
-from stratamesh.agent.speed import ONNX_CACHE_NAME, box_fingerprint
+from stratamesh.agent.speed import ONNX_CACHE_NAME, box_fingerprint, default_cache_path
 from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.fleet.types import StageSpec
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
@@ -34,12 +37,32 @@ FAST = {**MODEST, "flops": 1e13, "mem_bandwidth": 1e12, "step_overhead_s": 0.0, 
         "decode_flops": 1e13, "decode_bandwidth": 1e12}
 
 
-def onnx_speeds_cache(cache: Path, speed: dict) -> Path:
+@pytest.fixture(scope="module")
+def run_cache(tiny_models: dict[str, Path]) -> Path:
+    """The run's cache folder (tests/conftest.py) with torch's speeds measured and the tiny Llama's layer traced for
+    ONNX Runtime (layer_template: keyed by the layer's shapes, the same for every stage of the model)."""
+    from stratamesh.agent.probe import probe
+    from stratamesh.kernels.models.decoder import load_stage
+    from stratamesh.kernels.models.onnx_stage import layer_template
+
+    cache = Path(os.environ["STRATAMESH_CACHE_DIR"])
+    probe()
+    model_dir = tiny_models["llama"]
+    layer_template(load_stage(StageSpec("tiny-llama", str(model_dir), 2, 4, 6)), cache)
+    return cache
+
+
+def onnx_speeds_cache(cache: Path, speed: dict, run_cache: Path) -> Path:
     """A cache folder whose ONNX Runtime speeds agents of this box read as their own probe's (so that no test
-    waits the probe's 15 s, nor does the planner's choice hang on how busy the box is); torch's are measured."""
+    waits the probe's 15 s, nor does the planner's choice hang on how busy the box is); torch's, and the layers the
+    exporter traced, are the run's (what every agent of the run reads from its cache). An export of a stage is
+    made here by the agent that serves it."""
     import onnxruntime
 
-    cache.mkdir()
+    (cache / "onnx").mkdir(parents=True)
+    shutil.copy(default_cache_path(), cache / default_cache_path().name)
+    for template in (run_cache / "onnx").glob("layer-*.onnx"):
+        shutil.copy(template, cache / "onnx" / template.name)
     fingerprint = box_fingerprint(socket.gethostname(), parse_cpu_model(read_cpuinfo()),
                                   [parse_gpu(raw) for raw in read_nvml()], onnxruntime.__version__)
     (cache / ONNX_CACHE_NAME).write_text(json.dumps({"fingerprint": fingerprint, "measured_at": time.time(),
@@ -48,18 +71,19 @@ def onnx_speeds_cache(cache: Path, speed: dict) -> Path:
 
 
 def test_a_torch_onnxruntime_torch_mesh_gives_the_tokens_of_transformers(tiny_models: dict[str, Path],
-                                                                          tmp_path: Path) -> None:
+                                                                          tmp_path: Path, run_cache: Path) -> None:
     model_dir = tiny_models["llama"]
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={0: EDGE, 1: FAR, 2: EDGE},
                    coordinator_args=["--first-site", "home", "--last-site", "home"],
-                   extra_env={"STRATAMESH_CACHE_DIR": str(onnx_speeds_cache(tmp_path / "cache", MODEST))},
+                   extra_env={"STRATAMESH_CACHE_DIR": str(onnx_speeds_cache(tmp_path / "cache", MODEST, run_cache))},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
         plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
         (plan,) = [p for p in plans if p["state"] == "active"]
         runs = [(s["agent_id"], s["runtime"], s["dtype"]) for s in plan["stages"]]
         assert runs[1] == (mesh.agent_ids[1], "onnxruntime", "float32")
         assert [r[1] for r in runs] == ["torch", "onnxruntime", "torch"]
-        assert list((tmp_path / "cache" / "onnx").glob("*.onnx"))       # the middle stage's export, cached
+        exports = [p for p in (tmp_path / "cache" / "onnx").glob("*.onnx") if not p.name.startswith("layer-")]
+        assert exports                                                  # the middle stage's export, cached
         for seed, length in ((1, 12), (2, 40)):
             prompt = make_jobs(1, regular_token_ids(model_dir), prompt_len=length, max_tokens=1, seed=seed)[0]
             ids = list(prompt.prompt_ids)
@@ -68,9 +92,9 @@ def test_a_torch_onnxruntime_torch_mesh_gives_the_tokens_of_transformers(tiny_mo
 
 
 def test_the_planner_runs_an_auto_agents_stage_on_onnx_runtime_where_it_measured_it_faster(
-        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+        tiny_models: dict[str, Path], tmp_path: Path, run_cache: Path) -> None:
     """The auto agent measured ONNX Runtime far faster than torch (onnx_speeds_cache); the other two run torch."""
-    model_dir, cache = tiny_models["llama"], onnx_speeds_cache(tmp_path / "cache", FAST)
+    model_dir, cache = tiny_models["llama"], onnx_speeds_cache(tmp_path / "cache", FAST, run_cache)
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={1: ["--runtime", "auto"]},
                    extra_env={"STRATAMESH_CACHE_DIR": str(cache)},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
