@@ -242,9 +242,9 @@ def _recodec(blob: pb.Tensor, codec: str) -> pb.Tensor:
 
 
 async def fuzz_concurrently(channels: dict[str, grpc.aio.Channel], targets: dict[str, Target], num_cases: int,
-                            seed: int) -> dict[str, FuzzReport]:
-    """Fuzzes every stage at once, num_cases each; the report per stage address."""
+                            seed: int, timeout_s: float = 10.0) -> dict[str, FuzzReport]:
+    """Fuzzes every stage at once, num_cases each, each call given timeout_s; the report per stage address."""
     reports = {address: FuzzReport() for address in channels}
     await asyncio.gather(*(fuzz_stage(channels[a], stage_cases(random.Random(f"{seed}-{a}"), targets[a]),
-                                      num_cases, reports[a]) for a in channels))
+                                      num_cases, reports[a], timeout_s) for a in channels))
     return reports

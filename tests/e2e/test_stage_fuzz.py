@@ -15,6 +15,7 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.stage_fuzz import ENDED_EARLY, Target, fuzz_concurrently
 from stratamesh.fleet.launcher import LocalMesh
+from tests.patience import patient
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def test_malformed_stage_messages_hurt_no_generation(tiny_models: dict[str, Path
             http = asyncio.to_thread(fuzz_http, mesh.url, viewer_key, http_counts)
             try:
                 stage_reports, _ = await asyncio.gather(
-                    fuzz_concurrently(channels, targets, CASES_PER_STAGE, seed=1), http)
+                    fuzz_concurrently(channels, targets, CASES_PER_STAGE, seed=1, timeout_s=patient(10.0)), http)
                 reports.update(stage_reports)
             finally:
                 for channel in channels.values():
