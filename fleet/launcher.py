@@ -24,7 +24,9 @@ from pathlib import Path
 
 import grpc
 
+from stratamesh.fleet import forked
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.forked import ForkedProcess
 from stratamesh.fleet.netbed import Host
 from stratamesh.fleet.state import make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
@@ -49,6 +51,9 @@ def patience(environ: dict[str, str] | None = None) -> float:
         return max(1.0, float(value)) if value else 1.0
     except ValueError:
         raise LaunchError(f"{PATIENCE_ENV}={value!r} is not a number") from None
+
+
+Process = subprocess.Popen | ForkedProcess    # a mesh process: started, or forked from a fork server (fleet/forked.py)
 
 
 class LaunchError(MeshError):
@@ -77,6 +82,8 @@ class LocalMesh:
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     insecure: bool = False              # True: plaintext, no CA, no enrollment (development only)
+    fork_agents: bool = field(default_factory=forked.wanted)   # agents on loopback forked from a fork server that
+                                        # imported torch once (fleet/forked.py); default: STRATAMESH_FORK_SERVER=1
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
@@ -87,7 +94,7 @@ class LocalMesh:
     coordinator_host: Host | None = None
     agent_hosts: dict[int, Host] = field(default_factory=dict)
     coordinator: subprocess.Popen | None = None
-    agents: list[subprocess.Popen] = field(default_factory=list)
+    agents: list[Process] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
     agent_metrics: list[str] = field(default_factory=list)   # host:port of each agent's /metrics
     agent_ids: list[str] = field(default_factory=list)       # stable per index: a restarted agent keeps its id
@@ -215,7 +222,7 @@ class LocalMesh:
             raise LaunchError(f"stratamesh {' '.join(args[:2])} failed: {result.stdout}{result.stderr}")
         return result.stdout
 
-    def start_agent(self, index: int, timeout_s: float = 60.0) -> subprocess.Popen:
+    def start_agent(self, index: int, timeout_s: float = 60.0) -> Process:
         """Starts agent number index (a new one, or one that was killed, under its old id); waits until it listens."""
         process = self._spawn_agent(index)
         self._agent_started(index, self._await_line(process, _AGENT_LINE, timeout_s))
@@ -248,7 +255,7 @@ class LocalMesh:
             values.extend([""] * (index + 1 - len(values)))
             values[index] = value
 
-    def _spawn_agent(self, index: int) -> subprocess.Popen:
+    def _spawn_agent(self, index: int) -> Process:
         threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
         while len(self.agent_ids) <= index:
             self.agent_ids.append(f"{self.mesh}-a{len(self.agent_ids)}")
@@ -403,9 +410,16 @@ class LocalMesh:
         return str(make_private_dir(self.state_dir)) if self.state_dir else self._logs()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
-               host: Host | None = None) -> subprocess.Popen:
+               host: Host | None = None) -> Process:
         log_file = open(Path(self._logs(), f"{name}.log"), "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **(env or {})}
+        if args[0] == "agent" and host is None and self.fork_agents:
+            server = forked.fork_server(env)
+            if server.can_fork(env):
+                try:
+                    return server.fork(args, env, log_file.fileno())
+                finally:
+                    log_file.close()
         argv = [sys.executable, "-m", "stratamesh.cli", *args]
         process = subprocess.Popen(
             host.command(argv) if host is not None else argv, env=env,   # `ip netns exec` execs: same pid
@@ -413,7 +427,7 @@ class LocalMesh:
         log_file.close()
         return process
 
-    def _await_line(self, process: subprocess.Popen, pattern: re.Pattern[str],
+    def _await_line(self, process: Process, pattern: re.Pattern[str],
                     timeout_s: float) -> tuple[str, ...]:
         """Waits for the process to print its addresses; keeps draining its stdout after."""
         found: list[tuple[str, ...]] = []
@@ -451,12 +465,12 @@ def _site_of(host: Host) -> list[str]:
     return ["--site", host.site] if host.site else []
 
 
-def _role(process: subprocess.Popen) -> str:
+def _role(process: Process) -> str:
     """"coordinator" or "agent": the command a mesh process was started with."""
     return process.args[process.args.index("stratamesh.cli") + 1]
 
 
-def _signal(process: subprocess.Popen, sig: int) -> None:
+def _signal(process: Process, sig: int) -> None:
     if process.poll() is None:
         try:
             process.send_signal(sig)
@@ -474,12 +488,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _kill(process: subprocess.Popen) -> None:
+def _kill(process: Process) -> None:
     _signal(process, signal.SIGKILL)
     process.wait()
 
 
-def _terminate(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+def _terminate(process: Process, grace_s: float = 10.0) -> None:
     _signal(process, signal.SIGTERM)
     try:
         process.wait(timeout=grace_s)

@@ -25,6 +25,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache: one folder for the
 # whole run, since pytest-xdist's workers inherit it from the controller, which imported this module first
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
+# the agents of the suite's local meshes (LocalMesh, in tests and the benchmarks they run; not `stratamesh up`'s) are
+# forked from a fork server that imported torch once (fleet/forked.py): an agent's start then costs ~1 s of CPU, not ~3
+os.environ.setdefault("STRATAMESH_FORK_SERVER", "1")
 patience()  # measured once, in the controller: its workers and every process they start read it from the environment
 
 
