@@ -163,7 +163,7 @@ class Advertiser:
         info = _service_info(record)
         self._zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
         try:
-            # cooperating_responders skips the ~1.2 s probe (ENVIRONMENT.md). The returned task
+            # cooperating_responders skips the name probe (~1.2 s on this project's VMs). The returned task
             # sends three announcements over ~0.45 s; the first goes out at once, so don't wait.
             self._announcing = await self._zc.async_register_service(
                 info, cooperating_responders=True)

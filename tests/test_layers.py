@@ -1,4 +1,5 @@
-"""Imports flow one way (DESIGN.md §1): checked on the source of every module, with ast."""
+"""Imports flow one way (docs/architecture.md, "The rules of the house"): checked on the source of every module, with
+ast."""
 
 from __future__ import annotations
 

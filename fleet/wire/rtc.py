@@ -1,6 +1,7 @@
 """WebRTC data channels between mesh processes that cannot dial each other (one behind NAT), with the mesh's identities.
 
-A gRPC stream is the data plane's path (50x the throughput: ENVIRONMENT.md); this one is for a receiver nobody
+A gRPC stream is the data plane's path (50x the throughput: 480-710 MB/s between two processes on loopback, against
+a data channel's 10-13 MB/s, on this project's VMs); this one is for a receiver nobody
 outside its NAT can dial. The caller makes an offer, the coordinator carries it over the callee's control stream
 (it can reach everyone: they dialed it) and the answer back, and ICE finds a way through: the callee's checks go
 out through its NAT, which lets the caller's answers in. No STUN or TURN server is needed while one side can be
