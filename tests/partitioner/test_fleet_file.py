@@ -168,9 +168,9 @@ def test_engineering_notation(value: float, text: str) -> None:
     assert _engineering(value) == text
 
 
-def test_the_readme_example_is_a_fleet_file() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### The fleet file"):]
+def test_the_documented_example_is_a_fleet_file() -> None:
+    page = (REPO / "docs" / "deploying.md").read_text()
+    section = page[page.index("### The fleet file"):]
     start = section.index("```json\n") + len("```json\n")
     example = section[start:section.index("\n```", start)]
     fleet = fleet_from_dict(json.loads(example))
