@@ -50,7 +50,14 @@ def _parser() -> argparse.ArgumentParser:
                         default=os.environ.get("STRATAMESH_LOG_FORMAT", "text"),
                         help="json: one object per line with agent_id and trace_id")
     commands = parser.add_subparsers(metavar="COMMAND")
+    for add_command in (_add_up, _add_coordinator, _add_agent, _add_credentials_commands, _add_model, _add_plan,
+                        _add_bench):
+        add_command(commands)
+    return parser
 
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh up`: a local mesh, supervised until Ctrl-C."""
     up = commands.add_parser("up", help="a coordinator and N agents on this machine, serving a model")
     up.add_argument("--agents", type=int, default=3)
     up.add_argument("--stages", type=int, default=0,
@@ -69,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_insecure_argument(up)
     up.set_defaults(func=_up)
 
+
+def _add_coordinator(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh coordinator`: the daemon of the control plane, the origin and the HTTP API."""
     coordinator = commands.add_parser("coordinator", help="run the coordinator")
     coordinator.add_argument("--db", default="stratamesh.db",
                              help="the registry: an SQLite file path or sqlite:///PATH (docs/registry.md)")
@@ -134,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_trace_export_arguments(coordinator)
     coordinator.set_defaults(func=_coordinator)
 
+
+def _add_agent(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh agent`: the daemon on every box."""
     agent = commands.add_parser("agent", help="run an agent daemon")
     agent.add_argument("--name", default=None)
     agent.add_argument("--agent-id", default=None,
@@ -184,6 +197,23 @@ def _parser() -> argparse.ArgumentParser:
                             "(each stage is exported once, into the cache folder: seconds for the demo model, minutes "
                             "for billions of parameters); auto: the planner picks torch or onnxruntime per stage, by "
                             "the speeds measured of both (the first start measures ONNX Runtime's: about 25 s)")
+    _add_owner_limits(agent)
+    agent.add_argument("--fetch-weights", choices=("missing", "always"), default="missing",
+                       help="fetch a stage's tensors from peers or the coordinator (sha256-checked, kept in the "
+                            "cache folder): only when its model folder is not on this box (default), or always")
+    agent.add_argument("--weights-dir", default="", metavar="PATH",
+                       help="where fetched tensors are kept, one sparse copy per checkpoint (default: the cache "
+                            "folder's weights/)")
+    agent.add_argument("--remeasure", action="store_true",
+                       help="measure matmul and copy speed again instead of reusing this box's cached figures")
+    agent.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port on --host (0: any free port; -1: none)")
+    _add_trace_export_arguments(agent)
+    agent.set_defaults(func=_agent)
+
+
+def _add_owner_limits(agent: argparse.ArgumentParser) -> None:
+    """The agent's flags for its box's owner: when it rests (agent/owner_limits.py)."""
     owner = agent.add_argument_group("the owner's limits", "the agent rests (its stages move to other agents) once a "
                                      "limit has been crossed for --limit-grace, and serves again once none has been "
                                      "for --limit-cooldown")
@@ -200,19 +230,10 @@ def _parser() -> argparse.ArgumentParser:
     owner.add_argument("--sensor-file", default="", metavar="PATH",
                        help='JSON the owner\'s script keeps current for sensors NVML does not see: '
                             '{"temperatures_c": [71.5], "power_w": 35}')
-    agent.add_argument("--fetch-weights", choices=("missing", "always"), default="missing",
-                       help="fetch a stage's tensors from peers or the coordinator (sha256-checked, kept in the "
-                            "cache folder): only when its model folder is not on this box (default), or always")
-    agent.add_argument("--weights-dir", default="", metavar="PATH",
-                       help="where fetched tensors are kept, one sparse copy per checkpoint (default: the cache "
-                            "folder's weights/)")
-    agent.add_argument("--remeasure", action="store_true",
-                       help="measure matmul and copy speed again instead of reusing this box's cached figures")
-    agent.add_argument("--metrics-port", type=int, default=0,
-                       help="Prometheus /metrics port on --host (0: any free port; -1: none)")
-    _add_trace_export_arguments(agent)
-    agent.set_defaults(func=_agent)
 
+
+def _add_credentials_commands(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh drain`, `token`, `key`, `user` and `revoke`: commands on a running mesh and its registry."""
     drain = commands.add_parser("drain", help="move an agent's stages and live sessions (with their KV) "
                                 "to other agents, then let it exit")
     add_drain_arguments(drain)
@@ -234,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     add_revoke_arguments(revoke)
     revoke.set_defaults(func=lambda args: sys.exit(run_revoke(args)))
 
+
+def _add_model(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh model tiny` and `model train-demo`: model folders."""
     model = commands.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(metavar="ACTION")
     tiny = model_commands.add_parser("tiny", help="write a random-weight checkpoint with a real tokenizer")
@@ -260,10 +284,16 @@ def _parser() -> argparse.ArgumentParser:
     train_demo.add_argument("--seed", type=int, default=0)
     train_demo.set_defaults(func=_model_train_demo)
 
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh plan`: the planner over a fleet file."""
     plan = commands.add_parser("plan", help="plan a model's stages over a fleet file (no daemon needed)")
     add_plan_arguments(plan)
     plan.set_defaults(func=lambda args: sys.exit(plan_main(args)))
 
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """`stratamesh bench serve`, `chaos`, `plan` and `control`."""
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(metavar="BENCHMARK")
     serve = bench_commands.add_parser("serve", help="serving throughput and latency, like `vllm bench serve`")
@@ -306,8 +336,6 @@ def _parser() -> argparse.ArgumentParser:
                          help="simulated boxes with the RAM for a stage (but slow): the planner weighs their joins")
     control.add_argument("--log-dir", default="", help="keep the daemons' logs (and registry) here, a folder per fleet size")
     control.set_defaults(func=_bench_control)
-    return parser
-
 
 def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Runs body(stop) on an event loop; SIGINT or SIGTERM sets stop for a clean shutdown."""
