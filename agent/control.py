@@ -13,6 +13,7 @@ from stratamesh.agent.stages import StageHost
 from stratamesh.agent.weights import WeightFetcher
 from stratamesh.fleet.errors import MeshError, Refused, StageFailed
 from stratamesh.fleet.links import measure_peers
+from stratamesh.fleet.states import StageState
 from stratamesh.fleet.types import Capabilities, KvEvents, Registration, RtcAnswer, RtcOffer, StageStatus, Telemetry
 from stratamesh.fleet.wire import convert, rtc
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -228,9 +229,9 @@ class ControlClient:
             assignment = convert.assignment_from_pb(message)
         except MeshError as exc:
             outbox.put_nowait(convert.stage_status_to_pb(
-                StageStatus(message.assignment_id, "failed", str(exc))))
+                StageStatus(message.assignment_id, StageState.FAILED, str(exc))))
             return
-        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, "loading")))
+        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, StageState.LOADING)))
         try:
             spec = assignment.stage
             if self._weights is not None:
@@ -238,7 +239,7 @@ class ControlClient:
                     assignment.assignment_id, spec, coordinator,
                     lambda progress: outbox.put_nowait(convert.weights_progress_to_pb(progress)))
             param_bytes = await self._host.load(assignment, spec)
-            status = StageStatus(assignment.assignment_id, "ready", param_bytes=param_bytes)
+            status = StageStatus(assignment.assignment_id, StageState.READY, param_bytes=param_bytes)
         except Exception as exc:  # a stage that cannot load is reported, never fatal to the agent
             log.exception("could not load %s", assignment.assignment_id)
             status = StageStatus(assignment.assignment_id, "failed", f"{type(exc).__name__}: {exc}")
@@ -246,7 +247,7 @@ class ControlClient:
 
     async def _release(self, outbox: asyncio.Queue[object], assignment_id: str) -> None:
         self._host.release(assignment_id)
-        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, "released")))
+        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, StageState.RELEASED)))
 
     async def _probe_links(self, outbox: asyncio.Queue[object], message: pb.ProbeLinks) -> None:
         """Measures the links to the peers the coordinator named and reports them (failures included)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.types import (AGENT_RUNTIMES, AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, Capabilities,
                                    GpuInfo, SpeedInfo)
 
@@ -243,8 +244,8 @@ def check_runtime(runtime: str, dtype: str, onnx_providers: Iterable[str]) -> st
     has_ort = "CPUExecutionProvider" in onnx_providers
     if runtime == AUTO_RUNTIME and not has_ort:
         log.warning("--runtime auto: onnxruntime's CPU provider does not load on this box: stages run in torch")
-        return "torch"
-    if runtime != "onnxruntime":
+        return Runtime.TORCH
+    if runtime != Runtime.ONNXRUNTIME:
         return runtime
     if not has_ort:
         raise InvalidInput("--runtime onnxruntime: onnxruntime's CPU provider does not load on this box")
@@ -271,7 +272,7 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     gpus = [parse_gpu(raw) for raw in read_nvml()] if use_gpus else []
     check_dtype(dtype, gpus)
     # onnxruntime is loaded only by an agent that may run it: a torch agent's start does without it
-    onnx_providers = read_onnx_providers() if runtime in ("onnxruntime", AUTO_RUNTIME) else []
+    onnx_providers = read_onnx_providers() if runtime in (Runtime.ONNXRUNTIME, Runtime.AUTO) else []
     runtime = check_runtime(runtime, dtype, onnx_providers)
     cpuinfo = read_cpuinfo()
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
@@ -280,7 +281,7 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     speeds: tuple[SpeedInfo, ...] = ()
     if measure:
         speeds = _measured_speeds(hostname, cpu_model, gpus, cpu_bf16, remeasure,
-                                  onnx=runtime in ("onnxruntime", AUTO_RUNTIME))
+                                  onnx=runtime in (Runtime.ONNXRUNTIME, Runtime.AUTO))
     return Capabilities(
         hostname=hostname, cpu_model=cpu_model, num_cpus=os.cpu_count() or 1,
         ram_total_bytes=total, ram_available_bytes=available, gpus=tuple(gpus),

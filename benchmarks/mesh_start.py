@@ -6,8 +6,9 @@ Starts a LocalMesh of the tiny Llama with mutual TLS (agents enroll) and --insec
 each, and times LocalMesh.start(): from nothing to /health ready with every agent connected. From each agent's log:
 how long after it began serving stages it registered with the coordinator (finding it by zeroconf, then the control
 stream's welcome), and the CPU seconds each agent process had used once the mesh was ready (its imports, probe,
-enrollment and stage load: what every agent start costs a shared box). The last line is the ratio mTLS / insecure:
-what enrolling costs a start.
+enrollment and stage load: what every agent start costs a shared box). A third kind forks the agents from a fork
+server that imported torch once (fleet/forked.py: what the test suite's meshes do). The last lines are the ratios
+mTLS / insecure (what enrolling costs a start) and an agent's CPU at ready, started / forked.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_once(model_dir: Path, agents: int, insecure: bool) -> tuple[float, list[float], list[float]]:
+def start_once(model_dir: Path, agents: int, insecure: bool, fork: bool = False
+               ) -> tuple[float, list[float], list[float]]:
     """(seconds LocalMesh.start() took, each agent's registration_s, each agent's CPU seconds at ready)."""
     with tempfile.TemporaryDirectory(prefix="mesh-start-") as logs:
-        mesh = LocalMesh(str(model_dir), num_agents=agents, insecure=insecure, log_dir=logs)
+        mesh = LocalMesh(str(model_dir), num_agents=agents, insecure=insecure, log_dir=logs, fork_agents=fork)
         started = time.perf_counter()
         with mesh:
             took = time.perf_counter() - started
@@ -59,14 +61,14 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=3)
     args = parser.parse_args()
     model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama", arch="llama", num_layers=6)
-    kinds = {"mTLS (agents enroll)": False, "insecure": True}
+    kinds = {"mTLS (agents enroll)": (False, False), "insecure": (True, False), "forked agents, mTLS": (False, True)}
     starts: dict[str, list[float]] = {k: [] for k in kinds}
     registrations: dict[str, list[float]] = {k: [] for k in kinds}
     cpus: dict[str, list[float]] = {k: [] for k in kinds}
     start_once(model_dir, 1, True)      # the box's speeds measured and cached: every start below reads them
     for _ in range(args.starts):
-        for kind, insecure in kinds.items():
-            took, registered, cpu = start_once(model_dir, args.agents, insecure)
+        for kind, (insecure, fork) in kinds.items():
+            took, registered, cpu = start_once(model_dir, args.agents, insecure, fork)
             starts[kind].append(took)
             registrations[kind] += registered
             cpus[kind] += cpu
@@ -79,8 +81,10 @@ def main() -> None:
         s, r, c = starts[kind], registrations[kind], cpus[kind]
         print(f"| {kind:<22} | {statistics.median(s):14.2f} | {min(s):6.2f} | {max(s):6.2f} | "
               f"{statistics.median(c):15.2f} | {statistics.median(r) * 1e3:22.0f} |")
-    secure, insecure = (statistics.median(starts[k]) for k in kinds)
+    secure, insecure, _ = (statistics.median(starts[k]) for k in kinds)
+    started, forked = (statistics.median(cpus[k]) for k in ("mTLS (agents enroll)", "forked agents, mTLS"))
     print(f"\nstart, mTLS / insecure: {secure / insecure:.2f}x")
+    print(f"agent CPU at ready, started / forked: {started / forked:.2f}x")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from typing import Any
 
 from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import AgentRecord, LinkRecord
+from stratamesh.fleet.states import AgentState
 from stratamesh.fleet.types import Telemetry
 
 DETAIL_ALL_UP_TO = 100      # a fleet of at most this many agents is held in full: the UI draws every one
 RECENT_S = 60.0             # agents whose state changed this recently are held in full ...
 RECENT_MAX = 20             # ... the newest this many: a site going dark changes hundreds at once
 SITE_LINKS_MAX = 100        # pairs of sites a view sums links up for, those with the most links first
-UP_STATES = frozenset({"online", "connected"})
+UP_STATES = frozenset({AgentState.ONLINE, AgentState.CONNECTED})
 
 
 def agent_json(agent: AgentRecord, metrics_address: str, telemetry: tuple[float, Telemetry] | None) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def agents_that_matter(agents: Sequence[AgentRecord], planned: Collection[str], 
     known = {a.agent_id for a in agents}
     recent = heapq.nlargest(RECENT_MAX, (a for a in agents if a.state_since >= now - RECENT_S),
                             key=attrgetter("state_since", "agent_id"))
-    return ({a for a in (*planned, *draining) if a in known} | {a.agent_id for a in agents if a.state == "resting"}
+    return ({a for a in (*planned, *draining) if a in known} | {a.agent_id for a in agents if a.state == AgentState.RESTING}
             | {a.agent_id for a in recent})
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
+from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, Capabilities, GpuInfo, SpeedInfo,
                                    StageSpec, Telemetry, windowed)
 from stratamesh.partitioner import describe
@@ -74,7 +75,7 @@ def stage_dtype(checkpoint: str, caps: Capabilities, gpu: GpuInfo | None) -> str
     before Ampere; on a CPU float32, but bfloat16 for a bfloat16 checkpoint where the CPU computes it natively."""
     if caps.dtype:
         return caps.dtype
-    if caps.runtime == "onnxruntime":
+    if caps.runtime == Runtime.ONNXRUNTIME:
         return "float32"             # (kernels.models.onnx_stage.ORT_DTYPES)
     if gpu is not None:
         return "float16" if checkpoint == "bfloat16" and not _has_bf16(gpu) else checkpoint
@@ -172,7 +173,7 @@ def rank_ids(agent_id: str, ranks: int) -> list[str]:
 def _on_gpus(caps: Capabilities, speeds: Sequence[Speed | SpeedInfo]) -> bool:
     """Whether the agent's stages run on its GPUs: it has some, its host measured torch-cuda, and its operator did
     not choose ONNX Runtime (whose stages run on the CPU here)."""
-    return bool(caps.gpus) and caps.runtime != "onnxruntime" and any(s.backend == "torch-cuda" for s in speeds)
+    return bool(caps.gpus) and caps.runtime != Runtime.ONNXRUNTIME and any(s.backend == "torch-cuda" for s in speeds)
 
 
 def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
@@ -211,7 +212,7 @@ def _cpu_backends(caps: Capabilities, measured: Sequence[SpeedInfo], dtype: str,
     """What may compute a CPU agent's stages: ONNX Runtime where its operator chose it (--runtime onnxruntime);
     torch, and ONNX Runtime beside it where the operator let the planner pick (AUTO_RUNTIME), the host measured it,
     the stages compute in one of its dtypes and the model's layers export (onnx); else torch."""
-    if caps.runtime == "onnxruntime":
+    if caps.runtime == Runtime.ONNXRUNTIME:
         return ("onnxruntime-cpu",)
     if (caps.runtime == AUTO_RUNTIME and onnx and dtype in ORT_DTYPES
             and any(s.backend == "onnxruntime-cpu" for s in measured)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stratamesh.fleet.states import DrainState
 from stratamesh.fleet.types import Capabilities, StageSpec
 
 
@@ -87,7 +88,7 @@ class LinkRecord:
     ts: float
 
 
-DRAIN_RUNNING = ("moving_stages", "moving_sessions")
+DRAIN_RUNNING = (DrainState.MOVING_STAGES, DrainState.MOVING_SESSIONS)
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class DrainStatus:
 
     agent_id: str
     started_unix_s: float
-    state: str = "moving_stages"    # -> moving_sessions -> drained, or failed
+    state: str = DrainState.MOVING_STAGES    # -> moving_sessions -> drained, or failed
     stages: list[dict[str, Any]] = field(default_factory=list)    # model, layers, from and to agent
     sessions_asked: int = 0         # live sessions asked to move (a few may finish first)
     finished_unix_s: float = 0.0

@@ -19,6 +19,7 @@ from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
                                             PlanRecord, StagePlacement, StageRecord)
+from stratamesh.fleet.states import PlanState
 from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad,
                                     StageSpec, Telemetry)
 
@@ -385,9 +386,9 @@ class Registry:
         _check_stages(model_id, stages)
         try:
             with self._tx() as db:
-                replaced = "standby" if standby else "active"
+                replaced = PlanState.STANDBY if standby else PlanState.ACTIVE
                 db.execute("UPDATE plans SET state = ? WHERE model_id = ? AND replica = ? AND state = ?",
-                           ["abandoned" if standby else "superseded", model_id, replica, replaced])
+                           [PlanState.ABANDONED if standby else PlanState.SUPERSEDED, model_id, replica, replaced])
                 db["plans"].insert({"plan_id": plan_id, "model_id": model_id, "created": now,
                                     "state": replaced, "reason": reason, "replica": replica,
                                     "prediction_json": json.dumps(prediction or {})})
@@ -428,15 +429,15 @@ class Registry:
 
     def active_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
         """The active plan of the model's replica with its stages in pipeline order, or None."""
-        return next(iter(self._plans(model_id, ("active",), replica)), None)
+        return next(iter(self._plans(model_id, (PlanState.ACTIVE,), replica)), None)
 
     def standby_plan(self, model_id: str, replica: int = 0) -> PlanRecord | None:
         """The plan the model's replica moves to once its stages are loaded, or None."""
-        return next(iter(self._plans(model_id, ("standby",), replica)), None)
+        return next(iter(self._plans(model_id, (PlanState.STANDBY,), replica)), None)
 
     def active_plans(self, model_id: str) -> list[PlanRecord]:
         """The active plan of each of the model's replicas that has one, by replica."""
-        return self._plans(model_id, ("active",))
+        return self._plans(model_id, (PlanState.ACTIVE,))
 
     def in_live_plan(self, agent_id: str) -> bool:
         """Whether an active or standby plan of any model has a stage on the agent (one query)."""
@@ -445,7 +446,7 @@ class Registry:
 
     def live_plans(self, model_id: str) -> list[PlanRecord]:
         """Every replica's active plan and the standby it moves to next, by replica (active first)."""
-        return self._plans(model_id, ("active", "standby"))
+        return self._plans(model_id, (PlanState.ACTIVE, PlanState.STANDBY))
 
     def _plans(self, model_id: str, states: Sequence[str], replica: int | None = None) -> list[PlanRecord]:
         """The model's plans in these states (of one replica, or of all), by replica then state, each with its

@@ -9,14 +9,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
+from stratamesh.fleet.states import RouterMode, Runtime, StageState
 
 DTYPES = ("float32", "float16", "bfloat16")
-RUNTIMES = ("torch", "onnxruntime")   # what computes a stage's layers (on its device)
-AUTO_RUNTIME = "auto"                 # an agent's runtime when the planner picks one of RUNTIMES per stage
-AGENT_RUNTIMES = (*RUNTIMES, AUTO_RUNTIME)   # what an agent's operator may choose (--runtime)
+RUNTIMES = (Runtime.TORCH, Runtime.ONNXRUNTIME)   # what computes a stage's layers (on its device)
+AUTO_RUNTIME = Runtime.AUTO           # an agent's runtime when the planner picks one of RUNTIMES per stage
+AGENT_RUNTIMES = tuple(Runtime)       # what an agent's operator may choose (--runtime)
 # How the coordinator's router picks one of a model's ready replicas for a request (coordinator.control.routes).
-ROUTER_MODES = ("kv", "round-robin", "least-load")   # how a request picks one of a model's replicas
-DEFAULT_ROUTER_MODE = "kv"
+ROUTER_MODES = tuple(RouterMode)
+DEFAULT_ROUTER_MODE = RouterMode.KV
 MAX_REPLICAS = 64               # pipelines one model may run side by side
 QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
@@ -394,7 +395,7 @@ class TokenEvent:
     held: bool = False          # the last token before a hold: the session is quiet on every stage now
 
 
-STAGE_STATES = ("assigned", "loading", "ready", "failed", "released")
+STAGE_STATES = tuple(StageState)
 
 
 @dataclass(frozen=True, slots=True)

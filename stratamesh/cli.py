@@ -89,14 +89,7 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
     coordinator.add_argument("--bootstrap-file", default="", metavar="FILE",
                              help="keep a join token, an operator API key and an admin login in FILE (JSON, mode "
                                   "0600): those in it that still work are kept, new ones replace the rest")
-    coordinator.add_argument("--max-requests", type=int, default=256, metavar="N",
-                             help="generations and embeddings in flight; more get 429 with Retry-After")
-    coordinator.add_argument("--max-requests-per-key", type=int, default=64, metavar="N",
-                             help="... per API key or admin user")
-    coordinator.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
-                             help="longest prompt taken (0: the model's context)")
-    coordinator.add_argument("--max-tokens", type=int, default=0, metavar="N",
-                             help="largest max_tokens taken, and the default (0: the context's room)")
+    _add_admission_limits(coordinator)
     coordinator.add_argument("--host", default="127.0.0.1")
     coordinator.add_argument("--grpc-port", type=int, default=0)
     coordinator.add_argument("--http-port", type=int, default=8000)
@@ -127,16 +120,7 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                                   "transfer stays within a quarter of the sending stage's step, from the links' "
                                   "measured bandwidth (auto: raw in the receiver's dtype, then float16, then int8 "
                                   "with per-token scales); or one codec on every link")
-    coordinator.add_argument("--prefill-replicas", type=_int_in(0, MAX_REPLICAS), default=0, metavar="N",
-                             help="prefill/decode disaggregation: the first N replicas prefill long prompts, whose "
-                                  "KV then moves over gRPC to the replica the router picked to decode them; the "
-                                  "others serve every other request whole (default 0: off)")
-    coordinator.add_argument("--disagg-min-prompt", type=_int_in(1, 10_000_000), default=512, metavar="TOKENS",
-                             help="a prompt prefills apart only if at least this many of its tokens are not "
-                                  "cached on its decode replica (default 512)")
-    coordinator.add_argument("--disagg-max-queue", type=_int_in(0, 10_000_000), default=2048, metavar="TOKENS",
-                             help="... and while the prefill replica has at most this many prompt tokens still to "
-                                  "prefill (default 2048)")
+    _add_disaggregation(coordinator)
     coordinator.add_argument("--trace-sample-rate", type=float, default=1.0,
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
@@ -172,16 +156,7 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
     agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    agent.add_argument("--kv-cache-gib", type=_gib, default=0.0,
-                       help="paged KV cache per CPU stage (default: what the plan reserved for it, at least 0.5)")
-    agent.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
-                       help="share of a GPU its stage may fill (weights, workspace, then the KV cache: what is "
-                            "left), as vLLM's; agents sharing a GPU split it")
-    agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
-    agent.add_argument("--max-batch-seqs", type=int, default=64)
-    agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
-    agent.add_argument("--enforce-eager", action="store_true",
-                       help="run a GPU stage's decode steps eagerly, not as CUDA graphs (as vLLM's flag)")
+    _add_engine_arguments(agent)
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
     agent.add_argument("--ranks", type=_int_in(1, MAX_TP_DEGREE), default=0, metavar="N",
@@ -210,6 +185,46 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
                        help="Prometheus /metrics port on --host (0: any free port; -1: none)")
     _add_trace_export_arguments(agent)
     agent.set_defaults(func=_agent)
+
+
+def _add_admission_limits(coordinator: argparse.ArgumentParser) -> None:
+    """What the coordinator's HTTP API takes in at once (coordinator/api/admission.py)."""
+    coordinator.add_argument("--max-requests", type=int, default=256, metavar="N",
+                             help="generations and embeddings in flight; more get 429 with Retry-After")
+    coordinator.add_argument("--max-requests-per-key", type=int, default=64, metavar="N",
+                             help="... per API key or admin user")
+    coordinator.add_argument("--max-prompt-tokens", type=int, default=0, metavar="N",
+                             help="longest prompt taken (0: the model's context)")
+    coordinator.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                             help="largest max_tokens taken, and the default (0: the context's room)")
+
+
+def _add_disaggregation(coordinator: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation: which replicas prefill long prompts apart."""
+    coordinator.add_argument("--prefill-replicas", type=_int_in(0, MAX_REPLICAS), default=0, metavar="N",
+                             help="prefill/decode disaggregation: the first N replicas prefill long prompts, whose "
+                                  "KV then moves over gRPC to the replica the router picked to decode them; the "
+                                  "others serve every other request whole (default 0: off)")
+    coordinator.add_argument("--disagg-min-prompt", type=_int_in(1, 10_000_000), default=512, metavar="TOKENS",
+                             help="a prompt prefills apart only if at least this many of its tokens are not "
+                                  "cached on its decode replica (default 512)")
+    coordinator.add_argument("--disagg-max-queue", type=_int_in(0, 10_000_000), default=2048, metavar="TOKENS",
+                             help="... and while the prefill replica has at most this many prompt tokens still to "
+                                  "prefill (default 2048)")
+
+
+def _add_engine_arguments(agent: argparse.ArgumentParser) -> None:
+    """What each of the agent's stage engines may hold and batch (agent/engine/)."""
+    agent.add_argument("--kv-cache-gib", type=_gib, default=0.0,
+                       help="paged KV cache per CPU stage (default: what the plan reserved for it, at least 0.5)")
+    agent.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+                       help="share of a GPU its stage may fill (weights, workspace, then the KV cache: what is "
+                            "left), as vLLM's; agents sharing a GPU split it")
+    agent.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
+    agent.add_argument("--max-batch-seqs", type=int, default=64)
+    agent.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix caching")
+    agent.add_argument("--enforce-eager", action="store_true",
+                       help="run a GPU stage's decode steps eagerly, not as CUDA graphs (as vLLM's flag)")
 
 
 def _add_owner_limits(agent: argparse.ArgumentParser) -> None:

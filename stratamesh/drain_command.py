@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from stratamesh.fleet.states import DrainState
+
 POLL_S = 0.2
 
 
@@ -46,7 +48,7 @@ def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> i
     except (urllib.error.URLError, OSError, ValueError) as exc:
         say(f"drain of {args.agent_id} failed: {exc}")
         return 1
-    return 0 if args.no_wait or drain["state"] == "drained" else 1
+    return 0 if args.no_wait or drain["state"] == DrainState.DRAINED else 1
 
 
 def admin_call(url: str, method: str, api_key: str = "") -> dict[str, Any]:
@@ -63,13 +65,13 @@ def admin_call(url: str, method: str, api_key: str = "") -> dict[str, Any]:
 
 def _describe(drain: dict[str, Any]) -> str:
     agent, state = drain["agent_id"], drain["state"]
-    if state == "moving_stages":
+    if state == DrainState.MOVING_STAGES:
         moves = "; ".join(f"{s['model']} layers {s['layers'][0]}-{s['layers'][1]} -> {s['to']}"
                           for s in drain["stages"])
         return f"draining {agent}: loading its stages elsewhere ({moves or 'it serves none'})"
-    if state == "moving_sessions":
+    if state == DrainState.MOVING_SESSIONS:
         return f"draining {agent}: stages switched over; moving live sessions with their KV"
-    if state == "drained":
+    if state == DrainState.DRAINED:
         took = drain["finished_unix_s"] - drain["started_unix_s"]
         return f"{agent} drained in {took:.1f} s: {drain['sessions_asked']} live sessions moved; it exits now"
     return f"drain of {agent} failed: {drain['error']}"

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"stratamesh": "stratamesh", "fleet": "stratamesh.fleet", "agent": "stratamesh.agent",
            "coordinator": "stratamesh.coordinator", "partitioner": "stratamesh.partitioner",
            "kernels": "stratamesh.kernels"}
-PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.fleet.weights")
+PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.fleet.weights",
+        "stratamesh.fleet.states")
 IO_AND_DEVICE = ("torch", "grpc", "zeroconf", "sqlite_utils", "sqlite3", "onnxruntime")
 
 # module prefix -> (stratamesh packages it may import, external modules it must not import)
@@ -21,6 +22,7 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("stratamesh.fleet.errors", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet.prefix", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet.weights", PURE, IO_AND_DEVICE),
+    ("stratamesh.fleet.states", PURE, IO_AND_DEVICE),
     ("stratamesh.fleet", ("stratamesh.fleet",), ("torch",)),
     ("stratamesh.partitioner", ("stratamesh.partitioner", *PURE), IO_AND_DEVICE),
     ("stratamesh.kernels", ("stratamesh.kernels", *PURE), ("grpc", "zeroconf", "sqlite_utils")),

@@ -15,6 +15,7 @@ from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk
 from stratamesh.agent.engine.memory import cpu_kv_bytes, gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.state import cache_home
+from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.types import SamplingParams, StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
@@ -71,7 +72,7 @@ class StageRunner:
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         kv_cache_bytes = cpu_kv_bytes(spec.kv_cache_bytes, kv_cache_bytes)
-        if spec.runtime == "onnxruntime":
+        if spec.runtime == Runtime.ONNXRUNTIME:
             model = load_runtime_stage(spec, onnx_cache or cache_home(os.environ), config)
             return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
         if spec.device.startswith("cuda"):

@@ -72,7 +72,7 @@ def admin_router(admin: Admin) -> APIRouter:
                      limit: int = Query(schemas.DEFAULT_AGENTS_PAGE, ge=1, le=schemas.MAX_AGENTS_PAGE),
                      after: str | None = Query(None, max_length=256, description="the `next_after` of the page before"),
                      site: str | None = Query(None, max_length=128, description='"" for the agents that name none'),
-                     state: schemas.AgentState | None = None, tier: schemas.Tier | None = None,
+                     state: schemas.AgentStateName | None = None, tier: schemas.Tier | None = None,
                      serving: bool | None = Query(None, description="holding or planned for a stage (false: spares)"),
                      q: str | None = Query(None, max_length=128, description="a part of the id, name, hostname or "
                                            "address, in any case")) -> Any:

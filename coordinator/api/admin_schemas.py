@@ -6,13 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stratamesh.fleet.states import AgentState, DrainState, PlanState
 from stratamesh.fleet.types import MAX_REPLICAS, Capabilities, GpuInfo, StageLoad
 
 MAX_STAGES = 64
 DEFAULT_AGENTS_PAGE = 100
 MAX_AGENTS_PAGE = 10_000     # a fleet of 10,000 in one call: its cost is reading the registry's every agent anyway
 
-AgentState = Literal["online", "connected", "disconnected", "resting", "drained", "dead"]
+# The API's names of the states, derived from the StrEnums the code compares (fleet/states.py)
+AgentStateName = Literal[tuple(s.value for s in AgentState)]                  # type: ignore[valid-type]
+LivePlanState = Literal[PlanState.ACTIVE.value, PlanState.STANDBY.value]     # the plans the API lists
+DrainStateName = Literal[tuple(s.value for s in DrainState)]                  # type: ignore[valid-type]
 Tier = Literal["edge", "cloud"]
 
 
@@ -117,7 +121,7 @@ class PredictedView(BaseModel):
 class PlanView(BaseModel):
     plan_id: str
     model_id: str
-    state: Literal["active", "standby"]
+    state: LivePlanState
     created: float
     reason: str
     num_layers: int
@@ -210,7 +214,7 @@ class Links(BaseModel):
 class DrainView(BaseModel):
     agent_id: str
     started_unix_s: float
-    state: Literal["moving_stages", "moving_sessions", "drained", "failed"]
+    state: DrainStateName
     stages: list[dict]
     sessions_asked: int
     finished_unix_s: float

@@ -11,6 +11,7 @@ from typing import Protocol
 import anyio
 
 from stratamesh.coordinator.text import IncrementalDetokenizer
+from stratamesh.fleet.states import FinishReason
 from stratamesh.fleet.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Delta:
     """New text of a generation; the last one carries finish_reason "stop" or "length"."""
 
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     token_ids: tuple[int, ...] = ()  # the tokens consumed since the previous delta
 
 
@@ -70,7 +71,7 @@ class GenerationRun:
                  observer: TokenObserver | None = None) -> None:
         self.job = job
         self.token_ids: list[int] = []  # every token received, the stop token included
-        self.finish_reason: str | None = None  # "stop" or "length" once a stop condition is met
+        self.finish_reason: FinishReason | None = None  # once a stop condition is met
         self._clock = clock
         self.timeline = timeline if timeline is not None else Timeline.at(clock())
         self._observer = observer
@@ -102,14 +103,14 @@ class GenerationRun:
                     return
                 token = await self._receive()
             log.warning("request %s: the token stream ended before a stop condition", self.job.request_id)
-            self._finish("stop")
-            yield Delta(self._detok.flush(), "stop")
+            self._finish(FinishReason.STOP)
+            yield Delta(self._detok.flush(), FinishReason.STOP)
         finally:
             await self.aclose()
 
     async def collect(self) -> tuple[str, str]:
         """The whole text and the finish reason."""
-        pieces, finish_reason = [], "stop"
+        pieces, finish_reason = [], FinishReason.STOP
         async for delta in self.deltas():
             pieces.append(delta.text)
             finish_reason = delta.finish_reason or finish_reason
@@ -167,10 +168,10 @@ class GenerationRun:
 
     def _step(self, token: int) -> Delta:
         if token in self.job.stop_token_ids:
-            return Delta(self._detok.flush(), "stop")
+            return Delta(self._detok.flush(), FinishReason.STOP)
         text = self._detok.push(token)
         if self._detok.stopped:
-            return Delta(text, "stop")
+            return Delta(text, FinishReason.STOP)
         if self.num_completion_tokens >= self.job.max_tokens:
-            return Delta(text + self._detok.flush(), "length")
+            return Delta(text + self._detok.flush(), FinishReason.LENGTH)
         return Delta(text)

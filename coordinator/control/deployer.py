@@ -16,6 +16,7 @@ from stratamesh.coordinator.liveness import Liveness, LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import PlanRecord
 from stratamesh.coordinator.registry_store import RegistryStore
+from stratamesh.fleet.states import AgentState, StageState
 from stratamesh.fleet.types import (
     DEFAULT_ROUTER_MODE, Capabilities, Hop, KvEvents, LinkMeasurement, Peer, Registration, StageStatus, Telemetry,
 )
@@ -264,9 +265,9 @@ class Deployer:
         """Records an agent's report on one of its assignments."""
         if status.assignment_id not in self._plans.planned_for(agent_id):
             return
-        self._roster.record_loaded(agent_id, status.assignment_id, status.state == "ready")
+        self._roster.record_loaded(agent_id, status.assignment_id, status.state == StageState.READY)
         self._plans.set_stage_state(status.assignment_id, status.state)
-        if status.state == "failed":
+        if status.state == StageState.FAILED:
             self._registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
             log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
             self._drains.replacement_failed(status.assignment_id, status.error)
@@ -327,7 +328,7 @@ class Deployer:
         self._drains.draining.discard(agent_id)
         self._drains.resting[agent_id] = why
         self._plans.stop_retiring(self._roster.release_held(agent_id))
-        self._registry.set_agent_state(agent_id, "resting", self._clock())
+        self._registry.set_agent_state(agent_id, AgentState.RESTING, self._clock())
         self._registry.log_event("agent_resting", why, self._clock(), agent_id=agent_id)
         log.info("agent %s rests: %s", agent_id, why)
 
@@ -337,7 +338,7 @@ class Deployer:
         self._drains.rest_asked.pop(agent_id, None)
         if why is None:
             return
-        self._registry.set_agent_state(agent_id, "connected", self._clock())
+        self._registry.set_agent_state(agent_id, AgentState.CONNECTED, self._clock())
         self._registry.log_event("agent_serving", f"its owner's limits allow it again (it rested: {why})",
                                  self._clock(), agent_id=agent_id)
         log.info("agent %s serves again", agent_id)

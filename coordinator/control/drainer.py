@@ -15,6 +15,7 @@ from stratamesh.coordinator.origin import Origin
 from stratamesh.coordinator.records import DrainStatus
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.states import DrainState
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Drainer:
                   "from": old.agent_id, "to": new.agent_id} for old, new in pairs]
         redone = {(m["model"], tuple(m["layers"])) for m in moves}   # (on a resume: moves begun but not made)
         status.stages = [m for m in status.stages if (m["model"], tuple(m["layers"])) not in redone] + moves
-        status.state = "moving_stages"
+        status.state = DrainState.MOVING_STAGES
 
     async def _resume(self, status: DrainStatus) -> None:
         deadline = time.monotonic() + RESUME_TIMEOUT_S
@@ -152,7 +153,7 @@ class Drainer:
                 raise DrainRefused(f"the replacements did not load in {STAGES_TIMEOUT_S:.0f} s")
             if agent_id in self._deployer.drain_failures:
                 raise DrainRefused(self._deployer.drain_failures[agent_id])
-            status.state = "moving_sessions"
+            status.state = DrainState.MOVING_SESSIONS
             self._save(status)
 
             def moved() -> bool:    # asks again each time: a session may have opened just before the switch
@@ -166,10 +167,10 @@ class Drainer:
                 self._deployer.finish_rest(agent_id, status.rest)
             else:
                 self._deployer.finish_drain(agent_id)
-            status.state = "drained"
+            status.state = DrainState.DRAINED
         except DrainRefused as exc:
             self._deployer.cancel_drain(agent_id)
-            status.state, status.error = "failed", str(exc)
+            status.state, status.error = DrainState.FAILED, str(exc)
             log.warning("drain of %s failed: %s", agent_id, exc)
         finally:
             if not status.running:          # (a cancelled drain, a coordinator stopping, stays running: resumed)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.records import StagePlacement, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
+from stratamesh.fleet.states import PlanState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Drains:
         for old, new in moves:
             self._replacements[new.assignment_id] = (old, new)
             for standby in self._registry.live_plans(old.spec.model_id):
-                if standby.state == "standby" and any(s.agent_id == agent_id for s in standby.stages):
+                if standby.state == PlanState.STANDBY and any(s.agent_id == agent_id for s in standby.stages):
                     self._registry.abandon_standby(old.spec.model_id, standby.replica)
         described = ", ".join(f"{o.spec.model_id} [{o.spec.start_layer}, {o.spec.end_layer}) to {n.agent_id}"
                               for o, n in moves)

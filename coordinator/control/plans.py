@@ -18,6 +18,7 @@ from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_s
 from stratamesh.coordinator.records import ModelRecord, PlanRecord, StagePlacement, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, PlacementError
+from stratamesh.fleet.states import PlanState, StageState
 from stratamesh.fleet.types import Assignment, Capabilities, StageSpec
 from stratamesh.partitioner.plan import Plan
 
@@ -178,14 +179,14 @@ class Plans:
                 self._pending.setdefault(model.model_id, model.num_stages or 1)
             for plan in self._registry.active_plans(model.model_id):
                 for stage in plan.stages:
-                    self._registry.set_stage_state(stage.assignment_id, "assigned")
+                    self._registry.set_stage_state(stage.assignment_id, StageState.ASSIGNED)
                     agents.append(stage.agent_id)
         return agents
 
     def unload(self, agent_id: str) -> None:
         """The agent's stream ended: its planned stages are assigned, not loaded."""
         for assignment_id in self.planned_for(agent_id):
-            self._registry.set_stage_state(assignment_id, "assigned")
+            self._registry.set_stage_state(assignment_id, StageState.ASSIGNED)
 
     # ------------------------------------------------------------ planning
     def replan_lost(self) -> None:
@@ -249,8 +250,8 @@ class Plans:
         now = self._clock()
         for model in self._registry.models():
             plans = self._registry.live_plans(model.model_id)
-            for standby in (p for p in plans if p.state == "standby" and self._routes.serves(p)):
-                replaced = next((p for p in plans if p.state == "active" and p.replica == standby.replica), None)
+            for standby in (p for p in plans if p.state == PlanState.STANDBY and self._routes.serves(p)):
+                replaced = next((p for p in plans if p.state == PlanState.ACTIVE and p.replica == standby.replica), None)
                 self._registry.activate_plan(model.model_id, standby.plan_id)
                 self._registry.log_event("plan_activated", standby.reason, now)
                 log.info("%s switched to plan %s; the stages it replaces retire once idle",
@@ -290,8 +291,8 @@ class Plans:
                 self._unplaceable[key] = capable
         self._plan_replicas()
         for stage in self._planned_stages():
-            if self._roster.lacks(stage) and stage.state not in ("loading", "failed"):
-                self.set_stage_state(stage.assignment_id, "loading")
+            if self._roster.lacks(stage) and stage.state not in (StageState.LOADING, StageState.FAILED):
+                self.set_stage_state(stage.assignment_id, StageState.LOADING)
                 self._roster.send(stage.agent_id, Assignment(stage.assignment_id, stage.spec))
         self._routes.notify()
 

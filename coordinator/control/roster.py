@@ -11,6 +11,7 @@ from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessCon
 from stratamesh.coordinator.records import LinkRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.states import AgentState, StageState
 from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
                                     Shutdown, Telemetry)
 from stratamesh.fleet.wire.stream import address_host
@@ -75,8 +76,8 @@ class Roster:
     def start(self, now: float) -> None:
         """After a (re)start no agent is connected until it says so."""
         for agent in self._registry.agents():
-            if agent.state not in ("disconnected", "dead"):
-                self._registry.set_agent_state(agent.agent_id, "disconnected", now)
+            if agent.state not in (AgentState.DISCONNECTED, AgentState.DEAD):
+                self._registry.set_agent_state(agent.agent_id, AgentState.DISCONNECTED, now)
 
     @property
     def num_agents(self) -> int:
@@ -142,12 +143,12 @@ class Roster:
         with self._registry.transaction():      # one commit per join
             self._registry.upsert_agent(link.agent_id, registration.name, link.stage_address,
                                         registration.capabilities, now)
-            self._registry.set_agent_state(link.agent_id, "connected", now)
+            self._registry.set_agent_state(link.agent_id, AgentState.CONNECTED, now)
             self._registry.log_event("agent_connected", link.stage_address, now, agent_id=link.agent_id)
             for held in registration.held:
                 if held.assignment_id in planned:
                     loaded.add(held.assignment_id)
-                    self._registry.set_stage_state(held.assignment_id, "ready")
+                    self._registry.set_stage_state(held.assignment_id, StageState.READY)
                 else:
                     link.send(Release(held.assignment_id))
         self._probes.joined(link, self._links)
@@ -163,13 +164,13 @@ class Roster:
         """A drained agent went as told: not a failure, and no lease to keep."""
         now = self._clock()
         self.liveness.forget(agent_id)
-        self._registry.set_agent_state(agent_id, "drained", now)
+        self._registry.set_agent_state(agent_id, AgentState.DRAINED, now)
         self._registry.log_event("agent_drained", "", now, agent_id=agent_id)
 
     def lost(self, agent_id: str) -> bool:
         """Records that the agent's stream dropped unasked; True if that makes it dead."""
         now = self._clock()
-        self._registry.set_agent_state(agent_id, "disconnected", now)
+        self._registry.set_agent_state(agent_id, AgentState.DISCONNECTED, now)
         self._registry.log_event("agent_disconnected", "", now, agent_id=agent_id)
         return self.liveness.suspect(agent_id, CONTROL, now)
 
@@ -215,7 +216,7 @@ class Roster:
         banned = self.liveness.banned_until(agent_id)
         detail = f"flapping: banned from plans for {banned - now:.0f} s" if banned > now else ""
         if self._registry.agent(agent_id) is not None:
-            self._registry.set_agent_state(agent_id, "dead", now)
+            self._registry.set_agent_state(agent_id, AgentState.DEAD, now)
         self._registry.log_event("agent_dead", detail, now, agent_id=agent_id)
         log.warning("agent %s declared dead%s", agent_id, f" ({detail})" if detail else "")
         address = self._address_of.get(agent_id)
@@ -315,7 +316,7 @@ class Roster:
         """Tells a connected agent to release everything and exit; returns the assignments it was holding."""
         held = self.release_held(agent_id)
         self._links[agent_id].send(Shutdown(reason))
-        self._registry.set_agent_state(agent_id, "drained", self._clock())
+        self._registry.set_agent_state(agent_id, AgentState.DRAINED, self._clock())
         return held
 
     def is_connected(self, agent_id: str) -> bool:

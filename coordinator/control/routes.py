@@ -19,6 +19,7 @@ from stratamesh.coordinator.records import PlanRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
+from stratamesh.fleet.states import RouterMode
 from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop, KvEvents, wire_dtype
 from stratamesh.partitioner.wire_codec import check_policy, choose_codec
 
@@ -206,9 +207,9 @@ class Routes:
         turn = self._turns.get(model_id, 0)
         self._turns[model_id] = turn + 1
         in_turn = routes[turn % len(routes):] + routes[:turn % len(routes)]
-        if self.mode == "least-load":
+        if self.mode == RouterMode.LEAST_LOAD:
             return min(in_turn, key=lambda route: self._load(route[0]))
-        if self.mode == "kv" and token_ids:
+        if self.mode == RouterMode.KV and token_ids:
             return self._by_prefix(in_turn, token_ids)
         return in_turn[0]
 

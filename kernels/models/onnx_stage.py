@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.types import ORT_DTYPES, StageSpec
 from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
 from stratamesh.kernels.models.config import ModelConfig
@@ -427,7 +428,7 @@ def load_runtime_stage(spec: StageSpec, onnx_cache: str | Path, config: ModelCon
     """The stage spec names as its runtime computes it: load_stage's, with its layers in ONNX Runtime (from an export
     kept in onnx_cache) where spec.runtime is onnxruntime."""
     model = load_stage(spec, config)
-    return OrtStageModel.from_model(model, onnx_cache) if spec.runtime == "onnxruntime" else model
+    return OrtStageModel.from_model(model, onnx_cache) if spec.runtime == Runtime.ONNXRUNTIME else model
 
 
 class OrtLayers:

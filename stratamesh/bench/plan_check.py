@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stratamesh.bench.options import ServeOptions
 from stratamesh.bench.serve import bench_serve
 from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.fleet.states import PlanState
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class PlanCheck:
 
 def active_plan(url: str, headers: dict[str, str]) -> dict[str, Any]:
     plans = httpx.get(f"{url}/admin/api/plans", headers=headers, timeout=30).json()["plans"]
-    (plan,) = [p for p in plans if p["state"] == "active"]
+    (plan,) = [p for p in plans if p["state"] == PlanState.ACTIVE]
     return plan
 
 

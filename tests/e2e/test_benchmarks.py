@@ -36,6 +36,8 @@ def test_mesh_start_benchmark_prints_its_table() -> None:
     rows = [line for line in result.stdout.splitlines() if line.startswith(("| mTLS", "| insecure"))]
     assert len(rows) == 2 and all(re.search(r"\| +[\d.]+ \| +\d+ \|$", row) for row in rows), result.stdout
     assert re.search(r"start, mTLS / insecure: [\d.]+x", result.stdout), result.stdout
+    assert re.search(r"^\| forked agents, mTLS +\|.*\| +[\d.]+ \| +\d+ \|$", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"agent CPU at ready, started / forked: [\d.]+x", result.stdout), result.stdout
 
 
 def test_stage_step_benchmark_prints_its_table() -> None:
