@@ -19,12 +19,13 @@ from stratamesh.bench.control import LoadProcess
 from stratamesh.coordinator.fleet_view import RECENT_MAX
 from stratamesh.fleet.launcher import LocalMesh
 from tests.e2e.test_admin_ui import ARTIFACTS, collect_errors, launch, needs_chromium
+from tests.patience import patient
 
 pytestmark = pytest.mark.slow
 
 NUM_SIMULATED = 10_000
 PER_PROCESS = 2_500
-JOIN_TIMEOUT_S = 300
+JOIN_TIMEOUT_S = patient(300)     # every limit here is stretched by the machine's patience (tests/patience.py)
 # The stream's first event at 10,000 agents: 50 site summaries (~330 bytes each), the serving agent, the RECENT_MAX
 # agents that changed state last (~600 bytes each), the plan, the links among those, the newest events and stats.
 # Every agent in full would be ~6 MB.
@@ -42,9 +43,9 @@ def fleet(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     loads: list[LoadProcess] = []
     try:
         mesh.start()
-        args = ["--join-timeout", str(JOIN_TIMEOUT_S), "--report-every", "5"]
+        args = ["--join-timeout", f"{JOIN_TIMEOUT_S:.0f}", "--report-every", "5"]
         loads = [LoadProcess(mesh, first, PER_PROCESS, args) for first in range(0, NUM_SIMULATED, PER_PROCESS)]
-        deadline = time.monotonic() + JOIN_TIMEOUT_S + 60
+        deadline = time.monotonic() + JOIN_TIMEOUT_S + patient(60)
         while any(p.latest("joined") is None for p in loads) and time.monotonic() < deadline:
             time.sleep(0.2)
         joined = [p.latest("joined") for p in loads]
@@ -68,7 +69,7 @@ def stream_events(url: str) -> Iterator[tuple[str, bytes]]:
     raise AssertionError("the stream ended")
 
 
-def quiet_delta(events: Iterator[tuple[str, bytes]], deadline_s: float = 120) -> tuple[str, bytes]:
+def quiet_delta(events: Iterator[tuple[str, bytes]], deadline_s: float = patient(120)) -> tuple[str, bytes]:
     """The first delta under DELTA_MAX_BYTES (or the last one, at the deadline). The joins' last state changes and
     events trail their welcome by seconds on a busy box: until they are sent, a delta carries them."""
     deadline = time.monotonic() + deadline_s
@@ -90,7 +91,7 @@ def test_ten_thousand_agents_show_by_site_page_by_page_and_live(fleet: tuple[Loc
     expect = sync_api.expect
     # Each check waits for the page to show its state, up to 30 s rather than Playwright's 5: a page of a site's
     # agents took over 5 s to come on a busy CI box (the API lists 10,000 agents in 0.4-1.5 s when it is quiet)
-    expect.set_options(timeout=30_000)
+    expect.set_options(timeout=patient(30_000))
     mesh, loads = fleet
     total = NUM_SIMULATED + 1
     events = stream_events(mesh.url)
@@ -119,8 +120,8 @@ def test_ten_thousand_agents_show_by_site_page_by_page_and_live(fleet: tuple[Loc
         browser, page = launch(playwright, color_scheme="light")
         errors = collect_errors(page)
         page.goto(f"{mesh.url}/admin/")
-        expect(page.get_by_test_id("summary-agents")).to_contain_text(f"{total}/{total}", timeout=30_000)
-        expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live", timeout=10_000)
+        expect(page.get_by_test_id("summary-agents")).to_contain_text(f"{total}/{total}", timeout=patient(30_000))
+        expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live", timeout=patient(10_000))
         expect(page.get_by_test_id("topology-site")).to_have_count(len(snapshot["sites"]))
         summaries = page.get_by_test_id("topology-site-summary")
         expect(summaries).to_have_count(len(sim_sites))
@@ -146,7 +147,7 @@ def test_ten_thousand_agents_show_by_site_page_by_page_and_live(fleet: tuple[Loc
 
         loads[0].stop()                                  # 2,500 simulated agents leave
         left = total - PER_PROCESS
-        expect(page.get_by_test_id("summary-agents")).to_contain_text(f"{left}/{total}", timeout=120_000)
+        expect(page.get_by_test_id("summary-agents")).to_contain_text(f"{left}/{total}", timeout=patient(120_000))
         up = summaries.evaluate_all("(ns) => ns.map((n) => Number(n.dataset.numUp))")
         assert sum(up) == left - 1, up                     # the sites' nodes say so too (the real agent: on its own)
         expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live")
