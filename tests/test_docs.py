@@ -1,5 +1,5 @@
 """The docs stand on their own: every relative link in the README and docs/ names a file of the repo, and nothing in
-the repo points outside it (a clone has no ../shared)."""
+the repo points outside it (a clone holds the repo alone)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_readme_links_to_the_architecture_page() -> None:
 def test_the_link_check_catches_a_missing_file_and_a_way_out() -> None:
     assert relative_links("see [a](docs/a.md#x), [b](https://x.org/b) and [c](#here)") == ["docs/a.md"]
     page = ROOT / "README.md"
-    for target in ("docs/no-such-page.md", "../shared/DESIGN.md"):
+    for target in ("docs/no-such-page.md", "../outside/page.md"):
         assert not ((page.parent / target).resolve().is_relative_to(ROOT) and (page.parent / target).exists())
 
 
