@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 
+from stratamesh.fleet import launcher
 from stratamesh.fleet.launcher import PATIENCE_ENV as ENV
 
 REFERENCE_LOOP_S = 0.040        # the loop's best time on the VM the limits were set on (0.036-0.045 s there)
@@ -39,7 +40,7 @@ def patience() -> float:
     """STRATAMESH_PATIENCE, measured and set on first use where nobody set it."""
     if ENV not in os.environ:
         os.environ[ENV] = f"{measured_patience():.2f}"
-    return float(os.environ[ENV])
+    return launcher.patience()      # the one reading of the variable, LocalMesh's
 
 
 def patient(seconds: float) -> float:
