@@ -25,9 +25,7 @@ from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.api.ui import mount_ui
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
-from stratamesh.coordinator.control.events import ControlEvents
 from stratamesh.coordinator.control.models import check_model
-from stratamesh.coordinator.control.routes import Disaggregation
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
@@ -36,10 +34,13 @@ from stratamesh.coordinator.fleet_metrics import (ControlPlaneCollector, FleetCo
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
-from stratamesh.coordinator.origin import Origin, OriginService
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
-from stratamesh.coordinator.service import MeshGenerator
+from stratamesh.coordinator.serving.origin import Origin
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.router import Disaggregation, Router
+from stratamesh.coordinator.serving.servicer import OriginService
+from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
@@ -89,8 +90,8 @@ class CoordinatorOptions:
     enroll_port: int = 0                 # the plaintext endpoint agents present join tokens to
     limits: Limits = field(default_factory=Limits)   # requests in flight, body size, prompt and completion tokens
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
-    router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (control.routes)
-    disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (control.routes)
+    router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (serving.router)
+    disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
     wire_codec: str = "auto"             # how activations cross links (partitioner/wire_codec.py)
 
 
@@ -132,10 +133,10 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _serve_http(generator: MeshGenerator, admin: MeshAdmin, metrics: ApiMetrics, access: AccessStore | None,
+async def _serve_http(origin: Origin, admin: MeshAdmin, metrics: ApiMetrics, access: AccessStore | None,
                       options: CoordinatorOptions) -> tuple[_Server, asyncio.Task[None], int]:
     """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
-    app = create_app(generator, metrics, options.limits)
+    app = create_app(origin, metrics, options.limits)
     app.include_router(admin_router(admin))
     install_access(app, access, limits=options.limits)
     mount_ui(app)
@@ -203,39 +204,40 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     spans = span_store("stratamesh-coordinator", options.traces_json, options.otlp_traces_endpoint)
     metrics = ApiMetrics()
     last_hop = hop_histogram(metrics.registry).labels("origin")
-    events = ControlEvents()        # the origin reports unreachable stages into it; the deployer listens
     # a first stage behind NAT is reached over WebRTC, offered over its agent's control stream
     rtc.offer_addresses([advertise_host])
-    origin = Origin(f"{advertise_host}:{grpc_port}", spans=spans, trace_sample_rate=options.trace_sample_rate,
-                    on_hop=last_hop.observe, on_unreachable=events.report_unreachable,
-                    rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
+    sessions = SessionTable(spans=spans, on_hop=last_hop.observe,
+                            rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
-                        sessions=origin, events=events, router_mode=options.router_mode,
-                        disaggregation=options.disaggregation, wire_codec=options.wire_codec)
+                        sessions=sessions, wire_codec=options.wire_codec)
     deployer.start()
     for model in options.models:
-        deployer.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
-                           model.num_replicas)
-    metrics.register(FleetCollector(deployer.telemetry, lambda: active_stages(registry)))
-    metrics.register(OriginCollector(origin.stats))
+        deployer.plans.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
+                                 model.num_replicas)
+    requests = RequestLog(spans, options.trace_sample_rate)
+    origin = Origin(f"{advertise_host}:{grpc_port}", deployer,
+                    Router(deployer.routes, options.router_mode, options.disaggregation), sessions, requests)
+    metrics.register(FleetCollector(deployer.roster.telemetry, lambda: active_stages(registry)))
+    metrics.register(OriginCollector(requests.stats))
     metrics.register(LinkCodecCollector(deployer.codec_links))
-    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans_computed, deployer.liveness))
+    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans.num_computed, deployer.roster.liveness))
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)
     pb_grpc.add_WeightsServicer_to_server(WeightsService(weights.roots), server)
-    pb_grpc.add_OriginServicer_to_server(OriginService(origin), server)
+    pb_grpc.add_OriginServicer_to_server(OriginService(sessions), server)
     enrollment = await _start_enrollment(options, ca, registry, control) if ca is not None else None
     await server.start()
 
-    drainer = Drainer(deployer, origin, registry, events)
+    drainer = Drainer(deployer, sessions, registry)
+    deployer.on_rest = drainer.rest     # an agent's owner asks it to rest: its stages move off as in a drain
     drainer.resume()                # drains a previous run of this coordinator left half done
-    admin = MeshAdmin(registry, origin, control.metrics_addresses, drainer, deployer, metrics.live,
-                      revoker=enrollment.revoker if enrollment else None)
+    admin = MeshAdmin(registry, requests, control.metrics_addresses, drainer, deployer, metrics.live,
+                      revoker=enrollment.revoker if enrollment else None, disaggregation=options.disaggregation)
     access = None if options.insecure else AccessStore(registry)
     if options.bootstrap_file and enrollment is not None and access is not None:
         write_bootstrap(options.bootstrap_file, enrollment.enroller, access, time.time())
-    http, http_task, http_port = await _serve_http(MeshGenerator(deployer, origin), admin, metrics, access, options)
+    http, http_task, http_port = await _serve_http(origin, admin, metrics, access, options)
 
     enroll = f"{advertise_host}:{enrollment.port}" if enrollment else "-"
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
@@ -248,7 +250,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
           f"grpc={advertise_host}:{grpc_port} enroll={enroll}", flush=True)
     ticker = asyncio.create_task(_tick(deployer))
-    origin_links = asyncio.create_task(OriginLinkProber(deployer, time.time).run())
+    origin_links = asyncio.create_task(OriginLinkProber(deployer.roster, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))
     watcher = asyncio.create_task(_log_discovered(browser, options.mesh, registry))
     try:
@@ -262,7 +264,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         await advertiser.close()
         http.should_exit = True
         await asyncio.gather(http_task, return_exceptions=True)
-        await origin.close()
+        await sessions.close()
         await server.stop(grace=1.0)
         if enrollment is not None:
             await enrollment.server.stop(grace=None)

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from stratamesh.coordinator.liveness import Liveness
-from stratamesh.coordinator.origin import OriginStats
+from stratamesh.coordinator.serving.records import OriginStats
 from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
 from stratamesh.fleet.types import Telemetry
 

@@ -13,16 +13,17 @@ from typing import Any
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
-from stratamesh.coordinator.control.models import ModelInfo
+from stratamesh.coordinator.control.models import ModelInfo, find_model, model_infos
 from stratamesh.coordinator.enrollment import Revoker
 from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json, agents_that_matter, page_of,
                                                site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
-from stratamesh.coordinator.origin import Origin, RequestRecord
 from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, LinkRecord
 from stratamesh.coordinator.registry import ModelRecord, Registry
+from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
+from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import Telemetry
@@ -45,11 +46,13 @@ class InsecureMesh(MeshError):
 class MeshAdmin:
     """Views of the mesh as JSON-ready values, and the operator's actions on it."""
 
-    def __init__(self, registry: Registry, origin: Origin, metrics_addresses: Mapping[str, str],
+    def __init__(self, registry: Registry, requests: RequestLog, metrics_addresses: Mapping[str, str],
                  drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
-                 clock: Callable[[], float] = time.time, revoker: Revoker | None = None):
+                 clock: Callable[[], float] = time.time, revoker: Revoker | None = None,
+                 disaggregation: Disaggregation = Disaggregation()):
         self._registry = registry
-        self._origin = origin
+        self._requests = requests
+        self._disaggregation = disaggregation
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
         self._drainer = drainer
         self._deployer = deployer
@@ -75,7 +78,7 @@ class MeshAdmin:
         registry's history gets it only every few seconds), else the last the registry recorded."""
         latest = {}
         if self._deployer is not None:
-            telemetry, received = self._deployer.telemetry, self._deployer.telemetry_at
+            telemetry, received = self._deployer.roster.telemetry, self._deployer.roster.telemetry_at
             latest = {a: (received[a], telemetry[a]) for a in agent_ids if a in telemetry and a in received}
         missing = [a for a in agent_ids if a not in latest]
         if len(missing) > HISTORY_READS_UP_TO:
@@ -92,11 +95,12 @@ class MeshAdmin:
         out = []
         for model in self._registry.models():
             for plan in self._registry.live_plans(model.model_id):
-                codecs = self._deployer.link_codecs(plan) if self._deployer is not None else [""] * len(plan.stages)
+                codecs = (self._deployer.routes.link_codecs(plan) if self._deployer is not None
+                          else [""] * len(plan.stages))
                 out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                             "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
                             "replica": plan.replica,
-                            "role": self._deployer.role(plan) if self._deployer is not None else "",
+                            "role": self._disaggregation.role(plan),
                             "predicted": _predicted(plan.prediction),
                             "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,
                                         "start_layer": s.spec.start_layer, "end_layer": s.spec.end_layer,
@@ -112,7 +116,7 @@ class MeshAdmin:
         return out
 
     def _cached_blocks(self, assignment_id: str) -> int:
-        return self._deployer.cached_blocks(assignment_id) if self._deployer is not None else 0
+        return self._deployer.routes.prefixes.num_cached(assignment_id) if self._deployer is not None else 0
 
     def _weights(self, assignment_id: str) -> dict[str, Any] | None:
         progress = self._deployer.weights.get(assignment_id) if self._deployer is not None else None
@@ -121,29 +125,30 @@ class MeshAdmin:
 
     def models(self) -> list[dict[str, Any]]:
         """Every deployed model, its state and its stage count."""
-        infos = {info.model_id: info for info in self._planner().models()}
+        infos = {info.model_id: info for info in model_infos(self._registry)}
         return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
                quantize: str = "", num_replicas: int = 1) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or Path(path).resolve().name
-        self._planner().add_model(served_id, path, num_stages, pins, quantize, num_replicas)
-        return self._model_json(self._registry.model(served_id), self._planner().model(served_id))
+        self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas)
+        return self._model_json(self._registry.model(served_id), find_model(self._registry, served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
         """Re-plans a model over the agents there are now (ModelNotFound; PlacementError if no plan fits)."""
-        outcome, reason = self._planner().replan(model_id, num_stages)
+        outcome, reason = self._planner().plans.replan(model_id, num_stages)
         return {"model_id": model_id, "outcome": outcome, "reason": reason}
 
     def _model_json(self, model: ModelRecord, info: ModelInfo) -> dict[str, Any]:
         deployer, model_id = self._planner(), model.model_id
-        state = ("ready" if deployer.is_ready(model_id) else "recovering" if deployer.accepts(model_id)
+        routes = deployer.routes
+        state = ("ready" if routes.is_ready(model_id) else "recovering" if routes.accepts(model_id)
                  else "loading" if self._registry.active_plan(model_id) else "waiting")
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
-                "max_context": info.max_context, "state": state, "num_stages": deployer.num_stages(model_id),
+                "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
-                "num_replicas": model.num_replicas, "ready_replicas": deployer.ready_replicas(model_id),
+                "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
                 "created": model.created}
 
     def _planner(self) -> Deployer:
@@ -167,7 +172,7 @@ class MeshAdmin:
         now, plans, drains = self._clock(), self.plans(), self.drains()
         planned = _planned(plans)
         draining = {d["agent_id"] for d in drains if d["state"] in DRAIN_RUNNING}
-        telemetry = dict(self._deployer.telemetry) if self._deployer is not None else {}
+        telemetry = dict(self._deployer.roster.telemetry) if self._deployer is not None else {}
         # The registry's every agent is read and summed up off the event loop: at 10,000 agents that takes a tenth
         # of a second, which the control streams' heartbeats must not wait for.
         agents, sites = await asyncio.to_thread(self._fleet, telemetry, planned)
@@ -228,7 +233,7 @@ class MeshAdmin:
 
     def requests(self, limit: int) -> list[dict[str, Any]]:
         """The newest requests, newest first."""
-        records = list(self._origin.recent.values())[-limit:] if limit > 0 else []
+        records = list(self._requests.recent.values())[-limit:] if limit > 0 else []
         return [_record_json(r) for r in reversed(records)]
 
     def request(self, request_id: str) -> dict[str, Any]:
@@ -236,13 +241,13 @@ class MeshAdmin:
 
     async def request_trace(self, request_id: str) -> dict[str, Any]:
         """The request's timeline, gathered from the origin and every stage of its route."""
-        return await request_trace(self._record(request_id), self._origin.spans)
+        return await request_trace(self._record(request_id), self._requests.spans)
 
     def _record(self, request_id: str) -> RequestRecord:
-        record = self._origin.recent.get(request_id)
+        record = self._requests.recent.get(request_id)
         if record is None:
             raise UnknownRequest(f"no request {request_id!r}: unknown, or older than the newest "
-                                 f"{len(self._origin.recent)} requests")
+                                 f"{len(self._requests.recent)} requests")
         return record
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
 
-from stratamesh.coordinator.api.generation import Clock, GenerationRun, Timeline
+from stratamesh.coordinator.api.generation import Clock, TextStream, Timeline
 from stratamesh.coordinator.live_stats import LiveStats
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
 class Phases:
     """Where one request's time went, in seconds, as vLLM splits it."""
 
-    queue_s: float      # arrival to the hand-off to the Generator
+    queue_s: float      # arrival to the hand-off to the origin
     prefill_s: float    # hand-off to the first token (to the end when none came)
     decode_s: float     # first token to last token
     e2e_s: float        # arrival to the end: the last token, or the moment the request was abandoned
@@ -71,7 +71,7 @@ def time_per_output_token_s(phases: Phases, num_generation_tokens: int) -> float
 class ApiMetrics:
     """Request, token and latency metrics of the HTTP API, on a registry of its own (several apps share a process)."""
 
-    # Each request is reported once: request_started, on_token per token (its GenerationRun calls it), then
+    # Each request is reported once: request_started, on_token per token (its TextStream calls it), then
     # request_finished (stop, length or abort) or request_failed. Fleet-wide gauges (vllm:num_requests_waiting,
     # vllm:kv_cache_usage_perc) are not defined here: they come from collectors added with register().
 
@@ -93,19 +93,19 @@ class ApiMetrics:
         """The exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def request_started(self, run: GenerationRun) -> None:
-        """A request was handed to the Generator: it runs until request_finished or request_failed."""
-        if run.job.request_id in self._running:
-            log.warning("request %s was started twice; counted once", run.job.request_id)
+    def request_started(self, run: TextStream) -> None:
+        """A request was handed to the origin: it runs until request_finished or request_failed."""
+        if run.request.request_id in self._running:
+            log.warning("request %s was started twice; counted once", run.request.request_id)
             return
-        self._running.add(run.job.request_id)
+        self._running.add(run.request.request_id)
         self.live.request_started(self.wall_clock())
         labels = self._labels(run)
         for reason in FINISHED_REASONS:  # every series from the start, so rate() sees the first request
             self._counters.success.labels(*labels, reason)
         self._counters.running.labels(*labels).inc()
 
-    def on_token(self, run: GenerationRun, gap_s: float | None) -> None:
+    def on_token(self, run: TextStream, gap_s: float | None) -> None:
         """A token arrived, gap_s after the previous one (None: the first, which ends the prefill)."""
         labels = self._labels(run)
         self._counters.generation_tokens.labels(*labels).inc()
@@ -113,7 +113,7 @@ class ApiMetrics:
             self._histograms.inter_token_latency.labels(*labels).observe(gap_s)
             self.live.token(self.wall_clock(), gap_s)
             return
-        timeline, num_prompt_tokens = run.timeline, len(run.job.prompt_ids)
+        timeline, num_prompt_tokens = run.timeline, len(run.request.prompt_ids)
         assert timeline.first_token_s is not None
         self.live.first_token(self.wall_clock(), timeline.first_token_s - timeline.arrival_s)
         self._histograms.time_to_first_token.labels(*labels).observe(timeline.first_token_s - timeline.arrival_s)
@@ -121,7 +121,7 @@ class ApiMetrics:
         self._counters.prefix_cache_queries.labels(*labels).inc(num_prompt_tokens)
         self._counters.prefix_cache_hits.labels(*labels).inc(run.cached_tokens)
 
-    def request_finished(self, run: GenerationRun) -> None:
+    def request_finished(self, run: TextStream) -> None:
         """A request ended without an error: at a stop condition, or abandoned ("abort") before one."""
         if not self._end(run):
             return
@@ -129,24 +129,24 @@ class ApiMetrics:
         self._counters.success.labels(*labels, run.finish_reason or "abort").inc()
         self._histograms.observe_request(labels, run)
 
-    def request_failed(self, run: GenerationRun, status: int, reason: str) -> None:
+    def request_failed(self, run: TextStream, status: int, reason: str) -> None:
         """A request ended in an error after it was accepted; status and reason are what the client was told."""
         if self._end(run):
-            self._counters.errors.labels(run.job.model_id, str(status), reason).inc()
+            self._counters.errors.labels(run.request.model_id, str(status), reason).inc()
 
-    def _end(self, run: GenerationRun) -> bool:
+    def _end(self, run: TextStream) -> bool:
         """Marks run ended; False if it already was (or never started), so that nothing is counted twice."""
-        if run.job.request_id not in self._running:
+        if run.request.request_id not in self._running:
             return False
-        self._running.discard(run.job.request_id)
+        self._running.discard(run.request.request_id)
         self.live.request_ended(self.wall_clock(), had_first_token=run.timeline.first_token_s is not None)
         labels = self._labels(run)
         self._counters.running.labels(*labels).dec()
         self._counters.preemptions.labels(*labels).inc(run.num_preemptions)
         return True
 
-    def _labels(self, run: GenerationRun) -> tuple[str, str]:
-        return run.job.model_id, self._engine
+    def _labels(self, run: TextStream) -> tuple[str, str]:
+        return run.request.model_id, self._engine
 
 
 class _Counters:
@@ -199,13 +199,13 @@ class _Histograms:
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.", tokens)
 
-    def observe_request(self, labels: tuple[str, str], run: GenerationRun) -> None:
+    def observe_request(self, labels: tuple[str, str], run: TextStream) -> None:
         """Observes an ended request once in each per-request histogram."""
         phases, num_tokens = Phases.of(run.timeline), run.num_completion_tokens
         for histogram, value in ((self.e2e, phases.e2e_s), (self.queue, phases.queue_s),
                                  (self.prefill, phases.prefill_s), (self.decode, phases.decode_s),
                                  (self.inference, phases.inference_s),
                                  (self.time_per_output_token, time_per_output_token_s(phases, num_tokens)),
-                                 (self.prompt_tokens, len(run.job.prompt_ids)),
+                                 (self.prompt_tokens, len(run.request.prompt_ids)),
                                  (self.generation_tokens, num_tokens)):
             histogram.labels(*labels).observe(value)

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from stratamesh.coordinator.origin import RequestRecord
+from stratamesh.coordinator.serving.records import RequestRecord
 from stratamesh.fleet.tracing import Span, SpanStore
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb

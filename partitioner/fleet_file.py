@@ -4,7 +4,6 @@ their parse into a FleetSnapshot, with errors that name the field's path ("devic
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 

@@ -382,7 +382,7 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.api.admission import Limits
-    from stratamesh.coordinator.control.routes import Disaggregation
+    from stratamesh.coordinator.serving.router import Disaggregation
     from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins

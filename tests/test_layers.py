@@ -83,7 +83,7 @@ def test_imports_flow_one_way() -> None:
 
 @pytest.mark.parametrize("module, source, bad", [
     ("stratamesh.agent.daemon", "from stratamesh.coordinator import registry", True),
-    ("stratamesh.coordinator.origin", "import torch", True),
+    ("stratamesh.coordinator.serving.origin", "import torch", True),
     ("stratamesh.partitioner.x", "from stratamesh.fleet.wire import convert", True),
     ("stratamesh.partitioner.x", "def f():\n    import grpc", True),
     ("stratamesh.kernels.models.decoder", "from ..ops import rope", False),
@@ -98,7 +98,8 @@ def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> 
 # (the rest of control/: roster, routes, plans, drains, the deployer; placement, registry, admin, the HTTP API)
 # sends and receives fleet types.
 GRPC_EDGE = {f"stratamesh.coordinator.{m}"
-             for m in ("control.servicer", "enrollment", "origin", "kv_moves", "traces", "daemon")}
+             for m in ("control.servicer", "enrollment", "serving.sessions", "serving.servicer", "serving.kv_moves",
+                       "traces", "daemon")}
 PROTOBUF = {f"stratamesh.fleet.wire.{m}" for m in ("mesh_pb2", "mesh_pb2_grpc", "convert")}
 
 
@@ -128,3 +129,101 @@ def test_in_the_coordinator_only_the_grpc_edge_speaks_protobuf() -> None:
 ])
 def test_the_protobuf_check_catches_domain_code_that_speaks_it(module: str, source: str, bad: bool) -> None:
     assert bool(protobuf_imports(module, source)) == bad
+
+
+# The request path points one way (docs/architecture.md, section 7): the HTTP API (api/) calls the origin (serving/),
+# which asks the control plane (control/) for routes; control/ reaches the origin's sessions only through the
+# Sessions protocol it defines, and nothing calls back up.
+ONE_WAY: list[tuple[str, tuple[str, ...]]] = [
+    ("stratamesh.coordinator.control", ("stratamesh.coordinator.serving", "stratamesh.coordinator.api")),
+    ("stratamesh.coordinator.serving", ("stratamesh.coordinator.api",)),
+]
+
+
+def backward_imports(module: str, imported: set[str]) -> list[str]:
+    found = []
+    for prefix, above in ONE_WAY:
+        if module == prefix or module.startswith(prefix + "."):
+            found += [f"{module} imports {name}" for name in sorted(imported)
+                      if any(name == a or name.startswith(a + ".") for a in above)]
+    return found
+
+
+def test_the_request_path_points_one_way() -> None:
+    assert [v for module, path in all_modules() for v in backward_imports(module, imports_of(path.read_text(), module))] == []
+
+
+@pytest.mark.parametrize("module, source, bad", [
+    ("stratamesh.coordinator.control.routes", "from stratamesh.coordinator.serving.router import RouteWork", True),
+    ("stratamesh.coordinator.serving.origin", "from stratamesh.coordinator.api.openai import ModelCard", True),
+    ("stratamesh.coordinator.control.drainer", "def f():\n    from stratamesh.coordinator.serving import sessions", True),
+    ("stratamesh.coordinator.serving.router", "from stratamesh.coordinator.control.routes import Routes", False),
+    ("stratamesh.coordinator.api.openai", "from stratamesh.coordinator.serving.request import Request", False),
+])
+def test_the_one_way_check_catches_a_call_back_up(module: str, source: str, bad: bool) -> None:
+    assert bool(backward_imports(module, imports_of(source, module))) == bad
+
+
+def project_imports(module: str, source: str, modules: set[str]) -> set[str]:
+    """The project's modules that module imports ("from package import module" names the module)."""
+    names = set()
+    for name in imports_of(source, module):
+        if name in modules:
+            names.add(name)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if not node.level else ".".join(
+                module.split(".")[:-node.level] + [node.module])
+            names |= {f"{base}.{alias.name}" for alias in node.names} & modules
+    return names - {module}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another, each of more than one module (Tarjan's strongly connected
+    components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_of_the_coordinator_imports_a_module_that_imports_it_back() -> None:
+    """The coordinator holds the request path (api/, serving/, control/ and what they use): no cycle of imports
+    there, direct or through others, type-checking imports included."""
+    modules = dict(all_modules())
+    graph = {m: project_imports(m, p.read_text(), set(modules)) for m, p in modules.items()}
+    assert [c for c in import_cycles(graph) if any(m.startswith("stratamesh.coordinator") for m in c)] == []
+
+
+@pytest.mark.parametrize("graph, cycles", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+])
+def test_the_cycle_check_finds_modules_that_import_each_other(graph: dict[str, set[str]],
+                                                              cycles: list[list[str]]) -> None:
+    assert import_cycles(graph) == cycles

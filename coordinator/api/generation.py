@@ -1,4 +1,4 @@
-"""One generation as the HTTP API runs it: token ids from the Generator in, text deltas and a finish reason out."""
+"""A generation's text, as the HTTP API streams it: token ids in, text deltas and a finish reason out."""
 
 from __future__ import annotations
 
@@ -10,26 +10,13 @@ from typing import Protocol
 
 import anyio
 
+from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.text import IncrementalDetokenizer
 from stratamesh.fleet.states import FinishReason
-from stratamesh.fleet.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]  # seconds on a monotonic scale: time.monotonic, or a test's own
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """A validated request: what to generate and when to stop."""
-
-    model_id: str
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) and the request's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,33 +30,34 @@ class Delta:
 
 @dataclass(slots=True)
 class Timeline:
-    """Clock readings of one request: arrival, hand-off to the Generator, first and latest token, end."""
+    """Clock readings of one request: arrival, hand-off to the origin, first and latest token, end."""
 
     arrival_s: float
-    scheduled_s: float               # when the Generator was asked for the tokens
+    scheduled_s: float               # when the origin was asked for the tokens
     first_token_s: float | None = None
     last_token_s: float | None = None
     finished_s: float | None = None  # a stop condition was met, or the run was closed before one
 
     @classmethod
     def at(cls, now_s: float) -> Timeline:
-        """A request that arrived and was handed to the Generator at now_s."""
+        """A request that arrived and was handed to the origin at now_s."""
         return cls(now_s, now_s)
 
 
 class TokenObserver(Protocol):
-    """Told of each token as a GenerationRun receives it (the API's metrics)."""
+    """Told of each token as a TextStream receives it (the API's metrics)."""
 
-    def on_token(self, run: GenerationRun, gap_s: float | None) -> None: ...  # gap_s: None for the first token
+    def on_token(self, run: TextStream, gap_s: float | None) -> None: ...  # gap_s: None for the first token
 
 
-class GenerationRun:
-    """Consumes a job's unbounded token stream up to max_tokens, a stop token or a stop string; then closes it."""
+class TextStream:
+    """Consumes a request's token stream until its stops end it (max_tokens, a stop token, or a stop string the
+    detokenizer finds in the text); then closes it."""
 
-    def __init__(self, job: Job, tokens: AsyncIterator[int], detokenizer: IncrementalDetokenizer,
+    def __init__(self, request: Request, tokens: AsyncIterator[int], detokenizer: IncrementalDetokenizer,
                  timeline: Timeline | None = None, clock: Clock = time.monotonic,
                  observer: TokenObserver | None = None) -> None:
-        self.job = job
+        self.request = request
         self.token_ids: list[int] = []  # every token received, the stop token included
         self.finish_reason: FinishReason | None = None  # once a stop condition is met
         self._clock = clock
@@ -102,7 +90,7 @@ class GenerationRun:
                 if self.finish_reason is not None:
                     return
                 token = await self._receive()
-            log.warning("request %s: the token stream ended before a stop condition", self.job.request_id)
+            log.warning("request %s: the token stream ended before a stop condition", self.request.request_id)
             self._finish(FinishReason.STOP)
             yield Delta(self._detok.flush(), FinishReason.STOP)
         finally:
@@ -117,7 +105,7 @@ class GenerationRun:
         return "".join(pieces), finish_reason
 
     async def aclose(self) -> None:
-        """Tell the Generator to stop this generation (idempotent, survives cancellation)."""
+        """Tells the origin to stop this generation (idempotent, survives cancellation)."""
         if self._closed:
             return
         self._closed = True
@@ -130,16 +118,16 @@ class GenerationRun:
             try:
                 await aclose()
             except Exception:  # closing must never turn a finished response into an error
-                log.warning("request %s: closing the token stream failed", self.job.request_id, exc_info=True)
+                log.warning("request %s: closing the token stream failed", self.request.request_id, exc_info=True)
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens the mesh's prefix caches served (0 when the Generator does not say)."""
+        """Prompt tokens the mesh's prefix caches served (0 when the token stream does not say)."""
         return getattr(self._tokens, "cached_tokens", 0)
 
     @property
     def num_preemptions(self) -> int:
-        """Times the mesh preempted this generation and replayed it (0 when the Generator does not say)."""
+        """Times the mesh preempted this generation and replayed it (0 when the token stream does not say)."""
         return getattr(self._tokens, "num_preemptions", 0)
 
     @property
@@ -167,11 +155,12 @@ class GenerationRun:
         self.timeline.finished_s = at_s if at_s is not None else self._clock()
 
     def _step(self, token: int) -> Delta:
-        if token in self.job.stop_token_ids:
+        reason = self.request.stops.reason(token, self.num_completion_tokens)
+        if reason == FinishReason.STOP:     # a stop token: its text is not the completion's
             return Delta(self._detok.flush(), FinishReason.STOP)
         text = self._detok.push(token)
-        if self._detok.stopped:
+        if self._detok.stopped:             # a stop string
             return Delta(text, FinishReason.STOP)
-        if self.num_completion_tokens >= self.job.max_tokens:
+        if reason == FinishReason.LENGTH:
             return Delta(text + self._detok.flush(), FinishReason.LENGTH)
         return Delta(text)

@@ -10,7 +10,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -28,12 +27,15 @@ from stratamesh.coordinator.api.errors import (
 )
 from stratamesh.coordinator.api.admission import Limits
 from stratamesh.coordinator.api.embeddings import check_context, embed_all, embedding_body
-from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
+from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                 GenerationRequest)
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
 from stratamesh.coordinator.metrics import ApiMetrics
+from stratamesh.coordinator.serving.origin import ModelCard
+from stratamesh.coordinator.serving.request import Request as MeshRequest
+from stratamesh.coordinator.serving.request import Stops
 from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
 from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
 from stratamesh.fleet.types import SamplingParams
@@ -45,27 +47,14 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
-@dataclass(frozen=True, slots=True)
-class ModelCard:
-    """A model as /v1/models lists it; task "generate" (completions and chat) or "embed" (embeddings)."""
-
-    id: str
-    created: int
-    max_context: int
-    ready: bool
-    task: str = "generate"
-
-
-class Generator(Protocol):
-    """What the API needs from the mesh; the coordinator's MeshGenerator implements it."""
+class Serving(Protocol):
+    """What the API needs from the mesh; the coordinator's Origin (serving/origin.py) is the one."""
 
     def list_models(self) -> list[ModelCard]: ...
 
     def text(self, model_id: str) -> TextCodec: ...  # raises ModelNotFound
 
-    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()
-                 ) -> AsyncIterator[int]: ...  # ends after max_tokens or a stop token; the API may stop it sooner
+    def generate(self, request: MeshRequest) -> AsyncIterator[int]: ...  # ends as its stops say, or sooner if closed
 
     async def embed(self, model_id: str, prompt_ids: list[int],
                     request_id: str) -> Sequence[float]: ...  # an embed model's normalized vector of the prompt
@@ -73,11 +62,11 @@ class Generator(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
-def create_app(generator: Generator, metrics: ApiMetrics | None = None, limits: Limits = Limits()) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible API over generator, counting into metrics (a fresh one if None),
+def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limits = Limits()) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible API over serving, counting into metrics (a fresh one if None),
     holding prompts and completions to limits' token caps."""
     app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
-    api = OpenAIApi(generator, metrics if metrics is not None else ApiMetrics(), limits)
+    api = OpenAIApi(serving, metrics if metrics is not None else ApiMetrics(), limits)
     app.add_api_route("/v1/models", api.models, methods=["GET"], responses=error_responses(401))
     generated = {200: {"description": "the answer, or with stream: true server-sent events ending in [DONE]",
                        "content": {"application/json": {}, "text/event-stream": {}}},
@@ -115,8 +104,8 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 class OpenAIApi:
     """The endpoints; every error becomes an OpenAI error body and never reaches the server."""
 
-    def __init__(self, generator: Generator, metrics: ApiMetrics, limits: Limits = Limits()) -> None:
-        self._generator = generator
+    def __init__(self, serving: Serving, metrics: ApiMetrics, limits: Limits = Limits()) -> None:
+        self._serving = serving
         self._metrics = metrics
         self._limits = limits
 
@@ -125,7 +114,7 @@ class OpenAIApi:
         try:
             data = [{"id": c.id, "object": "model", "created": c.created, "owned_by": "stratamesh",
                      "max_model_len": c.max_context, "ready": c.ready, "task": c.task}
-                    for c in self._generator.list_models()]
+                    for c in self._serving.list_models()]
         except Exception as e:
             return error_response(e)
         return JSONResponse({"object": "list", "data": data})
@@ -133,7 +122,7 @@ class OpenAIApi:
     async def health(self) -> Response:
         """GET /health: 200 while the mesh serves ("ok", or "degraded": recovering from a lost agent), else 503."""
         try:
-            body = self._generator.health()
+            body = self._serving.health()
         except Exception:
             log.warning("health check failed", exc_info=True)
             return JSONResponse({"status": "error"}, status_code=503)
@@ -183,7 +172,7 @@ class OpenAIApi:
             check_context(prompts, card.max_context)
             request_id = f"embd-{uuid.uuid4().hex}"
             vectors = await _unless_gone(request, request_id, embed_all(
-                lambda ids, i: self._generator.embed(req.model, ids, f"{request_id}-{i}"), prompts))
+                lambda ids, i: self._serving.embed(req.model, ids, f"{request_id}-{i}"), prompts))
             if vectors is None:
                 return Response(status_code=499)  # nobody is listening any more
             return JSONResponse(embedding_body(req.model, vectors, sum(map(len, prompts)), req.encoding_format))
@@ -197,10 +186,10 @@ class OpenAIApi:
             raise _wrong_task(card)
         if not card.ready:
             raise ModelNotReady(f"model {model_id!r} is still loading; retry shortly")
-        return card, self._generator.text(model_id)
+        return card, self._serving.text(model_id)
 
     def _card(self, model_id: str) -> ModelCard:
-        for card in self._generator.list_models():
+        for card in self._serving.list_models():
             if card.id == model_id:
                 return card
         raise ModelNotFound(f"The model `{model_id}` does not exist.")
@@ -212,10 +201,11 @@ class OpenAIApi:
         if cap and max_tokens is not None and max_tokens > cap:
             raise ApiError(400, f"max_tokens is {max_tokens}; this mesh allows at most {cap}", param="max_tokens",
                            code="max_tokens_over_limit")
-        job = _make_job(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
-        if cap and job.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
-            job = dataclasses.replace(job, max_tokens=cap)
-        run = self._launch(job, codec, arrival_s)
+        mesh_request = _mesh_request(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
+        stops = mesh_request.stops
+        if cap and stops.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
+            mesh_request = dataclasses.replace(mesh_request, stops=dataclasses.replace(stops, max_tokens=cap))
+        run = self._launch(mesh_request, codec, arrival_s)
         try:
             await run.start()
             if req.stream:
@@ -238,29 +228,28 @@ class OpenAIApi:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this mesh takes at most {cap}", param=param,
                            code="prompt_over_limit")
 
-    def _launch(self, job: Job, codec: TextCodec, arrival_s: float) -> GenerationRun:
-        """Hands job to the Generator; the run is timed from arrival_s and counted as running."""
+    def _launch(self, request: MeshRequest, codec: TextCodec, arrival_s: float) -> TextStream:
+        """Hands the request to the origin; its run is timed from arrival_s and counted as running."""
         clock = self._metrics.clock
         scheduled_s = clock()
-        tokens = self._generator.generate(job.model_id, list(job.prompt_ids), job.params, job.request_id,
-                                          job.max_tokens, job.stop_token_ids)
-        run = GenerationRun(job, tokens, IncrementalDetokenizer(codec, job.stop, job.prompt_ids),
-                            Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
+        tokens = self._serving.generate(request)
+        run = TextStream(request, tokens, IncrementalDetokenizer(codec, request.stops.strings, request.prompt_ids),
+                         Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
         self._metrics.request_started(run)
         return run
 
-    async def _close(self, run: GenerationRun) -> None:
+    async def _close(self, run: TextStream) -> None:
         """Closes a streamed run however its response ended; counted unless it failed."""
         await run.aclose()
         self._metrics.request_finished(run)
 
-    def _failed(self, run: GenerationRun, exc: Exception) -> ApiError:
+    def _failed(self, run: TextStream, exc: Exception) -> ApiError:
         """The error to answer a failed run with, counted."""
         err = to_api_error(exc)
         self._count_error(run, err)
         return err
 
-    def _count_error(self, run: GenerationRun, err: ApiError) -> None:
+    def _count_error(self, run: TextStream, err: ApiError) -> None:
         self._metrics.request_failed(run, err.status, err.code or err.type)
 
 
@@ -299,15 +288,14 @@ def _wrong_task(card: ModelCard) -> ApiError:
                          "/v1/completions or /v1/chat/completions with it", param="model", code="model_not_embedding")
 
 
-def _make_job(req: GenerationRequest, codec: TextCodec, prompt_ids: Sequence[int], max_context: int,
-              max_tokens: int | None, request_id: str) -> Job:
+def _mesh_request(req: GenerationRequest, codec: TextCodec, prompt_ids: Sequence[int], max_context: int,
+                  max_tokens: int | None, request_id: str) -> MeshRequest:
     stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else codec.eos_token_ids)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
-    return Job(model_id=req.model, request_id=request_id, prompt_ids=tuple(prompt_ids), params=params,
-               max_tokens=_fit_context(len(prompt_ids), max_tokens, max_context),
-               stop=tuple(req.stop or ()), stop_token_ids=stop_ids)
+    stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
+    return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
 
 
 def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: int) -> int:
@@ -324,10 +312,10 @@ def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: in
                    param="max_tokens" if max_tokens else "prompt", code="context_length_exceeded")
 
 
-async def _collect_unless_gone(request: Request, run: GenerationRun) -> tuple[str, str] | None:
+async def _collect_unless_gone(request: Request, run: TextStream) -> tuple[str, str] | None:
     """The whole text and finish reason, or None (and the run closed) if the client disconnects first."""
     try:
-        return await _unless_gone(request, run.job.request_id, run.collect())
+        return await _unless_gone(request, run.request.request_id, run.collect())
     finally:
         await run.aclose()   # closed already, unless cancelled before it ran; closing twice does nothing
 
@@ -348,13 +336,13 @@ async def _unless_gone(request: Request, request_id: str, work: Awaitable[T]) ->
                 await task
 
 
-def _usage(run: GenerationRun) -> dict[str, int]:
-    prompt, completion = len(run.job.prompt_ids), run.num_completion_tokens
+def _usage(run: TextStream) -> dict[str, int]:
+    prompt, completion = len(run.request.prompt_ids), run.num_completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
 
 
-async def _sse_events(run: GenerationRun, fmt: ResponseFormat,
+async def _sse_events(run: TextStream, fmt: ResponseFormat,
                       on_error: Callable[[ApiError], None]) -> AsyncIterator[bytes]:
     """The SSE body of a started run; a failure mid-stream goes to on_error and becomes an error event, then [DONE]."""
     try:
@@ -368,6 +356,6 @@ async def _sse_events(run: GenerationRun, fmt: ResponseFormat,
     except Exception as e:
         err = to_api_error(e)
         on_error(err)
-        log.warning("request %s failed mid-stream with %d: %s", run.job.request_id, err.status, err.message)
+        log.warning("request %s failed mid-stream with %d: %s", run.request.request_id, err.status, err.message)
         yield sse_event(err.body())
     yield DONE

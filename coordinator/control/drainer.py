@@ -9,9 +9,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.control.events import ControlEvents
 from stratamesh.coordinator.control.roster import AgentNotConnected
-from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.control.sessions import Sessions
 from stratamesh.coordinator.records import DrainStatus
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
@@ -33,20 +32,17 @@ class DrainRefused(MeshError):
 
 
 class Drainer:
-    """Runs drains: one task per agent, driving the deployer (stages) and the origin (sessions). Every drain and
-    its progress is kept in the registry; resume() takes up those a previous coordinator left running."""
+    """Runs drains: one task per agent, driving the deployer (stages) and the origin's sessions. Every drain and
+    its progress is kept in the registry; resume() takes up those a previous coordinator left running. The deployer
+    tells it of the rests agents' owners ask for (Deployer.on_rest = Drainer.rest)."""
 
-    def __init__(self, deployer: Deployer, origin: Origin, registry: RegistryStore,
-                 events: ControlEvents | None = None) -> None:
-        """events: where the deployer says an agent's owner asks it to rest (a drain after which it stays)."""
+    def __init__(self, deployer: Deployer, sessions: Sessions, registry: RegistryStore) -> None:
         self._deployer = deployer
-        self._origin = origin
+        self._sessions = sessions
         self._registry = registry
         self._drains: dict[str, DrainStatus] = {d.agent_id: d for d in registry.drains()}
         self._tasks: set[asyncio.Task[None]] = set()
         self._blocked: dict[str, float] = {}    # agent id -> when the events list last said its rest cannot begin
-        if events is not None:
-            events.on_rest(self.rest)
 
     def rest(self, agent_id: str, why: str) -> None:
         """The agent's owner's limits want it resting: its stages and sessions move off it as in a drain, and it
@@ -72,7 +68,7 @@ class Drainer:
         current = self._drains.get(agent_id)
         if current is not None and current.running:
             raise DrainRefused(f"agent {agent_id!r} is being drained already")
-        address = self._deployer.stage_address(agent_id)
+        address = self._deployer.roster.stage_address(agent_id)
         status = DrainStatus(agent_id, time.time(), rest=rest)
         self._begin(status)
         self._drains[agent_id] = status
@@ -108,7 +104,7 @@ class Drainer:
         deadline = time.monotonic() + RESUME_TIMEOUT_S
         while True:
             try:
-                address = self._deployer.stage_address(status.agent_id)
+                address = self._deployer.roster.stage_address(status.agent_id)
                 self._begin(status)         # the stages it still serves: moves the old coordinator made stay made
                 break
             except (AgentNotConnected, DrainRefused) as exc:
@@ -148,21 +144,21 @@ class Drainer:
     async def _run(self, status: DrainStatus, address: str) -> None:
         agent_id = status.agent_id
         try:
-            if not await self._until(lambda: not self._deployer.replacing(agent_id)
-                                     or agent_id in self._deployer.drain_failures, STAGES_TIMEOUT_S):
+            if not await self._until(lambda: not self._deployer.drains.replacing(agent_id)
+                                     or agent_id in self._deployer.drains.failures, STAGES_TIMEOUT_S):
                 raise DrainRefused(f"the replacements did not load in {STAGES_TIMEOUT_S:.0f} s")
-            if agent_id in self._deployer.drain_failures:
-                raise DrainRefused(self._deployer.drain_failures[agent_id])
+            if agent_id in self._deployer.drains.failures:
+                raise DrainRefused(self._deployer.drains.failures[agent_id])
             status.state = DrainState.MOVING_SESSIONS
             self._save(status)
 
             def moved() -> bool:    # asks again each time: a session may have opened just before the switch
-                status.sessions_asked += self._origin.move_off(address)
-                return self._origin.sessions_through(address) == 0
+                status.sessions_asked += self._sessions.move_off(address)
+                return self._sessions.sessions_through(address) == 0
 
             if not await self._until(moved, SESSIONS_TIMEOUT_S):
                 log.warning("drain of %s: %d sessions did not move in %.0f s; they fail over when it exits",
-                            agent_id, self._origin.sessions_through(address), SESSIONS_TIMEOUT_S)
+                            agent_id, self._sessions.sessions_through(address), SESSIONS_TIMEOUT_S)
             if status.rest:
                 self._deployer.finish_rest(agent_id, status.rest)
             else:

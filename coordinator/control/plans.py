@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from stratamesh.coordinator.control.drains import Drains, Move
-from stratamesh.coordinator.control.events import Sessions
+from stratamesh.coordinator.control.sessions import Sessions
 from stratamesh.coordinator.control.models import check_model, check_quantize, find_model
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from stratamesh.coordinator.linkprobe import PeerProbes, peers_of, probe
+from stratamesh.coordinator.control.probes import AgentLink, PeerProbes, peers_of, probe
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
 from stratamesh.coordinator.records import LinkRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
@@ -33,18 +33,6 @@ DROP_CONFIRM = 0.5
 
 class AgentNotConnected(MeshError, LookupError):
     """No agent of that id is connected to this coordinator."""
-
-
-@dataclass(slots=True)
-class AgentLink:
-    """A connected agent: where its stages listen and how to send it control messages."""
-
-    agent_id: str
-    stage_address: str
-    capabilities: Capabilities
-    send: Callable[[ControlMessage], None]      # the control service puts it on the agent's stream
-    close: Callable[[], None] = lambda: None     # ends the control stream (an agent declared dead)
-    nat: str = ""       # the address its connections come from, when it is behind NAT ("": it can be dialed)
 
 
 class Roster:

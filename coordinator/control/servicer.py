@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.control.roster import AgentLink
+from stratamesh.coordinator.control.probes import AgentLink
 from stratamesh.coordinator.control.rtc_relay import RtcRelay, nat_address
 from stratamesh.coordinator.liveness import heartbeat_interval
 from stratamesh.coordinator.weights import ModelWeights
@@ -43,11 +43,11 @@ class ControlService(pb_grpc.ControlServicer):
         """Stretches (or, as the fleet shrinks, shortens) the heartbeat interval for the agents connected now, and
         tells every one of them with a new welcome when it changes; leases follow it."""
         interval = heartbeat_interval(self._base_interval_s, len(self._outboxes), self._heartbeat_interval_s)
-        self._deployer.liveness.interval_s = interval
+        self._deployer.roster.liveness.interval_s = interval
         if interval == self._heartbeat_interval_s:
             return
         log.info("%d agents: heartbeats every %.1f s from now on (leases of %.1f s)", len(self._outboxes), interval,
-                 self._deployer.liveness.lease_s)
+                 self._deployer.roster.liveness.lease_s)
         self._heartbeat_interval_s = interval
         for agent_id, send in list(self._outboxes.items()):
             send(convert.welcome_to_pb(agent_id, interval, self._nats[agent_id]))
@@ -138,7 +138,7 @@ class ControlService(pb_grpc.ControlServicer):
             elif kind == "stage_status":
                 self._deployer.stage_status(agent_id, convert.stage_status_from_pb(message.stage_status))
             elif kind == "links":
-                self._deployer.links_reported(agent_id, convert.link_report_from_pb(message.links))
+                self._deployer.roster.links_reported(agent_id, convert.link_report_from_pb(message.links))
             elif kind == "kv_events":
                 self._deployer.kv_events(agent_id, convert.kv_events_from_pb(message.kv_events))
             elif kind == "weights_progress":

@@ -15,7 +15,11 @@ import torch
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
-from stratamesh.coordinator.origin import Origin, OriginService
+from stratamesh.coordinator.serving.attempt import Run, chunk_tokens
+from stratamesh.coordinator.serving.generation import Embedding, RouteSource
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.servicer import OriginService
+from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.errors import StageFailed
 from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionClose, SessionOpen, StageSpec, StepChunk
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -34,13 +38,17 @@ class TwoStages:
 
     hosts: list[StageHost]
     route: list[Hop]
-    origin: Origin
+    origin: str             # where the last stage delivers: the session table's Origin service
+    sessions: SessionTable
+    log: RequestLog
 
     async def routes(self, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
         return self.route, BLOCK_SIZE
 
-    async def embed(self, prompt: list[int], request_id: str) -> tuple[float, ...]:
-        return await self.origin.embed(self.routes, prompt, request_id, hidden_size=256).vector()
+    async def embed(self, prompt: list[int], request_id: str, routes: RouteSource | None = None) -> tuple[float, ...]:
+        run = Run(self.sessions, self.log, self.origin, self.log.begin(request_id, len(prompt)), SamplingParams(),
+                  chunk_tokens(256))
+        return await Embedding(run, routes or self.routes, prompt, on_unreachable=lambda address: None).vector()
 
     def num_free_blocks(self) -> list[int]:
         return [e.scheduler.block_manager.num_free_blocks for h in self.hosts for e in h.engines.values()]
@@ -62,14 +70,14 @@ async def two_stages(model_dir: Path, kv_cache_bytes: int) -> AsyncIterator[TwoS
         await server.start()
         service.start()
         servers.append(server), hosts.append(host), services.append(service)
-    origin_server = make_server()
-    origin = Origin(f"127.0.0.1:{bind(origin_server, '127.0.0.1', 0)}", step_timeout_s=20)
-    pb_grpc.add_OriginServicer_to_server(OriginService(origin), origin_server)
+    origin_server, sessions = make_server(), SessionTable(step_timeout_s=20)
+    origin = f"127.0.0.1:{bind(origin_server, '127.0.0.1', 0)}"
+    pb_grpc.add_OriginServicer_to_server(OriginService(sessions), origin_server)
     await origin_server.start()
     try:
-        yield TwoStages(hosts, route, origin)
+        yield TwoStages(hosts, route, origin, sessions, RequestLog())
     finally:
-        await origin.close()
+        await sessions.close()
         for service in services:
             await service.close()
         for server in [*servers, origin_server]:
@@ -107,10 +115,10 @@ async def test_concurrent_embeddings_over_two_stages_equal_transformers_and_free
                                        atol=POOLED_ATOL, rtol=0)
         await settle(lambda: sum(h.num_sessions for h in mesh.hosts) == 0)
         assert mesh.num_free_blocks() == mesh.num_blocks()     # every block back (full ones stay cached)
-        records = [mesh.origin.recent[f"r{i}"] for i in range(3)]
+        records = [mesh.log.recent[f"r{i}"] for i in range(3)]
         assert [r.state for r in records] == ["finished"] * 3 and [r.num_tokens for r in records] == [0] * 3
         again = await mesh.embed(prompts[0], "r-again")          # its prefix comes from the cache: the same vector
-        assert mesh.origin.recent["r-again"].cached_tokens == 36
+        assert mesh.log.recent["r-again"].cached_tokens == 36
         torch.testing.assert_close(torch.tensor(again), torch.tensor(vectors[0]), atol=1e-6, rtol=0)
 
 
@@ -135,7 +143,7 @@ async def test_a_bad_prompt_fails_at_once_and_alone(model_dir) -> None:
         results = await asyncio.gather(bad, good, return_exceptions=True)
         assert asyncio.get_running_loop().time() - started < 5     # told by the stage, not by the step timeout
         assert isinstance(results[0], StageFailed) and "prompt_token_ids must lie in [0, 1024)" in str(results[0])
-        assert len(results[1]) == 256 and mesh.origin.recent["bad"].state == "failed"
+        assert len(results[1]) == 256 and mesh.log.recent["bad"].state == "failed"
         await settle(lambda: sum(h.num_sessions for h in mesh.hosts) == 0)
 
 
@@ -149,11 +157,11 @@ async def test_an_embedding_whose_first_stage_is_unreachable_replays_on_the_next
             return (mesh.route if "127.0.0.1:1" in avoid else dead), BLOCK_SIZE
 
         ids = prompt(6, 30)
-        vector = await mesh.origin.embed(routes, ids, "r", hidden_size=256).vector()
+        vector = await mesh.embed(ids, "r", routes)
         torch.testing.assert_close(torch.tensor(vector), hf_pooled(model_dir, torch.tensor(ids)),
                                    atol=POOLED_ATOL, rtol=0)
         assert asked == [frozenset(), frozenset({"127.0.0.1:1"})]
-        record = mesh.origin.recent["r"]
+        record = mesh.log.recent["r"]
         assert record.num_failovers == 1 and record.state == "finished" and record.route == tuple(mesh.route)
 
 

@@ -16,7 +16,8 @@ from stratamesh.coordinator.api.errors import install_error_handlers
 from stratamesh.coordinator.api.ui import UI_DIR, mount_ui
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
-from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.types import LinkMeasurement
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
 
@@ -27,8 +28,8 @@ T0 = 1_700_000_000.0
 def mesh(model_dir: Path):
     registry, deployer, agents = ready_pair(model_dir, [100.0])
     live = LiveStats()
-    origin = Origin("127.0.0.1:1")
-    admin = MeshAdmin(registry, origin, {}, Drainer(deployer, origin, registry), deployer, live, clock=lambda: T0 + 10)
+    admin = MeshAdmin(registry, RequestLog(), {}, Drainer(deployer, SessionTable(), registry), deployer, live,
+                      clock=lambda: T0 + 10)
     app = FastAPI()
     app.include_router(admin_router(admin))
     mount_ui(app)
@@ -81,7 +82,7 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert {(s["device"], s["dtype"]) for p in plans for s in p["stages"]} == {("cpu", "float32")}
         # how activations reach each stage, as routes use it now: token ids into the first; a 2 Mbit/s link, int8
         sender, receiver = (s.agent_id for s in registry.active_plan("m").stages)
-        deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
+        deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
         plans = (await client.get("/admin/api/plans")).json()["plans"]
         assert [s["link_codec"] for p in plans if p["model_id"] == "m" for s in p["stages"]] == ["", "int8"]
         # what the planner predicted: tokens/s at a concurrency, the step, and each stage's part of it

@@ -23,7 +23,8 @@ from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.fleet_view import DETAIL_ALL_UP_TO, RECENT_MAX, RECENT_S, AgentQuery, fleet_delta
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.mesh_admin import MeshAdmin
-from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Capabilities, GpuInfo, LinkMeasurement, Telemetry
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
@@ -67,8 +68,8 @@ class Fleet:
 @pytest.fixture
 def fleet(model_dir: Path) -> Fleet:  # noqa: F811 (the fixture imported above)
     registry, deployer, agents = ready_pair(model_dir, [100.0])
-    origin, now = Origin("127.0.0.1:1"), [T0 + 10]
-    admin = MeshAdmin(registry, origin, {"a1": "127.0.0.1:9101"}, Drainer(deployer, origin, registry), deployer,
+    now = [T0 + 10]
+    admin = MeshAdmin(registry, RequestLog(), {"a1": "127.0.0.1:9101"}, Drainer(deployer, SessionTable(), registry), deployer,
                       LiveStats(), clock=lambda: now[0])
     app = FastAPI()
     app.include_router(admin_router(admin))

@@ -16,13 +16,13 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.errors import InvalidInput
 from tests.coordinator.served import served
-from tests.coordinator.test_api import FakeGenerator, codecs  # noqa: F401 (a fixture)
+from tests.coordinator.test_api import FakeServing, codecs  # noqa: F401 (a fixture)
 
 NOW = 1_800_000_000.0
 
 
 def gated_app(codecs: tuple[TextCodec, TextCodec], limits: Limits, token_delay_s: float = 0.02):  # noqa: F811
-    generator = FakeGenerator(*codecs)
+    generator = FakeServing(*codecs)
     generator.token_delay_s = token_delay_s
     app = create_app(generator, limits=limits)
     access = AccessStore(Registry(":memory:"))

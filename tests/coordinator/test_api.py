@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP layer over an in-test Generator that yields a known, unbounded token sequence."""
+"""The OpenAI-compatible HTTP layer over an in-test Serving that yields a known, unbounded token sequence."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from stratamesh.coordinator.api.openai import ModelCard, create_app
+from stratamesh.coordinator.api.openai import create_app
+from stratamesh.coordinator.serving.origin import ModelCard
+from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.text import TextCodec
 from stratamesh.fleet.errors import ModelNotFound, StageFailed
 from stratamesh.fleet.types import SamplingParams
@@ -32,7 +34,7 @@ def fake_vector(prompt_ids: list[int]) -> tuple[float, ...]:
     return tuple(x / norm for x in raw)
 
 
-class FakeGenerator:
+class FakeServing:
     """Models: tiny (story forever), tiny-eos (story, EOS, story...), small (context 40), strict (BOS codec whose
     template rejects odd roles), warming (not ready), broken (fails before a token), flaky (fails mid-stream),
     crashy (a bug: RuntimeError mid-stream); and embedding models: embedder (fake_vector of each prompt),
@@ -66,11 +68,10 @@ class FakeGenerator:
             raise ModelNotFound(model_id)
         return self.strict_codec if model_id == "strict" else self.codec
 
-    async def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()
-                       ) -> AsyncIterator[int]:
-        self.calls.append((model_id, prompt_ids, params, request_id))
-        self.limits.append((max_tokens, stop_token_ids))
+    async def generate(self, request: Request) -> AsyncIterator[int]:
+        model_id, request_id = request.model_id, request.request_id
+        self.calls.append((model_id, list(request.prompt_ids), request.params, request_id))
+        self.limits.append((request.stops.max_tokens, request.stops.token_ids))
         try:
             if model_id == "broken":
                 raise StageFailed("stage 1 is unreachable")
@@ -120,12 +121,12 @@ def codecs(chatml_dir: Path, bos_dir: Path) -> tuple[TextCodec, TextCodec]:
 
 
 @pytest.fixture
-def gen(codecs: tuple[TextCodec, TextCodec]) -> FakeGenerator:
-    return FakeGenerator(*codecs)
+def gen(codecs: tuple[TextCodec, TextCodec]) -> FakeServing:
+    return FakeServing(*codecs)
 
 
 @pytest.fixture
-async def client(gen: FakeGenerator) -> AsyncIterator[httpx.AsyncClient]:
+async def client(gen: FakeServing) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=create_app(gen))
     async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as c:
         yield c
@@ -150,7 +151,7 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert tiny["object"] == "model" and tiny["created"] == 1_700_000_000 and tiny["owned_by"]
 
 
-async def test_completion(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_completion(client: httpx.AsyncClient, gen: FakeServing) -> None:
     resp = await client.post("/v1/completions", json={
         "model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0, "top_k": 5, "seed": 7})
     assert resp.status_code == 200, resp.text
@@ -168,14 +169,14 @@ async def test_completion(client: httpx.AsyncClient, gen: FakeGenerator) -> None
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
-async def test_token_id_prompt(client: httpx.AsyncClient, gen: FakeGenerator, prompt: list) -> None:
+async def test_token_id_prompt(client: httpx.AsyncClient, gen: FakeServing, prompt: list) -> None:
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3})
     assert resp.status_code == 200, resp.text
     assert gen.calls[0][1] == [5, 6, 7] and resp.json()["usage"]["prompt_tokens"] == 3
     assert gen.calls[0][2] == SamplingParams(temperature=1.0)  # OpenAI's default temperature
 
 
-async def test_chat_completion(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_chat_completion(client: httpx.AsyncClient, gen: FakeServing) -> None:
     resp = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": CHAT, "max_completion_tokens": 9, "max_tokens": 100})
     assert resp.status_code == 200, resp.text
@@ -187,7 +188,7 @@ async def test_chat_completion(client: httpx.AsyncClient, gen: FakeGenerator) ->
     assert body["usage"]["prompt_tokens"] == len(gen.codec.encode_chat(CHAT))
 
 
-async def test_chat_text_parts(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_chat_text_parts(client: httpx.AsyncClient, gen: FakeServing) -> None:
     parts = [{"type": "text", "text": "tell me"}, {"type": "text", "text": "a story"}]
     resp = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
@@ -195,7 +196,7 @@ async def test_chat_text_parts(client: httpx.AsyncClient, gen: FakeGenerator) ->
     assert gen.calls[0][1] == gen.codec.encode_chat([{"role": "user", "content": "tell me\na story"}])
 
 
-async def test_template_kwargs_cannot_replace_messages(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_template_kwargs_cannot_replace_messages(client: httpx.AsyncClient, gen: FakeServing) -> None:
     resp = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": CHAT, "max_tokens": 1,
         "chat_template_kwargs": {"messages": [], "add_generation_prompt": False, "enable_thinking": False}})
@@ -203,7 +204,7 @@ async def test_template_kwargs_cannot_replace_messages(client: httpx.AsyncClient
     assert gen.calls[0][1] == gen.codec.encode_chat(CHAT)
 
 
-async def test_eos_stops_unless_ignored(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_eos_stops_unless_ignored(client: httpx.AsyncClient, gen: FakeServing) -> None:
     body = (await client.post("/v1/completions", json={"model": "tiny-eos", "prompt": "x"})).json()
     assert body["choices"][0]["text"] == STORY and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == len(gen.story_ids) + 1  # EOS counts, as in vLLM
@@ -214,7 +215,7 @@ async def test_eos_stops_unless_ignored(client: httpx.AsyncClient, gen: FakeGene
     assert body["choices"][0]["text"] == STORY + gen.expected_text(3)
 
 
-async def test_stop_token_ids(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_stop_token_ids(client: httpx.AsyncClient, gen: FakeServing) -> None:
     body = (await client.post("/v1/completions", json={
         "model": "tiny", "prompt": "x", "max_tokens": 50, "stop_token_ids": [gen.story_ids[2]]})).json()
     assert body["choices"][0] | {"text": None} == {"index": 0, "text": None, "logprobs": None,
@@ -223,7 +224,7 @@ async def test_stop_token_ids(client: httpx.AsyncClient, gen: FakeGenerator) -> 
 
 
 async def test_the_generator_is_told_where_the_generation_ends(client: httpx.AsyncClient,
-                                                                gen: FakeGenerator) -> None:
+                                                                gen: FakeServing) -> None:
     """max_tokens and the stop ids (EOS unless ignored) go to the mesh, so it asks no step past the last token."""
     eos = gen.codec.eos_token_ids
     await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 7,
@@ -241,7 +242,7 @@ async def test_stop_strings(client: httpx.AsyncClient, stop: str | list[str]) ->
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_default_max_tokens_fills_context(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_default_max_tokens_fills_context(client: httpx.AsyncClient, gen: FakeServing) -> None:
     body = (await client.post("/v1/completions", json={"model": "small", "prompt": "Hello"})).json()
     num_prompt = len(gen.codec.encode("Hello"))
     assert body["usage"]["completion_tokens"] == 40 - num_prompt
@@ -265,7 +266,7 @@ async def test_completion_stream_equals_whole(client: httpx.AsyncClient, request
     assert len(chunks) > 3  # streamed in pieces, not in one go
 
 
-async def test_chat_stream_with_usage(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_chat_stream_with_usage(client: httpx.AsyncClient, gen: FakeServing) -> None:
     request = {"model": "tiny", "messages": CHAT, "max_tokens": 20}
     whole = (await client.post("/v1/chat/completions", json=request)).json()
     resp = await client.post("/v1/chat/completions", json={
@@ -348,7 +349,7 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
     {"prompt": list(range(10, 50))},  # the prompt alone fills the context
     {"prompt": list(range(10, 60)), "max_tokens": 1},
 ])
-async def test_context_length_exceeded(client: httpx.AsyncClient, gen: FakeGenerator, body: dict) -> None:
+async def test_context_length_exceeded(client: httpx.AsyncClient, gen: FakeServing, body: dict) -> None:
     err = error_of(await client.post("/v1/completions", json={"model": "small", **body}), 400)
     assert err["code"] == "context_length_exceeded" and "40" in err["message"]
     assert gen.calls == []
@@ -367,14 +368,14 @@ async def test_not_ready_is_503(client: httpx.AsyncClient, stream: bool) -> None
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_stage_failure_before_first_token(client: httpx.AsyncClient, gen: FakeGenerator,
+async def test_stage_failure_before_first_token(client: httpx.AsyncClient, gen: FakeServing,
                                                 stream: bool) -> None:
     resp = await client.post("/v1/chat/completions", json={"model": "broken", "messages": CHAT, "stream": stream})
     assert error_of(resp, 502)["code"] == "stage_failed"
     assert gen.closed == [gen.calls[0][3]]
 
 
-async def test_mid_stream_failure_is_an_error_event(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_mid_stream_failure_is_an_error_event(client: httpx.AsyncClient, gen: FakeServing) -> None:
     flaky = client.post("/v1/completions", json={"model": "flaky", "prompt": "x", "stream": True})
     good = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True})
     flaky_resp, good_resp = await asyncio.gather(flaky, good)
@@ -408,14 +409,14 @@ async def test_unknown_route_and_method_in_openai_shape(client: httpx.AsyncClien
 
 
 @pytest.mark.parametrize(("status", "code"), [("ok", 200), ("starting", 503), ("raise", 503)])
-async def test_health(client: httpx.AsyncClient, gen: FakeGenerator, status: str, code: int) -> None:
+async def test_health(client: httpx.AsyncClient, gen: FakeServing, status: str, code: int) -> None:
     gen.status = status
     resp = await client.get("/health")
     assert resp.status_code == code
     assert resp.json()["status"] == ("error" if status == "raise" else status)
 
 
-async def test_official_openai_client(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_official_openai_client(client: httpx.AsyncClient, gen: FakeServing) -> None:
     openai = pytest.importorskip("openai")
     oai = openai.AsyncOpenAI(base_url="http://mesh/v1", api_key="unused", http_client=client, max_retries=0)
     models = await oai.models.list()
@@ -439,19 +440,19 @@ async def test_official_openai_client(client: httpx.AsyncClient, gen: FakeGenera
 
 
 @pytest.fixture
-async def live_url(gen: FakeGenerator) -> AsyncIterator[str]:
+async def live_url(gen: FakeServing) -> AsyncIterator[str]:
     """The app behind a real uvicorn on a loopback port, so that clients can really disconnect."""
     async with served(create_app(gen)) as url:
         yield url
 
 
-async def wait_closed(gen: FakeGenerator, num: int, timeout_s: float = 3.0) -> None:
+async def wait_closed(gen: FakeServing, num: int, timeout_s: float = 3.0) -> None:
     deadline = time.monotonic() + timeout_s
     while len(gen.closed) < num and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
 
 
-async def test_disconnect_stops_generation(live_url: str, gen: FakeGenerator) -> None:
+async def test_disconnect_stops_generation(live_url: str, gen: FakeServing) -> None:
     gen.token_delay_s = 0.02  # a whole 512-token context would take 10 s
     async with httpx.AsyncClient(base_url=live_url) as c:
         async with c.stream("POST", "/v1/chat/completions", json={
@@ -476,7 +477,7 @@ async def test_disconnect_stops_generation(live_url: str, gen: FakeGenerator) ->
     ("/v1/completions", {"prompt": "Hello"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
 ])
-async def test_return_token_ids_whole_and_streamed(client: httpx.AsyncClient, gen: FakeGenerator,
+async def test_return_token_ids_whole_and_streamed(client: httpx.AsyncClient, gen: FakeServing,
                                                    path: str, extra: dict) -> None:
     body = {"model": "tiny", "max_tokens": 20, "return_token_ids": True, **extra}
     whole = (await client.post(path, json=body)).json()

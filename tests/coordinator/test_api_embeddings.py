@@ -1,4 +1,4 @@
-"""POST /v1/embeddings over the in-test FakeGenerator's embedding models: OpenAI's request and response shapes,
+"""POST /v1/embeddings over the in-test FakeServing's embedding models: OpenAI's request and response shapes,
 every input embedded concurrently, refusals by name; and the text endpoints refusing an embedding model."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from stratamesh.coordinator.api.embeddings import embed_all
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.api.schemas import MAX_EMBEDDING_INPUTS
 from tests.coordinator import test_api
-from tests.coordinator.test_api import BROKEN_TOKEN, FakeGenerator, fake_vector
+from tests.coordinator.test_api import BROKEN_TOKEN, FakeServing, fake_vector
 
-# test_api's fixtures: its FakeGenerator over the tiny codecs, and a client of the app serving it
+# test_api's fixtures: its FakeServing over the tiny codecs, and a client of the app serving it
 codecs, gen, client = test_api.codecs, test_api.gen, test_api.client
 
 
@@ -32,7 +32,7 @@ async def test_models_say_which_task_each_serves(client: httpx.AsyncClient) -> N
     assert data["embedder"]["task"] == "embed" and data["tiny"]["task"] == "generate"
 
 
-async def test_one_string_gets_one_embedding_and_its_usage(client: httpx.AsyncClient, gen: FakeGenerator) -> None:
+async def test_one_string_gets_one_embedding_and_its_usage(client: httpx.AsyncClient, gen: FakeServing) -> None:
     resp = await embed(client, input="The mesh embeds text")
     assert resp.status_code == 200, resp.text
     ids = gen.codec.encode("The mesh embeds text")
@@ -49,7 +49,7 @@ async def test_one_string_gets_one_embedding_and_its_usage(client: httpx.AsyncCl
     ([[5, 6], [7, 8, 9], [10]], [[5, 6], [7, 8, 9], [10]]),
     (["text", [11, 12]], None),
 ], ids=["strings", "token-ids", "token-id-lists", "mixed"])
-async def test_every_input_form_gets_one_embedding_per_input_in_order(client: httpx.AsyncClient, gen: FakeGenerator,
+async def test_every_input_form_gets_one_embedding_per_input_in_order(client: httpx.AsyncClient, gen: FakeServing,
                                                                       given: list, prompts: list | None) -> None:
     prompts = prompts or [gen.codec.encode(p) if isinstance(p, str) else p for p in given]
     gen.token_delay_s = 0.02     # the inputs overlap, and finish in any order
@@ -104,7 +104,7 @@ async def test_inputs_beyond_the_concurrency_limit_queue() -> None:
     ({"model": "tiny", "input": "a"}, 400, "model", "model_not_embedding", "LM head"),
 ], ids=["empty-string", "empty-list", "empty-ids", "an-empty-string", "ids-and-strings", "bools", "too-many",
         "out-of-vocab", "negative-id", "encoding", "dimensions", "context", "not-ready", "unknown", "generative"])
-async def test_bad_requests_are_refused_by_name(client: httpx.AsyncClient, gen: FakeGenerator, body: dict,
+async def test_bad_requests_are_refused_by_name(client: httpx.AsyncClient, gen: FakeServing, body: dict,
                                                 status: int, param: str | None, code: str | None,
                                                 message: str) -> None:
     resp = await embed(client, **body)
@@ -119,7 +119,7 @@ async def test_bad_requests_are_refused_by_name(client: httpx.AsyncClient, gen: 
     ("/v1/completions", {"prompt": "Hello"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
 ])
-async def test_an_embedding_model_generates_no_text(client: httpx.AsyncClient, gen: FakeGenerator, path: str,
+async def test_an_embedding_model_generates_no_text(client: httpx.AsyncClient, gen: FakeServing, path: str,
                                                     extra: dict) -> None:
     resp = await client.post(path, json={"model": "embedder", "max_tokens": 4, **extra})
     assert resp.status_code == 400
@@ -129,14 +129,14 @@ async def test_an_embedding_model_generates_no_text(client: httpx.AsyncClient, g
 
 
 async def test_a_failed_input_fails_the_request_and_stops_the_others(client: httpx.AsyncClient,
-                                                                     gen: FakeGenerator) -> None:
+                                                                     gen: FakeServing) -> None:
     resp = await embed(client, model="embedder-broken", input=[[1, 2], [BROKEN_TOKEN, 3], [4]])
     assert resp.status_code == 502 and resp.json()["error"]["code"] == "stage_failed"
     assert sorted(r.rsplit("-", 1)[1] for r in gen.embeds_cancelled) == ["0", "2"]
     assert gen.embeds_in_flight == 0
 
 
-async def test_the_openai_client_and_the_sdk_get_the_same_vectors(gen: FakeGenerator) -> None:
+async def test_the_openai_client_and_the_sdk_get_the_same_vectors(gen: FakeServing) -> None:
     """openai's client asks for base64 and decodes it; the SDK asks for floats."""
     transport = httpx.ASGITransport(app=create_app(gen))
     texts = ["first text", "second text"]

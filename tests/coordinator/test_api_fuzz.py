@@ -19,7 +19,7 @@ from stratamesh.coordinator.api.errors import install_error_handlers
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.text import TextCodec
 from tests.coordinator.test_admin_api import mesh  # noqa: F401 (a fixture)
-from tests.coordinator.test_api import FakeGenerator, codecs  # noqa: F401 (a fixture)
+from tests.coordinator.test_api import FakeServing, codecs  # noqa: F401 (a fixture)
 from tests.coordinator.test_deployer import model_dir  # noqa: F401 (a fixture)
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -57,7 +57,7 @@ def fuzz_app(app: FastAPI, skip: tuple[str, ...] = (), headers: dict[str, str] |
 
 
 def test_the_openai_api_answers_any_request_as_documented(codecs: tuple[TextCodec, TextCodec]) -> None:
-    counts = fuzz_app(create_app(FakeGenerator(*codecs)))
+    counts = fuzz_app(create_app(FakeServing(*codecs)))
     for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings"):
         assert counts[label] >= CASES_PER_OPERATION, (label, counts)
 

@@ -28,7 +28,7 @@ async def coordinator(tiny_model):
     port = bind(server, "127.0.0.1", 0)
     await server.start()
     model_dir = tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)
-    deployer.add_model("tiny", str(model_dir), num_stages=1)
+    deployer.plans.add_model("tiny", str(model_dir), num_stages=1)
     yield f"127.0.0.1:{port}", deployer, registry
     await server.stop(grace=None)
 
@@ -59,7 +59,7 @@ async def test_bad_registrations_are_refused_with_a_status(coordinator, first, c
         async for _ in call:
             pass
     assert caught.value.code() == code
-    assert deployer.num_agents == 0
+    assert deployer.roster.num_agents == 0
     await channel.close()
 
 
@@ -71,18 +71,19 @@ async def test_an_agent_is_welcomed_assigned_and_becomes_ready(coordinator) -> N
     assert welcome.welcome.agent_id == "agent-1" and welcome.welcome.heartbeat_interval_s == pytest.approx(0.1)
     assign = await asyncio.wait_for(call.read(), 5)
     assert (assign.assign.stage.start_layer, assign.assign.stage.end_layer) == (0, 2)
-    assert not deployer.is_ready("tiny")
+    assert not deployer.routes.is_ready("tiny")
     outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assign.assign.assignment_id, "ready")))
     outbox.put_nowait(convert.heartbeat_to_pb(1, 0))
     for _ in range(100):
-        if deployer.is_ready("tiny"):
+        if deployer.routes.is_ready("tiny"):
             break
         await asyncio.sleep(0.02)
-    assert [hop.address for hop in deployer.route("tiny")[0]] == ["127.0.0.1:5555"]
+    assert [hop.address for _, hops in deployer.routes.hops(deployer.routes.ready_plans("tiny")) for hop in hops] == [
+        "127.0.0.1:5555"]
     assert registry.agent("agent-1").state == "connected"
     await channel.close()
     for _ in range(100):
-        if deployer.num_agents == 0:
+        if deployer.roster.num_agents == 0:
             break
         await asyncio.sleep(0.02)
-    assert not deployer.is_ready("tiny") and registry.agent("agent-1").state == "disconnected"
+    assert not deployer.routes.is_ready("tiny") and registry.agent("agent-1").state == "disconnected"

@@ -11,7 +11,8 @@ from fastapi import FastAPI
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.control.drainer import Drainer
-from stratamesh.coordinator.origin import Origin
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.sessions import SessionTable
 from tests.coordinator.test_deployer import (connect_all, model_dir, ready_pair, report_ready,  # noqa: F401
                                            shutdowns)
 
@@ -25,10 +26,9 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 
 async def test_drain_through_the_admin_api_from_request_to_the_agent_told_to_exit(model_dir: Path) -> None:
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
-    origin = Origin("127.0.0.1:1")
-    drainer = Drainer(deployer, origin, registry)
+    drainer = Drainer(deployer, SessionTable(), registry)
     app = FastAPI()
-    app.include_router(admin_router(MeshAdmin(registry, origin, {}, drainer)))
+    app.include_router(admin_router(MeshAdmin(registry, RequestLog(), {}, drainer)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh") as client:
         missing = await client.post("/admin/api/agents/nobody/drain")
         assert missing.status_code == 404 and "not connected" in missing.json()["error"]["message"]
@@ -59,18 +59,18 @@ async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays
     from stratamesh.fleet.types import StageStatus
 
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
-    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry)
+    drainer = Drainer(deployer, SessionTable(), registry)
     status = drainer.start("a1")
-    new_id = deployer.replacing("a1")[0][1].assignment_id
+    new_id = deployer.drains.replacing("a1")[0][1].assignment_id
     deployer.stage_status("a3", StageStatus(new_id, "failed", "disk full"))
     await wait_for(lambda: status.state == "failed")
     assert "disk full" in status.error and not shutdowns(a1)
-    assert "a1" in deployer._plannable()               # planned on again
+    assert "a1" in deployer.plans.plannable()               # planned on again
     await drainer.close()
 
 
 def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None:
-    from stratamesh.coordinator.kv_moves import replaced_hops
+    from stratamesh.coordinator.serving.kv_moves import replaced_hops
     from stratamesh.fleet.types import Hop
 
     old = [Hop("h1:1", "p-0"), Hop("h2:1", "p-1"), Hop("h3:1", "p-2")]
@@ -85,14 +85,14 @@ async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_
     from stratamesh.coordinator.liveness import LivenessConfig
 
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
-    first = Drainer(deployer, Origin("127.0.0.1:1"), registry)
+    first = Drainer(deployer, SessionTable(), registry)
     first.start("a2")
     await first.close()                          # it stops before the replacement loaded
     assert [(d.agent_id, d.state, d.resumed) for d in registry.drains()] == [("a2", "moving_stages", 0)]
 
     # The next coordinator, on the same registry; the agents connect again, the only spare last.
     deployer = Deployer(registry, clock=lambda: 200.0, liveness=LivenessConfig(lease_s=2.0))
-    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry)
+    drainer = Drainer(deployer, SessionTable(), registry)
     assert [d.agent_id for d in drainer.resume()] == ["a2"]
     connect_all(deployer, [a1, a2])
     report_ready(deployer, [a1, a2])
@@ -112,33 +112,33 @@ async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_
 
 async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_serves_again(model_dir: Path) -> None:
     from stratamesh.coordinator.control.deployer import Deployer
-    from stratamesh.coordinator.control.events import ControlEvents
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.registry import Registry
     from stratamesh.fleet.types import Telemetry
     from tests.coordinator.test_deployer import Agent, released
 
-    registry, events = Registry(":memory:"), ControlEvents()
-    deployer = Deployer(registry, clock=lambda: 100.0, liveness=LivenessConfig(lease_s=2.0), events=events)
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0, liveness=LivenessConfig(lease_s=2.0))
     a1, a2, spare = Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)
-    deployer.add_model("m", str(model_dir), num_stages=2)
+    deployer.plans.add_model("m", str(model_dir), num_stages=2)
     connect_all(deployer, [a1, a2])
     report_ready(deployer, [a1, a2])
     connect_all(deployer, [spare])
-    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry, events)
+    drainer = Drainer(deployer, SessionTable(), registry)
+    deployer.on_rest = drainer.rest
     hot = "at 90 C, above 80 C"
     deployer.heartbeat("a2", Telemetry(100.0, resting=hot))
     status = drainer.status("a2")
-    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer._plannable()
+    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer.plans.plannable()
     deployer.heartbeat("a2", Telemetry(100.5, resting=hot))            # said with every heartbeat: one rest
     assert drainer.status("a2") is status
     report_ready(deployer, [spare])                                      # the replacement loaded
     await wait_for(lambda: status.state == "drained")
-    assert not shutdowns(a2) and released(a2) and deployer.stage_address("a2")   # it stays, holding nothing
-    assert registry.agent("a2").state == "resting" and "a2" not in deployer._plannable()
+    assert not shutdowns(a2) and released(a2) and deployer.roster.stage_address("a2")   # it stays, holding nothing
+    assert registry.agent("a2").state == "resting" and "a2" not in deployer.plans.plannable()
     assert all(s.agent_id != "a2" for s in registry.active_plan("m").stages)
     deployer.heartbeat("a2", Telemetry(400.0))                           # its owner's limits allow it again
-    assert registry.agent("a2").state == "connected" and "a2" in deployer._plannable()
+    assert registry.agent("a2").state == "connected" and "a2" in deployer.plans.plannable()
     kinds = [(e.kind, e.detail) for e in registry.events() if e.agent_id == "a2"]
     assert ("agent_resting", hot) in kinds and any(k == "agent_serving" for k, _ in kinds)
     deployer.heartbeat("a2", Telemetry(401.0, resting=hot))            # and may rest again later
@@ -148,25 +148,25 @@ async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_s
 
 async def test_a_rest_no_spare_can_take_says_why_keeps_serving_and_begins_once_a_spare_joins(model_dir: Path) -> None:
     from stratamesh.coordinator.control.deployer import REST_RETRY_S, Deployer
-    from stratamesh.coordinator.control.events import ControlEvents
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.registry import Registry
     from stratamesh.fleet.types import Telemetry
     from tests.coordinator.test_deployer import Agent
 
     now = [100.0]
-    registry, events = Registry(":memory:"), ControlEvents()
-    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=1e9), events=events)
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=1e9))
     a1, a2, spare = Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)
-    deployer.add_model("m", str(model_dir), num_stages=2)
+    deployer.plans.add_model("m", str(model_dir), num_stages=2)
     connect_all(deployer, [a1, a2])
     report_ready(deployer, [a1, a2])
-    drainer = Drainer(deployer, Origin("127.0.0.1:1"), registry, events)
+    drainer = Drainer(deployer, SessionTable(), registry)
+    deployer.on_rest = drainer.rest
     hot = "at 90 C, above 80 C"
     deployer.heartbeat("a2", Telemetry(now[0], resting=hot))              # no spare: it cannot rest
     blocked = [e.detail for e in registry.events() if e.kind == "agent_rest_blocked"]
     assert len(blocked) == 1 and hot in blocked[0] and "spare" in blocked[0]
-    assert "a2" in deployer._plannable() and registry.agent("a2").state == "connected"   # it serves on
+    assert "a2" in deployer.plans.plannable() and registry.agent("a2").state == "connected"   # it serves on
     assert any(s.agent_id == "a2" for s in registry.active_plan("m").stages)
     connect_all(deployer, [spare])
     now[0] += REST_RETRY_S / 2
@@ -175,7 +175,7 @@ async def test_a_rest_no_spare_can_take_says_why_keeps_serving_and_begins_once_a
     now[0] += REST_RETRY_S / 2
     deployer.heartbeat("a2", Telemetry(now[0], resting=hot))              # asked again: a spare can take it now
     status = drainer.status("a2")
-    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer._plannable()
+    assert (status.rest, status.state) == (hot, "moving_stages") and "a2" not in deployer.plans.plannable()
     report_ready(deployer, [spare])
     await wait_for(lambda: status.state == "drained")
     assert registry.agent("a2").state == "resting"

@@ -24,7 +24,7 @@ def test_a_thousand_heartbeats_are_one_commit_with_each_agents_newest() -> None:
         for agent in agents:
             deployer.heartbeat(agent.link.agent_id, Telemetry(now[0], queue_depth=beat))
     assert registry.commits == commits             # nothing written yet: all in memory
-    assert deployer.telemetry["a1"].queue_depth == 249
+    assert deployer.roster.telemetry["a1"].queue_depth == 249
     deployer.tick()
     assert registry.commits == commits + 1
     assert {a.agent_id: a.last_seen for a in registry.agents()} == {f"a{i}": 102.49 for i in range(4)}

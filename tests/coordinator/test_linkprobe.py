@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.control.roster import AgentLink
-from stratamesh.coordinator.linkprobe import PROBE_PEERS, OriginLinkProber, PeerProbes, due_peers, peers_of
+from stratamesh.coordinator.control.probes import AgentLink
+from stratamesh.coordinator.control.probes import PROBE_PEERS, PeerProbes, peers_of
+from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.types import Capabilities, LinkMeasurement, Peer
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
@@ -38,11 +39,11 @@ class Probing:
     now: list[float]
 
 
-def origin_probing(failing: Sequence[str] = (), deployer_type: type[Deployer] = Deployer) -> Probing:
+def origin_probing(failing: Sequence[str] = ()) -> Probing:
     registry, now = Registry(":memory:"), [100.0]
-    deployer = deployer_type(registry, clock=lambda: now[0])
+    deployer = Deployer(registry, clock=lambda: now[0])
     measure = FakeMeasure(failing)
-    return Probing(registry, deployer, measure, OriginLinkProber(deployer, clock=lambda: now[0], every_s=300,
+    return Probing(registry, deployer, measure, OriginLinkProber(deployer.roster, clock=lambda: now[0], every_s=300,
                                                                  measure=measure), now)
 
 
@@ -87,33 +88,29 @@ async def test_an_agent_that_reconnects_is_measured_again_at_once() -> None:
     assert measure.asked == [["a1", "a2"], ["a2"]]
 
 
-class CountingDeployer(Deployer):
-    """A deployer that counts how often its every connected agent is listed."""
-
-    listed = 0
-
-    def peers(self) -> list[Peer]:
-        self.listed += 1
-        return super().peers()
-
-
 async def test_the_origin_lists_the_agents_again_only_when_one_came_or_went() -> None:
-    p = origin_probing(deployer_type=CountingDeployer)
+    p = origin_probing()
     deployer, measure, prober, now = p.deployer, p.measure, p.prober, p.now
-    assert isinstance(deployer, CountingDeployer)
+    listings, peers = [], deployer.roster.peers
+
+    def counted() -> list[Peer]:            # the roster's every connected agent, listed
+        listings.append(1)
+        return peers()
+
+    deployer.roster.peers = counted
     a1, a2 = Agent("a1", 8), Agent("a2", 8)
     connect_all(deployer, [a1])
     for _ in range(3):          # a second apart, as it runs: one agent, listed once
         await prober.probe_due()
         now[0] += 1
-    assert deployer.listed == 1
+    assert len(listings) == 1
     connect_all(deployer, [a2])
     await prober.probe_due()
     await prober.probe_due()
-    assert deployer.listed == 2 and measure.asked == [["a1"], ["a2"]]
+    assert len(listings) == 2 and measure.asked == [["a1"], ["a2"]]
     deployer.agent_disconnected(a1.link)
     now[0] += 300               # a1 would be due again, but it has gone
-    assert await prober.probe_due() == [Peer("a2", a2.link.stage_address)] and deployer.listed == 3
+    assert await prober.probe_due() == [Peer("a2", a2.link.stage_address)] and len(listings) == 3
 
 
 def test_nobody_is_asked_to_probe_an_agent_behind_another_nat() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.linkprobe import LINK_PROBE_EVERY_S
+from stratamesh.coordinator.control.probes import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
@@ -43,7 +43,7 @@ def test_a_connecting_agent_probes_every_other_and_each_of_them_probes_it() -> N
     connect_all(deployer, [a3])
     assert probes(a3) == [[peer(a1), peer(a2)]]
     assert probes(a1) == [[peer(a2)], [peer(a3)]] and probes(a2) == [[peer(a1)], [peer(a3)]]
-    assert [p.agent_id for p in deployer.peers()] == ["a1", "a2", "a3"]
+    assert [p.agent_id for p in deployer.roster.peers()] == ["a1", "a2", "a3"]
 
 
 def test_every_connected_agent_probes_all_the_others_again_once_the_period_is_up() -> None:
@@ -69,7 +69,7 @@ def test_every_connected_agent_probes_all_the_others_again_once_the_period_is_up
 def test_reported_links_reach_the_registry() -> None:
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 7.0)
-    deployer.links_reported("a1", [LinkMeasurement("a2", 0.002, 5e8), LinkMeasurement("a3", error="timed out")])
+    deployer.roster.links_reported("a1", [LinkMeasurement("a2", 0.002, 5e8), LinkMeasurement("a3", error="timed out")])
     assert registry.links() == [LinkRecord("a1", "a2", 0.002, 5e8, "", 7.0)]
 
 
@@ -91,8 +91,8 @@ def test_a_terrible_measured_link_keeps_consecutive_stages_off_it(model_dir: Pat
         registry = Registry(":memory:")
         deployer = Deployer(registry, clock=lambda: 100.0)
         connect_all(deployer, [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)])
-        deployer.links_reported("a1", measured)
-        deployer.add_model("m", str(model_dir), num_stages=3)
+        deployer.roster.links_reported("a1", measured)
+        deployer.plans.add_model("m", str(model_dir), num_stages=3)
         return adjacent_pairs(registry, "m")
 
     bad = frozenset(("a1", "a2"))
@@ -109,8 +109,8 @@ def test_one_slow_reading_moves_no_stage_off_a_link_and_a_confirmed_one_does(mod
         deployer = Deployer(registry, clock=lambda: 100.0)
         connect_all(deployer, [Agent("a1", 8), Agent("a2", 8), Agent("a3", 8)])
         for reading in readings:
-            deployer.links_reported("a1", [LinkMeasurement("a3", 0.3e-3, 1.25e9), reading])
-        deployer.add_model("m", str(model_dir), num_stages=3)
+            deployer.roster.links_reported("a1", [LinkMeasurement("a3", 0.3e-3, 1.25e9), reading])
+        deployer.plans.add_model("m", str(model_dir), num_stages=3)
         return adjacent_pairs(registry, "m")
 
     link = frozenset(("a1", "a2"))
@@ -145,7 +145,7 @@ def two_stage_agents(model_dir: Path, wire_codec: str = "auto",
     deployer = Deployer(registry, clock=lambda: 100.0, wire_codec=wire_codec)
     agents = {f"a{i + 1}": on(Agent(f"a{i + 1}", 8), *box) for i, box in enumerate(boxes)}
     connect_all(deployer, list(agents.values()))
-    deployer.add_model("m", str(model_dir), num_stages=2)
+    deployer.plans.add_model("m", str(model_dir), num_stages=2)
     return deployer, registry, agents
 
 
@@ -153,15 +153,15 @@ def test_each_link_takes_its_codec_from_its_newest_measured_bandwidth(model_dir:
     deployer, registry = two_stages(model_dir)
     plan = registry.active_plan("m")
     sender, receiver = (s.agent_id for s in plan.stages)
-    first = deployer.link_codecs(plan)
+    first = deployer.routes.link_codecs(plan)
     assert first == ["", plan.prediction["stage_codecs"][0]]     # unmeasured: what the planner chose
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])     # 2 Mbit/s: milliseconds a step
-    assert deployer.link_codecs(plan) == ["", "int8"]
+    deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])     # 2 Mbit/s: milliseconds a step
+    assert deployer.routes.link_codecs(plan) == ["", "int8"]
     assert deployer.codec_links() == [("m", sender, receiver, "int8")]
-    deployer.links_reported(receiver, [LinkMeasurement(sender, 1e-4, 1e10)])      # the other way, but measured
-    assert deployer.link_codecs(plan) == ["", "int8"]                              # ... the sender's own counts
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
-    assert deployer.link_codecs(plan) == ["", ""]                                  # a fast link: raw, exact
+    deployer.roster.links_reported(receiver, [LinkMeasurement(sender, 1e-4, 1e10)])      # the other way, but measured
+    assert deployer.routes.link_codecs(plan) == ["", "int8"]                              # ... the sender's own counts
+    deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
+    assert deployer.routes.link_codecs(plan) == ["", ""]                                  # a fast link: raw, exact
 
 
 def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: Path) -> None:
@@ -171,26 +171,26 @@ def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: 
     plan = registry.active_plan("m")
     sender, receiver = (s.agent_id for s in plan.stages)
     fast, slow = LinkMeasurement(receiver, 1e-4, 1e10), LinkMeasurement(receiver, 0.08, 2.5e5)
-    deployer.links_reported(sender, [fast])
+    deployer.roster.links_reported(sender, [fast])
     agent = agents[sender]
     agent.sent.clear()
-    deployer.links_reported(sender, [slow])
-    assert deployer.link_codecs(plan) == ["", ""]                  # not believed yet: still raw, exact
+    deployer.roster.links_reported(sender, [slow])
+    assert deployer.routes.link_codecs(plan) == ["", ""]                  # not believed yet: still raw, exact
     assert probes(agent) == [[peer(agents[receiver])]]             # ... and measured again at once
-    deployer.links_reported(sender, [slow])
-    assert deployer.link_codecs(plan) == ["", "int8"]              # confirmed
+    deployer.roster.links_reported(sender, [slow])
+    assert deployer.routes.link_codecs(plan) == ["", "int8"]              # confirmed
     assert len(probes(agent)) == 1                                 # no drop from the reading before: no new probe
-    deployer.links_reported(sender, [fast])
-    assert deployer.link_codecs(plan) == ["", ""]                  # faster: believed at once
-    deployer.links_reported(sender, [replace(fast, bandwidth_bytes_per_s=0.6e10)])
+    deployer.roster.links_reported(sender, [fast])
+    assert deployer.routes.link_codecs(plan) == ["", ""]                  # faster: believed at once
+    deployer.roster.links_reported(sender, [replace(fast, bandwidth_bytes_per_s=0.6e10)])
     assert len(probes(agent)) == 1                                 # a drop to 60%: the next period's probe will do
 
 
 def test_a_wire_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
     deployer, registry = two_stages(model_dir, wire_codec="float16")
     plan = registry.active_plan("m")
-    deployer.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
-    assert deployer.link_codecs(plan) == ["", "float16"]
+    deployer.roster.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
+    assert deployer.routes.link_codecs(plan) == ["", "float16"]
 
 
 @pytest.mark.parametrize("boxes, on_one_box", [
@@ -205,10 +205,10 @@ def test_a_link_between_two_agents_of_one_box_stays_raw_however_slow_its_probe(
     deployer, registry = two_stages(model_dir, boxes=boxes)
     plan = registry.active_plan("m")
     sender, receiver = (s.agent_id for s in plan.stages)
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.014, 5e4)])     # 50 KB/s: int8 anywhere else
-    assert deployer.link_codecs(plan) == ["", "" if on_one_box else "int8"]
+    deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 0.014, 5e4)])     # 50 KB/s: int8 anywhere else
+    assert deployer.routes.link_codecs(plan) == ["", "" if on_one_box else "int8"]
     forced, registry = two_stages(model_dir, wire_codec="float16", boxes=boxes)
-    assert forced.link_codecs(registry.active_plan("m")) == ["", "float16"]      # a policy still applies to every link
+    assert forced.routes.link_codecs(registry.active_plan("m")) == ["", "float16"]      # a policy still applies to every link
 
 
 def test_a_link_that_changes_codec_is_logged_once_per_change(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -218,16 +218,16 @@ def test_a_link_that_changes_codec_is_logged_once_per_change(model_dir: Path, ca
     caplog.set_level(logging.INFO, logger="stratamesh.coordinator.control.routes")
 
     def changes() -> list[str]:
-        deployer.link_codecs(plan)
-        deployer.link_codecs(plan)       # asked again, unchanged: not logged again
+        deployer.routes.link_codecs(plan)
+        deployer.routes.link_codecs(plan)       # asked again, unchanged: not logged again
         said = [r.getMessage() for r in caplog.records if "carries" in r.getMessage()]
         caplog.clear()
         return said
 
     assert changes() == []                                                        # raw, as planned
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
+    deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 0.08, 2.5e5)])
     assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries int8 now (was raw; its measured "
                          f"bandwidth: 0.25 MB/s)"]
-    deployer.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
+    deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 1e-4, 1e10)])
     assert changes() == [f"the link {sender} -> {receiver} into stage 1 of m carries raw now (was int8; its measured "
                          f"bandwidth: 10000 MB/s)"]

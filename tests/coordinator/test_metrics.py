@@ -13,16 +13,17 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratamesh.coordinator.api.generation import GenerationRun, Job, Timeline
+from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.metrics import ApiMetrics, Phases, one_two_five_buckets
+from stratamesh.coordinator.serving.request import Request, Stops
 from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
 from stratamesh.fleet.types import SamplingParams
 from tests.coordinator.served import served
-from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeGenerator, codecs, sse_events  # noqa: F401  (a fixture)
+from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeServing, codecs, sse_events  # noqa: F401  (a fixture)
 
 TINY = {"model_name": "tiny", "engine": "0"}
-CACHED_TOKENS = 3     # what MeshLikeGenerator's streams say the prefix caches served
+CACHED_TOKENS = 3     # what MeshLikeServing's streams say the prefix caches served
 NUM_PREEMPTIONS = 1   # ... and how often they say each generation was preempted
 
 COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:prefix_cache_queries",
@@ -53,12 +54,11 @@ class Reported:
         await self._tokens.aclose()  # type: ignore[attr-defined]
 
 
-class MeshLikeGenerator(FakeGenerator):
-    """FakeGenerator whose streams report cached tokens and preemptions, as the mesh's do."""
+class MeshLikeServing(FakeServing):
+    """FakeServing whose streams report cached tokens and preemptions, as the mesh's do."""
 
-    def generate(self, model_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 max_tokens: int | None = None, stop_token_ids: frozenset[int] = frozenset()) -> AsyncIterator[int]:
-        return Reported(super().generate(model_id, prompt_ids, params, request_id, max_tokens, stop_token_ids))
+    def generate(self, request: Request) -> AsyncIterator[int]:
+        return Reported(super().generate(request))
 
 
 class Scrape:
@@ -78,12 +78,12 @@ class Scrape:
 
 
 @pytest.fixture
-def gen(codecs: tuple[TextCodec, TextCodec]) -> MeshLikeGenerator:
-    return MeshLikeGenerator(*codecs)
+def gen(codecs: tuple[TextCodec, TextCodec]) -> MeshLikeServing:
+    return MeshLikeServing(*codecs)
 
 
 @pytest.fixture
-async def client(gen: MeshLikeGenerator) -> AsyncIterator[httpx.AsyncClient]:
+async def client(gen: MeshLikeServing) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=create_app(gen, ApiMetrics()))
     async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as c:
         yield c
@@ -162,7 +162,7 @@ async def test_failures_after_acceptance_are_errors_not_successes(client: httpx.
 
 
 @pytest.fixture
-async def live(gen: MeshLikeGenerator) -> AsyncIterator[httpx.AsyncClient]:
+async def live(gen: MeshLikeServing) -> AsyncIterator[httpx.AsyncClient]:
     """The app behind a real uvicorn on a loopback port, so that a client can really leave."""
     async with served(create_app(gen, ApiMetrics())) as url, httpx.AsyncClient(base_url=url) as c:
         yield c
@@ -177,7 +177,7 @@ async def scrape_until(client: httpx.AsyncClient, sample: str, value: float, tim
     return m
 
 
-async def test_clients_that_leave_are_aborts(live: httpx.AsyncClient, gen: MeshLikeGenerator) -> None:
+async def test_clients_that_leave_are_aborts(live: httpx.AsyncClient, gen: MeshLikeServing) -> None:
     gen.token_delay_s = 0.02  # a whole 512-token context would take 10 s
     async with live.stream("POST", "/v1/chat/completions", json={
             "model": "tiny", "messages": CHAT, "stream": True}) as resp:
@@ -196,7 +196,7 @@ async def test_clients_that_leave_are_aborts(live: httpx.AsyncClient, gen: MeshL
 
 
 async def test_every_app_has_its_own_registry(codecs: tuple[TextCodec, TextCodec]) -> None:
-    apps = [create_app(FakeGenerator(*codecs)) for _ in range(2)]  # the global registry would refuse the second
+    apps = [create_app(FakeServing(*codecs)) for _ in range(2)]  # the global registry would refuse the second
     for app in apps:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh") as c:
             m = await scrape(c)
@@ -251,12 +251,12 @@ class TimedTokens:
 
 
 def timed_run(codec: TextCodec, metrics: ApiMetrics, clock: ManualClock, arrival_times_s: list[float],
-              max_tokens: int) -> GenerationRun:
+              max_tokens: int) -> TextStream:
     """A run of request "r" for model "m" that arrived at 100.0 and was handed to the mesh at 100.25."""
     story = codec.encode("The quick brown fox jumps over the lazy dog.")
-    job = Job("m", "r", prompt_ids=(5, 6, 7), params=SamplingParams(), max_tokens=max_tokens)
+    request = Request("m", "r", prompt_ids=(5, 6, 7), params=SamplingParams(), stops=Stops(max_tokens))
     tokens = TimedTokens(clock, list(zip(arrival_times_s, story, strict=False)))
-    return GenerationRun(job, tokens, IncrementalDetokenizer(codec, (), job.prompt_ids), Timeline(100.0, 100.25),
+    return TextStream(request, tokens, IncrementalDetokenizer(codec, (), request.prompt_ids), Timeline(100.0, 100.25),
                          clock, observer=metrics)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
-from stratamesh.coordinator.control.roster import AgentLink
+from stratamesh.coordinator.control.probes import AgentLink
 from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, fleet_of, plan_stages, repair_stages
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
@@ -143,7 +143,7 @@ def test_a_drain_moves_a_tp_stage_to_a_spare_as_a_group_of_the_same_degree(tmp_p
     for port, (agent_id, caps) in enumerate(edge_cloud_edge().items()):
         link = AgentLink(agent_id, f"127.0.0.1:{5000 + port}", caps, lambda message: None)
         deployer.agent_connected(link, Registration(agent_id, agent_id, link.stage_address, caps))
-    deployer.add_model("m", str(tmp_path), num_stages=3)
+    deployer.plans.add_model("m", str(tmp_path), num_stages=3)
     stages = registry.active_plan("m").stages
     assert {s.agent_id: s.spec.tp_degree for s in stages} == {"cloud": 2, "edge1": 1, "edge2": 1}
     sent: list[ControlMessage] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stratamesh.coordinator.origin import RequestRecord
+from stratamesh.coordinator.serving.records import RequestRecord
 from stratamesh.coordinator.traces import ORIGIN_STAGE, request_trace, stage_of
 from stratamesh.fleet.tracing import Span, SpanStore
 from stratamesh.fleet.types import Hop

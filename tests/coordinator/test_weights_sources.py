@@ -22,7 +22,7 @@ def on_site(agent: Agent, site: str) -> Agent:
 def test_an_agent_is_told_to_fetch_from_peers_serving_the_model_on_its_own_site_first(model_dir: Path) -> None:
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 100.0)
-    deployer.add_model("m", str(model_dir), num_stages=1, num_replicas=3)
+    deployer.plans.add_model("m", str(model_dir), num_stages=1, num_replicas=3)
     agents = [on_site(Agent(f"a{i}", 8), site) for i, site in enumerate(("cloud", "cloud", "lab"), start=1)]
     connect_all(deployer, agents)
     assert deployer.weight_sources("m", "a3") == []         # nobody serves it yet: the coordinator alone
@@ -40,7 +40,7 @@ def test_an_agent_is_told_to_fetch_from_peers_serving_the_model_on_its_own_site_
 def test_fetch_progress_is_kept_for_planned_stages_and_shown_in_the_admin_api(model_dir: Path) -> None:
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 100.0)
-    deployer.add_model("m", str(model_dir), num_stages=2)
+    deployer.plans.add_model("m", str(model_dir), num_stages=2)
     agents = [Agent("a1", 8), Agent("a2", 8)]
     connect_all(deployer, agents)
     mine = agents[0].assignments()[0].assignment_id
@@ -55,7 +55,7 @@ def test_fetch_progress_is_kept_for_planned_stages_and_shown_in_the_admin_api(mo
     assert stages[mine]["weights"] == {"fetched_bytes": 95, "reused_bytes": 5, "total_bytes": 100,
                                        "tensor_bytes": 90, "done": True, "source": "127.0.0.1:5002", "num_corrupt": 1}
     assert [s["weights"] for a, s in stages.items() if a != mine] == [None]
-    deployer.replan("m", 1)          # its stage is no longer planned: its progress goes with it on the next tick
+    deployer.plans.replan("m", 1)          # its stage is no longer planned: its progress goes with it on the next tick
     report_ready(deployer, agents)
     deployer.tick()
     assert mine not in deployer.weights

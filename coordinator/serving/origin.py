@@ -1,0 +1,121 @@
+"""The origin: the coordinator's serving front. It lists the models, keeps their tokenizers, and runs each request
+over the mesh (a Generation or an Embedding), on the routes the router picks; the HTTP API calls nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from stratamesh.coordinator.control.deployer import Deployer
+from stratamesh.coordinator.control.models import find_model, model_infos
+from stratamesh.coordinator.serving.attempt import Run, chunk_tokens
+from stratamesh.coordinator.serving.generation import Embedding, Generation
+from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.request import Request
+from stratamesh.coordinator.serving.router import Router
+from stratamesh.coordinator.serving.sessions import SessionTable
+from stratamesh.coordinator.text import TextCodec
+from stratamesh.fleet.errors import ModelNotReady
+from stratamesh.fleet.logs import trace_id_var
+from stratamesh.fleet.types import Hop, SamplingParams
+
+# How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
+ROUTE_WAIT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """A model as /v1/models lists it; task "generate" (completions and chat) or "embed" (embeddings)."""
+
+    id: str
+    created: int
+    max_context: int
+    ready: bool
+    task: str = "generate"
+
+
+class Origin:
+    """Runs requests from this coordinator: tokens go to each route's first stage, and come back from its last to
+    the session table (address: where the last stages deliver). A request waits up to route_wait_s for a route
+    while its model loads or recovers."""
+
+    def __init__(self, address: str, deployer: Deployer, router: Router, sessions: SessionTable, log: RequestLog,
+                 route_wait_s: float = ROUTE_WAIT_S) -> None:
+        self.address = address
+        self.sessions = sessions
+        self.log = log
+        self._deployer = deployer
+        self._router = router
+        self._route_wait_s = route_wait_s
+        self._texts: dict[tuple[str, str], TextCodec] = {}
+
+    def list_models(self) -> list[ModelCard]:
+        routes = self._deployer.routes
+        return [ModelCard(m.model_id, m.created, m.max_context, routes.accepts(m.model_id), m.task)
+                for m in model_infos(self._deployer.registry)]
+
+    def text(self, model_id: str) -> TextCodec:
+        """The model's tokenizer and chat template (ModelNotFound)."""
+        model = find_model(self._deployer.registry, model_id)
+        key = (model.model_id, model.path)
+        if key not in self._texts:
+            self._texts[key] = TextCodec.from_dir(model.path)
+        return self._texts[key]
+
+    def generate(self, request: Request) -> Generation:
+        """The request's generation: iterate it for token ids, aclose() it to stop (it stops by itself as its stops
+        say). The rest of this request's log records carry its trace id."""
+        model = find_model(self._deployer.registry, request.model_id)
+        run = self._run(request.request_id, request.prompt_ids, request.params, model.hidden_size)
+        trace_id_var.set(run.record.trace_id)
+        return Generation(run, partial(self.route, request.model_id), request.prompt_ids, request.stops,
+                          partial(self._prefill_route, request.model_id), self._deployer.report_unreachable)
+
+    async def embed(self, model_id: str, prompt_ids: Sequence[int], request_id: str) -> tuple[float, ...]:
+        """The embedding model's pooled, L2-normalized vector of the prompt."""
+        model = find_model(self._deployer.registry, model_id)
+        run = self._run(request_id, prompt_ids, SamplingParams(), model.hidden_size)
+        trace_id_var.set(run.record.trace_id)
+        embedding = Embedding(run, partial(self.route, model_id), prompt_ids, self._deployer.report_unreachable)
+        return await embedding.vector()
+
+    def health(self) -> dict[str, Any]:
+        models = {m.model_id: self._state(m.model_id) for m in model_infos(self._deployer.registry)}
+        ready = bool(models) and all(state == "ready" for state in models.values())
+        serving = bool(models) and all(state in ("ready", "recovering") for state in models.values())
+        return {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
+                "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
+
+    def _state(self, model_id: str) -> str:
+        """ready; recovering (it lost an agent and requests wait for its new route); or starting."""
+        routes = self._deployer.routes
+        if routes.is_ready(model_id):
+            return "ready"
+        return "recovering" if routes.accepts(model_id) else "starting"
+
+    def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int) -> Run:
+        return Run(self.sessions, self.log, self.address, self.log.begin(request_id, len(prompt_ids)), params,
+                   chunk_tokens(hidden_size))
+
+    async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
+        """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers
+        (ModelNotReady after). The addresses in avoid are trusted again after an agent's lease: if nobody declared
+        their agent dead by then, the failure was the link's, and the route through them is the one there is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._route_wait_s
+        trust_at = loop.time() + self._deployer.roster.liveness.lease_s + 1.0
+        while True:
+            now = loop.time()
+            try:
+                return self._router.route(model_id, avoid if now < trust_at else (), token_ids, self.sessions.work())
+            except ModelNotReady:
+                if now >= deadline:
+                    raise
+            await self._deployer.routes.changed((min(deadline, trust_at) if now < trust_at else deadline) - now)
+
+    def _prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
+                       avoid: Collection[str]) -> list[Hop] | None:
+        return self._router.prefill_route(model_id, decode, token_ids, avoid, self.sessions.work())
