@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 PROMPT = "The mesh carries every layer of the model from the edge to the cloud and back"

@@ -32,7 +32,7 @@ from kv_routing import FULL, QUICK, serve, start_replicas
 from stratamesh.bench.datasets import BenchRequest, regular_token_ids
 from stratamesh.bench.metrics import BenchMetrics, compute_metrics, latency_stats
 from stratamesh.bench.serve import run_requests
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.tiny_model import write_tiny_model
 

@@ -33,7 +33,7 @@ from stratamesh.bench.chaos import FailoverRun, drain_stage_mid_stream, kill_sta
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 

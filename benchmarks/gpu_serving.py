@@ -37,7 +37,7 @@ from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.bench.datasets import BenchRequest, random_requests, regular_token_ids
 from stratamesh.bench.metrics import compute_metrics
 from stratamesh.bench.serve import run_requests
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionOpen, StageSpec, StepChunk
 from stratamesh.kernels.tiny_model import write_tiny_model
 

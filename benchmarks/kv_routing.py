@@ -33,7 +33,7 @@ import httpx
 from stratamesh.bench.datasets import BenchRequest, random_requests, regular_token_ids, shared_prefix_requests
 from stratamesh.bench.metrics import BenchMetrics, compute_metrics
 from stratamesh.bench.serve import run_requests
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 log = logging.getLogger("kv_routing")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.sdk.local import builtin_model_dir
 
 MODEL = "demo-llama"

@@ -7,7 +7,7 @@ each, and times LocalMesh.start(): from nothing to /health ready with every agen
 how long after it began serving stages it registered with the coordinator (finding it by zeroconf, then the control
 stream's welcome), and the CPU seconds each agent process had used once the mesh was ready (its imports, probe,
 enrollment and stage load: what every agent start costs a shared box). A third kind forks the agents from a fork
-server that imported torch once (fleet/forked.py: what the test suite's meshes do). The last lines are the ratios
+server that imported torch once (stratamesh/forked.py: what the test suite's meshes do). The last lines are the ratios
 mTLS / insecure (what enrolling costs a start) and an agent's CPU at ready, started / forked.
 """
 
@@ -21,7 +21,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 SERVING, REGISTERED = "serving stages on", "registered with coordinator"

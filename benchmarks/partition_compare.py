@@ -4,7 +4,7 @@
                                            [--objective throughput|latency] [--gap-fleets 100]
                                            [--gap-devices 10] [--quick]
 
-Section 1: over --fleets seeded heterogeneous fleets (fleet/sim.py random_fleet: 1-3 edge sites of 1-4 boxes,
+Section 1: over --fleets seeded heterogeneous fleets (stratamesh/testbed/sim.py random_fleet: 1-3 edge sites of 1-4 boxes,
 0-2 cloud nodes of 4 or 8 GPUs), each strategy places the model and partitioner.planner.evaluate scores the
 placement with the cost model plan_pipeline minimises, so all three are judged by one model: the bottleneck
 (throughput) or the step time (latency) of one decode step. A strategy whose placement does not fit (or that
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from stratamesh.fleet import sim
+from stratamesh.testbed import sim
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, fleet_from_dict
 from stratamesh.partitioner.plan import PlanRequest

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from stratamesh.agent.heap import keep_freed_memory
-from stratamesh.fleet.launcher import LaunchError, LocalMesh
+from stratamesh.launcher import LaunchError, LocalMesh
 
 from stratamesh.bench.datasets import (
     BenchRequest,

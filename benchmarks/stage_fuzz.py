@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from stratamesh.bench.stage_fuzz import ENDED_EARLY, FuzzReport, Target, fuzz_concurrently
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.sdk.local import builtin_model_dir
 
 EXPECTED = ("OK", "INVALID_ARGUMENT", ENDED_EARLY)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 PROMPT = "The mesh"   # shorter than a KV block: no prefix-cache round trip before the first step

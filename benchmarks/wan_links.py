@@ -4,7 +4,7 @@
                                                   [--reach direct,nat] [--nat-profiles P,...] [--num-prompts 32]
                                                   [--output-len 32] [--quick]
 
-For every link profile (fleet/netbed.py: LAN; 100 Mbit/s + 20 ms; 20 Mbit/s + 80 ms; 1% loss) and wire codec,
+For every link profile (stratamesh/testbed/netbed.py: LAN; 100 Mbit/s + 20 ms; 20 Mbit/s + 80 ms; 1% loss) and wire codec,
 a fresh test bed: the coordinator (and origin) and agent 0 on LAN cables, agent 1 behind a cable of the
 profile, so the two stages of the model talk across it (the decode loop, stage 1 -> stage 0, crosses it every
 token). One random-weight Llama (8 layers, hidden 512) split in 2 stages, 1 thread per agent. With --reach nat,
@@ -38,8 +38,8 @@ import torch
 from kv_routing import FULL, serve
 from stratamesh.bench.datasets import random_requests, regular_token_ids
 from stratamesh.bench.metrics import BenchMetrics
-from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.fleet.netbed import (PROFILES, Netbed, NetbedUnavailable, check_can_build, nat_tool,
+from stratamesh.launcher import LocalMesh
+from stratamesh.testbed.netbed import (PROFILES, Netbed, NetbedUnavailable, check_can_build, nat_tool,
                                      stop_on_sigterm)
 from stratamesh.fleet.types import StageSpec
 from stratamesh.kernels import codec
@@ -200,7 +200,7 @@ def report_codecs(effects: dict[str, tuple[int, float]], num_tokens: int) -> Non
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated, from fleet/netbed.py")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated, from stratamesh/testbed/netbed.py")
     parser.add_argument("--codecs", default="auto", help="comma-separated wire codecs: auto, float32, float16, int8")
     parser.add_argument("--reach", default="direct",
                         help="comma-separated: direct (agent 1 can be dialed), nat (it sits behind NAT: WebRTC)")

@@ -92,7 +92,7 @@ class CoordinatorOptions:
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (serving.router)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
-    wire_codec: str = "auto"             # how activations cross links (partitioner/wire_codec.py)
+    codec_policy: str = "auto"           # which codec activations cross links in: --wire-codec (partitioner/wire_codec.py)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -209,7 +209,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     sessions = SessionTable(spans=spans, on_hop=last_hop.observe,
                             rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
     deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
-                        sessions=sessions, wire_codec=options.wire_codec)
+                        sessions=sessions, codec_policy=options.codec_policy)
     deployer.start()
     for model in options.models:
         deployer.plans.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,

@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+import tokenizers
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 
@@ -29,7 +29,7 @@ NUM_CONTEXT_TOKENS = 5
 
 
 @dataclass(frozen=True, slots=True)
-class CodecConfig:
+class TokenizerConfig:
     """What tokenizer_config.json, generation_config.json and config.json say about text."""
 
     chat_template: str | None = None
@@ -37,22 +37,22 @@ class CodecConfig:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-class TextCodec:
+class Tokenizer:
     """A model's tokenizer, special tokens and chat template."""
 
-    def __init__(self, tokenizer: Tokenizer, config: CodecConfig) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: TokenizerConfig) -> None:
         self._tokenizer = tokenizer
         self.config = config
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> TextCodec:
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json and the config files of a checkpoint folder."""
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise CheckpointError(f"{model_dir} has no tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         template_file = model_dir / "chat_template.jinja"
-        config = parse_codec_config(
+        config = parse_tokenizer_config(
             tokenizer,
             tokenizer_config=_read_json(model_dir / "tokenizer_config.json"),
             generation_config=_read_json(model_dir / "generation_config.json"),
@@ -109,10 +109,10 @@ class TextCodec:
             raise CheckpointError(f"chat template does not parse: {e}") from e
 
 
-def parse_codec_config(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any],
+def parse_tokenizer_config(tokenizer: tokenizers.Tokenizer, tokenizer_config: Mapping[str, Any],
                        generation_config: Mapping[str, Any], model_config: Mapping[str, Any],
-                       chat_template_file: str | None = None) -> CodecConfig:
-    """CodecConfig from the parsed JSON files of a checkpoint (pure: no I/O)."""
+                       chat_template_file: str | None = None) -> TokenizerConfig:
+    """TokenizerConfig from the parsed JSON files of a checkpoint (pure: no I/O)."""
     special = {name: text for name in SPECIAL_TOKEN_NAMES
                if (text := _token_text(tokenizer_config.get(name))) is not None}
     eos_ids = set(_as_ids(generation_config.get("eos_token_id")) or _as_ids(model_config.get("eos_token_id")))
@@ -120,7 +120,7 @@ def parse_codec_config(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any]
         eos_ids.add(eos_id)
     if not eos_ids:
         log.warning("no EOS token id in tokenizer_config, generation_config or config")
-    return CodecConfig(
+    return TokenizerConfig(
         chat_template=chat_template_file or _pick_template(tokenizer_config.get("chat_template")),
         special_tokens=special,
         eos_token_ids=frozenset(eos_ids))
@@ -197,9 +197,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 class IncrementalDetokenizer:
     """Token ids in, finished text out: holds back partial characters and possible stop-string starts."""
 
-    def __init__(self, codec: TextCodec, stop: Iterable[str] = (), prompt_ids: Sequence[int] = (),
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
-        self._codec = codec
+        self._tokenizer = tokenizer
         self._stop = tuple(stop)
         if any(not s for s in self._stop):
             raise InvalidInput("stop strings must not be empty")
@@ -229,10 +229,10 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._ids):
             return ""
         window = self._ids[self._prefix_offset:]
-        full = self._codec.decode(window, self._skip_special)
+        full = self._tokenizer.decode(window, self._skip_special)
         if full.endswith(REPLACEMENT_CHAR) and not final:
             return ""  # an incomplete UTF-8 sequence: the next token may complete it
-        prefix = self._codec.decode(window[:self._read_offset - self._prefix_offset], self._skip_special)
+        prefix = self._tokenizer.decode(window[:self._read_offset - self._prefix_offset], self._skip_special)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[_common_prefix_len(prefix, full):]
 

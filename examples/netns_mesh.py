@@ -3,7 +3,7 @@
     sudo .venv/bin/python examples/netns_mesh.py                  # agents find the coordinator by zeroconf
     sudo .venv/bin/python examples/netns_mesh.py --no-zeroconf    # ... or dial its address, as across a WAN
 
-Every "host" is a network namespace with one address on a shared bridge (fleet/netbed.py, the WAN test bed,
+Every "host" is a network namespace with one address on a shared bridge (stratamesh/testbed/netbed.py, the WAN test bed,
 with every cable a LAN here); the bridge sits in a namespace of its own, so nothing here touches the machine's
 real network:
 
@@ -36,7 +36,7 @@ import httpx
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.netbed import Host, Netbed, NetbedUnavailable, check_can_build, stop_on_sigterm
+from stratamesh.testbed.netbed import Host, Netbed, NetbedUnavailable, check_can_build, stop_on_sigterm
 from stratamesh.sdk.local import builtin_model_dir
 
 SKIP = 77                  # exit status when this machine cannot run the example (the automake "skipped" code)

@@ -27,7 +27,7 @@ from stratamesh.fleet.logs import configure_logging, set_process_fields
 from stratamesh.fleet.wire.polling import use_classic_polling
 
 if TYPE_CHECKING:
-    from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.launcher import LocalMesh
 
 log = logging.getLogger("stratamesh")
 
@@ -397,7 +397,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
         insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
-        router_mode=args.router_mode, wire_codec=args.wire_codec,
+        router_mode=args.router_mode, codec_policy=args.wire_codec,
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
@@ -559,7 +559,7 @@ def _bench_chaos(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.launcher import LocalMesh
     from stratamesh.fleet.state import up_folder
     from stratamesh.sdk.local import builtin_model_dir
     from stratamesh.up_state import forget_last_run, open_up_state

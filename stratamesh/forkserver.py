@@ -8,7 +8,7 @@ first; see fleet/wire/polling.py), so a fork of it is as clean as a new process.
 
     python -m stratamesh.forkserver FD
 
-FD is one end of an AF_UNIX SOCK_SEQPACKET pair (stratamesh.fleet.forked holds the other). Each message on it is a
+FD is one end of an AF_UNIX SOCK_SEQPACKET pair (stratamesh.forked holds the other). Each message on it is a
 JSON request {"argv": [...], "env": {...}, "cwd": "..."} with three file descriptors: the child's stdout, its stderr
 and a status socket, on which the server writes "pid N" once it forked and "exit CODE" once the child ended (CODE
 as subprocess's returncode: -N for a signal). The server ends when the other end of FD closes; its children go on.

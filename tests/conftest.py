@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratamesh.fleet.forked import FORK_SERVER_ENV
+from stratamesh.forked import FORK_SERVER_ENV
 from stratamesh.kernels.tiny_model import write_tiny_model
 from tests.patience import patience, patient
 
@@ -27,7 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # whole run, since pytest-xdist's workers inherit it from the controller, which imported this module first
 os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
 # the agents of the suite's local meshes (LocalMesh, in tests and the benchmarks they run; not `stratamesh up`'s) are
-# forked from a fork server that imported torch once (fleet/forked.py): an agent's start then costs ~1 s of CPU, not ~3
+# forked from a fork server that imported torch once (stratamesh/forked.py): an agent's start then costs ~1 s of CPU, not ~3
 os.environ.setdefault(FORK_SERVER_ENV, "1")
 patience()  # measured once, in the controller: its workers and every process they start read it from the environment
 

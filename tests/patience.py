@@ -5,15 +5,15 @@ stuck for good): those limits were set on a 2-core VM, and the same VM type runs
 next. So a limit is scaled by this machine's patience: how much slower than that VM one interpreter runs a fixed loop
 here, times how many fewer cores this process may use than its 2 (`taskset -c 0` halves them). CI, or anyone, can
 set STRATAMESH_PATIENCE instead; the value found is put there, so that the processes the suite starts (meshes,
-benchmarks, pytest-xdist's workers) use the same one. LocalMesh (stratamesh.fleet.launcher) reads it for its limits."""
+benchmarks, pytest-xdist's workers) use the same one. LocalMesh (stratamesh.launcher) reads it for its limits."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from stratamesh.fleet import launcher
-from stratamesh.fleet.launcher import PATIENCE_ENV as ENV
+from stratamesh import launcher
+from stratamesh.launcher import PATIENCE_ENV as ENV
 
 REFERENCE_LOOP_S = 0.040        # the loop's best time on the VM the limits were set on (0.036-0.045 s there)
 REFERENCE_CORES = 2

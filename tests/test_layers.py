@@ -4,6 +4,7 @@ ast."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,45 @@ def test_no_module_of_the_coordinator_imports_a_module_that_imports_it_back() ->
 def test_the_cycle_check_finds_modules_that_import_each_other(graph: dict[str, set[str]],
                                                               cycles: list[list[str]]) -> None:
     assert import_cycles(graph) == cycles
+
+
+# The stratamesh/ folder (SDK, CLI, bench, launcher, test beds) sits on top of the others: none of them may depend on
+# it, by an import or by naming one of its modules for a process to run (`python -m stratamesh.cli ...`).
+TOP = "stratamesh"
+LOWER = tuple(f"stratamesh.{folder}" for folder in FOLDERS if folder != TOP)
+
+
+def top_modules() -> set[str]:
+    """The modules and packages of the stratamesh/ folder itself (stratamesh.cli, stratamesh.sdk, ...)."""
+    return {m for m, _ in all_modules() if m.startswith(f"{TOP}.") and not m.startswith(LOWER)}
+
+
+def names_of_top_modules(module: str, source: str, top: set[str]) -> list[str]:
+    """The stratamesh/ modules a lower module names: imported, or in a string (a docstring aside)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    named = {name for name in imports_of(source, module) if name in top or name.startswith(tuple(f"{t}." for t in top))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            named |= {t for t in top if re.search(rf"\b{re.escape(t)}\b", node.value)}
+    return [f"{module} names {name}" for name in sorted(named)]
+
+
+def test_no_folder_below_depends_on_the_sdk_cli_or_test_beds() -> None:
+    top = top_modules()
+    assert {"stratamesh.cli", "stratamesh.launcher", "stratamesh.testbed"} <= top
+    assert [v for module, path in all_modules() if module.startswith(LOWER)
+            for v in names_of_top_modules(module, path.read_text(), top)] == []
+
+
+@pytest.mark.parametrize("source, bad", [
+    ("from stratamesh.launcher import LocalMesh", True),
+    ("import subprocess\nsubprocess.run(['python', '-m', 'stratamesh.cli', 'agent'])", True),
+    ("def f():\n    from stratamesh.testbed import sim", True),
+    ('"""Started by stratamesh.cli."""\nfrom stratamesh.fleet import types', False),
+])
+def test_the_top_check_catches_a_hidden_dependency(source: str, bad: bool) -> None:
+    top = {"stratamesh.cli", "stratamesh.launcher", "stratamesh.testbed", "stratamesh.testbed.sim"}
+    assert bool(names_of_top_modules("stratamesh.fleet.x", source, top)) == bad

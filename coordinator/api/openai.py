@@ -36,7 +36,7 @@ from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
 from stratamesh.coordinator.serving.request import Request as MeshRequest
 from stratamesh.coordinator.serving.request import Stops
-from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
+from stratamesh.coordinator.text import IncrementalDetokenizer, Tokenizer
 from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
 from stratamesh.fleet.types import SamplingParams
 
@@ -52,7 +52,7 @@ class Serving(Protocol):
 
     def list_models(self) -> list[ModelCard]: ...
 
-    def text(self, model_id: str) -> TextCodec: ...  # raises ModelNotFound
+    def text(self, model_id: str) -> Tokenizer: ...  # raises ModelNotFound
 
     def generate(self, request: MeshRequest) -> AsyncIterator[int]: ...  # ends as its stops say, or sooner if closed
 
@@ -138,11 +138,11 @@ class OpenAIApi:
         arrival_s = self._metrics.clock()
         try:
             req = await parse_body(request, CompletionRequest)
-            card, codec = self._model(req.model)
-            prompt_ids = _prompt_ids(codec, req.prompt)
+            card, tokenizer = self._model(req.model)
+            prompt_ids = _prompt_ids(tokenizer, req.prompt)
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
                                    req.return_token_ids)
-            return await self._run(request, req, card, codec, prompt_ids, req.max_tokens, fmt, arrival_s)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
 
@@ -151,12 +151,12 @@ class OpenAIApi:
         arrival_s = self._metrics.clock()
         try:
             req = await parse_body(request, ChatCompletionRequest)
-            card, codec = self._model(req.model)
+            card, tokenizer = self._model(req.model)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            prompt_ids = codec.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+            prompt_ids = tokenizer.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
             fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
                              req.return_token_ids)
-            return await self._run(request, req, card, codec, prompt_ids, req.max_new_tokens, fmt, arrival_s)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
 
@@ -165,8 +165,8 @@ class OpenAIApi:
         model_not_embedding, an unknown one a 404."""
         try:
             req = await parse_body(request, EmbeddingRequest)
-            card, codec = self._model(req.model, task="embed")
-            prompts = [_prompt_ids(codec, text_or_ids, "input") for text_or_ids in req.input]
+            card, tokenizer = self._model(req.model, task="embed")
+            prompts = [_prompt_ids(tokenizer, text_or_ids, "input") for text_or_ids in req.input]
             for prompt in prompts:
                 self._check_prompt(prompt, "input")
             check_context(prompts, card.max_context)
@@ -179,8 +179,8 @@ class OpenAIApi:
         except Exception as e:
             return error_response(e)
 
-    def _model(self, model_id: str, task: str = "generate") -> tuple[ModelCard, TextCodec]:
-        """The card and codec of a model that serves task and is ready (404, 400, 503 otherwise)."""
+    def _model(self, model_id: str, task: str = "generate") -> tuple[ModelCard, Tokenizer]:
+        """The card and tokenizer of a model that serves task and is ready (404, 400, 503 otherwise)."""
         card = self._card(model_id)
         if card.task != task:
             raise _wrong_task(card)
@@ -194,18 +194,18 @@ class OpenAIApi:
                 return card
         raise ModelNotFound(f"The model `{model_id}` does not exist.")
 
-    async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, codec: TextCodec,
+    async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, tokenizer: Tokenizer,
                    prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float) -> Response:
         self._check_prompt(prompt_ids, "prompt" if isinstance(fmt, CompletionFormat) else "messages")
         cap = self._limits.max_tokens
         if cap and max_tokens is not None and max_tokens > cap:
             raise ApiError(400, f"max_tokens is {max_tokens}; this mesh allows at most {cap}", param="max_tokens",
                            code="max_tokens_over_limit")
-        mesh_request = _mesh_request(req, codec, prompt_ids, card.max_context, max_tokens, fmt.response_id)
+        mesh_request = _mesh_request(req, tokenizer, prompt_ids, card.max_context, max_tokens, fmt.response_id)
         stops = mesh_request.stops
         if cap and stops.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
             mesh_request = dataclasses.replace(mesh_request, stops=dataclasses.replace(stops, max_tokens=cap))
-        run = self._launch(mesh_request, codec, arrival_s)
+        run = self._launch(mesh_request, tokenizer, arrival_s)
         try:
             await run.start()
             if req.stream:
@@ -228,12 +228,12 @@ class OpenAIApi:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this mesh takes at most {cap}", param=param,
                            code="prompt_over_limit")
 
-    def _launch(self, request: MeshRequest, codec: TextCodec, arrival_s: float) -> TextStream:
+    def _launch(self, request: MeshRequest, tokenizer: Tokenizer, arrival_s: float) -> TextStream:
         """Hands the request to the origin; its run is timed from arrival_s and counted as running."""
         clock = self._metrics.clock
         scheduled_s = clock()
         tokens = self._serving.generate(request)
-        run = TextStream(request, tokens, IncrementalDetokenizer(codec, request.stops.strings, request.prompt_ids),
+        run = TextStream(request, tokens, IncrementalDetokenizer(tokenizer, request.stops.strings, request.prompt_ids),
                          Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
         self._metrics.request_started(run)
         return run
@@ -268,13 +268,13 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         raise validation_error(e) from e
 
 
-def _prompt_ids(codec: TextCodec, prompt: str | list[int], param: str = "prompt") -> list[int]:
-    ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+def _prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ApiError(400, f"the {param} is empty", param=param)
-    bad = [t for t in ids if not 0 <= t < codec.vocab_size]
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
-        raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {codec.vocab_size})",
+        raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {tokenizer.vocab_size})",
                        param=param)
     return ids
 
@@ -288,9 +288,9 @@ def _wrong_task(card: ModelCard) -> ApiError:
                          "/v1/completions or /v1/chat/completions with it", param="model", code="model_not_embedding")
 
 
-def _mesh_request(req: GenerationRequest, codec: TextCodec, prompt_ids: Sequence[int], max_context: int,
+def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_context: int,
                   max_tokens: int | None, request_id: str) -> MeshRequest:
-    stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else codec.eos_token_ids)
+    stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else tokenizer.eos_token_ids)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)

@@ -35,12 +35,12 @@ class Deployer:
 
     def __init__(self, registry: RegistryStore, clock: Callable[[], float],
                  liveness: LivenessConfig = LivenessConfig(), link_probe_every_s: float = LINK_PROBE_EVERY_S,
-                 origin_host: str = "", sessions: Sessions = NoSessions(), wire_codec: str = "auto"):
+                 origin_host: str = "", sessions: Sessions = NoSessions(), codec_policy: str = "auto"):
         self.registry = registry
         self._clock = clock
         self._sessions = sessions
         self.roster = Roster(registry, clock, liveness, link_probe_every_s)
-        self.routes = Routes(registry, self.roster, clock, wire_codec)
+        self.routes = Routes(registry, self.roster, clock, codec_policy)
         self.drains = Drains(registry, clock, self.roster)
         self.plans = Plans(registry, clock, self.roster, self.routes, self.drains, sessions, origin_host)
         self.on_rest: Callable[[str, str], None] = lambda agent_id, why: None

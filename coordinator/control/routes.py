@@ -69,8 +69,8 @@ class Routes:
     accept requests while recovering) and wakes the callers of changed() when a plan, a stage or an agent changes."""
 
     def __init__(self, registry: RegistryStore, roster: Roster, clock: Callable[[], float] = time.monotonic,
-                 wire_codec: str = "auto"):
-        self.wire_codec = check_policy(wire_codec)  # "auto": each link's codec as its plan chose it
+                 codec_policy: str = "auto"):
+        self.codec_policy = check_policy(codec_policy)  # "auto": each link's codec as the measured bandwidth allows
         self.registry = registry
         self._roster = roster
         self.prefixes = PrefixIndex(clock)     # what each replica's stages hold in their prefix caches (kv mode)
@@ -104,7 +104,7 @@ class Routes:
 
     def link_codecs(self, plan: PlanRecord) -> list[str]:
         """The codec of the link into each stage of plan (hop_codecs); logs each link that narrows or changes codec."""
-        codecs = hop_codecs(plan, self.wire_codec, self._roster.bandwidth, self._roster.same_box)
+        codecs = hop_codecs(plan, self.codec_policy, self._roster.bandwidth, self._roster.same_box)
         for k, codec in enumerate(codecs[1:], start=1):
             before = self._codecs.get((plan.plan_id, k), "")
             if codec != before:

@@ -17,7 +17,7 @@ from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.serving.router import Router
 from stratamesh.coordinator.serving.sessions import SessionTable
-from stratamesh.coordinator.text import TextCodec
+from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotReady
 from stratamesh.fleet.logs import trace_id_var
 from stratamesh.fleet.types import Hop, SamplingParams
@@ -50,20 +50,20 @@ class Origin:
         self._deployer = deployer
         self._router = router
         self._route_wait_s = route_wait_s
-        self._texts: dict[tuple[str, str], TextCodec] = {}
+        self._tokenizers: dict[tuple[str, str], Tokenizer] = {}
 
     def list_models(self) -> list[ModelCard]:
         routes = self._deployer.routes
         return [ModelCard(m.model_id, m.created, m.max_context, routes.accepts(m.model_id), m.task)
                 for m in model_infos(self._deployer.registry)]
 
-    def text(self, model_id: str) -> TextCodec:
+    def text(self, model_id: str) -> Tokenizer:
         """The model's tokenizer and chat template (ModelNotFound)."""
         model = find_model(self._deployer.registry, model_id)
         key = (model.model_id, model.path)
-        if key not in self._texts:
-            self._texts[key] = TextCodec.from_dir(model.path)
-        return self._texts[key]
+        if key not in self._tokenizers:
+            self._tokenizers[key] = Tokenizer.from_dir(model.path)
+        return self._tokenizers[key]
 
     def generate(self, request: Request) -> Generation:
         """The request's generation: iterate it for token ids, aclose() it to stop (it stops by itself as its stops

@@ -23,7 +23,7 @@ import httpx
 
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.metrics import percentile
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.metrics import percentile
 from stratamesh.bench.sim_agents import issue_certificates
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 log = logging.getLogger(__name__)
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.options import ServeOptions
 from stratamesh.bench.serve import bench_serve
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.states import PlanState
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from stratamesh.sdk.results import Agent, ChatChunk, ChatCompletion, Completion,
 from stratamesh.sdk.streams import AsyncStream
 
 if TYPE_CHECKING:
-    from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.launcher import LocalMesh
 
 __all__ = ["AsyncMesh"]
 

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager, contextmanager
 from importlib import resources
 from typing import Any
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.sdk.async_client import AsyncMesh
 from stratamesh.sdk.client import Mesh
 
@@ -32,7 +32,7 @@ def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | No
 @contextmanager
 def local_mesh(model: str | os.PathLike[str] | None = None, agents: int = 3, stages: int | None = None,
                **kwargs: Any) -> Iterator[Mesh]:
-    """A Mesh connected to a mesh started here, whose dead processes are started again (fleet/supervisor.py);
+    """A Mesh connected to a mesh started here, whose dead processes are started again (stratamesh/supervisor.py);
     every process is stopped on exit, also on an exception."""
     processes = launcher(model, agents, stages, **kwargs)
     try:

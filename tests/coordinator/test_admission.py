@@ -13,16 +13,16 @@ from stratamesh.coordinator.api.admission import Gate, Limits
 from stratamesh.coordinator.api.auth import install_access
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.registry import Registry
-from stratamesh.coordinator.text import TextCodec
+from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import InvalidInput
 from tests.coordinator.served import served
-from tests.coordinator.test_api import FakeServing, codecs  # noqa: F401 (a fixture)
+from tests.coordinator.test_api import FakeServing, chat_tokenizers  # noqa: F401 (a fixture)
 
 NOW = 1_800_000_000.0
 
 
-def gated_app(codecs: tuple[TextCodec, TextCodec], limits: Limits, token_delay_s: float = 0.02):  # noqa: F811
-    generator = FakeServing(*codecs)
+def gated_app(chat_tokenizers: tuple[Tokenizer, Tokenizer], limits: Limits, token_delay_s: float = 0.02):  # noqa: F811
+    generator = FakeServing(*chat_tokenizers)
     generator.token_delay_s = token_delay_s
     app = create_app(generator, limits=limits)
     access = AccessStore(Registry(":memory:"))
@@ -55,8 +55,8 @@ async def hold_stream(http: httpx.AsyncClient, started: asyncio.Event, release: 
         return response.status_code
 
 
-async def test_over_the_mesh_limit_requests_get_429_with_retry_after(codecs) -> None:  # noqa: F811
-    app, gate, keys = gated_app(codecs, Limits(max_requests=2, max_requests_per_caller=10, retry_after_s=3))
+async def test_over_the_mesh_limit_requests_get_429_with_retry_after(chat_tokenizers) -> None:  # noqa: F811
+    app, gate, keys = gated_app(chat_tokenizers, Limits(max_requests=2, max_requests_per_caller=10, retry_after_s=3))
     release = asyncio.Event()
     async with served(app) as url, client(url, keys[0]) as a, client(url, keys[1]) as b:
         events = [asyncio.Event(), asyncio.Event()]
@@ -75,8 +75,8 @@ async def test_over_the_mesh_limit_requests_get_429_with_retry_after(codecs) -> 
     assert gate.num_refused == 1
 
 
-async def test_one_caller_over_its_limit_does_not_stop_the_others(codecs) -> None:  # noqa: F811
-    app, gate, keys = gated_app(codecs, Limits(max_requests=10, max_requests_per_caller=1))
+async def test_one_caller_over_its_limit_does_not_stop_the_others(chat_tokenizers) -> None:  # noqa: F811
+    app, gate, keys = gated_app(chat_tokenizers, Limits(max_requests=10, max_requests_per_caller=1))
     release, started = asyncio.Event(), asyncio.Event()
     async with served(app) as url, client(url, keys[0]) as greedy, client(url, keys[1]) as other:
         held = asyncio.create_task(hold_stream(greedy, started, release))
@@ -88,8 +88,8 @@ async def test_one_caller_over_its_limit_does_not_stop_the_others(codecs) -> Non
         assert await held == 200
 
 
-async def test_a_stream_the_client_leaves_stops_counting(codecs) -> None:  # noqa: F811
-    app, gate, keys = gated_app(codecs, Limits(max_requests=1), token_delay_s=0.05)
+async def test_a_stream_the_client_leaves_stops_counting(chat_tokenizers) -> None:  # noqa: F811
+    app, gate, keys = gated_app(chat_tokenizers, Limits(max_requests=1), token_delay_s=0.05)
     async with served(app) as url, client(url, keys[0]) as http:
         async with http.stream("POST", "/v1/completions", json=BODY) as response:
             async for _ in response.aiter_lines():
@@ -99,8 +99,8 @@ async def test_a_stream_the_client_leaves_stops_counting(codecs) -> None:  # noq
         assert (await http.post("/v1/completions", json={**BODY, "stream": False})).status_code == 200
 
 
-async def test_a_body_over_the_limit_is_a_413(codecs) -> None:  # noqa: F811
-    app, gate, keys = gated_app(codecs, Limits(max_body_bytes=1000))
+async def test_a_body_over_the_limit_is_a_413(chat_tokenizers) -> None:  # noqa: F811
+    app, gate, keys = gated_app(chat_tokenizers, Limits(max_body_bytes=1000))
     async with served(app) as url, client(url, keys[0]) as http:
         big = await http.post("/v1/completions", json={**BODY, "prompt": "x" * 2000})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -114,8 +114,8 @@ async def test_a_body_over_the_limit_is_a_413(codecs) -> None:  # noqa: F811
     assert await settled(gate)
 
 
-async def test_token_caps(codecs) -> None:  # noqa: F811
-    app, _, keys = gated_app(codecs, Limits(max_prompt_tokens=5, max_tokens=8), token_delay_s=0)
+async def test_token_caps(chat_tokenizers) -> None:  # noqa: F811
+    app, _, keys = gated_app(chat_tokenizers, Limits(max_prompt_tokens=5, max_tokens=8), token_delay_s=0)
     async with served(app) as url, client(url, keys[0]) as http:
         long = await http.post("/v1/completions", json={"model": "tiny", "prompt": list(range(1, 7))})
         assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_over_limit"

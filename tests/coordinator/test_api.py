@@ -16,7 +16,7 @@ import pytest
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.serving.origin import ModelCard
 from stratamesh.coordinator.serving.request import Request
-from stratamesh.coordinator.text import TextCodec
+from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotFound, StageFailed
 from stratamesh.fleet.types import SamplingParams
 from tests.coordinator.served import served
@@ -35,16 +35,16 @@ def fake_vector(prompt_ids: list[int]) -> tuple[float, ...]:
 
 
 class FakeServing:
-    """Models: tiny (story forever), tiny-eos (story, EOS, story...), small (context 40), strict (BOS codec whose
+    """Models: tiny (story forever), tiny-eos (story, EOS, story...), small (context 40), strict (BOS tokenizer whose
     template rejects odd roles), warming (not ready), broken (fails before a token), flaky (fails mid-stream),
     crashy (a bug: RuntimeError mid-stream); and embedding models: embedder (fake_vector of each prompt),
     embedder-small (context 8), embedder-warming (not ready), embedder-broken (fails a prompt that starts with
     BROKEN_TOKEN; the others take a second)."""
 
-    def __init__(self, codec: TextCodec, strict_codec: TextCodec) -> None:
-        self.codec, self.strict_codec = codec, strict_codec
+    def __init__(self, tokenizer: Tokenizer, strict_tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.strict_tokenizer = tokenizer, strict_tokenizer
         self.token_delay_s = 0.0
-        self.story_ids = codec.encode(STORY)
+        self.story_ids = tokenizer.encode(STORY)
         names = ["tiny", "tiny-eos", "strict", "broken", "flaky", "crashy"]
         self.cards = {n: ModelCard(n, 1_700_000_000, 512, True) for n in names}
         self.cards["small"] = ModelCard("small", 1_700_000_000, 40, True)
@@ -63,10 +63,10 @@ class FakeServing:
     def list_models(self) -> list[ModelCard]:
         return list(self.cards.values())
 
-    def text(self, model_id: str) -> TextCodec:
+    def text(self, model_id: str) -> Tokenizer:
         if model_id not in self.cards:
             raise ModelNotFound(model_id)
-        return self.strict_codec if model_id == "strict" else self.codec
+        return self.strict_tokenizer if model_id == "strict" else self.tokenizer
 
     async def generate(self, request: Request) -> AsyncIterator[int]:
         model_id, request_id = request.model_id, request.request_id
@@ -102,12 +102,12 @@ class FakeServing:
 
     def script(self, model_id: str) -> Iterator[int]:
         if model_id == "tiny-eos":
-            eos = min(self.codec.eos_token_ids)
+            eos = min(self.tokenizer.eos_token_ids)
             return itertools.chain(self.story_ids, [eos], itertools.cycle(self.story_ids))
         return itertools.cycle(self.story_ids)
 
     def expected_text(self, num_tokens: int) -> str:
-        return self.codec.decode(list(itertools.islice(itertools.cycle(self.story_ids), num_tokens)))
+        return self.tokenizer.decode(list(itertools.islice(itertools.cycle(self.story_ids), num_tokens)))
 
     def health(self) -> dict[str, Any]:
         if self.status == "raise":
@@ -116,13 +116,13 @@ class FakeServing:
 
 
 @pytest.fixture(scope="module")
-def codecs(chatml_dir: Path, bos_dir: Path) -> tuple[TextCodec, TextCodec]:
-    return TextCodec.from_dir(chatml_dir), TextCodec.from_dir(bos_dir)
+def chat_tokenizers(chatml_dir: Path, bos_dir: Path) -> tuple[Tokenizer, Tokenizer]:
+    return Tokenizer.from_dir(chatml_dir), Tokenizer.from_dir(bos_dir)
 
 
 @pytest.fixture
-def gen(codecs: tuple[TextCodec, TextCodec]) -> FakeServing:
-    return FakeServing(*codecs)
+def gen(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> FakeServing:
+    return FakeServing(*chat_tokenizers)
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ async def test_completion(client: httpx.AsyncClient, gen: FakeServing) -> None:
     assert isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": gen.expected_text(12), "logprobs": None,
                                 "finish_reason": "length"}]
-    prompt_ids = gen.codec.encode("Hello")
+    prompt_ids = gen.tokenizer.encode("Hello")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12,
                              "total_tokens": len(prompt_ids) + 12,
                              "prompt_tokens_details": {"cached_tokens": 0}}
@@ -184,8 +184,8 @@ async def test_chat_completion(client: httpx.AsyncClient, gen: FakeServing) -> N
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": gen.expected_text(9)},
                                 "logprobs": None, "finish_reason": "length"}]
-    assert gen.calls[0][1] == gen.codec.encode_chat(CHAT)
-    assert body["usage"]["prompt_tokens"] == len(gen.codec.encode_chat(CHAT))
+    assert gen.calls[0][1] == gen.tokenizer.encode_chat(CHAT)
+    assert body["usage"]["prompt_tokens"] == len(gen.tokenizer.encode_chat(CHAT))
 
 
 async def test_chat_text_parts(client: httpx.AsyncClient, gen: FakeServing) -> None:
@@ -193,7 +193,7 @@ async def test_chat_text_parts(client: httpx.AsyncClient, gen: FakeServing) -> N
     resp = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert resp.status_code == 200, resp.text
-    assert gen.calls[0][1] == gen.codec.encode_chat([{"role": "user", "content": "tell me\na story"}])
+    assert gen.calls[0][1] == gen.tokenizer.encode_chat([{"role": "user", "content": "tell me\na story"}])
 
 
 async def test_template_kwargs_cannot_replace_messages(client: httpx.AsyncClient, gen: FakeServing) -> None:
@@ -201,7 +201,7 @@ async def test_template_kwargs_cannot_replace_messages(client: httpx.AsyncClient
         "model": "tiny", "messages": CHAT, "max_tokens": 1,
         "chat_template_kwargs": {"messages": [], "add_generation_prompt": False, "enable_thinking": False}})
     assert resp.status_code == 200, resp.text
-    assert gen.calls[0][1] == gen.codec.encode_chat(CHAT)
+    assert gen.calls[0][1] == gen.tokenizer.encode_chat(CHAT)
 
 
 async def test_eos_stops_unless_ignored(client: httpx.AsyncClient, gen: FakeServing) -> None:
@@ -226,7 +226,7 @@ async def test_stop_token_ids(client: httpx.AsyncClient, gen: FakeServing) -> No
 async def test_the_generator_is_told_where_the_generation_ends(client: httpx.AsyncClient,
                                                                 gen: FakeServing) -> None:
     """max_tokens and the stop ids (EOS unless ignored) go to the mesh, so it asks no step past the last token."""
-    eos = gen.codec.eos_token_ids
+    eos = gen.tokenizer.eos_token_ids
     await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 7,
                                                "stop_token_ids": [gen.story_ids[2]]})
     await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5, "ignore_eos": True})
@@ -244,7 +244,7 @@ async def test_stop_strings(client: httpx.AsyncClient, stop: str | list[str]) ->
 
 async def test_default_max_tokens_fills_context(client: httpx.AsyncClient, gen: FakeServing) -> None:
     body = (await client.post("/v1/completions", json={"model": "small", "prompt": "Hello"})).json()
-    num_prompt = len(gen.codec.encode("Hello"))
+    num_prompt = len(gen.tokenizer.encode("Hello"))
     assert body["usage"]["completion_tokens"] == 40 - num_prompt
     assert body["choices"][0]["finish_reason"] == "length"
 

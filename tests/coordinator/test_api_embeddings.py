@@ -19,8 +19,8 @@ from stratamesh.coordinator.api.schemas import MAX_EMBEDDING_INPUTS
 from tests.coordinator import test_api
 from tests.coordinator.test_api import BROKEN_TOKEN, FakeServing, fake_vector
 
-# test_api's fixtures: its FakeServing over the tiny codecs, and a client of the app serving it
-codecs, gen, client = test_api.codecs, test_api.gen, test_api.client
+# test_api's fixtures: its FakeServing over the tiny chat_tokenizers, and a client of the app serving it
+chat_tokenizers, gen, client = test_api.chat_tokenizers, test_api.gen, test_api.client
 
 
 async def embed(client: httpx.AsyncClient, **body) -> httpx.Response:
@@ -35,7 +35,7 @@ async def test_models_say_which_task_each_serves(client: httpx.AsyncClient) -> N
 async def test_one_string_gets_one_embedding_and_its_usage(client: httpx.AsyncClient, gen: FakeServing) -> None:
     resp = await embed(client, input="The mesh embeds text")
     assert resp.status_code == 200, resp.text
-    ids = gen.codec.encode("The mesh embeds text")
+    ids = gen.tokenizer.encode("The mesh embeds text")
     assert resp.json() == {"object": "list", "model": "embedder",
                            "data": [{"object": "embedding", "index": 0, "embedding": list(fake_vector(ids))}],
                            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)}}
@@ -51,7 +51,7 @@ async def test_one_string_gets_one_embedding_and_its_usage(client: httpx.AsyncCl
 ], ids=["strings", "token-ids", "token-id-lists", "mixed"])
 async def test_every_input_form_gets_one_embedding_per_input_in_order(client: httpx.AsyncClient, gen: FakeServing,
                                                                       given: list, prompts: list | None) -> None:
-    prompts = prompts or [gen.codec.encode(p) if isinstance(p, str) else p for p in given]
+    prompts = prompts or [gen.tokenizer.encode(p) if isinstance(p, str) else p for p in given]
     gen.token_delay_s = 0.02     # the inputs overlap, and finish in any order
     body = (await embed(client, input=given)).json()
     assert [d["index"] for d in body["data"]] == list(range(len(prompts)))
@@ -140,7 +140,7 @@ async def test_the_openai_client_and_the_sdk_get_the_same_vectors(gen: FakeServi
     """openai's client asks for base64 and decodes it; the SDK asks for floats."""
     transport = httpx.ASGITransport(app=create_app(gen))
     texts = ["first text", "second text"]
-    expected = [fake_vector(gen.codec.encode(t)) for t in texts]
+    expected = [fake_vector(gen.tokenizer.encode(t)) for t in texts]
     formats: list[str] = []
 
     async def note_format(request: httpx.Request) -> None:
@@ -150,7 +150,7 @@ async def test_the_openai_client_and_the_sdk_get_the_same_vectors(gen: FakeServi
                                  event_hooks={"request": [note_format]}) as http:
         oai = openai.AsyncOpenAI(base_url="http://mesh/v1", api_key="unused", http_client=http)
         reply = await oai.embeddings.create(model="embedder", input=texts)
-    assert formats == ["base64"] and reply.usage.prompt_tokens == sum(len(gen.codec.encode(t)) for t in texts)
+    assert formats == ["base64"] and reply.usage.prompt_tokens == sum(len(gen.tokenizer.encode(t)) for t in texts)
     for got, want in zip(reply.data, expected, strict=True):
         np.testing.assert_allclose(got.embedding, want, rtol=1e-6)
     async with AsyncMesh("http://mesh", transport=transport) as mesh:

@@ -17,9 +17,9 @@ from stratamesh.coordinator.api.admin import admin_router
 from stratamesh.coordinator.api.auth import install_access
 from stratamesh.coordinator.api.errors import install_error_handlers
 from stratamesh.coordinator.api.openai import create_app
-from stratamesh.coordinator.text import TextCodec
+from stratamesh.coordinator.text import Tokenizer
 from tests.coordinator.test_admin_api import mesh  # noqa: F401 (a fixture)
-from tests.coordinator.test_api import FakeServing, codecs  # noqa: F401 (a fixture)
+from tests.coordinator.test_api import FakeServing, chat_tokenizers  # noqa: F401 (a fixture)
 from tests.coordinator.test_deployer import model_dir  # noqa: F401 (a fixture)
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -56,8 +56,8 @@ def fuzz_app(app: FastAPI, skip: tuple[str, ...] = (), headers: dict[str, str] |
     return counts
 
 
-def test_the_openai_api_answers_any_request_as_documented(codecs: tuple[TextCodec, TextCodec]) -> None:
-    counts = fuzz_app(create_app(FakeServing(*codecs)))
+def test_the_openai_api_answers_any_request_as_documented(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> None:
+    counts = fuzz_app(create_app(FakeServing(*chat_tokenizers)))
     for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings"):
         assert counts[label] >= CASES_PER_OPERATION, (label, counts)
 

@@ -129,20 +129,20 @@ def on(agent: Agent, hostname: str, ip: str) -> Agent:
     return agent
 
 
-def two_stages(model_dir: Path, wire_codec: str = "auto",
+def two_stages(model_dir: Path, codec_policy: str = "auto",
                boxes: tuple[tuple[str, str], tuple[str, str]] = (("box-a1", "10.0.0.1"), ("box-a2", "10.0.0.2")),
                ) -> tuple[Deployer, Registry]:
     """A model on two agents, each on the box (hostname, Stage IP address) boxes gives it."""
-    deployer, registry, _ = two_stage_agents(model_dir, wire_codec, boxes)
+    deployer, registry, _ = two_stage_agents(model_dir, codec_policy, boxes)
     return deployer, registry
 
 
-def two_stage_agents(model_dir: Path, wire_codec: str = "auto",
+def two_stage_agents(model_dir: Path, codec_policy: str = "auto",
                      boxes: tuple[tuple[str, str], tuple[str, str]] = (("box-a1", "10.0.0.1"), ("box-a2", "10.0.0.2")),
                      ) -> tuple[Deployer, Registry, dict[str, Agent]]:
     """two_stages(), and its agents by id."""
     registry = Registry(":memory:")
-    deployer = Deployer(registry, clock=lambda: 100.0, wire_codec=wire_codec)
+    deployer = Deployer(registry, clock=lambda: 100.0, codec_policy=codec_policy)
     agents = {f"a{i + 1}": on(Agent(f"a{i + 1}", 8), *box) for i, box in enumerate(boxes)}
     connect_all(deployer, list(agents.values()))
     deployer.plans.add_model("m", str(model_dir), num_stages=2)
@@ -186,8 +186,8 @@ def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: 
     assert len(probes(agent)) == 1                                 # a drop to 60%: the next period's probe will do
 
 
-def test_a_wire_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
-    deployer, registry = two_stages(model_dir, wire_codec="float16")
+def test_a_codec_policy_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
+    deployer, registry = two_stages(model_dir, codec_policy="float16")
     plan = registry.active_plan("m")
     deployer.roster.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
     assert deployer.routes.link_codecs(plan) == ["", "float16"]
@@ -207,7 +207,7 @@ def test_a_link_between_two_agents_of_one_box_stays_raw_however_slow_its_probe(
     sender, receiver = (s.agent_id for s in plan.stages)
     deployer.roster.links_reported(sender, [LinkMeasurement(receiver, 0.014, 5e4)])     # 50 KB/s: int8 anywhere else
     assert deployer.routes.link_codecs(plan) == ["", "" if on_one_box else "int8"]
-    forced, registry = two_stages(model_dir, wire_codec="float16", boxes=boxes)
+    forced, registry = two_stages(model_dir, codec_policy="float16", boxes=boxes)
     assert forced.routes.link_codecs(registry.active_plan("m")) == ["", "float16"]      # a policy still applies to every link
 
 

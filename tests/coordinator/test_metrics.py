@@ -17,10 +17,10 @@ from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.metrics import ApiMetrics, Phases, one_two_five_buckets
 from stratamesh.coordinator.serving.request import Request, Stops
-from stratamesh.coordinator.text import IncrementalDetokenizer, TextCodec
+from stratamesh.coordinator.text import IncrementalDetokenizer, Tokenizer
 from stratamesh.fleet.types import SamplingParams
 from tests.coordinator.served import served
-from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeServing, codecs, sse_events  # noqa: F401  (a fixture)
+from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeServing, chat_tokenizers, sse_events  # noqa: F401  (a fixture)
 
 TINY = {"model_name": "tiny", "engine": "0"}
 CACHED_TOKENS = 3     # what MeshLikeServing's streams say the prefix caches served
@@ -78,8 +78,8 @@ class Scrape:
 
 
 @pytest.fixture
-def gen(codecs: tuple[TextCodec, TextCodec]) -> MeshLikeServing:
-    return MeshLikeServing(*codecs)
+def gen(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> MeshLikeServing:
+    return MeshLikeServing(*chat_tokenizers)
 
 
 @pytest.fixture
@@ -195,8 +195,8 @@ async def test_clients_that_leave_are_aborts(live: httpx.AsyncClient, gen: MeshL
     assert m.value("vllm:generation_tokens_total", **TINY) >= 2
 
 
-async def test_every_app_has_its_own_registry(codecs: tuple[TextCodec, TextCodec]) -> None:
-    apps = [create_app(FakeServing(*codecs)) for _ in range(2)]  # the global registry would refuse the second
+async def test_every_app_has_its_own_registry(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> None:
+    apps = [create_app(FakeServing(*chat_tokenizers)) for _ in range(2)]  # the global registry would refuse the second
     for app in apps:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh") as c:
             m = await scrape(c)
@@ -250,13 +250,13 @@ class TimedTokens:
         self.closed = True
 
 
-def timed_run(codec: TextCodec, metrics: ApiMetrics, clock: ManualClock, arrival_times_s: list[float],
+def timed_run(tokenizer: Tokenizer, metrics: ApiMetrics, clock: ManualClock, arrival_times_s: list[float],
               max_tokens: int) -> TextStream:
     """A run of request "r" for model "m" that arrived at 100.0 and was handed to the mesh at 100.25."""
-    story = codec.encode("The quick brown fox jumps over the lazy dog.")
+    story = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     request = Request("m", "r", prompt_ids=(5, 6, 7), params=SamplingParams(), stops=Stops(max_tokens))
     tokens = TimedTokens(clock, list(zip(arrival_times_s, story, strict=False)))
-    return TextStream(request, tokens, IncrementalDetokenizer(codec, (), request.prompt_ids), Timeline(100.0, 100.25),
+    return TextStream(request, tokens, IncrementalDetokenizer(tokenizer, (), request.prompt_ids), Timeline(100.0, 100.25),
                          clock, observer=metrics)
 
 
@@ -264,10 +264,10 @@ def sample(metrics: ApiMetrics, name: str, **extra: str) -> float | None:
     return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **extra})
 
 
-async def test_phases_come_from_the_run_clock(codecs: tuple[TextCodec, TextCodec]) -> None:
+async def test_phases_come_from_the_run_clock(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> None:
     clock = ManualClock(100.25)
     metrics = ApiMetrics(clock=clock)
-    run = timed_run(codecs[0], metrics, clock, [101.0, 101.5, 102.25, 103.0], max_tokens=4)
+    run = timed_run(chat_tokenizers[0], metrics, clock, [101.0, 101.5, 102.25, 103.0], max_tokens=4)
     metrics.request_started(run)
     assert sample(metrics, "vllm:num_requests_running") == 1
     await run.start()
@@ -288,10 +288,10 @@ async def test_phases_come_from_the_run_clock(codecs: tuple[TextCodec, TextCodec
     assert sample(metrics, "vllm:time_to_first_token_seconds_bucket", le="1.0") == 1
 
 
-async def test_abandoned_run_ends_when_closed_and_counts_once(codecs: tuple[TextCodec, TextCodec]) -> None:
+async def test_abandoned_run_ends_when_closed_and_counts_once(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> None:
     clock = ManualClock(100.25)
     metrics = ApiMetrics(clock=clock)
-    run = timed_run(codecs[0], metrics, clock, [101.0, 101.5, 102.0], max_tokens=10)
+    run = timed_run(chat_tokenizers[0], metrics, clock, [101.0, 101.5, 102.0], max_tokens=10)
     metrics.request_started(run)
     await run.start()
     deltas = run.deltas()

@@ -1,4 +1,4 @@
-"""TextCodec against transformers' tokenizer; IncrementalDetokenizer properties and stop strings."""
+"""Tokenizer against transformers' tokenizer; IncrementalDetokenizer properties and stop strings."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from stratamesh.coordinator.text import CodecConfig, IncrementalDetokenizer, TextCodec, parse_codec_config
+from stratamesh.coordinator.text import TokenizerConfig, IncrementalDetokenizer, Tokenizer, parse_tokenizer_config
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 
 TEXTS = ["", "hello", " leading space", "Hello wörld 中文 🙂🚀", "Café déjà vu\n\n  tabs\tand  spaces ",
@@ -41,62 +42,62 @@ def hf_tokenizer(model_dir: Path):  # noqa: ANN201 - transformers' type
 
 
 @pytest.fixture(scope="session")
-def codec(chatml_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(chatml_dir)
+def tokenizer(chatml_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(chatml_dir)
 
 
 def test_encode_matches_transformers(model_dir: Path, hf_tokenizer) -> None:  # noqa: ANN001
-    codec = TextCodec.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     for text in TEXTS:
-        assert codec.encode(text) == hf_tokenizer.encode(text), text
-        assert codec.decode(codec.encode(text)) == hf_tokenizer.decode(hf_tokenizer.encode(text),
+        assert tokenizer.encode(text) == hf_tokenizer.encode(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == hf_tokenizer.decode(hf_tokenizer.encode(text),
                                                                        skip_special_tokens=True)
 
 
 def test_bos_added_once(bos_dir: Path) -> None:
-    codec = TextCodec.from_dir(bos_dir)
-    bos = codec.token_to_id("<s>")
-    assert codec.encode("hi")[0] == bos
-    ids = codec.encode_chat([{"role": "user", "content": "hi"}])
+    tokenizer = Tokenizer.from_dir(bos_dir)
+    bos = tokenizer.token_to_id("<s>")
+    assert tokenizer.encode("hi")[0] == bos
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == bos and ids[1] != bos
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(model_dir: Path, hf_tokenizer,  # noqa: ANN001
                                             add_generation_prompt: bool) -> None:
-    codec = TextCodec.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     for chat in CHATS:
         expected_text = hf_tokenizer.apply_chat_template(chat, tokenize=False,
                                                          add_generation_prompt=add_generation_prompt)
-        assert codec.apply_chat_template(chat, add_generation_prompt) == expected_text
+        assert tokenizer.apply_chat_template(chat, add_generation_prompt) == expected_text
         expected_ids = hf_tokenizer.apply_chat_template(chat, tokenize=True,
                                                         add_generation_prompt=add_generation_prompt)
         expected_ids = expected_ids["input_ids"] if hasattr(expected_ids, "keys") else expected_ids
-        assert codec.encode_chat(chat, add_generation_prompt) == list(expected_ids)
+        assert tokenizer.encode_chat(chat, add_generation_prompt) == list(expected_ids)
 
 
 def test_template_raise_exception_is_invalid_input(bos_dir: Path) -> None:
-    codec = TextCodec.from_dir(bos_dir)
+    tokenizer = Tokenizer.from_dir(bos_dir)
     with pytest.raises(InvalidInput, match="unknown role robot"):
-        codec.apply_chat_template([{"role": "robot", "content": "beep"}])
+        tokenizer.apply_chat_template([{"role": "robot", "content": "beep"}])
 
 
-def test_no_template_is_invalid_input(trained_tokenizer: Tokenizer) -> None:
-    codec = TextCodec(trained_tokenizer, CodecConfig())
+def test_no_template_is_invalid_input(trained_tokenizer: tokenizers.Tokenizer) -> None:
+    tokenizer = Tokenizer(trained_tokenizer, TokenizerConfig())
     with pytest.raises(InvalidInput, match="no chat template"):
-        codec.encode_chat([{"role": "user", "content": "hi"}])
+        tokenizer.encode_chat([{"role": "user", "content": "hi"}])
 
 
-def test_template_is_sandboxed(trained_tokenizer: Tokenizer) -> None:
+def test_template_is_sandboxed(trained_tokenizer: tokenizers.Tokenizer) -> None:
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    codec = TextCodec(trained_tokenizer, CodecConfig(chat_template=evil))
+    tokenizer = Tokenizer(trained_tokenizer, TokenizerConfig(chat_template=evil))
     with pytest.raises(InvalidInput):
-        codec.apply_chat_template([{"role": "user", "content": "hi"}])
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_eos_ids_from_every_file(codec: TextCodec, trained_tokenizer: Tokenizer) -> None:
+def test_eos_ids_from_every_file(tokenizer: Tokenizer, trained_tokenizer: tokenizers.Tokenizer) -> None:
     ids = {trained_tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    assert codec.eos_token_ids == ids
+    assert tokenizer.eos_token_ids == ids
 
 
 @pytest.mark.parametrize(("tok_cfg", "gen_cfg", "model_cfg", "eos"), [
@@ -106,9 +107,9 @@ def test_eos_ids_from_every_file(codec: TextCodec, trained_tokenizer: Tokenizer)
     ({}, {}, {"eos_token_id": [0, 2]}, {"<|endoftext|>", "<|im_end|>"}),
     ({}, {}, {}, set()),
 ])
-def test_parse_eos(trained_tokenizer: Tokenizer, tok_cfg: dict, gen_cfg: dict, model_cfg: dict,
+def test_parse_eos(trained_tokenizer: tokenizers.Tokenizer, tok_cfg: dict, gen_cfg: dict, model_cfg: dict,
                    eos: set[str]) -> None:
-    config = parse_codec_config(trained_tokenizer, tok_cfg, gen_cfg, model_cfg)
+    config = parse_tokenizer_config(trained_tokenizer, tok_cfg, gen_cfg, model_cfg)
     assert config.eos_token_ids == {trained_tokenizer.token_to_id(t) for t in eos}
 
 
@@ -118,18 +119,18 @@ def test_parse_eos(trained_tokenizer: Tokenizer, tok_cfg: dict, gen_cfg: dict, m
     ({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}, None, "D"),
     ({}, None, None),
 ])
-def test_parse_template(trained_tokenizer: Tokenizer, tok_cfg: dict, template_file: str | None,
+def test_parse_template(trained_tokenizer: tokenizers.Tokenizer, tok_cfg: dict, template_file: str | None,
                         expected: str | None) -> None:
-    assert parse_codec_config(trained_tokenizer, tok_cfg, {}, {}, template_file).chat_template == expected
+    assert parse_tokenizer_config(trained_tokenizer, tok_cfg, {}, {}, template_file).chat_template == expected
 
 
 def test_from_dir_errors(tmp_path: Path, chatml_dir: Path) -> None:
     with pytest.raises(CheckpointError, match="tokenizer.json"):
-        TextCodec.from_dir(tmp_path)
+        Tokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_text((chatml_dir / "tokenizer.json").read_text())
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json"):
-        TextCodec.from_dir(tmp_path)
+        Tokenizer.from_dir(tmp_path)
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str]:
@@ -148,85 +149,85 @@ def truncate_at_stop(text: str, stop: list[str]) -> str:
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_stream_equals_decode_on_random_ids(codec: TextCodec, skip_special_tokens: bool) -> None:
+def test_stream_equals_decode_on_random_ids(tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 40))]
-        pieces, tail = stream(IncrementalDetokenizer(codec, skip_special_tokens=skip_special_tokens), ids)
-        assert "".join(pieces) + tail == codec.decode(ids, skip_special_tokens), ids
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        pieces, tail = stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids)
+        assert "".join(pieces) + tail == tokenizer.decode(ids, skip_special_tokens), ids
 
 
-def test_stream_with_prompt_context(codec: TextCodec) -> None:
+def test_stream_with_prompt_context(tokenizer: Tokenizer) -> None:
     rng = random.Random(1)
     for _ in range(100):
-        prompt = codec.encode(rng.choice(TEXTS[1:]))
-        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 30))]
-        pieces, tail = stream(IncrementalDetokenizer(codec, prompt_ids=prompt), ids)
-        prompt_text = codec.decode(prompt)
-        assert "".join(pieces) + tail == codec.decode(prompt + ids)[len(prompt_text):]
+        prompt = tokenizer.encode(rng.choice(TEXTS[1:]))
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 30))]
+        pieces, tail = stream(IncrementalDetokenizer(tokenizer, prompt_ids=prompt), ids)
+        prompt_text = tokenizer.decode(prompt)
+        assert "".join(pieces) + tail == tokenizer.decode(prompt + ids)[len(prompt_text):]
 
 
 def test_prompt_context_keeps_leading_space() -> None:
     # A Metaspace decoder drops the space before the first token of a text, so a first output token
     # "_world" must be decoded after its prompt to come out as " world".
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     tok.train_from_iterator(["Hello world, hello there world"] * 5,
                             trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
-    codec = TextCodec(tok, CodecConfig())
-    prompt, out = codec.encode("Hello"), codec.encode(" world")
-    assert codec.decode(out) == "world"
-    pieces, tail = stream(IncrementalDetokenizer(codec, prompt_ids=prompt), out)
+    tokenizer = Tokenizer(tok, TokenizerConfig())
+    prompt, out = tokenizer.encode("Hello"), tokenizer.encode(" world")
+    assert tokenizer.decode(out) == "world"
+    pieces, tail = stream(IncrementalDetokenizer(tokenizer, prompt_ids=prompt), out)
     assert "".join(pieces) + tail == " world"
 
 
-def test_random_ids_with_stop_strings(codec: TextCodec) -> None:
+def test_random_ids_with_stop_strings(tokenizer: Tokenizer) -> None:
     rng = random.Random(2)
     for _ in range(300):
-        ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randrange(1, 40))]
-        text = codec.decode(ids)
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        text = tokenizer.decode(ids)
         # stop strings taken from the text itself, so they really occur, often across tokens
         start = rng.randrange(len(text)) if text else 0
         stop = [text[start:start + rng.randrange(1, 6)] or "zz", "never-there"]
-        detok = IncrementalDetokenizer(codec, stop=stop)
+        detok = IncrementalDetokenizer(tokenizer, stop=stop)
         pieces, tail = stream(detok, ids)
         assert "".join(pieces) + tail == truncate_at_stop(text, stop), (ids, stop)
         assert detok.stopped == (truncate_at_stop(text, stop) != text)
 
 
-def test_incomplete_utf8_is_held_back(codec: TextCodec) -> None:
-    ids = codec.encode("🙂")
+def test_incomplete_utf8_is_held_back(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("🙂")
     assert len(ids) > 1, "the test needs a character that spans tokens"
-    detok = IncrementalDetokenizer(codec)
+    detok = IncrementalDetokenizer(tokenizer)
     assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.push(ids[-1]) == "🙂"
 
 
-def test_stop_string_split_across_tokens(codec: TextCodec) -> None:
-    ids = codec.encode("Hello there, STOP here and more")
-    detok = IncrementalDetokenizer(codec, stop=["STOP", "xyz"])
+def test_stop_string_split_across_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello there, STOP here and more")
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP", "xyz"])
     pieces, tail = stream(detok, ids)
     assert detok.stopped and "".join(pieces) + tail == "Hello there, "
     assert tail == "" and detok.push(ids[0]) == "" and detok.flush() == ""
     assert not any("S" in p for p in pieces)  # "S", "ST", "STO" were held back, never released
 
 
-def test_held_back_prefix_is_released(codec: TextCodec) -> None:
-    detok = IncrementalDetokenizer(codec, stop=["lazy cat"])
-    pieces, tail = stream(detok, codec.encode("the lazy dog is lazy"))
+def test_held_back_prefix_is_released(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=["lazy cat"])
+    pieces, tail = stream(detok, tokenizer.encode("the lazy dog is lazy"))
     assert not detok.stopped
     assert "".join(pieces) + tail == "the lazy dog is lazy"
     assert tail == "lazy"  # could have become "lazy cat" until the end
 
 
 @pytest.mark.parametrize("stop", [["dog", "lazy dog"], ["lazy dog", "dog"], ["quick brown", "dog"]])
-def test_earliest_stop_wins(codec: TextCodec, stop: list[str]) -> None:
+def test_earliest_stop_wins(tokenizer: Tokenizer, stop: list[str]) -> None:
     text = "The quick brown fox jumps over the lazy dog."
-    pieces, tail = stream(IncrementalDetokenizer(codec, stop=stop), codec.encode(text))
+    pieces, tail = stream(IncrementalDetokenizer(tokenizer, stop=stop), tokenizer.encode(text))
     assert "".join(pieces) + tail == truncate_at_stop(text, stop)
 
 
-def test_empty_stop_string_rejected(codec: TextCodec) -> None:
+def test_empty_stop_string_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(InvalidInput):
-        IncrementalDetokenizer(codec, stop=["ok", ""])
+        IncrementalDetokenizer(tokenizer, stop=["ok", ""])

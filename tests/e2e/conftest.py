@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

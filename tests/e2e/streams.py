@@ -10,7 +10,7 @@ import httpx
 
 from stratamesh.bench.chaos import StreamJob, StreamOutcome
 from stratamesh.bench.margins import whole_model
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.models.decoder import greedy_tokens
 
 # A held stream (StreamJob.hold_tokens) asks for about the tiny models' whole context room (2048 tokens): it runs

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 import pytest
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import pytest
 
 from stratamesh.bench.control import LoadProcess
 from stratamesh.coordinator.fleet_view import RECENT_MAX
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from tests.e2e.test_admin_ui import ARTIFACTS, collect_errors, launch, needs_chromium
 from tests.patience import patient
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 from .reference import encode, greedy_tokens
 

@@ -10,7 +10,7 @@ import pytest
 
 from stratamesh.bench.chaos import make_jobs
 from stratamesh.bench.datasets import regular_token_ids
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.models.config import read_config
 
 from .reference import greedy_tokens

@@ -16,7 +16,7 @@ from stratamesh.bench.chaos import drain_stage_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 from .reference import encode
 from .streams import HOLD_TOKENS, held, settled_requests, which_diverged

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 from stratamesh import Mesh
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 

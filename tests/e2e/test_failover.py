@@ -14,7 +14,7 @@ from stratamesh.bench.chaos import StreamOutcome, kill_stage_mid_stream, make_jo
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from .streams import held, settled_requests, which_diverged

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 

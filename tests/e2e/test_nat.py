@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.launcher import LocalMesh
-from stratamesh.fleet.netbed import Netbed, NetbedUnavailable, check_can_build, nat_tool
+from stratamesh.launcher import LocalMesh
+from stratamesh.testbed.netbed import Netbed, NetbedUnavailable, check_can_build, nat_tool
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, make_channel

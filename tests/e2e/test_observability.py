@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from stratamesh.bench.chaos import make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.agent.probe import parse_cpu_model, parse_gpu, read_cpuinfo, read_nvml
 from stratamesh.agent.speed import ONNX_CACHE_NAME, box_fingerprint, default_cache_path
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.types import StageSpec
 
 from .reference import greedy_tokens

@@ -16,7 +16,7 @@ import pytest
 from stratamesh.bench.chaos import FailoverRun, StreamOutcome, disturb_stage_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 from .streams import held, settled_requests, which_diverged
 

@@ -18,7 +18,7 @@ from stratamesh.agent.credentials import enroll, load_credentials
 from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller
 from stratamesh.fleet import pki
 from stratamesh.fleet.errors import EXIT_REFUSED
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, make_channel

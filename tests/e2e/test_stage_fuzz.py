@@ -14,7 +14,7 @@ from stratamesh.bench.chaos import make_jobs, run_streams
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.stage_fuzz import ENDED_EARLY, Target, fuzz_concurrently
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from tests.patience import patient
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from stratamesh.bench.chaos import kill_rank_mid_stream, make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids

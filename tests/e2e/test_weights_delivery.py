@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.fleet.launcher import LocalMesh
+from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.weight_files import SINGLE_FILE, ModelFiles
 from stratamesh.kernels.models.checkpoint import stage_tensor_names
 from stratamesh.kernels.models.config import read_config

@@ -15,7 +15,8 @@ import pytest
 
 from stratamesh.fleet.links import (NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, later_half_rate,
                                     measure_link, measure_peers)
-from stratamesh.fleet.netbed import LinkProfile, Netbed
+from stratamesh.testbed.netbed import LinkProfile, Netbed
+from tests.testbed.conftest import netbed  # noqa: F401 (a fixture)
 from stratamesh.fleet.types import Peer
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

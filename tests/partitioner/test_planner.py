@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stratamesh.fleet import sim
+from stratamesh.testbed import sim
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.types import wire_dtype
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH

@@ -260,7 +260,7 @@ def test_api_key_comes_from_the_flag_else_the_environment(monkeypatch: pytest.Mo
 # ------------------------------------------------------------------ end to end
 @pytest.mark.slow
 def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
-    from stratamesh.fleet.launcher import LocalMesh
+    from stratamesh.launcher import LocalMesh
 
     folder = tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)
     with LocalMesh(str(folder), num_agents=2, log_dir=str(tmp_path / "logs"),

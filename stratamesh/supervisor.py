@@ -12,14 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from stratamesh.fleet.errors import EXIT_REFUSED, MeshError
-
-if TYPE_CHECKING:
-    from stratamesh.fleet.launcher import LocalMesh
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +43,27 @@ class _Watched:
     final: bool = False            # drained or refused: left down
 
 
-class Supervisor:
-    """Watches a started LocalMesh from a thread of its own; say() tells the operator what it did."""
+class Exits(Protocol):
+    def poll(self) -> int | None: ...   # the exit status, None while it runs
 
-    def __init__(self, mesh: LocalMesh, say: Callable[[str], None] | None = None,
+
+class Supervised(Protocol):
+    """A mesh's processes as the supervisor sees them (launcher.LocalMesh is one)."""
+
+    coordinator: Exits | None
+    agents: Sequence[Exits]
+    agent_ids: Sequence[str]
+    url: str
+
+    def restart_coordinator(self) -> None: ...     # MeshError if it cannot start
+
+    def start_agent(self, index: int) -> object: ...     # MeshError if it dies while starting
+
+
+class Supervisor:
+    """Watches a started mesh (a LocalMesh) from a thread of its own; say() tells the operator what it did."""
+
+    def __init__(self, mesh: Supervised, say: Callable[[str], None] | None = None,
                  backoff: Backoff = Backoff(), clock: Callable[[], float] = time.monotonic) -> None:
         self.mesh, self.say, self.backoff, self._clock = mesh, say or log.warning, backoff, clock
         self.ended = threading.Event()     # the coordinator died and could not be started again

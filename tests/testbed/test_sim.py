@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stratamesh.fleet import sim
+from stratamesh.testbed import sim
 from stratamesh.partitioner.fleet_snapshot import fleet_from_dict
 from stratamesh.partitioner.profile import profile_from_hf_config
 

@@ -317,7 +317,7 @@ class Emulator:
     """The link emulator process (link_emulator.py) carrying this bed's shaped cables where netem is missing."""
 
     def __init__(self) -> None:
-        self._process = subprocess.Popen([sys.executable, "-m", "stratamesh.fleet.link_emulator"],
+        self._process = subprocess.Popen([sys.executable, "-m", "stratamesh.testbed.link_emulator"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def command(self, **command: object) -> None:

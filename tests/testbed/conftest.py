@@ -1,4 +1,5 @@
-"""Fixtures of the fleet tests that several files share."""
+"""The WAN test bed as a fixture: for its own tests here, and for tests elsewhere that need hosts apart
+(tests/fleet/test_links.py imports it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stratamesh.fleet.netbed import Netbed, NetbedUnavailable, check_can_build
+from stratamesh.testbed.netbed import Netbed, NetbedUnavailable, check_can_build
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A WAN cable in user space, for kernels without tc netem: two TAP devices and the delay, rate and loss between them.
 
-    python -m stratamesh.fleet.link_emulator      # reads commands from stdin, one JSON object a line
+    python -m stratamesh.testbed.link_emulator      # reads commands from stdin, one JSON object a line
 
 A cable joins a TAP device in one network namespace to a TAP device in another. Every Ethernet frame read
 from one end is written to the other after its serialization time at the cable's rate (frames queue behind

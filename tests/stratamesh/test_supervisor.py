@@ -14,8 +14,8 @@ import time
 import pytest
 
 from stratamesh.fleet.errors import EXIT_REFUSED
-from stratamesh.fleet.launcher import LaunchError
-from stratamesh.fleet.supervisor import Backoff, Supervisor
+from stratamesh.launcher import LaunchError
+from stratamesh.supervisor import Backoff, Supervisor
 
 SLEEP = "import time; time.sleep(600)"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stratamesh.fleet.netbed import LAN, PROFILES, Host, LinkProfile, Netbed, NetbedUnavailable, check_can_build, nat_tool
+from stratamesh.testbed.netbed import LAN, PROFILES, Host, LinkProfile, Netbed, NetbedUnavailable, check_can_build, nat_tool
 
 PROBE = str(Path(__file__).with_name("tcp_probe.py"))
 PORT = 7100
@@ -101,7 +101,7 @@ def test_ctrl_c_tears_the_bed_down(tmp_path: Path) -> None:
         "import signal, sys, threading\n"
         # Ctrl-C as in a terminal: a run started as a background job inherits SIGINT ignored
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from stratamesh.fleet.netbed import Netbed, PROFILES\n"
+        "from stratamesh.testbed.netbed import Netbed, PROFILES\n"
         f"with Netbed({prefix!r}) as bed:\n"
         "    bed.attach_here()\n"
         "    bed.add_host('a')\n"

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import grpc
 
-from stratamesh.fleet import forked
+from stratamesh import forked
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.forked import ForkedProcess
-from stratamesh.fleet.netbed import Host
+from stratamesh.forked import ForkedProcess
+from stratamesh.testbed.netbed import Host
 from stratamesh.fleet.state import make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
-from stratamesh.fleet.supervisor import Supervisor
+from stratamesh.supervisor import Supervisor
 from stratamesh.fleet.wire.enroll import enroll
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def patience(environ: dict[str, str] | None = None) -> float:
         raise LaunchError(f"{PATIENCE_ENV}={value!r} is not a number") from None
 
 
-Process = subprocess.Popen | ForkedProcess    # a mesh process: started, or forked from a fork server (fleet/forked.py)
+Process = subprocess.Popen | ForkedProcess    # a mesh process: started, or forked from a fork server (stratamesh/forked.py)
 
 
 class LaunchError(MeshError):
@@ -83,12 +83,12 @@ class LocalMesh:
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     insecure: bool = False              # True: plaintext, no CA, no enrollment (development only)
     fork_agents: bool = field(default_factory=forked.wanted)   # agents on loopback forked from a fork server that
-                                        # imported torch once (fleet/forked.py); default: STRATAMESH_FORK_SERVER=1
+                                        # imported torch once (stratamesh/forked.py); default: STRATAMESH_FORK_SERVER=1
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
     coordinator_args: list[str] = field(default_factory=list)   # appended to the coordinator's command line
-    # On a test bed (fleet/netbed.py): the hosts the coordinator and agents (by index) run on; None / absent: this
+    # On a test bed (stratamesh/testbed/netbed.py): the hosts the coordinator and agents (by index) run on; None / absent: this
     # machine's loopback. An agent finds the coordinator by zeroconf only on the same site as it (the multicast
     # stays inside a site); across the WAN it dials the coordinator's address.
     coordinator_host: Host | None = None
@@ -357,7 +357,7 @@ class LocalMesh:
             self.coordinator = None
 
     def supervise(self, say: Callable[[str], None] | None = None) -> Supervisor:
-        """From now until stop(), dead processes are started again (fleet/supervisor.py); say() hears of it."""
+        """From now until stop(), dead processes are started again (stratamesh/supervisor.py); say() hears of it."""
         # kept before its thread starts: a Ctrl-C between the two would leave a thread that stop() never stops,
         # restarting the processes stop() ends
         self.supervisor = Supervisor(self, say)

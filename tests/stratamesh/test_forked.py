@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from stratamesh.fleet.forked import ForkServer, fork_server
+from stratamesh.forked import ForkServer, fork_server
 
 
 @pytest.fixture(scope="module")
