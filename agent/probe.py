@@ -13,7 +13,7 @@ from typing import Any
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.types import (AGENT_RUNTIMES, AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, Capabilities,
-                                   GpuInfo, SpeedInfo)
+                                   GpuInfo, Speed)
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
     hostname, cpu_model, cpu_bf16 = socket.gethostname(), parse_cpu_model(cpuinfo), parse_cpu_bf16(cpuinfo)
     import torch
 
-    speeds: tuple[SpeedInfo, ...] = ()
+    speeds: tuple[Speed, ...] = ()
     if measure:
         speeds = _measured_speeds(hostname, cpu_model, gpus, cpu_bf16, remeasure,
                                   onnx=runtime in (Runtime.ONNXRUNTIME, Runtime.AUTO))
@@ -291,7 +291,7 @@ def probe(site: str = "", tier: str = "edge", measure: bool = True, remeasure: b
 
 
 def _measured_speeds(hostname: str, cpu_model: str, gpus: list[GpuInfo], cpu_bf16: bool, remeasure: bool,
-                     onnx: bool) -> tuple[SpeedInfo, ...]:
+                     onnx: bool) -> tuple[Speed, ...]:
     """torch's speeds (agent.speed.measure_speeds), and ONNX Runtime's CPU provider's where onnx, each from its cache
     or timed now (remeasure: always timed)."""
     from stratamesh.agent.speed import (DEFAULT_MAX_AGE_S, ONNX_CACHE_NAME, box_fingerprint, cached_speeds,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from stratamesh.fleet.state import cache_home
-from stratamesh.fleet.types import GpuInfo, SpeedInfo, StageSpec
+from stratamesh.fleet.types import GpuInfo, Speed, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ PROBE_VOCAB = 512
 ONNX_CACHE_NAME = "speeds-onnxruntime.json"   # measured only for agents that may run it: a cache of its own
 
 
-def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[SpeedInfo, ...]:
+def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[Speed, ...]:
     """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), int8 weights on the CPU (dtype
     "int8": float32 activations, StageSpec.quantize), and float32, bfloat16 and float16 on the first CUDA device if
     there is one (and cuda: the agent uses its GPUs)."""
@@ -57,13 +57,13 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
     cuda = measure_decode("cuda:0") if any(s.backend == "torch-cuda" for s in speeds) else {}
     cuda.pop("decode_bandwidth", None)    # a GPU reads the probe's weights faster than its kernels launch: no figure
 
-    def decode(s: SpeedInfo) -> dict[str, float]:
+    def decode(s: Speed) -> dict[str, float]:
         return cuda if s.backend == "torch-cuda" else cpu_int8 if s.dtype == "int8" else cpu
 
     return tuple(replace(s, **decode(s)) for s in speeds)
 
 
-def measure_onnx_speeds(torch_cpu: SpeedInfo) -> tuple[SpeedInfo, ...]:
+def measure_onnx_speeds(torch_cpu: Speed) -> tuple[Speed, ...]:
     """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with int8 weights (dtype "int8"): what a decode
     step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports of the probe
     models, made first in a temporary folder, one a core: about 16 s on 2 cores). Its large
@@ -179,16 +179,16 @@ def _probe_spec(folder: str | Path, device: str, shape: _ProbeModel, layers: int
                      runtime=runtime)
 
 
-def _measure_int8(float32: SpeedInfo, n: int, reps: int) -> SpeedInfo:
+def _measure_int8(float32: Speed, n: int, reps: int) -> Speed:
     """A large matmul with int8 weights (float32 activations) on the CPU; its bytes/s are float32's copy's."""
     from stratamesh.kernels.ops.quant import linear, quantize_int8   # (imports the kernels)
 
     a, b = torch.randn(n, n), quantize_int8(torch.randn(n, n))
     matmul_s = _best_time(lambda: linear(a, b), "cpu", reps)
-    return SpeedInfo("torch-cpu", "int8", 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
+    return Speed("torch-cpu", "int8", 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
 
 
-def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> SpeedInfo:
+def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> Speed:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     src = torch.rand(copy_bytes // a.element_size(), device=device, dtype=dtype)   # rand: faster than randn
@@ -196,7 +196,7 @@ def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: 
     matmul_s = _best_time(lambda: torch.mm(a, b), device, reps)
     copy_s = _best_time(lambda: dst.copy_(src), device, reps)
     moved_bytes = 2 * src.numel() * src.element_size()   # read the source, write the destination
-    return SpeedInfo(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, moved_bytes / copy_s)
+    return Speed(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, moved_bytes / copy_s)
 
 
 def _best_time(work: Callable[[], object], device: str, reps: int) -> float:
@@ -231,8 +231,8 @@ def box_fingerprint(hostname: str, cpu_model: str, gpus: Sequence[GpuInfo], *bui
 
 
 def cached_speeds(cache_path: Path | None = None, max_age_s: float = DEFAULT_MAX_AGE_S,
-                  measure: Callable[[], tuple[SpeedInfo, ...]] = measure_speeds, *,
-                  fingerprint: str, now: float | None = None) -> tuple[SpeedInfo, ...]:
+                  measure: Callable[[], tuple[Speed, ...]] = measure_speeds, *,
+                  fingerprint: str, now: float | None = None) -> tuple[Speed, ...]:
     """The cached speeds if the box with this fingerprint (box_fingerprint) measured them less than max_age_s
     ago, else measure() stored in the cache."""
     path = cache_path or default_cache_path()
@@ -261,7 +261,7 @@ def _one_at_a_time(path: Path) -> Iterator[None]:
         yield
 
 
-def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[SpeedInfo, ...] | None:
+def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[Speed, ...] | None:
     """The cached speeds if they fit this box and are fresh; None (measure again) otherwise."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
@@ -282,14 +282,19 @@ def _load(path: Path, fingerprint: str, now: float, max_age_s: float) -> tuple[S
     return speeds
 
 
-def _speed(entry: dict) -> SpeedInfo:
-    speed = SpeedInfo(str(entry["backend"]), str(entry["dtype"]), float(entry["flops"]),
-                      float(entry["mem_bandwidth"]), float(entry.get("step_overhead_s", 0.0)),
-                      float(entry.get("layer_overhead_s", 0.0)), float(entry.get("decode_flops", 0.0)),
-                      float(entry.get("decode_bandwidth", 0.0)))
+def _speed(entry: dict) -> Speed:
+    speed = Speed(str(entry["backend"]), str(entry["dtype"]), float(entry["flops"]),
+                  float(entry["mem_bandwidth"]), _seconds(entry.get("step_overhead_s", 0.0)),
+                  _seconds(entry.get("layer_overhead_s", 0.0)), float(entry.get("decode_flops", 0.0)),
+                  float(entry.get("decode_bandwidth", 0.0)))
     if not (0 < speed.flops < math.inf and 0 < speed.mem_bandwidth < math.inf):
         raise ValueError(f"speed {speed} is not positive and finite")
     return speed
+
+
+def _seconds(value: object) -> float | None:
+    """A cached overhead: a number of seconds, or None where it was not measured apart."""
+    return None if value is None else float(value)
 
 
 def _store(path: Path, entry: dict) -> None:

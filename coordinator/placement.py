@@ -12,10 +12,10 @@ from typing import Any
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, Capabilities, GpuInfo, SpeedInfo,
-                                   StageSpec, Telemetry, windowed)
+from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, Capabilities, GpuInfo, Speed, StageSpec,
+    Telemetry, windowed)
 from stratamesh.partitioner import describe
-from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config
@@ -107,7 +107,7 @@ def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (
 
     Each device pays its host's serving path per token of a step (Hosts.serving_cpu_s): a CPU agent at its share
     of the cores, a GPU agent in full (its dataplane runs on the host's CPU, with the cores it needs)."""
-    best: dict[tuple[str, str, str], SpeedInfo] = {}
+    best: dict[tuple[str, str, str], Speed] = {}
     for caps in agents.values():
         for s in caps.speeds:
             key = (caps.hostname, s.backend, s.dtype)
@@ -170,13 +170,13 @@ def rank_ids(agent_id: str, ranks: int) -> list[str]:
     return [agent_id] if ranks == 1 else [f"{agent_id}#{rank}" for rank in range(ranks)]
 
 
-def _on_gpus(caps: Capabilities, speeds: Sequence[Speed | SpeedInfo]) -> bool:
+def _on_gpus(caps: Capabilities, speeds: Sequence[Speed]) -> bool:
     """Whether the agent's stages run on its GPUs: it has some, its host measured torch-cuda, and its operator did
     not choose ONNX Runtime (whose stages run on the CPU here)."""
     return bool(caps.gpus) and caps.runtime != Runtime.ONNXRUNTIME and any(s.backend == "torch-cuda" for s in speeds)
 
 
-def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, ...], checkpoint: str,
+def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[Speed, ...], checkpoint: str,
                   serving_cpu_s: float, onnx: bool, share: float = 1.0, ram_split: int = 1) -> list[Device]:
     ranks = num_ranks(caps)
     ids = rank_ids(agent_id, ranks)
@@ -208,7 +208,7 @@ def _rank_devices(agent_id: str, caps: Capabilities, measured: tuple[SpeedInfo, 
                    node=agent_id, dtype=dtype, **overheads) for i in ids]
 
 
-def _cpu_backends(caps: Capabilities, measured: Sequence[SpeedInfo], dtype: str, onnx: bool) -> tuple[str, ...]:
+def _cpu_backends(caps: Capabilities, measured: Sequence[Speed], dtype: str, onnx: bool) -> tuple[str, ...]:
     """What may compute a CPU agent's stages: ONNX Runtime where its operator chose it (--runtime onnxruntime);
     torch, and ONNX Runtime beside it where the operator let the planner pick (AUTO_RUNTIME), the host measured it,
     the stages compute in one of its dtypes and the model's layers export (onnx); else torch."""
@@ -220,25 +220,25 @@ def _cpu_backends(caps: Capabilities, measured: Sequence[SpeedInfo], dtype: str,
     return ("torch-cpu",)
 
 
-def decode_rate(speed: SpeedInfo) -> float:
+def decode_rate(speed: Speed) -> float:
     """The FLOP/s the planner prices a step at: it prices decode steps, whose matmuls are small, so the rate the
     host measured for those where it did, else its large matmul's."""
     return min(speed.flops, speed.decode_flops) if speed.decode_flops > 0 else speed.flops
 
 
-def decode_bandwidth(speed: SpeedInfo) -> float:
+def decode_bandwidth(speed: Speed) -> float:
     """The bytes/s the planner prices a step's reads at: a decode step's where the host measured one (small
     products read their weights slower than a large copy), else its large copy's."""
     return min(speed.mem_bandwidth, speed.decode_bandwidth) if speed.decode_bandwidth > 0 else speed.mem_bandwidth
 
 
-def _overheads(measured: Sequence[SpeedInfo], backend: str, dtype: str) -> dict[str, float]:
+def _overheads(measured: Sequence[Speed], backend: str, dtype: str) -> dict[str, float]:
     """The step and layer overheads the host measured for backend (in dtype, else float32: they are the
-    framework's, nearly the same in any dtype)."""
+    framework's, nearly the same in any dtype); 0 for one it did not measure."""
     own = sorted((s for s in measured if s.backend == backend), key=lambda s: (s.dtype != dtype, s.dtype != "float32"))
     if not own:
         return {}
-    return {"step_overhead_s": own[0].step_overhead_s, "layer_overhead_s": own[0].layer_overhead_s}
+    return {"step_overhead_s": own[0].step_overhead_s or 0.0, "layer_overhead_s": own[0].layer_overhead_s or 0.0}
 
 
 def _speeds_for(device_id: str, speeds: Sequence[Speed], backend: str, dtype: str) -> tuple[Speed, ...]:

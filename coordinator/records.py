@@ -36,23 +36,16 @@ class ModelRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class StagePlacement:
-    """One stage of a plan about to be saved: which agent serves which layer range."""
-
-    assignment_id: str
-    stage_index: int
-    agent_id: str
-    spec: StageSpec
-
-
-@dataclass(frozen=True, slots=True)
 class StageRecord:
+    """One stage of a plan: which agent serves which layer range, as what. A stage about to be saved (a new plan's,
+    or a replacement) has no plan id or state yet: the registry gives them."""
+
     assignment_id: str
-    plan_id: str
     stage_index: int
     agent_id: str
     spec: StageSpec
-    state: str
+    plan_id: str = ""
+    state: str = ""
 
 
 @dataclass(frozen=True, slots=True)

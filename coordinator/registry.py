@@ -18,13 +18,12 @@ from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
-                                            PlanRecord, StagePlacement, StageRecord)
+                                            PlanRecord, StageRecord)
 from stratamesh.fleet.states import PlanState
-from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad,
+from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, Speed, StageLoad,
                                     StageSpec, Telemetry)
 
-__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StagePlacement",
-           "StageRecord"]
+__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StageRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ def _caps_from_json(text: str) -> Capabilities:
     d = json.loads(text)
     return Capabilities(**{**d, "gpus": tuple(GpuInfo(**g) for g in d["gpus"]),
                            "backends": tuple(d["backends"]),
-                           "speeds": tuple(SpeedInfo(**s) for s in d.get("speeds", ()))})
+                           "speeds": tuple(Speed(**s) for s in d.get("speeds", ()))})
 
 
 _PRIMARY_KEYS = {"agents": "agent_id", "stages": "assignment_id"}     # of the tables _update writes
@@ -377,7 +376,7 @@ class Registry:
         rows = self._rows("SELECT * FROM models WHERE model_id = ?", [model_id])
         return _model(rows[0]) if rows else None
 
-    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StagePlacement], reason: str,
+    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StageRecord], reason: str,
                   now: float, standby: bool = False, prediction: dict[str, Any] | None = None,
                   replica: int = 0) -> None:
         """Store a new plan for a replica of model_id: active (the replica's previous active plan becomes
@@ -465,7 +464,7 @@ class Registry:
             stages[row["plan_id"]].append(_stage(row, model_id))
         return [_plan(plan, stages[plan["plan_id"]]) for plan in plans]
 
-    def replace_stage(self, assignment_id: str, stage: StagePlacement) -> None:
+    def replace_stage(self, assignment_id: str, stage: StageRecord) -> None:
         """Puts stage in place of the stage assignment_id in its plan (same index; a drain moved it), as ready."""
         with self._tx() as db:
             rows = list(db["stages"].rows_where("assignment_id = ?", [assignment_id]))
@@ -563,13 +562,13 @@ _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype"
                  "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes")
 
 
-def _stage_row(plan_id: str, stage: StagePlacement) -> dict[str, Any]:
+def _stage_row(plan_id: str, stage: StageRecord) -> dict[str, Any]:
     return {"assignment_id": stage.assignment_id, "plan_id": plan_id,
             "stage_index": stage.stage_index, "agent_id": stage.agent_id,
             **{k: getattr(stage.spec, k) for k in _SPEC_COLUMNS}, "state": "pending"}
 
 
-def _check_stages(model_id: str, stages: Sequence[StagePlacement]) -> None:
+def _check_stages(model_id: str, stages: Sequence[StageRecord]) -> None:
     """A plan has stages, indexed 0..n-1 in order, all of model_id."""
     if not stages or [s.stage_index for s in stages] != list(range(len(stages))):
         raise InvalidInput(f"a plan needs stages with indices 0..n-1 in order, got "

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
-                                            PlanRecord, StagePlacement)
+                                            PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.types import Capabilities, LinkMeasurement, Telemetry
@@ -105,7 +105,7 @@ class PlanStore(Protocol):
     def drop_replicas(self, model_id: str, keep: int) -> None:
         """Retires the live plans of the model's replicas keep and above, as one transaction."""
 
-    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StagePlacement], reason: str,
+    def save_plan(self, plan_id: str, model_id: str, stages: Sequence[StageRecord], reason: str,
                   now: float, standby: bool = False, prediction: dict[str, Any] | None = None,
                   replica: int = 0) -> None:
         """Stores a new plan of a replica with its stages ("pending"), as one transaction with retiring the plan it
@@ -134,7 +134,7 @@ class PlanStore(Protocol):
     def in_live_plan(self, agent_id: str) -> bool:
         """Whether an active or standby plan of any model has a stage on the agent (called on every join: cheap)."""
 
-    def replace_stage(self, assignment_id: str, stage: StagePlacement) -> None:
+    def replace_stage(self, assignment_id: str, stage: StageRecord) -> None:
         """Puts stage, "ready", in place of the stage assignment_id (same plan and index: a drain moved it), as one
         transaction; InvalidInput, with nothing changed, if no such stage is at stage.stage_index."""
 

@@ -91,16 +91,17 @@ class GpuInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeedInfo:
+class Speed:
     """What a box measured for one backend and dtype: a large matmul and a large copy, and what a decode step of
-    this code costs beyond its FLOPs and bytes (the framework: Python, op dispatch, kernel launches)."""
+    this code costs beyond its FLOPs and bytes (the framework: Python, op dispatch, kernel launches). The planner
+    prices a device by the same fields (placement.py derives them from what its box measured)."""
 
-    backend: str
+    backend: str              # "torch-cuda", "torch-cpu", "onnxruntime-cpu"
     dtype: str
-    flops: float              # FLOP/s
-    mem_bandwidth: float      # bytes/s
-    step_overhead_s: float = 0.0     # per step, whatever its layers
-    layer_overhead_s: float = 0.0    # per layer of a step
+    flops: float              # FLOP/s of a large matmul
+    mem_bandwidth: float      # bytes/s of a large copy
+    step_overhead_s: float | None = None     # per step, whatever its layers; None: not measured apart (the device's)
+    layer_overhead_s: float | None = None    # per layer of a step; None: likewise
     decode_flops: float = 0.0        # FLOP/s of the layers of a decode step (small matmuls); 0: not measured
     decode_bandwidth: float = 0.0    # bytes/s a decode step of one sequence reads its weights at; 0: not measured
 
@@ -116,7 +117,7 @@ class Capabilities:
     ram_available_bytes: int
     gpus: tuple[GpuInfo, ...] = ()
     backends: tuple[str, ...] = ("torch-cpu",)
-    speeds: tuple[SpeedInfo, ...] = ()
+    speeds: tuple[Speed, ...] = ()
     site: str = ""              # where the box is (a building, a cloud region): the operator says
     tier: str = "edge"          # "edge" or "cloud"
     num_ranks: int = 1          # the most ranks a tensor-parallel stage here may have (its GPUs, or CPU ranks)

@@ -8,23 +8,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.types import Speed
 
 SCHEMA_PATH = "docs/fleet.schema.json"   # the fleet file's JSON Schema (fleet_file.py), checked in to the repository
 ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)
 TIERS = ("edge", "cloud")   # a device's tier
-
-
-@dataclass(frozen=True, slots=True)
-class Speed:
-    """What a device measured for one backend and dtype."""
-
-    backend: str              # "torch-cuda", "torch-cpu", "onnxruntime-cpu"
-    dtype: str
-    flops: float              # FLOP/s of a large matmul
-    mem_bandwidth: float      # bytes/s of a large copy
-    # the backend's own step and layer overheads, where the device measured them apart (None: the device's)
-    step_overhead_s: float | None = None
-    layer_overhead_s: float | None = None
 
 
 def shards(backend: str) -> bool:
@@ -144,8 +132,9 @@ class FleetSnapshot:
 
 
 def _speed_dict(speed: Speed) -> dict[str, Any]:
-    """A speed's JSON form: its own overheads only where it has them (most backends use the device's)."""
-    return {k: v for k, v in asdict(speed).items() if v is not None}
+    """A speed's JSON form: its own overheads only where it has them (most backends use the device's); the decode
+    rates a box measured are not the planner's (placement prices a device by them already)."""
+    return {k: v for k, v in asdict(speed).items() if v is not None and k not in ("decode_flops", "decode_bandwidth")}
 
 
 def _device_dict(device: Device) -> dict[str, Any]:

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from stratamesh.coordinator.control.roster import Roster
-from stratamesh.coordinator.records import StagePlacement, StageRecord
+from stratamesh.coordinator.records import StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.states import PlanState
 
 log = logging.getLogger(__name__)
 
-Move = tuple[StageRecord, StageRecord]     # (a stage of a drained agent, its replacement on a spare)
+Move = tuple[StageRecord]     # (a stage of a drained agent, its replacement on a spare)
 
 
 class Drains:
@@ -70,7 +70,7 @@ class Drains:
             if not self._roster.serving(new):
                 continue
             del self._replacements[new_id]
-            self._registry.replace_stage(old.assignment_id, StagePlacement(new_id, new.stage_index, new.agent_id,
+            self._registry.replace_stage(old.assignment_id, StageRecord(new_id, new.stage_index, new.agent_id,
                                                                          new.spec))
             replaced.append(old.assignment_id)
             self._registry.log_event("stage_moved", f"{old.spec.model_id} [{old.spec.start_layer}, "

@@ -15,7 +15,7 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
                                               serving_cpu_of, smallest_stage_bytes)
-from stratamesh.coordinator.records import ModelRecord, PlanRecord, StagePlacement, StageRecord
+from stratamesh.coordinator.records import ModelRecord, PlanRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.states import PlanState, StageState
@@ -334,10 +334,9 @@ class Plans:
         chosen = repair_stages(model.model_id, model.path, model.config, agents, _placement(plan),
                                self._roster.links(), _pins(model), self._hosts(agents), model.quantize)
         # the spare's own device, dtype and KV cache (a KV move needs the same dtype: else the session is replayed)
-        return [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", plan.plan_id, s.stage_index,
-                                spare, replace(s.spec, device=spec.device, dtype=spec.dtype,
-                                               quantize=spec.quantize, kv_cache_bytes=spec.kv_cache_bytes),
-                                "assigned"))
+        return [(s, StageRecord(f"{s.assignment_id}-m{uuid.uuid4().hex[:6]}", s.stage_index, spare,
+                                replace(s.spec, device=spec.device, dtype=spec.dtype, quantize=spec.quantize,
+                                        kv_cache_bytes=spec.kv_cache_bytes), plan.plan_id, "assigned"))
                 for s, (spare, spec) in zip(plan.stages, chosen, strict=True) if s.agent_id == agent_id]
 
     def _plan(self, model_id: str, num_stages: int, previous: PlanRecord | None = None,
@@ -380,7 +379,7 @@ class Plans:
     def _save_plan(self, model_id: str, planned: Plan, placed: list[tuple[str, StageSpec]], standby: bool,
                    replica: int = 0) -> None:
         plan_id = uuid.uuid4().hex[:12]
-        stages = [StagePlacement(f"{plan_id}-{i}", i, agent_id, spec)
+        stages = [StageRecord(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
         reason = planned.reason if replica == 0 else f"replica {replica}: {planned.reason}"
         self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby,

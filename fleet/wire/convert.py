@@ -17,7 +17,7 @@ from stratamesh.fleet.types import (
     GpuInfo, Hop,
     KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
     Registration, Release, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown,
-    SpeedInfo, StageLoad,
+    Speed, StageLoad,
     StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.tracing import Span
@@ -61,7 +61,7 @@ def capabilities_to_pb(caps: Capabilities) -> pb.Capabilities:
         backends=list(caps.backends), site=caps.site, tier=caps.tier, num_ranks=caps.num_ranks,
         dtype=caps.dtype, cpu_bf16=caps.cpu_bf16, num_threads=caps.num_threads, runtime=caps.runtime,
         speeds=[pb.Speed(backend=s.backend, dtype=s.dtype, flops=s.flops, mem_bandwidth=s.mem_bandwidth,
-                         step_overhead_s=s.step_overhead_s, layer_overhead_s=s.layer_overhead_s,
+                         step_overhead_s=s.step_overhead_s or 0.0, layer_overhead_s=s.layer_overhead_s or 0.0,
                          decode_flops=s.decode_flops, decode_bandwidth=s.decode_bandwidth)
                 for s in caps.speeds])
 
@@ -86,7 +86,7 @@ def capabilities_from_pb(msg: pb.Capabilities) -> Capabilities:
     if msg.runtime and msg.runtime not in AGENT_RUNTIMES:
         raise InvalidInput(f"capabilities.runtime {msg.runtime!r} is not one of {AGENT_RUNTIMES}")
     gpus = tuple(gpu_from_pb(g) for g in msg.gpus)
-    speeds = tuple(SpeedInfo(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
+    speeds = tuple(Speed(s.backend, s.dtype, s.flops, s.mem_bandwidth, s.step_overhead_s, s.layer_overhead_s,
                              s.decode_flops, s.decode_bandwidth) for s in msg.speeds)
     return Capabilities(msg.hostname, msg.cpu_model, msg.num_cpus, msg.ram_total_bytes,
                         msg.ram_available_bytes, gpus, tuple(msg.backends), speeds, msg.site, msg.tier or "edge",

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.types import Capabilities, Registration, SpeedInfo, Telemetry
+from stratamesh.fleet.types import Capabilities, Registration, Speed, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -78,7 +78,7 @@ class SimAgent:
         self._counts = counts
         site = f"site-{rng.randrange(SITES)}"
         # a measured speed (a tenth as many bytes/s as FLOP/s, as CPUs measure) makes it a box the planner can price
-        speeds = (SpeedInfo("torch-cpu", "float32", gflops * 1e9, gflops * 1e8),) if gflops > 0 else ()
+        speeds = (Speed("torch-cpu", "float32", gflops * 1e9, gflops * 1e8),) if gflops > 0 else ()
         self._capabilities = Capabilities(f"sim-{index}", "simulated", 1, ram_mib * MiB, ram_mib * MiB, site=site,
                                           tier=rng.choice(("edge", "edge", "edge", "cloud")), speeds=speeds)
         self._outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()

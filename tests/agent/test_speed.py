@@ -14,7 +14,7 @@ import torch
 
 from stratamesh.agent import speed as speed_module
 from stratamesh.agent.speed import box_fingerprint, cached_speeds, default_cache_path, measure_speeds
-from stratamesh.fleet.types import GpuInfo, SpeedInfo
+from stratamesh.fleet.types import GpuInfo, Speed
 
 DAY_S = 86400.0
 T0 = 1.8e9
@@ -56,13 +56,13 @@ def test_measures_cuda_in_three_dtypes() -> None:
 
 
 class CountingMeasure:
-    """A measure function that returns fixed, real SpeedInfo values and counts its calls."""
+    """A measure function that returns fixed, real Speed values and counts its calls."""
 
     def __init__(self, flops: float = 1e11) -> None:
         self.calls = 0
-        self.speeds = (SpeedInfo("torch-cpu", "float32", flops, 2e10), SpeedInfo("torch-cuda", "bfloat16", 8e14, 3e12))
+        self.speeds = (Speed("torch-cpu", "float32", flops, 2e10), Speed("torch-cuda", "bfloat16", 8e14, 3e12))
 
-    def __call__(self) -> tuple[SpeedInfo, ...]:
+    def __call__(self) -> tuple[Speed, ...]:
         self.calls += 1
         return self.speeds
 
@@ -111,7 +111,7 @@ def test_probes_on_one_box_take_turns_and_the_second_reads_the_firsts(tmp_path: 
     path, first_inside, release, second_waits = tmp_path / "speeds.json", Event(), Event(), Event()
     measure = CountingMeasure()
 
-    def slow_measure() -> tuple[SpeedInfo, ...]:
+    def slow_measure() -> tuple[Speed, ...]:
         first_inside.set()
         assert release.wait(30)
         return measure()
@@ -209,7 +209,7 @@ def test_onnx_runtime_is_measured_through_its_own_stages(tmp_path: Path, monkeyp
     # a cache folder of its own: the test session's is shared by every xdist worker, whose agents write theirs there
     monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
-    torch_cpu = SpeedInfo("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
+    torch_cpu = Speed("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
     before = set(cache_home(os.environ).rglob("*"))
     ort, int8 = measure_onnx_speeds(torch_cpu)
     assert (ort.backend, ort.dtype, ort.flops, ort.mem_bandwidth) == ("onnxruntime-cpu", "float32", 1e11, 2e10)

@@ -24,7 +24,7 @@ from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.types import Hop
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
 from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, LinkMeasurement, Registration, Release,
-                                    Shutdown, SpeedInfo, StageStatus, Telemetry)
+                                    Shutdown, Speed, StageStatus, Telemetry)
 
 GiB = 1 << 30
 
@@ -41,7 +41,7 @@ class Agent:
     def __init__(self, agent_id: str, mem_gib: int):
         self.sent: list[ControlMessage] = []
         self.caps = Capabilities(f"box-{agent_id}", "cpu", 2, mem_gib * GiB, mem_gib * GiB,
-                                 speeds=(SpeedInfo("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
+                                 speeds=(Speed("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
         self.link = AgentLink(agent_id, f"127.0.0.1:{5000 + int(agent_id[-1])}", self.caps, self.sent.append)
 
     def registration(self, held: tuple[Assignment, ...] = ()) -> Registration:
@@ -409,7 +409,7 @@ def placed_on(agent: Agent, *, mem_gib: float, site: str, tier: str = "edge") ->
     """The agent with mem_gib of memory and mem_gib times a base speed, at a site."""
     agent.caps = replace(agent.caps, site=site, tier=tier, ram_total_bytes=int(mem_gib * GiB),
                          ram_available_bytes=int(mem_gib * GiB),
-                         speeds=(SpeedInfo("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
+                         speeds=(Speed("torch-cpu", "float32", mem_gib * 1e10, mem_gib * 1e9),))
     agent.link.capabilities = agent.caps
     return agent
 

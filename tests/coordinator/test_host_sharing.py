@@ -7,13 +7,13 @@ import pytest
 
 from stratamesh.coordinator.placement import (DEFAULT_SERVING_CPU_PER_TOKEN_S, Hosts, cpu_shares, fleet_of,
                                               serving_cpu_of)
-from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo, Telemetry
+from stratamesh.fleet.types import Capabilities, GpuInfo, Speed, Telemetry
 from stratamesh.partitioner.cost import StageTables, single_unit
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 GiB = 1 << 30
-CPU = SpeedInfo("torch-cpu", "float32", 100e9, 20e9, step_overhead_s=2e-4, layer_overhead_s=5e-4)
+CPU = Speed("torch-cpu", "float32", 100e9, 20e9, step_overhead_s=2e-4, layer_overhead_s=5e-4)
 
 
 def cpu_agent(host: str, threads: int, cores: int = 2) -> Capabilities:
@@ -34,7 +34,7 @@ def test_agents_whose_threads_outnumber_their_hosts_cores_split_them() -> None:
 
 def test_a_gpu_agent_takes_no_share_of_its_hosts_cores() -> None:
     gpu = GpuInfo(0, "H100", "GPU-1", 80 * GiB, 79 * GiB, "9.0")
-    cuda = SpeedInfo("torch-cuda", "bfloat16", 700e12, 3e12)
+    cuda = Speed("torch-cuda", "bfloat16", 700e12, 3e12)
     agents = {"g": Capabilities("box", "EPYC", 2, 16 * GiB, 12 * GiB, (gpu,), speeds=(CPU, cuda), num_threads=2),
               "c": cpu_agent("box", 2)}
     assert cpu_shares(agents) == {"c": (1.0, 1)}
@@ -58,7 +58,7 @@ def test_a_stages_step_counts_the_step_and_layer_overheads() -> None:
     measured = {d.id: d for d in fleet_of({"a": cpu_agent("box", 2)}).devices}["a"]
     unit = single_unit(measured, profile)
     bare = single_unit(fleet_of({"a": Capabilities("box", "Xeon", 2, 16 * GiB, 12 * GiB, num_threads=2,
-                                                   speeds=(SpeedInfo("torch-cpu", "float32", 100e9, 20e9),))}
+                                                   speeds=(Speed("torch-cpu", "float32", 100e9, 20e9),))}
                                 ).devices[0], profile)
     for start, end in ((0, 1), (0, 3), (2, 6)):
         extra = tables.time_of(unit, start, end) - tables.time_of(bare, start, end)
@@ -79,7 +79,7 @@ def test_each_device_pays_its_hosts_serving_cost_at_its_share_of_the_cores() -> 
     assert devices["a"].token_overhead_s == pytest.approx(4e-4)                   # half a core each
     assert devices["e"].token_overhead_s == DEFAULT_SERVING_CPU_PER_TOKEN_S       # measured nothing: the default
     gpu = GpuInfo(0, "H100", "GPU-1", 80 * GiB, 79 * GiB, "9.0")
-    cuda = SpeedInfo("torch-cuda", "bfloat16", 700e12, 3e12)
+    cuda = Speed("torch-cuda", "bfloat16", 700e12, 3e12)
     g = Capabilities("box", "EPYC", 2, 16 * GiB, 12 * GiB, (gpu,), speeds=(CPU, cuda), num_threads=2)
     (device,) = fleet_of({"g": g}, hosts=Hosts(serving_cpu={"box": 2e-4})).devices
     assert device.token_overhead_s == 2e-4        # a GPU agent's serving path has the cores it needs

@@ -14,21 +14,20 @@ from stratamesh.coordinator.placement import (
 )
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import Capabilities, GpuInfo, SpeedInfo
-from stratamesh.partitioner.fleet_snapshot import Speed
+from stratamesh.fleet.types import Capabilities, GpuInfo, Speed
 from stratamesh.partitioner.plan import PlannedStage
 
 GiB = 1 << 30
 CONFIG = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 2048,
           "torch_dtype": "bfloat16"}
-CUDA = {dtype: SpeedInfo("torch-cuda", dtype, flops, 2e12)
+CUDA = {dtype: Speed("torch-cuda", dtype, flops, 2e12)
         for dtype, flops in (("bfloat16", 4e14), ("float16", 4e14), ("float32", 5e13))}
-CPU_FP32, CPU_BF16 = SpeedInfo("torch-cpu", "float32", 1e11, 1e10), SpeedInfo("torch-cpu", "bfloat16", 3e11, 1e10)
+CPU_FP32, CPU_BF16 = Speed("torch-cpu", "float32", 1e11, 1e10), Speed("torch-cpu", "bfloat16", 3e11, 1e10)
 
 
 def gpu_box(host: str, capability: str, free_gib: tuple[int, ...] = (20,), ranks: int = 1, dtype: str = "",
-            first_index: int = 0, speeds: tuple[SpeedInfo, ...] = (*CUDA.values(), CPU_FP32)) -> Capabilities:
+            first_index: int = 0, speeds: tuple[Speed, ...] = (*CUDA.values(), CPU_FP32)) -> Capabilities:
     gpus = tuple(GpuInfo(first_index + k, "GPU", 24 * GiB, free * GiB, f"{host}-{k}", capability)
                  for k, free in enumerate(free_gib))
     return Capabilities(host, "EPYC", 32, 64 * GiB, 60 * GiB, gpus, ("torch-cpu", "torch-cuda"), speeds,
@@ -36,7 +35,7 @@ def gpu_box(host: str, capability: str, free_gib: tuple[int, ...] = (20,), ranks
 
 
 def cpu_box(host: str, cpu_bf16: bool = False, dtype: str = "",
-            speeds: tuple[SpeedInfo, ...] = (CPU_FP32,)) -> Capabilities:
+            speeds: tuple[Speed, ...] = (CPU_FP32,)) -> Capabilities:
     return Capabilities(host, "Xeon", 16, 32 * GiB, 30 * GiB, speeds=speeds, dtype=dtype, cpu_bf16=cpu_bf16)
 
 
@@ -238,8 +237,8 @@ def test_an_agent_told_to_run_onnxruntime_gets_an_onnxruntime_float32_cpu_stage(
 
 
 # What the 2-core VM measured of torch and ONNX Runtime (agent.speed: decode rates beside the large matmul and copy)
-TORCH_MEASURED = SpeedInfo("torch-cpu", "float32", 2e11, 4e10, 2.2e-4, 1.0e-4, 3.7e10, 1.7e10)
-ORT_MEASURED = SpeedInfo("onnxruntime-cpu", "float32", 2e11, 4e10, 4.2e-4, 1.1e-4, 2.5e10, 3.6e10)
+TORCH_MEASURED = Speed("torch-cpu", "float32", 2e11, 4e10, 2.2e-4, 1.0e-4, 3.7e10, 1.7e10)
+ORT_MEASURED = Speed("onnxruntime-cpu", "float32", 2e11, 4e10, 4.2e-4, 1.1e-4, 2.5e10, 3.6e10)
 FP32_CONFIG = {**CONFIG, "torch_dtype": "float32"}
 
 
@@ -292,7 +291,7 @@ def test_the_planner_picks_each_auto_agents_runtime_by_what_it_measured() -> Non
 
 
 # ------------------------------------------------------------------ int8 weights
-CPU_INT8 = SpeedInfo("torch-cpu", "int8", 1.5e11, 1e10)
+CPU_INT8 = Speed("torch-cpu", "int8", 1.5e11, 1e10)
 
 
 def test_int8_weights_go_to_the_single_process_stages_that_measured_them_and_only_when_asked() -> None:

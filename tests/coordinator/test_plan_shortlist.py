@@ -7,7 +7,7 @@ import random
 import pytest
 
 from stratamesh.coordinator.placement import PLAN_CANDIDATES, SitePins, plan_stages, shortlist
-from stratamesh.fleet.types import Capabilities, SpeedInfo
+from stratamesh.fleet.types import Capabilities, Speed
 
 GiB = 1 << 30
 CONFIG = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 512,
@@ -23,7 +23,7 @@ def fleet(num_agents: int, num_sites: int, seed: int = 7) -> dict[str, Capabilit
 
     return {f"a{i:05d}": Capabilities(f"host-{i}", "cpu", 4, 8 * GiB, int(rng.uniform(0.5, 8) * GiB),
                                       site=f"site-{rng.randrange(num_sites)}",
-                                      speeds=(SpeedInfo("torch-cpu", "float32", speed() * 1e10, speed() * 1e9),))
+                                      speeds=(Speed("torch-cpu", "float32", speed() * 1e10, speed() * 1e9),))
             for i in range(num_agents)}
 
 
@@ -36,9 +36,9 @@ def test_beyond_the_limit_the_fastest_the_roomiest_the_serving_and_the_pinned_si
     agents = fleet(3000, 200)
     slowest = min(agents, key=lambda a: agents[a].speeds[0].flops)
     agents["fast"] = Capabilities("host-fast", "cpu", 4, 8 * GiB, 1 * GiB, site="site-3",
-                                  speeds=(SpeedInfo("torch-cpu", "float32", 1e12, 1e11),))
+                                  speeds=(Speed("torch-cpu", "float32", 1e12, 1e11),))
     agents["roomy"] = Capabilities("host-roomy", "cpu", 4, 64 * GiB, 64 * GiB, site="site-4",
-                                   speeds=(SpeedInfo("torch-cpu", "float32", 1e10, 1e9),))
+                                   speeds=(Speed("torch-cpu", "float32", 1e10, 1e9),))
     pinned = [a for a, caps in agents.items() if caps.site == "site-9"]
     chosen = shortlist(agents, num_stages=2, keep=[slowest], pins=SitePins(first="site-9"))
     assert {"fast", "roomy", slowest} <= set(chosen)

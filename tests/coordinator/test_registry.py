@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from stratamesh.coordinator.registry import (
-    MIGRATIONS, AgentRecord, Registry, SchemaTooNew, StagePlacement)
+    MIGRATIONS, AgentRecord, Registry, SchemaTooNew, StageRecord)
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, SpeedInfo, StageLoad, StageSpec,
+from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, Speed, StageLoad, StageSpec,
                                     Telemetry)
 
 T0 = 1_700_000_000.0
@@ -20,7 +20,7 @@ GPU_BOX = Capabilities("cloud-1", "EPYC", 64, 512 << 30, 480 << 30,
                        gpus=(GpuInfo(0, "H100", 80 << 30, 79 << 30, "GPU-abc"),
                              GpuInfo(1, "H100", 80 << 30, 70 << 30)),
                        backends=("torch-cuda", "torch-cpu"),
-                       speeds=(SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12),), site="eu-west", tier="cloud")
+                       speeds=(Speed("torch-cuda", "bfloat16", 6e14, 2.5e12),), site="eu-west", tier="cloud")
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def reg() -> Registry:
 ALL_VERSIONS = list(range(1, len(MIGRATIONS) + 1))
 
 def _stages(model_id: str, ranges: list[tuple[str, int, int]], num_layers: int,
-            prefix: str) -> list[StagePlacement]:
-    return [StagePlacement(f"{prefix}-{i}", i, agent,
+            prefix: str) -> list[StageRecord]:
+    return [StageRecord(f"{prefix}-{i}", i, agent,
                          StageSpec(model_id, f"/models/{model_id}", start, end, num_layers))
             for i, (agent, start, end) in enumerate(ranges)]
 
@@ -271,7 +271,7 @@ def test_failed_migration_leaves_no_trace(tmp_path: Path) -> None:
 def test_a_stage_keeps_its_kv_block_size(reg: Registry) -> None:
     spec = StageSpec("m", "/models/m", 0, 4, 4, kv_block_size=32)
     reg.add_model("m", "/models/m", 4, {}, now=T0)
-    reg.save_plan("p1", "m", [StagePlacement("p1-0", 0, "a1", spec)], "one", now=T0)
+    reg.save_plan("p1", "m", [StageRecord("p1-0", 0, "a1", spec)], "one", now=T0)
     assert reg.active_plan("m").stages[0].spec == spec
 
 
@@ -281,7 +281,7 @@ def test_a_stage_keeps_its_tp_degree_across_a_restart(tmp_path: Path) -> None:
              StageSpec("m", "/models/m", 4, 6, 6)]
     reg = Registry(path)
     reg.add_model("m", "/models/m", 6, {}, now=T0)
-    reg.save_plan("p1", "m", [StagePlacement(f"p1-{i}", i, agent, spec)
+    reg.save_plan("p1", "m", [StageRecord(f"p1-{i}", i, agent, spec)
                               for i, (agent, spec) in enumerate(zip(["e1", "cloud", "e2"], specs))], "tp", now=T0)
     reg.close()
     again = Registry(path)
@@ -347,7 +347,7 @@ def test_a_models_quantization_and_its_stages_round_trip_across_a_restart(tmp_pa
     reg.add_model("m", "/models/m", 4, {}, now=T0, quantize="int8")
     specs = [StageSpec("m", "/models/m", 0, 2, 4, quantize="int8", kv_cache_bytes=3 << 30),
              StageSpec("m", "/models/m", 2, 4, 4)]
-    reg.save_plan("p1", "m", [StagePlacement(f"p1-{i}", i, f"a{i}", s) for i, s in enumerate(specs)], "q", now=T0)
+    reg.save_plan("p1", "m", [StageRecord(f"p1-{i}", i, f"a{i}", s) for i, s in enumerate(specs)], "q", now=T0)
     reg.close()
     again = Registry(path)
     assert again.model("m").quantize == "int8"

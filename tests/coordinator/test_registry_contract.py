@@ -18,7 +18,7 @@ import pytest
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.credentials import CredentialStore
-from stratamesh.coordinator.records import DrainStatus, StagePlacement
+from stratamesh.coordinator.records import DrainStatus, StageRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.registry_store import (DESIGN_NOTE, AgentStore, EventLog, PlanStore, RegistryStore,
                                                    SqlTables, TelemetryStore, UnsupportedStore, open_registry,
@@ -58,10 +58,10 @@ def store(backend: Backend) -> Iterator[RegistryStore]:
     opened.close()
 
 
-def _stages(model_id: str, agents: list[str], prefix: str, num_layers: int = 8) -> list[StagePlacement]:
+def _stages(model_id: str, agents: list[str], prefix: str, num_layers: int = 8) -> list[StageRecord]:
     """A plan's stages: agents[i] serves an equal share of the layers, in order."""
     bounds = [num_layers * i // len(agents) for i in range(len(agents) + 1)]
-    return [StagePlacement(f"{prefix}-{i}", i, agent, StageSpec(model_id, f"/models/{model_id}", bounds[i],
+    return [StageRecord(f"{prefix}-{i}", i, agent, StageSpec(model_id, f"/models/{model_id}", bounds[i],
                                                                 bounds[i + 1], num_layers))
             for i, agent in enumerate(agents)]
 
@@ -277,8 +277,8 @@ def test_a_moved_stage_takes_its_place_in_the_plan(store: RegistryStore) -> None
     store.set_stage_state("p1-0", "ready")
     old = store.active_plan("m").stages[1]
     with pytest.raises(InvalidInput):
-        store.replace_stage("p1-1", StagePlacement("p1-1-m", 2, "spare", old.spec))    # not its index
-    store.replace_stage("p1-1", StagePlacement("p1-1-m", 1, "spare", old.spec))
+        store.replace_stage("p1-1", StageRecord("p1-1-m", 2, "spare", old.spec))    # not its index
+    store.replace_stage("p1-1", StageRecord("p1-1-m", 1, "spare", old.spec))
     stages = store.active_plan("m").stages
     assert [(s.assignment_id, s.agent_id, s.state) for s in stages] == [
         ("p1-0", "a1", "ready"), ("p1-1-m", "spare", "ready"), ("p1-2", "a3", "pending")]

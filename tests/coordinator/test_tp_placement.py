@@ -13,15 +13,14 @@ from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, fl
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, GpuInfo, Registration, SpeedInfo,
-                                    StageSpec)
-from stratamesh.partitioner.fleet_snapshot import NODE_LINK, SITE_LINK, Device, Link, Speed
+from stratamesh.fleet.types import Assignment, Capabilities, ControlMessage, GpuInfo, Registration, Speed, StageSpec
+from stratamesh.partitioner.fleet_snapshot import NODE_LINK, SITE_LINK, Device, Link
 
 GiB = 1 << 30
 CONFIG = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 2048}
-CPU_SPEED = SpeedInfo("torch-cpu", "float32", 1e11, 1e10)
-CUDA_SPEED = SpeedInfo("torch-cuda", "float32", 5e13, 2e12)
+CPU_SPEED = Speed("torch-cpu", "float32", 1e11, 1e10)
+CUDA_SPEED = Speed("torch-cuda", "float32", 5e13, 2e12)
 
 
 def cpu_box(ranks: int = 1, tier: str = "edge", host: str = "box", mem_gib: int = 8) -> Capabilities:

@@ -13,7 +13,7 @@ from stratamesh.fleet.errors import InvalidInput, StageFailed
 from stratamesh.fleet.types import (
     Assignment, Capabilities, GpuInfo, Hop, KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece,
     LinkMeasurement, Peer, ProbeLinks, Registration, Release, RtcAnswer, RtcOffer, SamplingParams, SessionClose,
-    SessionOpen, Shutdown, SpeedInfo, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
+    SessionOpen, Shutdown, Speed, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent,
 )
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert, gen
@@ -85,7 +85,7 @@ def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_k
 
 
 def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
-    for caps in (Capabilities("b", "c", 1, 1, 1, speeds=(SpeedInfo("torch-cpu", "float32", 0.0, 1e9),)),
+    for caps in (Capabilities("b", "c", 1, 1, 1, speeds=(Speed("torch-cpu", "float32", 0.0, 1e9),)),
                  Capabilities("b", "c", 1, 1, 1, tier="orbit"), Capabilities("b", "c", 1, 1, 1, dtype="int4"),
                  Capabilities("b", "c", 1, 1, 1, runtime="tensorrt")):
         with pytest.raises(InvalidInput):
@@ -94,7 +94,7 @@ def test_capabilities_with_a_bad_speed_or_tier_are_rejected() -> None:
 
 def test_control_messages_round_trip() -> None:
     caps = Capabilities("box", "cpu", 8, 16 << 30, 12 << 30, (GpuInfo(0, "H100", 80 << 30, 70 << 30, "u"),),
-                        ("torch-cpu", "torch-cuda"), (SpeedInfo("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14, 1e12),),
+                        ("torch-cpu", "torch-cuda"), (Speed("torch-cuda", "bfloat16", 6e14, 2.5e12, 3e-5, 1e-5, 4e14, 1e12),),
                         site="eu-west", tier="cloud", dtype="float16", cpu_bf16=True, num_threads=6,
                         runtime="onnxruntime")
     reg = Registration("agent1", "box", "127.0.0.1:5000", caps, (Assignment("p-0", SPEC),), "m1",

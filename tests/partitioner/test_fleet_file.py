@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.partitioner.fleet_snapshot import ORIGIN, Device, Link, Speed
+from stratamesh.partitioner.fleet_snapshot import ORIGIN, Device, Link
+from stratamesh.fleet.types import Speed
 from stratamesh.partitioner.fleet_file import (
     SCHEMA_PATH, _engineering, fleet_from_dict, fleet_json_schema, fleet_schema_text,
 )

@@ -14,11 +14,9 @@ import pytest
 
 from stratamesh.testbed import sim
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import wire_dtype
+from stratamesh.fleet.types import Speed, wire_dtype
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH
-from stratamesh.partitioner.fleet_snapshot import (
-    NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, Speed, fleet_from_dict,
-)
+from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, fleet_from_dict
 from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile, profile_from_hf_config

@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from stratamesh.coordinator.access import AccessStore
-from stratamesh.coordinator.registry import StagePlacement, Registry
+from stratamesh.coordinator.registry import StageRecord, Registry
 from stratamesh.fleet.types import StageSpec
 from stratamesh.up_state import forget_last_run, open_up_state
 
@@ -56,7 +56,7 @@ def test_the_next_up_forgets_the_last_runs_models_and_plans_but_keeps_its_keys(t
     registry = Registry(str(state.registry))
     key, _ = AccessStore(registry).create_key("operator", "bootstrap", NOW)
     registry.add_model("old", "/models/old", 8, {}, now=NOW)
-    stages = [StagePlacement(f"p-{i}", i, f"a{i}", StageSpec("old", "/models/old", 4 * i, 4 * i + 4, 8))
+    stages = [StageRecord(f"p-{i}", i, f"a{i}", StageSpec("old", "/models/old", 4 * i, 4 * i + 4, 8))
               for i in range(2)]
     registry.save_plan("p", "old", stages, "two agents", now=NOW)
     registry.close()
