@@ -294,7 +294,7 @@ class StageEngine:
         feeds: dict[Hop, list[StepChunk]] = {}
         sent_ns = time.time_ns()
         for chunk in batch.chunks:
-            if not chunk.sample:
+            if not chunk.sample or chunk.session_id not in self.sessions:     # (closed while the step ran)
                 continue
             event = _event(chunk, output)
             loop = self.loops.get(chunk.session_id)
@@ -318,7 +318,11 @@ class StageEngine:
         row = 0
         for chunk in batch.chunks:
             length = chunk.end - chunk.begin
-            chunks, rows = groups.setdefault(self.sessions[chunk.session_id].route[0], ([], []))
+            session = self.sessions.get(chunk.session_id)
+            if session is None:             # closed while the step ran: its rows go nowhere
+                row += length
+                continue
+            chunks, rows = groups.setdefault(session.route[0], ([], []))
             chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
                                     chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id))
             rows.append(output.hidden[row:row + length])

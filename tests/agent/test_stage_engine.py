@@ -467,11 +467,6 @@ def test_a_bad_chunk_raises_naming_its_field_and_hurts_no_other_session(model_di
 
 
 # ------------------------------------------------------------ between schedule() and postprocess()
-@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "StageEngine.postprocess looks up every chunk's session in self.sessions (_deliver_tokens: its origin; "
-    "_forward_hidden: its route), so a session closed between schedule() and postprocess() raises KeyError, though "
-    "Scheduler.postprocess skips sessions 'closed (or preempted) while the pass ran'; the data plane closes sessions "
-    "only between steps today, so no served path reaches it"))
 def test_a_session_closed_while_its_step_runs_gets_nothing_and_the_others_their_tokens(model_dir: Path) -> None:
     engine = make_engine(model_dir)
     mesh = Mesh(engine)
