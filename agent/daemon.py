@@ -9,8 +9,11 @@ import socket
 import sys
 import threading
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
+import grpc
 import torch
 
 from stratamesh.agent.control import ControlClient, ControlRefused, Identity, Signalling
@@ -29,8 +32,8 @@ from stratamesh.agent.weights import WeightFetcher
 from stratamesh.fleet import discovery
 from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.state import cache_home
-from stratamesh.fleet.tracing import span_store
-from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.tracing import SpanStore, span_store
+from stratamesh.fleet.types import Capabilities, Telemetry
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc
@@ -109,38 +112,22 @@ def exit_now(reason: str) -> None:
     os._exit(1)
 
 
-async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
-    """Runs the agent until stop is set."""
-    keep_freed_memory()
-    if options.num_threads > 0:
-        torch.set_num_threads(options.num_threads)
-    # One browser finds the coordinator to enroll and then to connect: the second find answers from its cache at
-    # once, where a second browser's query waited ~1.1 s (mDNS multicasts a record at most once a second).
-    browser = discovery.Browser(interfaces=list(options.interfaces))
-    try:
-        use_tls(await _mesh_tls(options, browser))   # before anything listens or dials
-    except BaseException:
-        await browser.close()
-        raise
-    loop, group_failures = asyncio.get_running_loop(), []
+@dataclass(slots=True)
+class _StageServer:
+    """The agent's gRPC server: its Stage service (and the Link and Weights services beside it), where it listens."""
 
-    def group_down(reason: str) -> None:
-        group_failures.append(reason)
-        stop.set()
+    server: grpc.aio.Server
+    service: StageService
+    signalling: Signalling
+    weights: WeightFetcher
+    port: int
+    address: str            # host:port peers dial
 
-    def group_failed(reason: str) -> None:      # on whichever thread saw it; the loop may be stuck in a collective
-        deadline = threading.Timer(GROUP_FAILURE_EXIT_S, exit_now, (f"{reason}; the agent did not shut down "
-                                                                    f"within {GROUP_FAILURE_EXIT_S:.0f} s",))
-        deadline.daemon = True
-        deadline.start()
-        loop.call_soon_threadsafe(group_down, reason)
-    # A tensor-parallel stage whose group went down cannot serve again: the agent exits, the coordinator sees it
-    # gone (its sessions fail over, its stages are re-planned), and whatever supervises the agent restarts it.
-    host = StageHost(options.engine, group_failed)
-    metrics = AgentMetrics()
-    spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
-    # a next stage behind NAT is reached over WebRTC, signalled over the control stream; so are this agent's stages
-    # by peers outside its NAT, if it is behind one
+
+async def _serve_stages(options: AgentOptions, host: StageHost, metrics: AgentMetrics,
+                        spans: SpanStore) -> _StageServer:
+    """Starts the Stage, Link and Weights services. A next stage behind NAT is reached over WebRTC, signalled over
+    the control stream; so are this agent's stages by peers outside its NAT, if it is behind one."""
     rtc.offer_addresses([options.advertise_host or options.host])
     signalling = Signalling()
     service = StageService(host, options.agent_id, StageObserver(options.agent_id, metrics, spans),
@@ -157,19 +144,76 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     port = bind(server, options.host, options.port)
     await server.start()
     service.start()
-    stage_address = f"{options.advertise_host or options.host}:{port}"
-    service.address = stage_address
+    service.address = f"{options.advertise_host or options.host}:{port}"
+    return _StageServer(server, service, signalling, weights, port, service.address)
+
+
+async def _find_coordinator(options: AgentOptions, browser: discovery.Browser) -> str:
+    """The coordinator's host:port: --coordinator, else the one of the agent's mesh that zeroconf finds."""
+    if options.coordinator:
+        return options.coordinator
+    record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
+    return f"{record.host}:{record.port}"
+
+
+def _on_group_failure(stop: asyncio.Event, failures: list[str]) -> Callable[[str], None]:
+    """What a tensor-parallel stage calls when its group went down (on whichever thread saw it; the loop may be stuck
+    in a collective): the agent stops, and exits at once if it has not within GROUP_FAILURE_EXIT_S. Such a stage
+    cannot serve again: the coordinator sees the agent gone (its sessions fail over, its stages are re-planned), and
+    whatever supervises the agent restarts it."""
+    loop = asyncio.get_running_loop()
+
+    def down(reason: str) -> None:
+        failures.append(reason)
+        stop.set()
+
+    def failed(reason: str) -> None:
+        deadline = threading.Timer(GROUP_FAILURE_EXIT_S, exit_now, (f"{reason}; the agent did not shut down "
+                                                                    f"within {GROUP_FAILURE_EXIT_S:.0f} s",))
+        deadline.daemon = True
+        deadline.start()
+        loop.call_soon_threadsafe(down, reason)
+    return failed
+
+
+def _telemetry(options: AgentOptions, host: StageHost, stages: _StageServer, metrics: AgentMetrics,
+               capabilities: Capabilities) -> Callable[[], Awaitable[Telemetry]]:
+    """What each heartbeat carries: the stages' load and the box's, and, while its owner's limits rest the agent,
+    why; the agent's /metrics follow it."""
+    sampler = TelemetrySampler(host, stages.service.inbox_depth, has_gpus=bool(capabilities.gpus))
+    watch = OwnerWatch(options.owner_limits, options.sensor_file) if options.owner_limits.any else None
+
+    async def sample() -> Telemetry:
+        telemetry = await sampler.sample()
+        if watch is not None:
+            telemetry = watch.check(telemetry)
+        metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
+        return telemetry
+    return sample
+
+
+async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
+    """Runs the agent until stop is set."""
+    keep_freed_memory()
+    if options.num_threads > 0:
+        torch.set_num_threads(options.num_threads)
+    # One browser finds the coordinator to enroll and then to connect: the second find answers from its cache at
+    # once, where a second browser's query waited ~1.1 s (mDNS multicasts a record at most once a second).
+    browser = discovery.Browser(interfaces=list(options.interfaces))
+    try:
+        use_tls(await _mesh_tls(options, browser))   # before anything listens or dials
+    except BaseException:
+        await browser.close()
+        raise
+    group_failures: list[str] = []
+    host = StageHost(options.engine, _on_group_failure(stop, group_failures))
+    metrics = AgentMetrics()
+    spans = span_store(f"stratamesh-agent-{options.agent_id}", options.traces_json, options.otlp_traces_endpoint)
+    stages = await _serve_stages(options, host, metrics, spans)
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(
         kind="agent", instance=f"{options.name}-{options.agent_id}", mesh=options.mesh,
-        host=options.advertise_host or options.host, port=port,
-        properties={"agent_id": options.agent_id}))
-
-    async def find_coordinator() -> str:
-        if options.coordinator:
-            return options.coordinator
-        record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
-        return f"{record.host}:{record.port}"
+        host=options.advertise_host or options.host, port=stages.port, properties={"agent_id": options.agent_id}))
 
     metrics_server, metrics_address = None, ""
     if options.metrics_port is not None:
@@ -177,22 +221,14 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
     capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks,
                          dtype=options.dtype, use_gpus=options.use_gpus, runtime=options.runtime)
-    identity = Identity(options.agent_id, options.name, stage_address, options.mesh, capabilities, metrics_address)
-    sampler = TelemetrySampler(host, service.inbox_depth, has_gpus=bool(capabilities.gpus))
-    watch = OwnerWatch(options.owner_limits, options.sensor_file) if options.owner_limits.any else None
-
-    async def sample() -> Telemetry:
-        telemetry = await sampler.sample()
-        if watch is not None:           # while the owner's limits rest the agent, its telemetry says why
-            telemetry = watch.check(telemetry)
-        metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
-        return telemetry
-
-    control_client = ControlClient(identity, host, find_coordinator, telemetry=sample,
-                                   on_shutdown=lambda reason: stop.set(), weights=weights, signalling=signalling)
+    identity = Identity(options.agent_id, options.name, stages.address, options.mesh, capabilities, metrics_address)
+    control_client = ControlClient(identity, host, partial(_find_coordinator, options, browser),
+                                   telemetry=_telemetry(options, host, stages, metrics, capabilities),
+                                   on_shutdown=lambda reason: stop.set(), weights=stages.weights,
+                                   signalling=stages.signalling)
     control = asyncio.create_task(control_client.run())
-    log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stage_address, options.mesh)
-    print(f"stratamesh agent: id={options.agent_id} stage={stage_address} metrics={metrics_address or '-'}",
+    log.info("agent %s serving stages on %s (mesh %s)", options.agent_id, stages.address, options.mesh)
+    print(f"stratamesh agent: id={options.agent_id} stage={stages.address} metrics={metrics_address or '-'}",
           flush=True)
     try:
         await stop.wait()
@@ -201,8 +237,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         await asyncio.gather(control, return_exceptions=True)
         await advertiser.close()
         await browser.close()
-        await service.close()
-        await server.stop(grace=1.0)
+        await stages.service.close()
+        await stages.server.stop(grace=1.0)
         host.close()
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -92,7 +92,7 @@ class CoordinatorOptions:
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (serving.router)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
-    codec_policy: str = "auto"           # which codec activations cross links in: --wire-codec (partitioner/wire_codec.py)
+    codec_policy: str = "auto"           # the codec activations cross links in: --wire-codec (partitioner/wire_codec.py)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -192,6 +192,48 @@ async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: R
     return _Enrollment(enroller, revoker, server, port)
 
 
+def _access(options: CoordinatorOptions, registry: RegistryStore, enrollment: _Enrollment | None) -> AccessStore | None:
+    """Who may call the APIs (None in insecure mode); for `up`, the credentials it prints, kept in a file."""
+    access = None if options.insecure else AccessStore(registry)
+    if options.bootstrap_file and enrollment is not None and access is not None:
+        write_bootstrap(options.bootstrap_file, enrollment.enroller, access, time.time())
+    return access
+
+
+def _deployer(options: CoordinatorOptions, registry: RegistryStore, sessions: SessionTable) -> Deployer:
+    """The control plane, started from the registry (agents it knew are expected back), with the options' models."""
+    deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
+                        sessions=sessions, codec_policy=options.codec_policy)
+    deployer.start()
+    for model in options.models:
+        deployer.plans.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
+                                 model.num_replicas)
+    return deployer
+
+
+def _collect(metrics: ApiMetrics, registry: RegistryStore, deployer: Deployer, requests: RequestLog) -> None:
+    """/metrics beyond the API's own: the fleet, the origin's generations, the links' codecs, the control plane."""
+    metrics.register(FleetCollector(deployer.roster.telemetry, lambda: active_stages(registry)))
+    metrics.register(OriginCollector(requests.stats))
+    metrics.register(LinkCodecCollector(deployer.codec_links))
+    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans.num_computed, deployer.roster.liveness))
+
+
+async def _advertise(options: CoordinatorOptions, host: str, grpc_port: int, http_port: int,
+                     enroll_port: int | None) -> discovery.Advertiser:
+    """Advertises the coordinator on zeroconf, and says where it listens (`up` and LocalMesh read the line)."""
+    enroll = f"{host}:{enroll_port}" if enroll_port else "-"
+    advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
+    await advertiser.start(discovery.ServiceRecord(
+        kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh, host=host, port=grpc_port,
+        properties={"http": str(http_port), **({"enroll": str(enroll_port)} if enroll_port else {})}))
+    log.info("coordinator of mesh %s: grpc %s:%d, http %s:%d, enroll %s", options.mesh, host, grpc_port,
+             options.host, http_port, enroll)
+    print(f"stratamesh coordinator: http=http://{options.host}:{http_port} grpc={host}:{grpc_port} enroll={enroll}",
+          flush=True)
+    return advertiser
+
+
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
     """Runs the coordinator until stop is set."""
     registry = open_registry(options.db)
@@ -208,19 +250,11 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     rtc.offer_addresses([advertise_host])
     sessions = SessionTable(spans=spans, on_hop=last_hop.observe,
                             rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
-    deployer = Deployer(registry, clock=time.time, liveness=options.liveness, origin_host=socket.gethostname(),
-                        sessions=sessions, codec_policy=options.codec_policy)
-    deployer.start()
-    for model in options.models:
-        deployer.plans.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
-                                 model.num_replicas)
+    deployer = _deployer(options, registry, sessions)
     requests = RequestLog(spans, options.trace_sample_rate)
     origin = Origin(f"{advertise_host}:{grpc_port}", deployer,
                     Router(deployer.routes, options.router_mode, options.disaggregation), sessions, requests)
-    metrics.register(FleetCollector(deployer.roster.telemetry, lambda: active_stages(registry)))
-    metrics.register(OriginCollector(requests.stats))
-    metrics.register(LinkCodecCollector(deployer.codec_links))
-    metrics.register(ControlPlaneCollector(registry, lambda: deployer.plans.num_computed, deployer.roster.liveness))
+    _collect(metrics, registry, deployer, requests)
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)
     pb_grpc.add_ControlServicer_to_server(control, server)
@@ -234,21 +268,11 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     drainer.resume()                # drains a previous run of this coordinator left half done
     admin = MeshAdmin(registry, requests, control.metrics_addresses, drainer, deployer, metrics.live,
                       revoker=enrollment.revoker if enrollment else None, disaggregation=options.disaggregation)
-    access = None if options.insecure else AccessStore(registry)
-    if options.bootstrap_file and enrollment is not None and access is not None:
-        write_bootstrap(options.bootstrap_file, enrollment.enroller, access, time.time())
+    access = _access(options, registry, enrollment)
     http, http_task, http_port = await _serve_http(origin, admin, metrics, access, options)
 
-    enroll = f"{advertise_host}:{enrollment.port}" if enrollment else "-"
-    advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
-    await advertiser.start(discovery.ServiceRecord(
-        kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh,
-        host=advertise_host, port=grpc_port,
-        properties={"http": str(http_port), **({"enroll": str(enrollment.port)} if enrollment else {})}))
-    log.info("coordinator of mesh %s: grpc %s:%d, http %s:%d, enroll %s", options.mesh, advertise_host,
-             grpc_port, options.host, http_port, enroll)
-    print(f"stratamesh coordinator: http=http://{options.host}:{http_port} "
-          f"grpc={advertise_host}:{grpc_port} enroll={enroll}", flush=True)
+    advertiser = await _advertise(options, advertise_host, grpc_port, http_port,
+                                  enrollment.port if enrollment else None)
     ticker = asyncio.create_task(_tick(deployer))
     origin_links = asyncio.create_task(OriginLinkProber(deployer.roster, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))

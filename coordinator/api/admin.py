@@ -62,11 +62,18 @@ class Admin(Protocol):
 
 def admin_router(admin: Admin) -> APIRouter:
     """The /admin/api routes over admin."""
-    views = SharedView(admin)
     router = APIRouter(prefix="/admin/api", tags=["admin"], responses={
         400: {"description": "a malformed request (OpenAI's error shape)"},
         404: {"description": "no such agent, model or request"}, **error_responses(401, 403, 413)})
+    _add_agent_pages(router, admin)
+    _add_model_routes(router, admin)
+    _add_live_routes(router, admin, SharedView(admin))
+    _add_agent_actions(router, admin)
+    _add_request_routes(router, admin)
+    return router
 
+
+def _add_agent_pages(router: APIRouter, admin: Admin) -> None:
     @router.get("/agents", response_model=schemas.AgentsPage)
     async def agents(request: Request,
                      limit: int = Query(schemas.DEFAULT_AGENTS_PAGE, ge=1, le=schemas.MAX_AGENTS_PAGE),
@@ -84,6 +91,9 @@ def admin_router(admin: Admin) -> APIRouter:
         page = await admin.agents_page(AgentQuery(limit, after, site, state, tier, serving, q))
         return JSONResponse(page)   # the shape is AgentsPage's; validating 10,000 agents again would double the cost
 
+
+def _add_model_routes(router: APIRouter, admin: Admin) -> None:
+    """Models and their plans: read, deploy, re-plan."""
     @router.get("/plans", response_model=schemas.Plans)
     async def plans() -> dict[str, Any]:
         """Each model's active plan and its standby: which agent serves which layers."""
@@ -115,6 +125,9 @@ def admin_router(admin: Admin) -> APIRouter:
         except (PlacementError, InvalidInput) as exc:
             return error_response(ApiError(409, str(exc), code="replan_refused"))
 
+
+def _add_live_routes(router: APIRouter, admin: Admin, views: SharedView) -> None:
+    """What the admin UI watches: live stats, events, the fleet's snapshot and its stream, an agent's telemetry."""
     @router.get("/stats", response_model=schemas.Stats)
     async def stats(seconds: int = Query(300, ge=1, le=600)) -> dict[str, Any]:
         """Tokens/s, requests/s, TTFT and ITL p50/p99 (over 10 s) and the queue, one point per second."""
@@ -144,6 +157,9 @@ def admin_router(admin: Admin) -> APIRouter:
     async def telemetry(agent_id: str, since: float = 0.0, limit: int = Query(300, ge=1, le=10_000)) -> Response:
         return JSONResponse({"agent_id": agent_id, "telemetry": admin.telemetry(agent_id, since, limit)})
 
+
+def _add_agent_actions(router: APIRouter, admin: Admin) -> None:
+    """The operator's actions on an agent: drain it, revoke it."""
     @router.post("/agents/{agent_id}/drain", status_code=202, response_model=schemas.Drain,
                  responses={409: {"description": "no spare agent can take a stage, or it is being drained"}})
     async def drain(agent_id: str) -> Any:
@@ -174,6 +190,9 @@ def admin_router(admin: Admin) -> APIRouter:
         except MeshError as exc:
             return error_response(ApiError(409, str(exc), code="revoke_refused"))
 
+
+def _add_request_routes(router: APIRouter, admin: Admin) -> None:
+    """The links measured, and the requests served with their traces."""
     @router.get("/links", response_model=schemas.Links)
     async def links() -> dict[str, Any]:
         """The newest measurement of each link (round trip and bulk rate), between agents and to the origin."""
@@ -193,8 +212,6 @@ def admin_router(admin: Admin) -> APIRouter:
             return JSONResponse(await admin.request_trace(request_id))
         except LookupError as exc:
             return error_response(ApiError(404, str(exc), code="request_not_found"))
-
-    return router
 
 
 _AGENT_PARAMS = frozenset({"limit", "after", "site", "state", "tier", "serving", "q"})
