@@ -122,15 +122,18 @@ class Generation(_Request):
                 record.route = tuple(prefill or route)
                 left = self._stops.left(len(emitted))
                 decode = (1 if prefill else left or 0, tuple(sorted(self._stops.token_ids)))
+                hand_off_to = route if prefill else None
                 attempt = Attempt(run, prefill or route, block_size, self._prompt + emitted,
                                   first=not emitted, resume_from=moved.session_id if moved else "", decode=decode)
-                resumed, moved = moved, None
-                async with aclosing(attempt.tokens(self._stops, len(emitted), route if prefill else None)) as tokens:
-                    async for token in tokens:
-                        emitted.append(token)
-                        yield token
-                if resumed is not None:     # resumed, or given up: no stage holds that session for it any more
-                    run.sessions.moved(resumed.session_id)
+                resuming, moved = moved, None
+                try:
+                    async with aclosing(attempt.tokens(self._stops, len(emitted), hand_off_to)) as tokens:
+                        async for token in tokens:
+                            emitted.append(token)
+                            yield token
+                finally:
+                    if resuming is not None:    # resumed, or given up: no stage holds it for this request any more
+                        run.sessions.moved(resuming.session_id)
                 match attempt.outcome:
                     case Done():
                         return

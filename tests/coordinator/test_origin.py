@@ -245,6 +245,22 @@ async def test_a_move_whose_resume_loses_its_route_leaves_no_session_behind(orig
     assert origin.sessions.assignments_in_use() == set()
 
 
+async def test_a_move_whose_resume_fails_leaves_no_session_behind(origin: Origin, stages: Stages) -> None:
+    first, second = await stages.add(), await stages.add()
+    gen = origin.generation(RouteScript(*stages.routes), max_tokens=3)
+    reader = asyncio.ensure_future(collect(gen))
+    await first.next(SessionOpen)
+    origin.token("r.0", 0, -1, opened=True)
+    origin.sessions.move_off(stages.routes[0][0].address)
+    origin.token("r.0", 1, 71, held=True)
+    await second.next(SessionOpen)
+    origin.token("r.1", 0, -1, error="out of memory", error_stage="s2")
+    with pytest.raises(StageFailed, match="out of memory"):
+        await asyncio.wait_for(reader, WAIT_S)
+    assert origin.sessions.sessions_through(stages.routes[0][0].address) == 0
+    assert origin.log.recent["r"].state == "failed"
+
+
 async def test_the_caller_closing_a_generation_closes_its_session(origin: Origin, stages: Stages) -> None:
     stage = await stages.add()
     gen = origin.generation(RouteScript(stages.routes[0]), max_tokens=None)
