@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 import grpc
 
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.weights import WeightFetcher
-from stratamesh.fleet.errors import MeshError, Refused, StageFailed
+from stratamesh.fleet.errors import InvalidAssignment, InvalidInput, MeshError, Refused, StageFailed
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.states import StageState
-from stratamesh.fleet.types import Capabilities, KvEvents, Registration, RtcAnswer, RtcOffer, StageStatus, Telemetry
+from stratamesh.fleet.types import (AgentMessage, Assignment, Capabilities, Heartbeat, KvEventReport, KvEvents,
+                                    LinkReport, ProbeLinks, Registration, Release, RevokedSerials, RtcAnswer, RtcOffer,
+                                    Shutdown, StageStatus, Telemetry, Welcome)
 from stratamesh.fleet.wire import convert, rtc
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -23,7 +25,6 @@ from stratamesh.fleet.wire.rtc import DataChannel
 
 log = logging.getLogger(__name__)
 
-_CLOSE = object()
 # How often the stages' prefix-cache changes go to the coordinator's router, and the block hashes one message
 # carries at most (a stage's whole cache, after a reconnect, may take several).
 KV_EVENTS_EVERY_S = 0.05
@@ -48,13 +49,17 @@ class Identity:
     metrics_address: str = ""
 
 
+# What an agent's control stream carries up, in order; None ends the stream.
+Outbox = asyncio.Queue[AgentMessage | None]
+
+
 class Signalling:
     """The agent's WebRTC signalling over its control stream: its offers go out and their answers come back matched
     by call id; offers from peers are answered (as accept() decides) and their data channels go to on_channel."""
 
     def __init__(self, on_channel: Callable[[DataChannel], None] = lambda channel: None):
         self.on_channel = on_channel     # gets each data channel a peer opened to this agent
-        self._outbox: asyncio.Queue[object] | None = None
+        self._outbox: Outbox | None = None
         self._waiting: dict[str, asyncio.Future[RtcAnswer]] = {}
         self.nat = ""       # the address this agent's connections come from, if it is behind NAT (the coordinator says)
 
@@ -63,32 +68,22 @@ class Signalling:
         if self._outbox is None:
             raise StageFailed(f"cannot signal {offer.peer_id}: not connected to the coordinator")
         answer = self._waiting[offer.call_id] = asyncio.get_running_loop().create_future()
-        self._outbox.put_nowait(pb.AgentMessage(rtc_offer=convert.rtc_offer_to_pb(offer)))
+        self._outbox.put_nowait(offer)
         try:
             return await answer
         finally:
             self._waiting.pop(offer.call_id, None)
 
-    def answered(self, message: pb.RtcAnswer) -> None:
-        try:
-            answer = convert.rtc_answer_from_pb(message)
-        except MeshError as exc:
-            log.warning("the coordinator relayed a bad rtc_answer: %s", exc)
-            return
+    def answered(self, answer: RtcAnswer) -> None:
         waiting = self._waiting.get(answer.call_id)
         if waiting is not None and not waiting.done():
             waiting.set_result(answer)
 
-    async def offered(self, outbox: asyncio.Queue[object], message: pb.RtcOffer) -> None:
-        try:
-            offer = convert.rtc_offer_from_pb(message)
-        except MeshError as exc:
-            log.warning("the coordinator relayed a bad rtc_offer: %s", exc)
-            return
+    async def offered(self, outbox: Outbox, offer: RtcOffer) -> None:
         answer, _ = await rtc.accept(offer, self.on_channel)
-        outbox.put_nowait(pb.AgentMessage(rtc_answer=convert.rtc_answer_to_pb(answer)))
+        outbox.put_nowait(answer)
 
-    def attach(self, outbox: asyncio.Queue[object] | None, nat: str = "") -> None:
+    def attach(self, outbox: Outbox | None, nat: str = "") -> None:
         """The control stream's outbox while one is up (None: none is); the calls waiting on the old one fail."""
         self._outbox, self.nat = outbox, nat
         if outbox is None:
@@ -143,56 +138,53 @@ class ControlClient:
             await asyncio.sleep(min(self._retry_s * 2 ** min(failures, 4), 2.0))
 
     async def _session(self, address: str) -> None:
-        outbox: asyncio.Queue[object] = asyncio.Queue()
-        outbox.put_nowait(convert.registration_to_pb(self._registration()))
+        outbox: Outbox = asyncio.Queue()
+        outbox.put_nowait(self._registration())
         channel = make_channel(address)
         heartbeat: asyncio.Task[None] | None = None
         kv_events: asyncio.Task[None] | None = None
         tasks: set[asyncio.Task[None]] = set()
         try:
-            call = pb_grpc.ControlStub(channel).Connect(_drain(outbox))
-            async for message in call:
-                kind = message.WhichOneof("kind")
-                if kind == "welcome":
-                    # again on the same stream: the fleet grew or shrank, and heartbeats go at another pace
-                    interval_s = message.welcome.heartbeat_interval_s
-                    if heartbeat is None:
-                        log.info("registered with coordinator %s as %s%s", address, message.welcome.agent_id,
-                                 f" (behind NAT, seen from {message.welcome.nat})" if message.welcome.nat else "")
-                        kv_events = asyncio.create_task(self._kv_events(outbox))
-                    else:
-                        log.info("heartbeats every %.1f s from now on", interval_s)
-                        heartbeat.cancel()
-                    self.signalling.attach(outbox, message.welcome.nat)
-                    self.connected.set()
-                    heartbeat = asyncio.create_task(self._heartbeat(outbox, interval_s))
-                elif kind == "assign":
-                    task = asyncio.create_task(self._assign(outbox, message.assign, channel))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                elif kind == "release":
-                    await self._release(outbox, message.release.assignment_id)
-                elif kind == "probe_links":
-                    task = asyncio.create_task(self._probe_links(outbox, message.probe_links))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                elif kind == "revocations":
-                    revoked.replace(convert.revocations_from_pb(message.revocations))
-                elif kind == "rtc_offer":
-                    task = asyncio.create_task(self.signalling.offered(outbox, message.rtc_offer))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                elif kind == "rtc_answer":
-                    self.signalling.answered(message.rtc_answer)
-                elif kind == "shutdown":
-                    log.info("the coordinator asks this agent to exit: %s", message.shutdown.reason)
-                    self._on_shutdown(message.shutdown.reason)
+            async for received in pb_grpc.ControlStub(channel).Connect(_drain(outbox)):
+                try:
+                    message = convert.coordinator_message_from_pb(received)
+                except InvalidInput as exc:
+                    _refuse(outbox, exc)
+                    continue
+                match message:
+                    case Welcome(agent_id, interval_s, nat):
+                        # again on the same stream: the fleet grew or shrank, and heartbeats go at another pace
+                        if heartbeat is None:
+                            log.info("registered with coordinator %s as %s%s", address, agent_id,
+                                     f" (behind NAT, seen from {nat})" if nat else "")
+                            kv_events = asyncio.create_task(self._kv_events(outbox))
+                        else:
+                            log.info("heartbeats every %.1f s from now on", interval_s)
+                            heartbeat.cancel()
+                        self.signalling.attach(outbox, nat)
+                        self.connected.set()
+                        heartbeat = asyncio.create_task(self._heartbeat(outbox, interval_s))
+                    case Assignment():
+                        _spawn(tasks, self._assign(outbox, message, channel))
+                    case Release(assignment_id):
+                        await self._release(outbox, assignment_id)
+                    case ProbeLinks():
+                        _spawn(tasks, self._probe_links(outbox, message))
+                    case RevokedSerials(serials):
+                        revoked.replace(serials)
+                    case RtcOffer():
+                        _spawn(tasks, self.signalling.offered(outbox, message))
+                    case RtcAnswer():
+                        self.signalling.answered(message)
+                    case Shutdown(reason):
+                        log.info("the coordinator asks this agent to exit: %s", reason)
+                        self._on_shutdown(reason)
         finally:
             self.signalling.attach(None)
             for task in (heartbeat, kv_events):
                 if task is not None:
                     task.cancel()
-            outbox.put_nowait(_CLOSE)
+            outbox.put_nowait(None)
             await channel.close(grace=None)
 
     def _registration(self) -> Registration:
@@ -200,7 +192,7 @@ class ControlClient:
         return Registration(i.agent_id, i.name, i.stage_address, i.capabilities,
                             tuple(self._host.assignments()), i.mesh, i.metrics_address)
 
-    async def _heartbeat(self, outbox: asyncio.Queue[object], interval_s: float) -> None:
+    async def _heartbeat(self, outbox: Outbox, interval_s: float) -> None:
         seq = 0
         while True:
             seq += 1
@@ -210,55 +202,56 @@ class ControlClient:
                     telemetry = await self._telemetry()
                 except Exception:  # a heartbeat without telemetry still says the agent is alive
                     log.warning("could not take telemetry", exc_info=True)
-            outbox.put_nowait(convert.heartbeat_to_pb(seq, self._host.num_sessions, telemetry))
+            outbox.put_nowait(Heartbeat(seq, self._host.num_sessions, telemetry))
             await asyncio.sleep(max(interval_s, 0.05))
 
-    async def _kv_events(self, outbox: asyncio.Queue[object]) -> None:
+    async def _kv_events(self, outbox: Outbox) -> None:
         """Reports the stages' prefix-cache changes as they happen; the first report is everything they hold (this
         coordinator, or this stream of it, knows nothing yet)."""
         resend_all = True
         while True:
             for message in _messages(self._host.kv_events(resend_all)):
-                outbox.put_nowait(convert.kv_events_to_pb(message))
+                outbox.put_nowait(KvEventReport(tuple(message)))
             resend_all = False
             await asyncio.sleep(KV_EVENTS_EVERY_S)
 
-    async def _assign(self, outbox: asyncio.Queue[object], message: pb.Assignment,
-                      coordinator: grpc.aio.Channel) -> None:
-        try:
-            assignment = convert.assignment_from_pb(message)
-        except MeshError as exc:
-            outbox.put_nowait(convert.stage_status_to_pb(
-                StageStatus(message.assignment_id, StageState.FAILED, str(exc))))
-            return
-        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment.assignment_id, StageState.LOADING)))
+    async def _assign(self, outbox: Outbox, assignment: Assignment, coordinator: grpc.aio.Channel) -> None:
+        outbox.put_nowait(StageStatus(assignment.assignment_id, StageState.LOADING))
         try:
             spec = assignment.stage
             if self._weights is not None:
-                spec = await self._weights.localize(
-                    assignment.assignment_id, spec, coordinator,
-                    lambda progress: outbox.put_nowait(convert.weights_progress_to_pb(progress)))
+                spec = await self._weights.localize(assignment.assignment_id, spec, coordinator, outbox.put_nowait)
             param_bytes = await self._host.load(assignment, spec)
             status = StageStatus(assignment.assignment_id, StageState.READY, param_bytes=param_bytes)
         except Exception as exc:  # a stage that cannot load is reported, never fatal to the agent
             log.exception("could not load %s", assignment.assignment_id)
             status = StageStatus(assignment.assignment_id, "failed", f"{type(exc).__name__}: {exc}")
-        outbox.put_nowait(convert.stage_status_to_pb(status))
+        outbox.put_nowait(status)
 
-    async def _release(self, outbox: asyncio.Queue[object], assignment_id: str) -> None:
+    async def _release(self, outbox: Outbox, assignment_id: str) -> None:
         self._host.release(assignment_id)
-        outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assignment_id, StageState.RELEASED)))
+        outbox.put_nowait(StageStatus(assignment_id, StageState.RELEASED))
 
-    async def _probe_links(self, outbox: asyncio.Queue[object], message: pb.ProbeLinks) -> None:
+    async def _probe_links(self, outbox: Outbox, probe: ProbeLinks) -> None:
         """Measures the links to the peers the coordinator named and reports them (failures included)."""
-        try:
-            peers = convert.probe_links_from_pb(message)
-        except MeshError as exc:
-            log.warning("the coordinator asked for a bad link probe: %s", exc)
-            return
         async with self._probing:
-            measurements = await measure_peers(peers)
-        outbox.put_nowait(convert.link_report_to_pb(measurements))
+            measurements = await measure_peers(probe.peers)
+        outbox.put_nowait(LinkReport(tuple(measurements)))
+
+
+def _refuse(outbox: Outbox, exc: InvalidInput) -> None:
+    """Skips a message from the coordinator that failed validation; a bad assignment is reported failed."""
+    if isinstance(exc, InvalidAssignment):
+        outbox.put_nowait(StageStatus(exc.assignment_id, StageState.FAILED, str(exc)))
+    else:
+        log.warning("the coordinator sent a bad message: %s", exc)
+
+
+def _spawn(tasks: set[asyncio.Task[None]], work: Coroutine[object, object, None]) -> None:
+    """Runs work as a task held in tasks until it is done (the event loop keeps only weak references)."""
+    task = asyncio.create_task(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 def _messages(reports: list[KvEvents], max_hashes: int = MAX_HASHES_PER_MESSAGE) -> list[list[KvEvents]]:
@@ -287,10 +280,7 @@ def _messages(reports: list[KvEvents], max_hashes: int = MAX_HASHES_PER_MESSAGE)
     return messages
 
 
-async def _drain(outbox: asyncio.Queue[object]) -> AsyncIterator[object]:
-    while True:
-        message = await outbox.get()
-        if message is _CLOSE:
-            return
-        yield message
-
+async def _drain(outbox: Outbox) -> AsyncIterator[pb.AgentMessage]:
+    """The outbox's messages as the control stream carries them, until None."""
+    while (message := await outbox.get()) is not None:
+        yield convert.agent_message_to_pb(message)

@@ -20,6 +20,14 @@ class InvalidInput(MeshError):
     """A request, message or file failed validation; the message names the field."""
 
 
+class InvalidAssignment(InvalidInput):
+    """An assignment failed validation; assignment_id says which, so its agent can report that stage failed."""
+
+    def __init__(self, assignment_id: str, reason: str):
+        super().__init__(reason)
+        self.assignment_id = assignment_id
+
+
 class ModelNotFound(MeshError):
     """No model of that name is deployed on the mesh."""
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.states import RouterMode, Runtime, StageState
+from stratamesh.fleet.weights import WeightsProgress
 
 DTYPES = ("float32", "float16", "bfloat16")
 RUNTIMES = (Runtime.TORCH, Runtime.ONNXRUNTIME)   # what computes a stage's layers (on its device)
@@ -496,10 +497,6 @@ class ProbeLinks:
     peers: tuple[Peer, ...]
 
 
-# What the coordinator's domain code sends an agent over its control stream (the control service converts it).
-ControlMessage = Assignment | Release | Shutdown | ProbeLinks
-
-
 @dataclass(frozen=True, slots=True)
 class RtcOffer:
     """A WebRTC offer on its way through the coordinator: from the caller, peer_id names the callee; to the callee,
@@ -531,3 +528,52 @@ class LinkMeasurement:
     rtt_s: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
     error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """An agent to the coordinator: it is alive, serves num_sessions sessions, and took this telemetry (or none)."""
+
+    seq: int
+    num_sessions: int = 0
+    telemetry: Telemetry | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReport:
+    """An agent to the coordinator: its links to the peers a ProbeLinks named, as measured."""
+
+    links: tuple[LinkMeasurement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventReport:
+    """An agent to the coordinator: its stages' prefix-cache changes, one KvEvents per stage (or piece of one)."""
+
+    reports: tuple[KvEvents, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The coordinator to an agent: registered as agent_id, heartbeat at this pace (sent again when the pace changes);
+    nat: the address its connections come from when it is behind NAT ("": it is not)."""
+
+    agent_id: str
+    heartbeat_interval_s: float
+    nat: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedSerials:
+    """The coordinator to an agent: every certificate serial the mesh has revoked (the whole list, not a change)."""
+
+    serials: frozenset[str]
+
+
+# What the coordinator's domain code sends an agent over its control stream (the control service converts it).
+ControlMessage = Assignment | Release | Shutdown | ProbeLinks
+# Everything the coordinator sends an agent: the control service adds welcomes, revocations and relayed signalling.
+CoordinatorMessage = Welcome | ControlMessage | RevokedSerials | RtcOffer | RtcAnswer
+# Everything an agent sends the coordinator on its control stream, a Registration first.
+AgentMessage = (Registration | Heartbeat | StageStatus | LinkReport | KvEventReport | WeightsProgress | RtcOffer
+                | RtcAnswer)

@@ -15,7 +15,9 @@ from stratamesh.coordinator.liveness import heartbeat_interval
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.pki import COORDINATOR_NAME
-from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.types import (AgentMessage, CoordinatorMessage, Heartbeat, KvEventReport, LinkReport,
+                                    Registration, RevokedSerials, RtcAnswer, RtcOffer, StageStatus, Welcome)
+from stratamesh.fleet.weights import WeightsProgress
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -34,7 +36,7 @@ class ControlService(pb_grpc.ControlServicer):
         self._mesh = mesh
         self._base_interval_s = heartbeat_interval_s
         self._heartbeat_interval_s = heartbeat_interval_s    # stretched as the fleet grows (heartbeat_interval)
-        self._outboxes: dict[str, Callable[[pb.CoordinatorMessage], None]] = {}   # agent id -> its stream
+        self._outboxes: dict[str, Callable[[CoordinatorMessage], None]] = {}   # agent id -> its stream
         self._nats: dict[str, str] = {}     # agent id -> the address it is behind NAT at, as its welcome says
         self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
         self.rtc = RtcRelay(self._signal, COORDINATOR_NAME)
@@ -50,28 +52,24 @@ class ControlService(pb_grpc.ControlServicer):
                  self._deployer.roster.liveness.lease_s)
         self._heartbeat_interval_s = interval
         for agent_id, send in list(self._outboxes.items()):
-            send(convert.welcome_to_pb(agent_id, interval, self._nats[agent_id]))
+            send(Welcome(agent_id, interval, self._nats[agent_id]))
 
     def _signal(self, agent_id: str, message: RtcOffer | RtcAnswer) -> bool:
         send = self._outboxes.get(agent_id)
         if send is None:
             return False
-        send(pb.CoordinatorMessage(rtc_offer=convert.rtc_offer_to_pb(message)) if isinstance(message, RtcOffer)
-             else pb.CoordinatorMessage(rtc_answer=convert.rtc_answer_to_pb(message)))
+        send(message)
         return True
 
     def broadcast_revocations(self, serials: frozenset[str]) -> None:
         """Sends the whole revoked list to every connected agent."""
         for send in list(self._outboxes.values()):
-            send(convert.revocations_to_pb(serials))
+            send(RevokedSerials(serials))
 
     async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
                       context: grpc.aio.ServicerContext) -> None:
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("kind") != "register":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be register")
         try:
-            registration = convert.registration_from_pb(first.register)
+            registration = _registration(await anext(aiter(request_iterator), None))
         except InvalidInput as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if registration.mesh != self._mesh:
@@ -82,19 +80,19 @@ class ControlService(pb_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate is {peer.name!r}'s; "
                                 f"it cannot register as {registration.agent_id!r}")
         nat = await nat_address(context.peer(), registration.stage_address)
-        outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
+        outbox: asyncio.Queue[CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))
         cut_off = asyncio.Event()   # set when the coordinator declares the agent dead: the stream ends
         link = AgentLink(registration.agent_id, registration.stage_address, registration.capabilities,
-                         lambda message: outbox.put_nowait(convert.control_message_to_pb(message)), cut_off.set, nat)
+                         outbox.put_nowait, cut_off.set, nat)
         if nat:
             log.info("agent %s is behind NAT: it connects from %s, and %s cannot be dialed", registration.agent_id,
                      nat, registration.stage_address)
         self._outboxes[registration.agent_id], self._nats[registration.agent_id] = outbox.put_nowait, nat
         self._pace()
-        outbox.put_nowait(convert.welcome_to_pb(registration.agent_id, self._heartbeat_interval_s, nat))
+        outbox.put_nowait(Welcome(registration.agent_id, self._heartbeat_interval_s, nat))
         if peer is not None:   # what this process refuses, the agent must refuse too
-            outbox.put_nowait(convert.revocations_to_pb(revoked.serials))
+            outbox.put_nowait(RevokedSerials(revoked.serials))
         self._deployer.agent_connected(link, registration)
         self.metrics_addresses[registration.agent_id] = registration.metrics_address
         reader = asyncio.create_task(self._read(registration.agent_id, request_iterator))
@@ -130,29 +128,39 @@ class ControlService(pb_grpc.ControlServicer):
             self._handle(agent_id, message)
 
     def _handle(self, agent_id: str, message: pb.AgentMessage) -> None:
-        kind = message.WhichOneof("kind")
         try:
-            if kind == "heartbeat":
-                telemetry = message.heartbeat.telemetry if message.heartbeat.HasField("telemetry") else None
-                self._deployer.heartbeat(agent_id, convert.telemetry_from_pb(telemetry) if telemetry else None)
-            elif kind == "stage_status":
-                self._deployer.stage_status(agent_id, convert.stage_status_from_pb(message.stage_status))
-            elif kind == "links":
-                self._deployer.roster.links_reported(agent_id, convert.link_report_from_pb(message.links))
-            elif kind == "kv_events":
-                self._deployer.kv_events(agent_id, convert.kv_events_from_pb(message.kv_events))
-            elif kind == "weights_progress":
-                self._deployer.weights_progress(agent_id, convert.weights_progress_from_pb(message.weights_progress))
-            elif kind == "rtc_offer":
-                self.rtc.offer_from(agent_id, convert.rtc_offer_from_pb(message.rtc_offer))
-            elif kind == "rtc_answer":
-                self.rtc.answer_from(agent_id, convert.rtc_answer_from_pb(message.rtc_answer))
-            else:
-                log.info("agent %s sent an unexpected %s", agent_id, kind)
+            self._dispatch(agent_id, convert.agent_message_from_pb(message))
         except InvalidInput as exc:
-            log.info("agent %s sent a bad %s: %s", agent_id, kind, exc)
+            log.info("agent %s sent a bad message: %s", agent_id, exc)
+
+    def _dispatch(self, agent_id: str, message: AgentMessage) -> None:
+        match message:
+            case Heartbeat(telemetry=telemetry):
+                self._deployer.heartbeat(agent_id, telemetry)
+            case StageStatus():
+                self._deployer.stage_status(agent_id, message)
+            case LinkReport(links):
+                self._deployer.roster.links_reported(agent_id, list(links))
+            case KvEventReport(reports):
+                self._deployer.kv_events(agent_id, list(reports))
+            case WeightsProgress():
+                self._deployer.weights_progress(agent_id, message)
+            case RtcOffer():
+                self.rtc.offer_from(agent_id, message)
+            case RtcAnswer():
+                self.rtc.answer_from(agent_id, message)
+            case Registration():
+                log.info("agent %s sent a second registration", agent_id)
 
 
-async def _write(context: grpc.aio.ServicerContext, outbox: asyncio.Queue[pb.CoordinatorMessage]) -> None:
+def _registration(first: pb.AgentMessage | None) -> Registration:
+    """The registration a control stream opens with; InvalidInput when it opens with anything else, or a bad one."""
+    message = convert.agent_message_from_pb(first) if first is not None else None
+    if not isinstance(message, Registration):
+        raise InvalidInput("first message must be register")
+    return message
+
+
+async def _write(context: grpc.aio.ServicerContext, outbox: asyncio.Queue[CoordinatorMessage]) -> None:
     while True:
-        await context.write(await outbox.get())
+        await context.write(convert.coordinator_message_to_pb(await outbox.get()))

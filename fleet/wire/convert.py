@@ -8,17 +8,16 @@ import struct
 from collections.abc import Iterable
 
 from stratamesh.fleet.enrollment import EnrollReply, EnrollRequest
-from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.errors import InvalidAssignment, InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 from stratamesh.fleet.prefix import HASH_BYTES
-
 from stratamesh.fleet.types import (
-    AGENT_RUNTIMES, DTYPES, HOP_CODECS, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, Capabilities, ControlMessage,
-    GpuInfo, Hop,
-    KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, Peer, ProbeLinks,
-    Registration, Release, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown,
-    Speed, StageLoad,
-    StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
+    AGENT_RUNTIMES, DTYPES, HOP_CODECS, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, AgentMessage, Assignment, Capabilities,
+    ControlMessage, CoordinatorMessage, GpuInfo, Heartbeat, Hop, KvEventReport, KvEvents, KvExportRequest, KvHeader,
+    KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, LinkReport, Peer, ProbeLinks, Registration,
+    Release, RevokedSerials, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown,
+    Speed, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
+    Welcome,
 )
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
@@ -574,6 +573,106 @@ def control_message_to_pb(message: ControlMessage) -> pb.CoordinatorMessage:
         case ProbeLinks(peers):
             return probe_links_to_pb(list(peers))
     raise TypeError(f"not a control message: {message!r}")
+
+
+def coordinator_message_to_pb(message: CoordinatorMessage) -> pb.CoordinatorMessage:
+    """Anything the coordinator sends an agent, as the control stream carries it."""
+    match message:
+        case Welcome(agent_id, heartbeat_interval_s, nat):
+            return welcome_to_pb(agent_id, heartbeat_interval_s, nat)
+        case RevokedSerials(serials):
+            return revocations_to_pb(serials)
+        case RtcOffer():
+            return pb.CoordinatorMessage(rtc_offer=rtc_offer_to_pb(message))
+        case RtcAnswer():
+            return pb.CoordinatorMessage(rtc_answer=rtc_answer_to_pb(message))
+        case Assignment() | Release() | Shutdown() | ProbeLinks():
+            return control_message_to_pb(message)
+    raise TypeError(f"not a coordinator message: {message!r}")
+
+
+def coordinator_message_from_pb(msg: pb.CoordinatorMessage) -> CoordinatorMessage:
+    """Parses and validates one message the coordinator sent an agent; raises InvalidInput naming the bad field
+    (InvalidAssignment, naming the assignment too, for an assign)."""
+    match msg.WhichOneof("kind"):
+        case "welcome":
+            return _welcome_from_pb(msg.welcome)
+        case "assign":
+            return _assign_from_pb(msg.assign)
+        case "release":
+            if not msg.release.assignment_id:
+                raise InvalidInput("release.assignment_id is empty")
+            return Release(msg.release.assignment_id)
+        case "probe_links":
+            return ProbeLinks(tuple(probe_links_from_pb(msg.probe_links)))
+        case "shutdown":
+            return Shutdown(msg.shutdown.reason)
+        case "revocations":
+            return RevokedSerials(revocations_from_pb(msg.revocations))
+        case "rtc_offer":
+            return rtc_offer_from_pb(msg.rtc_offer)
+        case "rtc_answer":
+            return rtc_answer_from_pb(msg.rtc_answer)
+    raise InvalidInput("coordinator message has no kind set")
+
+
+def _welcome_from_pb(msg: pb.Welcome) -> Welcome:
+    if not 0 <= msg.heartbeat_interval_s < math.inf:
+        raise InvalidInput(f"welcome.heartbeat_interval_s must be finite and >= 0, got {msg.heartbeat_interval_s}")
+    return Welcome(msg.agent_id, msg.heartbeat_interval_s, msg.nat)
+
+
+def _assign_from_pb(msg: pb.Assignment) -> Assignment:
+    """The assignment; InvalidAssignment, which names it, when it fails validation (its agent reports it failed)."""
+    try:
+        return assignment_from_pb(msg)
+    except InvalidInput as exc:
+        raise InvalidAssignment(msg.assignment_id, str(exc)) from exc
+
+
+def agent_message_to_pb(message: AgentMessage) -> pb.AgentMessage:
+    """Anything an agent sends the coordinator, as the control stream carries it."""
+    match message:
+        case Registration():
+            return registration_to_pb(message)
+        case Heartbeat(seq, num_sessions, telemetry):
+            return heartbeat_to_pb(seq, num_sessions, telemetry)
+        case StageStatus():
+            return stage_status_to_pb(message)
+        case LinkReport(links):
+            return link_report_to_pb(list(links))
+        case KvEventReport(reports):
+            return kv_events_to_pb(reports)
+        case WeightsProgress():
+            return weights_progress_to_pb(message)
+        case RtcOffer():
+            return pb.AgentMessage(rtc_offer=rtc_offer_to_pb(message))
+        case RtcAnswer():
+            return pb.AgentMessage(rtc_answer=rtc_answer_to_pb(message))
+    raise TypeError(f"not an agent message: {message!r}")
+
+
+def agent_message_from_pb(msg: pb.AgentMessage) -> AgentMessage:
+    """Parses and validates one message an agent sent the coordinator; raises InvalidInput naming the bad field."""
+    match msg.WhichOneof("kind"):
+        case "register":
+            return registration_from_pb(msg.register)
+        case "heartbeat":
+            telemetry = telemetry_from_pb(msg.heartbeat.telemetry) if msg.heartbeat.HasField("telemetry") else None
+            return Heartbeat(msg.heartbeat.seq, msg.heartbeat.num_sessions, telemetry)
+        case "stage_status":
+            return stage_status_from_pb(msg.stage_status)
+        case "links":
+            return LinkReport(tuple(link_report_from_pb(msg.links)))
+        case "kv_events":
+            return KvEventReport(tuple(kv_events_from_pb(msg.kv_events)))
+        case "weights_progress":
+            return weights_progress_from_pb(msg.weights_progress)
+        case "rtc_offer":
+            return rtc_offer_from_pb(msg.rtc_offer)
+        case "rtc_answer":
+            return rtc_answer_from_pb(msg.rtc_answer)
+    raise InvalidInput("agent message has no kind set")
 
 
 def stage_info_to_pb(agent_id: str, assignments: list[Assignment], tensor_names: list[str],
