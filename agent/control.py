@@ -14,9 +14,11 @@ from stratamesh.agent.weights import WeightFetcher
 from stratamesh.fleet.errors import InvalidAssignment, InvalidInput, MeshError, Refused, StageFailed
 from stratamesh.fleet.links import measure_peers
 from stratamesh.fleet.states import StageState
-from stratamesh.fleet.types import (AgentMessage, Assignment, Capabilities, Heartbeat, KvEventReport, KvEvents,
-                                    LinkReport, ProbeLinks, Registration, Release, RevokedSerials, RtcAnswer, RtcOffer,
-                                    Shutdown, StageStatus, Telemetry, Welcome)
+from stratamesh.fleet.boxes import Capabilities, Registration, Telemetry
+from stratamesh.fleet.control_messages import (AgentMessage, Heartbeat, KvEventReport, LinkReport, ProbeLinks,
+                                               Release, RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
+from stratamesh.fleet.kv import KvEvents
+from stratamesh.fleet.stages import Assignment, StageStatus
 from stratamesh.fleet.wire import convert, rtc
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -33,7 +33,7 @@ from stratamesh.fleet import discovery
 from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.tracing import SpanStore, span_store
-from stratamesh.fleet.types import Capabilities, Telemetry
+from stratamesh.fleet.boxes import Capabilities, Telemetry
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc

@@ -23,8 +23,8 @@ from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
 from stratamesh.fleet.logs import trace_context
 from stratamesh.fleet.tracing import parse_traceparent
-from stratamesh.fleet.types import (SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
-                                    TokenEvent)
+from stratamesh.fleet.sessions import (SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
+                                       TokenEvent)
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -13,7 +13,7 @@ import grpc
 from stratamesh.agent.engine.block_manager import NoFreeBlocks
 from stratamesh.agent.engine.stage_engine import SessionKv
 from stratamesh.fleet.errors import InvalidInput, MeshError
-from stratamesh.fleet.types import KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
+from stratamesh.fleet.kv import KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import CHUNK_BYTES, describe_error, make_channel

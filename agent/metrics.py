@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from stratamesh.fleet.types import StageSpec, Telemetry
+from stratamesh.fleet.boxes import Telemetry
+from stratamesh.fleet.stages import StageSpec
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from stratamesh.agent.engine.scheduler import Batch
 from stratamesh.agent.engine.stage_engine import StageEngine
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
 from stratamesh.fleet.tracing import SpanStore, parse_traceparent
-from stratamesh.fleet.types import StepChunk
+from stratamesh.fleet.sessions import StepChunk
 
 
 class _StageMetrics(NamedTuple):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import GpuInfo, Telemetry
+from stratamesh.fleet.boxes import GpuInfo, Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.types import (AGENT_RUNTIMES, AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES, Capabilities,
-                                   GpuInfo, Speed)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed
+from stratamesh.fleet.stages import AGENT_RUNTIMES, AUTO_RUNTIME, DTYPES, MAX_TP_DEGREE, ORT_DTYPES
 
 log = logging.getLogger(__name__)
 

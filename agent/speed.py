@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from stratamesh.fleet.state import cache_home
-from stratamesh.fleet.types import GpuInfo, Speed, StageSpec
+from stratamesh.fleet.boxes import GpuInfo, Speed
+from stratamesh.fleet.stages import StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, bat
     quantized: StageSpec.quantize; its layers computed by runtime, an ONNX Runtime export kept in onnx_cache)."""
     from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # (imports the kernels)
     from stratamesh.agent.engine.stage_runner import StageRunner
-    from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StepChunk
+    from stratamesh.fleet.sessions import SamplingParams, SessionOpen, StepChunk
+    from stratamesh.fleet.stages import Assignment
 
     # beside the exports, one model of each shape: their export serves every batch size
     with nullcontext(onnx_cache) if onnx_cache else tempfile.TemporaryDirectory(prefix="stratamesh-probe-") as folder:

@@ -13,7 +13,8 @@ from typing import TypeVar
 from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment, KvEvents, StageSpec
+from stratamesh.fleet.kv import KvEvents
+from stratamesh.fleet.stages import Assignment, StageSpec
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from stratamesh.agent.engine.scheduler import Scheduler
 from stratamesh.agent.probe import RawGpu, parse_gpu, read_nvml
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import StageLoad, Telemetry
+from stratamesh.fleet.boxes import StageLoad, Telemetry
 
 log = logging.getLogger(__name__)
 

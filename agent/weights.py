@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.weight_files import CONFIG_FILE, Mirror
 from stratamesh.fleet.weight_service import fetch_chunks
 from stratamesh.fleet.weights import WeightChunk, WeightManifest, WeightsProgress

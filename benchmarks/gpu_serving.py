@@ -38,7 +38,8 @@ from stratamesh.bench.datasets import BenchRequest, random_requests, regular_tok
 from stratamesh.bench.metrics import compute_metrics
 from stratamesh.bench.serve import run_requests
 from stratamesh.launcher import LocalMesh
-from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 log = logging.getLogger("gpu_serving")

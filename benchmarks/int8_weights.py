@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from stage_step import decode_times, prefilled
 from tokenizers import Tokenizer
 
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, greedy_tokens

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models.onnx_stage import export_layers, trace_layers
 from stratamesh.kernels.tiny_model import write_tiny_model

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from stage_step import decode_times, prefilled
 
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 RUNTIMES = ("torch", "onnxruntime")

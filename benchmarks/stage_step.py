@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.sessions import SamplingParams, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 

@@ -25,7 +25,8 @@ import torch
 
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.fleet.types import Assignment, SamplingParams, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.sessions import SamplingParams, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -41,7 +41,7 @@ from stratamesh.bench.metrics import BenchMetrics
 from stratamesh.launcher import LocalMesh
 from stratamesh.testbed.netbed import (PROFILES, Netbed, NetbedUnavailable, check_can_build, nat_tool,
                                      stop_on_sigterm)
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import load_stage, one_sequence
 from stratamesh.kernels.tiny_model import write_tiny_model

@@ -44,7 +44,7 @@ from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
-from stratamesh.fleet.types import DEFAULT_ROUTER_MODE
+from stratamesh.fleet.states import DEFAULT_ROUTER_MODE
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc

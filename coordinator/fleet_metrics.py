@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 from stratamesh.coordinator.liveness import Liveness
 from stratamesh.coordinator.serving.records import OriginStats
 from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
-from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.boxes import Telemetry
 
 HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

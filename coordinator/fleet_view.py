@@ -18,7 +18,7 @@ from typing import Any
 from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import AgentRecord, LinkRecord
 from stratamesh.fleet.states import AgentState
-from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.boxes import Telemetry
 
 DETAIL_ALL_UP_TO = 100      # a fleet of at most this many agents is held in full: the UI draws every one
 RECENT_S = 60.0             # agents whose state changed this recently are held in full ...

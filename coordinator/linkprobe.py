@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from stratamesh.coordinator.control.probes import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.fleet.links import measure_peers
-from stratamesh.fleet.types import LinkMeasurement, Peer
+from stratamesh.fleet.boxes import Peer
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.boxes import Telemetry
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
 SNAPSHOT_EVENTS = 20        # the newest events a live snapshot carries

@@ -12,8 +12,8 @@ from typing import Any
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.types import (AUTO_RUNTIME, DTYPES, ORT_DTYPES, Capabilities, GpuInfo, Speed, StageSpec,
-    Telemetry, windowed)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
+from stratamesh.fleet.stages import AUTO_RUNTIME, DTYPES, ORT_DTYPES, StageSpec, windowed
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest

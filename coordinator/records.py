@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.states import DrainState
-from stratamesh.fleet.types import Capabilities, StageSpec
+from stratamesh.fleet.boxes import Capabilities
+from stratamesh.fleet.stages import StageSpec
 
 
 @dataclass(frozen=True, slots=True)

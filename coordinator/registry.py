@@ -20,8 +20,9 @@ from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.fleet.states import PlanState
-from stratamesh.fleet.types import (MAX_REPLICAS, Capabilities, GpuInfo, LinkMeasurement, Speed, StageLoad,
-                                    StageSpec, Telemetry)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
+from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.stages import MAX_REPLICAS, StageSpec
 
 __all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StageRecord"]
 

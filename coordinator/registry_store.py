@@ -19,7 +19,8 @@ from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecor
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import Capabilities, LinkMeasurement, Telemetry
+from stratamesh.fleet.boxes import Capabilities, Telemetry
+from stratamesh.fleet.control_messages import LinkMeasurement
 
 __all__ = ["AgentStore", "EventLog", "PlanStore", "RegistryStore", "SqlTables", "TelemetryStore",
            "UnsupportedStore", "open_registry", "sqlite_path"]

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import LinkMeasurement, Peer
+from stratamesh.fleet.boxes import Peer
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import describe_error, make_channel

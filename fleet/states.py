@@ -67,3 +67,8 @@ class Runtime(StrEnum):
     TORCH = "torch"
     ONNXRUNTIME = "onnxruntime"
     AUTO = "auto"                   # an agent's only: the planner picks one of the others per stage
+
+
+# How the origin's router picks one of a model's ready replicas for a request (coordinator/serving/router.py).
+ROUTER_MODES = tuple(RouterMode)
+DEFAULT_ROUTER_MODE = RouterMode.KV

@@ -7,7 +7,8 @@ import math
 import torch
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import DTYPES, TensorBlob
+from stratamesh.fleet.sessions import TensorBlob
+from stratamesh.fleet.stages import DTYPES
 
 CODECS = ("raw", "int8")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

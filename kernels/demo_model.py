@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import parse_config, read_config
 from stratamesh.kernels.models.decoder import load_stage, one_sequence
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage

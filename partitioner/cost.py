@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stratamesh.fleet.types import Speed, wire_dtype
+from stratamesh.fleet.boxes import Speed
+from stratamesh.fleet.sessions import wire_dtype
 from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link, shards
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile

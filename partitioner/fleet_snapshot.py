@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 
 SCHEMA_PATH = "docs/fleet.schema.json"   # the fleet file's JSON Schema (fleet_file.py), checked in to the repository
 ORIGIN = "origin"          # the link endpoint that stands for the origin (tokens in, tokens out)

@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import wire_dtype
+from stratamesh.fleet.sessions import wire_dtype
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.cost import LinkCosts, StageTables, Unit, group_link, group_unit, single_unit
 from stratamesh.partitioner.fleet_snapshot import FleetSnapshot

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.types import model_task
+from stratamesh.fleet.stages import model_task
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token

@@ -21,7 +21,8 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
-from stratamesh.fleet.types import AGENT_RUNTIMES, DEFAULT_ROUTER_MODE, MAX_REPLICAS, MAX_TP_DEGREE, ROUTER_MODES
+from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE
+from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 from stratamesh.fleet.wire.polling import use_classic_polling
@@ -624,7 +625,7 @@ def _db_flag(registry: str) -> str:
 
 def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") -> str:
     """A curl command that uses the model: a completion, or an embedding for an embedding model."""
-    from stratamesh.fleet.types import model_task
+    from stratamesh.fleet.stages import model_task
 
     config = json.loads(Path(model_dir, "config.json").read_text())
     endpoint, body = (("embeddings", '"input": ["The mesh", "Edge boxes"]') if model_task(config) == "embed"

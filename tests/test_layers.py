@@ -13,17 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"stratamesh": "stratamesh", "fleet": "stratamesh.fleet", "agent": "stratamesh.agent",
            "coordinator": "stratamesh.coordinator", "partitioner": "stratamesh.partitioner",
            "kernels": "stratamesh.kernels"}
-PURE = ("stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.fleet.weights",
+# The vocabulary agents, coordinator and partitioner share, by concern: frozen values, no I/O.
+VOCABULARY = ("stratamesh.fleet.stages", "stratamesh.fleet.boxes", "stratamesh.fleet.sessions", "stratamesh.fleet.kv",
+              "stratamesh.fleet.control_messages")
+PURE = (*VOCABULARY, "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.fleet.weights",
         "stratamesh.fleet.states")
 IO_AND_DEVICE = ("torch", "grpc", "zeroconf", "sqlite_utils", "sqlite3", "onnxruntime")
 
 # module prefix -> (stratamesh packages it may import, external modules it must not import)
 RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
-    ("stratamesh.fleet.types", PURE, IO_AND_DEVICE),
-    ("stratamesh.fleet.errors", PURE, IO_AND_DEVICE),
-    ("stratamesh.fleet.prefix", PURE, IO_AND_DEVICE),
-    ("stratamesh.fleet.weights", PURE, IO_AND_DEVICE),
-    ("stratamesh.fleet.states", PURE, IO_AND_DEVICE),
+    *((module, PURE, IO_AND_DEVICE) for module in PURE),
     ("stratamesh.fleet", ("stratamesh.fleet",), ("torch",)),
     ("stratamesh.partitioner", ("stratamesh.partitioner", *PURE), IO_AND_DEVICE),
     ("stratamesh.kernels", ("stratamesh.kernels", *PURE), ("grpc", "zeroconf", "sqlite_utils")),
@@ -88,7 +87,8 @@ def test_imports_flow_one_way() -> None:
     ("stratamesh.partitioner.x", "from stratamesh.fleet.wire import convert", True),
     ("stratamesh.partitioner.x", "def f():\n    import grpc", True),
     ("stratamesh.kernels.models.decoder", "from ..ops import rope", False),
-    ("stratamesh.fleet.types", "import pydantic", False),
+    ("stratamesh.fleet.stages", "import pydantic", False),
+    ("stratamesh.fleet.sessions", "from stratamesh.fleet.wire import convert", True),
 ])
 def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> None:
     assert bool(violations(module, imports_of(source, module))) == bad
@@ -265,7 +265,7 @@ def test_no_folder_below_depends_on_the_sdk_cli_or_test_beds() -> None:
     ("from stratamesh.launcher import LocalMesh", True),
     ("import subprocess\nsubprocess.run(['python', '-m', 'stratamesh.cli', 'agent'])", True),
     ("def f():\n    from stratamesh.testbed import sim", True),
-    ('"""Started by stratamesh.cli."""\nfrom stratamesh.fleet import types', False),
+    ('"""Started by stratamesh.cli."""\nfrom stratamesh.fleet import stages', False),
 ])
 def test_the_top_check_catches_a_hidden_dependency(source: str, bad: bool) -> None:
     top = {"stratamesh.cli", "stratamesh.launcher", "stratamesh.testbed", "stratamesh.testbed.sim"}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.prefix import ROOT_HASH, chain_hash
-from stratamesh.fleet.types import KvEvents
+from stratamesh.fleet.kv import KvEvents
 
 # Changes of the prefix cache kept for the next KV event report, at most; past that the report starts over
 # from every cached hash (cheaper to send than a longer backlog, and nothing is lost when no one collects them).

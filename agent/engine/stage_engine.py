@@ -14,8 +14,10 @@ from stratamesh.agent.engine.micro_batches import MicroBatches
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import (Assignment, Hop, KvLayout, SessionClose, SessionHold, SessionOpen, StepBatch,
-                                    StepChunk, StepChunks, TokenEvent, wire_dtype)
+from stratamesh.fleet.kv import KvLayout
+from stratamesh.fleet.sessions import (Hop, SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
+                                       TokenEvent, wire_dtype)
+from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
 

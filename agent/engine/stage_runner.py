@@ -16,7 +16,8 @@ from stratamesh.agent.engine.memory import cpu_kv_bytes, gpu_kv_bytes, read_gpu_
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.types import SamplingParams, StageSpec
+from stratamesh.fleet.sessions import SamplingParams
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage

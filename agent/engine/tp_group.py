@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.ops.paged_attention import SeqSlice
 
 log = logging.getLogger(__name__)

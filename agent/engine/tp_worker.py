@@ -19,7 +19,7 @@ from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.agent.engine.tp_group import (Collectives, Forward, LoadFailed, Ready, ReadKv, Stop, WriteKv,
                                               backend_for, rank_device, recv, send, store_for)
 from stratamesh.agent.heap import keep_freed_memory
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.tp import load_tp_stage
 
 log = logging.getLogger("stratamesh.tp_worker")

@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stratamesh.fleet.states import AgentState, DrainState, PlanState
-from stratamesh.fleet.types import MAX_REPLICAS, Capabilities, GpuInfo, StageLoad
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, StageLoad
+from stratamesh.fleet.stages import MAX_REPLICAS
 
 MAX_STAGES = 64
 DEFAULT_AGENTS_PAGE = 100

@@ -38,7 +38,7 @@ from stratamesh.coordinator.serving.request import Request as MeshRequest
 from stratamesh.coordinator.serving.request import Stops
 from stratamesh.coordinator.text import IncrementalDetokenizer, Tokenizer
 from stratamesh.fleet.errors import ModelNotFound, ModelNotReady
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,9 @@ from stratamesh.coordinator.control.sessions import NoSessions, Sessions
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.states import AgentState, StageState
-from stratamesh.fleet.types import KvEvents, Registration, StageStatus, Telemetry
+from stratamesh.fleet.boxes import Registration, Telemetry
+from stratamesh.fleet.kv import KvEvents
+from stratamesh.fleet.stages import StageStatus
 from stratamesh.fleet.weights import WeightsProgress
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.registry_store import PlanStore
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
-from stratamesh.fleet.types import QUANTIZATIONS, model_task
+from stratamesh.fleet.stages import QUANTIZATIONS, model_task
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 
@@ -22,7 +22,7 @@ class ModelInfo:
     hidden_size: int
     max_context: int
     created: int
-    task: str = "generate"      # or "embed": fleet.types.model_task of its config
+    task: str = "generate"      # or "embed": fleet.stages.model_task of its config
 
 
 def read_model_config(path: str) -> dict:

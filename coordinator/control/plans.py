@@ -19,7 +19,8 @@ from stratamesh.coordinator.records import ModelRecord, PlanRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, PlacementError
 from stratamesh.fleet.states import PlanState, StageState
-from stratamesh.fleet.types import Assignment, Capabilities, StageSpec
+from stratamesh.fleet.boxes import Capabilities
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.partitioner.plan import Plan
 
 log = logging.getLogger(__name__)

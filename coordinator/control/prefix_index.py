@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from stratamesh.fleet.types import KvEvents
+from stratamesh.fleet.kv import KvEvents
 
 # How long a prompt routed to a replica counts as cached there before its stages report it: long enough to
 # cover the wait for a prefill behind others, short enough that a prompt that never got there is forgotten.

@@ -7,7 +7,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stratamesh.fleet.types import Capabilities, ControlMessage, Peer, ProbeLinks
+from stratamesh.fleet.boxes import Capabilities, Peer
+from stratamesh.fleet.control_messages import ControlMessage, ProbeLinks
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from stratamesh.coordinator.records import LinkRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.states import AgentState, StageState
-from stratamesh.fleet.types import (Capabilities, ControlMessage, LinkMeasurement, Peer, Registration, Release,
-                                    Shutdown, Telemetry)
+from stratamesh.fleet.boxes import Capabilities, Peer, Registration, Telemetry
+from stratamesh.fleet.control_messages import ControlMessage, LinkMeasurement, Release, Shutdown
 from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from stratamesh.coordinator.control.prefix_index import PrefixIndex
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.records import PlanRecord
 from stratamesh.coordinator.registry_store import RegistryStore
-from stratamesh.fleet.types import Hop, KvEvents, wire_dtype
+from stratamesh.fleet.kv import KvEvents
+from stratamesh.fleet.sessions import Hop, wire_dtype
 from stratamesh.partitioner.wire_codec import check_policy, choose_codec
 
 log = logging.getLogger(__name__)

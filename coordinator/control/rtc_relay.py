@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.control_messages import RtcAnswer, RtcOffer
 from stratamesh.fleet.wire.stream import address_host, dialable
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,10 @@ from stratamesh.coordinator.liveness import heartbeat_interval
 from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.pki import COORDINATOR_NAME
-from stratamesh.fleet.types import (AgentMessage, CoordinatorMessage, Heartbeat, KvEventReport, LinkReport,
-                                    Registration, RevokedSerials, RtcAnswer, RtcOffer, StageStatus, Welcome)
+from stratamesh.fleet.boxes import Registration
+from stratamesh.fleet.control_messages import (AgentMessage, CoordinatorMessage, Heartbeat, KvEventReport,
+                                               LinkReport, RevokedSerials, RtcAnswer, RtcOffer, Welcome)
+from stratamesh.fleet.stages import StageStatus
 from stratamesh.fleet.weights import WeightsProgress
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb

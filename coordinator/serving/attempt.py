@@ -16,7 +16,7 @@ from stratamesh.coordinator.serving.request import Stops
 from stratamesh.coordinator.serving.sessions import Session, SessionTable
 from stratamesh.fleet.errors import StageFailed
 from stratamesh.fleet.tracing import new_span_id, traceparent
-from stratamesh.fleet.types import Hop, SamplingParams, SessionOpen, StepChunk, TokenEvent
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, StepChunk, TokenEvent
 from stratamesh.fleet.wire.channels import CHUNK_BYTES
 
 # Prefill is sent in chunks of at most this many tokens (and under CHUNK_BYTES of activations).

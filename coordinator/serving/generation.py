@@ -14,7 +14,7 @@ from stratamesh.coordinator.serving.outcomes import Done, Moved, Preempted, Rout
 from stratamesh.coordinator.serving.records import RequestRecord
 from stratamesh.coordinator.serving.request import Stops
 from stratamesh.fleet.errors import StageFailed
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 
 log = logging.getLogger(__name__)
 

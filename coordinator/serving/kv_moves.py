@@ -6,7 +6,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from stratamesh.fleet.types import Hop, KvImportRequest
+from stratamesh.fleet.kv import KvImportRequest
+from stratamesh.fleet.sessions import Hop
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import describe_error, make_channel

@@ -20,7 +20,7 @@ from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotReady
 from stratamesh.fleet.logs import trace_id_var
-from stratamesh.fleet.types import Hop, SamplingParams
+from stratamesh.fleet.sessions import Hop, SamplingParams
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
 ROUTE_WAIT_S = 30.0

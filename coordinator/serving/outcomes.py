@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 
 
 @dataclass(frozen=True, slots=True)

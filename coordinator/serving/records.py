@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from stratamesh.fleet.tracing import SpanStore, new_trace_id
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 
 # The origin remembers this many finished requests (route, trace id, outcome) for the admin API.
 MAX_RECENT_REQUESTS = 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stratamesh.fleet.states import FinishReason
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ from stratamesh.coordinator.records import PlanRecord
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
 from stratamesh.fleet.states import RouterMode
-from stratamesh.fleet.types import DEFAULT_ROUTER_MODE, ROUTER_MODES, Hop
+from stratamesh.fleet.sessions import Hop
+from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES
 
 # kv mode weighs a generation decoding on a replica as this many prompt tokens to prefill there: each decode
 # step of the batch costs about one token's compute per sequence, and a prefill takes a few such steps.

@@ -13,9 +13,8 @@ from stratamesh.coordinator.serving.outcomes import Preempted, RouteLost
 from stratamesh.coordinator.serving.router import RouteWork
 from stratamesh.fleet.errors import StageFailed
 from stratamesh.fleet.tracing import SpanStore
-from stratamesh.fleet.types import Hop, SessionClose, SessionHold, SessionOpen, TokenEvent
+from stratamesh.fleet.sessions import Hop, SessionClose, SessionHold, SessionOpen, StageMessage, TokenEvent
 from stratamesh.fleet.wire import convert
-from stratamesh.fleet.wire.convert import StageMessage
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.stream import OutboundStream, RtcDialer, StreamPool
 

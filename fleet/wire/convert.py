@@ -11,19 +11,19 @@ from stratamesh.fleet.enrollment import EnrollReply, EnrollRequest
 from stratamesh.fleet.errors import InvalidAssignment, InvalidInput
 from stratamesh.fleet.pki import MAX_PEM_BYTES, check_name
 from stratamesh.fleet.prefix import HASH_BYTES
-from stratamesh.fleet.types import (
-    AGENT_RUNTIMES, DTYPES, HOP_CODECS, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, AgentMessage, Assignment, Capabilities,
-    ControlMessage, CoordinatorMessage, GpuInfo, Heartbeat, Hop, KvEventReport, KvEvents, KvExportRequest, KvHeader,
-    KvImportRequest, KvImportSummary, KvLayout, KvPiece, LinkMeasurement, LinkReport, Peer, ProbeLinks, Registration,
-    Release, RevokedSerials, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionHold, SessionOpen, Shutdown,
-    Speed, StageLoad, StageSpec, StageStatus, StepBatch, StepChunk, StepChunks, Telemetry, TensorBlob, TokenEvent,
-    Welcome,
-)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Peer, Registration, Speed, StageLoad, Telemetry
+from stratamesh.fleet.control_messages import (AgentMessage, ControlMessage, CoordinatorMessage, Heartbeat,
+                                               KvEventReport, LinkMeasurement, LinkReport, ProbeLinks, Release,
+                                               RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
+from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
+from stratamesh.fleet.sessions import (HOP_CODECS, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen,
+    StageMessage, StepBatch, StepChunk, StepChunks, TensorBlob, TokenEvent)
+from stratamesh.fleet.stages import (AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, StageSpec,
+                                     StageStatus)
 from stratamesh.fleet.tracing import Span
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import mesh_pb2 as pb
 
-StageMessage = SessionOpen | StepChunk | StepChunks | SessionClose | SessionHold | StepBatch
 
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import serialization
 
 from stratamesh.fleet import pki
 from stratamesh.fleet.errors import InvalidInput, Refused, StageFailed
-from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.control_messages import RtcAnswer, RtcOffer
 from stratamesh.fleet.wire.channels import PROCESS, MeshTls, current_tls, revoked
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from stratamesh.fleet.errors import MeshError, StageFailed
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 from stratamesh.fleet.wire import rtc
 from stratamesh.fleet.wire.channels import make_channel
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.types import attention_windows, model_task
+from stratamesh.fleet.stages import attention_windows, model_task
 
 ARCHS = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -41,7 +41,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
-    task: str = "generate"                       # "embed": a base model without an LM head (fleet.types.model_task)
+    task: str = "generate"                       # "embed": a base model without an LM head (fleet.stages.model_task)
 
     @property
     def has_lm_head(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
                                                   stage_tensor_names)
 from stratamesh.kernels.models.config import ModelConfig, read_config

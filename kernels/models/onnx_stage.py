@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.types import ORT_DTYPES, StageSpec
+from stratamesh.fleet.stages import ORT_DTYPES, StageSpec
 from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.decoder import LayerWeights, StageModel, load_stage

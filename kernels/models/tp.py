@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.checkpoint import Checkpoint, Slice
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, checked_tensor_names

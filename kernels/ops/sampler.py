@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

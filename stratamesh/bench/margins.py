@@ -21,7 +21,7 @@ import torch
 from stratamesh.bench.chaos import StreamJob
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage, one_sequence
 

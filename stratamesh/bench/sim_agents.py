@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.types import Capabilities, Registration, Speed, Telemetry
+from stratamesh.fleet.boxes import Capabilities, Registration, Speed, Telemetry
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stratamesh.agent.control import _messages
-from stratamesh.fleet.types import KvEvents
+from stratamesh.fleet.kv import KvEvents
 
 
 def h(i: int) -> bytes:

@@ -15,7 +15,7 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.links import LinkService
-from stratamesh.fleet.types import Capabilities
+from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 

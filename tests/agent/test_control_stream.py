@@ -8,7 +8,9 @@ import asyncio
 from stratamesh.agent.control import ControlClient, Identity
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import AgentMessage, Capabilities, Heartbeat, Registration, StageStatus, Welcome
+from stratamesh.fleet.boxes import Capabilities, Registration
+from stratamesh.fleet.control_messages import AgentMessage, Heartbeat, Welcome
+from stratamesh.fleet.stages import StageStatus
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import Assignment, SamplingParams, SessionClose, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.sessions import SamplingParams, SessionClose, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 from stratamesh.agent.engine.decode_graphs import can_capture   # noqa: E402
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine   # noqa: E402
 from stratamesh.agent.engine.stage_runner import StageRunner   # noqa: E402
-from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionOpen, StageSpec, StepChunk   # noqa: E402
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, StepChunk   # noqa: E402
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels.models.decoder import load_stage   # noqa: E402
 
 DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"

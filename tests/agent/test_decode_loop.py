@@ -8,8 +8,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from stratamesh.fleet.types import (Assignment, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StageSpec,
-                                    StepChunk)
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from tests.agent.test_dataplane import eventually, greedy_reference, send, serving
 
 

@@ -21,7 +21,8 @@ from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.servicer import OriginService
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.errors import StageFailed
-from stratamesh.fleet.types import Assignment, Hop, SamplingParams, SessionClose, SessionOpen, StageSpec, StepChunk
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionClose, SessionOpen, StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 from tests.agent.test_dataplane import send, serving

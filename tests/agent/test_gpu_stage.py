@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -16,8 +16,9 @@ from stratamesh.agent import kv_transfer
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.engine.stage_engine import SessionKv
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import (Hop, KvExportRequest, KvImportRequest, KvLayout, KvPiece,
-                                    SamplingParams, SessionOpen, StageSpec, StepChunk)
+from stratamesh.fleet.kv import KvExportRequest, KvImportRequest, KvLayout, KvPiece
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, StepChunk
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import make_channel

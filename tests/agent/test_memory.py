@@ -8,7 +8,7 @@ import pytest
 from stratamesh.agent.engine.memory import (MIN_CPU_KV_BYTES, GpuMemory, OutOfGpuMemory, cpu_kv_bytes, gpu_kv_bytes,
                                             step_workspace_bytes)
 from stratamesh.agent.engine.stage_runner import StageRunner
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.ops.paged_attention import PagedKVCache
 

@@ -15,7 +15,7 @@ from stratamesh.agent.owner_limits import (
     parse_proc_stat, process_tree,
 )
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import GpuInfo, Telemetry
+from stratamesh.fleet.boxes import GpuInfo, Telemetry
 
 NOON = 12 * 60
 

@@ -14,7 +14,7 @@ from stratamesh.agent.probe import (
     probe, ranks_for, read_cpuinfo, read_nvml, read_onnx_providers, visible_gpus,
 )
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import GpuInfo
+from stratamesh.fleet.boxes import GpuInfo
 
 MEMINFO = "MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
 

@@ -17,8 +17,9 @@ from stratamesh.fleet.errors import InvalidInput
 BS = 4
 ENGINE = Path(__file__).resolve().parents[2] / "agent" / "engine"
 PURE = ("block_manager.py", "scheduler.py", "sequence.py")
-ALLOWED = {"stratamesh.fleet.types", "stratamesh.fleet.errors", "stratamesh.fleet.prefix", "stratamesh.agent.engine.block_manager",
-           "stratamesh.agent.engine.scheduler", "stratamesh.agent.engine.sequence"}
+ALLOWED = {"stratamesh.fleet.stages", "stratamesh.fleet.sessions", "stratamesh.fleet.kv", "stratamesh.fleet.errors",
+           "stratamesh.fleet.prefix", "stratamesh.agent.engine.block_manager", "stratamesh.agent.engine.scheduler",
+           "stratamesh.agent.engine.sequence"}
 
 
 def make(num_blocks: int = 64, max_batch_tokens: int = 1024, max_batch_seqs: int = 64) -> Scheduler:

@@ -14,7 +14,7 @@ import torch
 
 from stratamesh.agent import speed as speed_module
 from stratamesh.agent.speed import box_fingerprint, cached_speeds, default_cache_path, measure_speeds
-from stratamesh.fleet.types import GpuInfo, Speed
+from stratamesh.fleet.boxes import GpuInfo, Speed
 
 DAY_S = 86400.0
 T0 = 1.8e9

@@ -19,8 +19,9 @@ import transformers
 from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngine
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import (Assignment, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StageSpec,
-                                    StepBatch, StepChunk, StepChunks, TokenEvent)
+from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepBatch,
+                                       StepChunk, StepChunks, TokenEvent)
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import load_stage
 

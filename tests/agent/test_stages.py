@@ -8,7 +8,7 @@ import pytest
 
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
-from stratamesh.fleet.types import Assignment, StageSpec
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.kernels.tiny_model import write_tiny_model
 
 

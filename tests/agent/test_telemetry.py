@@ -15,7 +15,8 @@ from stratamesh.agent.metrics import AgentMetrics
 from stratamesh.agent.probe import RawGpu
 from stratamesh.agent.stages import StageHost
 from stratamesh.agent.telemetry import SERVING_WINDOW_TOKENS, ServingCpu, TelemetrySampler, stage_load, tokens_per_s
-from stratamesh.fleet.types import Assignment, StageLoad, StageSpec, Telemetry
+from stratamesh.fleet.boxes import StageLoad, Telemetry
+from stratamesh.fleet.stages import Assignment, StageSpec
 
 
 def test_stage_load_counts_running_waiting_blocks_and_prefix_lookups() -> None:

@@ -8,7 +8,7 @@ import torch
 from stratamesh.agent.engine.scheduler import ScheduledChunk
 from stratamesh.agent.engine.sequence import WorkItem
 from stratamesh.agent.engine.stage_runner import _pick
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.ops.sampler import sample
 
 

@@ -12,7 +12,8 @@ from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.engine.tp_group import GroupFailed
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Assignment, StageSpec, StepChunk
+from stratamesh.fleet.sessions import StepChunk
+from stratamesh.fleet.stages import Assignment, StageSpec
 
 from tests.agent.test_dataplane import greedy_reference, send
 from tests.agent.test_kv_transfer import PROMPT, agent, import_kv

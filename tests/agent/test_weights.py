@@ -15,7 +15,7 @@ import torch
 from stratamesh.agent.weights import WeightFetcher, WeightsUnavailable
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.weights import ModelWeights
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.weight_service import MAX_CHUNKS_PER_FETCH, WeightsService
 from stratamesh.fleet.weight_files import ModelFiles, read_verified
 from stratamesh.fleet.weights import WeightChunk, WeightsProgress

@@ -18,7 +18,7 @@ from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.sessions import SessionTable
-from stratamesh.fleet.types import LinkMeasurement
+from stratamesh.fleet.control_messages import LinkMeasurement
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
 
 T0 = 1_700_000_000.0

@@ -26,7 +26,8 @@ from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import Capabilities, GpuInfo, LinkMeasurement, Telemetry
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Telemetry
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from stratamesh.sdk import AsyncMesh, calls
 from stratamesh.sdk.errors import UnexpectedResponseError

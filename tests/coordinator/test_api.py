@@ -18,7 +18,7 @@ from stratamesh.coordinator.serving.origin import ModelCard
 from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotFound, StageFailed
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 from tests.coordinator.served import served
 
 STORY = "The quick brown fox jumps over the lazy dog. Café 🙂 déjà vu. "

@@ -10,7 +10,8 @@ import pytest
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import Capabilities, Registration, StageStatus
+from stratamesh.fleet.boxes import Capabilities, Registration
+from stratamesh.fleet.stages import StageStatus
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

@@ -21,10 +21,11 @@ from stratamesh.coordinator.serving.origin import Origin
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.router import Router
 from stratamesh.coordinator.serving.sessions import SessionTable
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 from stratamesh.fleet.errors import CheckpointError, ModelNotFound, ModelNotReady, PlacementError
-from stratamesh.fleet.types import (Assignment, Capabilities, ControlMessage, LinkMeasurement, Registration, Release,
-                                    Shutdown, Speed, StageStatus, Telemetry)
+from stratamesh.fleet.boxes import Capabilities, Registration, Speed, Telemetry
+from stratamesh.fleet.control_messages import ControlMessage, LinkMeasurement, Release, Shutdown
+from stratamesh.fleet.stages import Assignment, StageStatus
 
 GiB = 1 << 30
 

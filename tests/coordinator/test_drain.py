@@ -56,7 +56,7 @@ async def test_drain_through_the_admin_api_from_request_to_the_agent_told_to_exi
 
 
 async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays(model_dir: Path) -> None:
-    from stratamesh.fleet.types import StageStatus
+    from stratamesh.fleet.stages import StageStatus
 
     registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
     drainer = Drainer(deployer, SessionTable(), registry)
@@ -71,7 +71,7 @@ async def test_a_drain_whose_replacement_fails_to_load_fails_and_the_agent_stays
 
 def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None:
     from stratamesh.coordinator.serving.kv_moves import replaced_hops
-    from stratamesh.fleet.types import Hop
+    from stratamesh.fleet.sessions import Hop
 
     old = [Hop("h1:1", "p-0"), Hop("h2:1", "p-1"), Hop("h3:1", "p-2")]
     new = [old[0], Hop("h4:1", "p-1-m1"), old[2]]
@@ -114,7 +114,7 @@ async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_s
     from stratamesh.coordinator.control.deployer import Deployer
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.registry import Registry
-    from stratamesh.fleet.types import Telemetry
+    from stratamesh.fleet.boxes import Telemetry
     from tests.coordinator.test_deployer import Agent, released
 
     registry = Registry(":memory:")
@@ -150,7 +150,7 @@ async def test_a_rest_no_spare_can_take_says_why_keeps_serving_and_begins_once_a
     from stratamesh.coordinator.control.deployer import REST_RETRY_S, Deployer
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.registry import Registry
-    from stratamesh.fleet.types import Telemetry
+    from stratamesh.fleet.boxes import Telemetry
     from tests.coordinator.test_deployer import Agent
 
     now = [100.0]

@@ -8,7 +8,7 @@ from stratamesh.coordinator.control.roster import TELEMETRY_RECORD_EVERY_S
 from stratamesh.coordinator.fleet_view import AgentQuery
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import Telemetry
+from stratamesh.fleet.boxes import Telemetry
 from tests.coordinator.test_deployer import Agent, connect_all
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from stratamesh.coordinator.placement import (DEFAULT_SERVING_CPU_PER_TOKEN_S, Hosts, cpu_shares, fleet_of,
                                               serving_cpu_of)
-from stratamesh.fleet.types import Capabilities, GpuInfo, Speed, Telemetry
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
 from stratamesh.partitioner.cost import StageTables, single_unit
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import profile_from_hf_config

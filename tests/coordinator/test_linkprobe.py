@@ -10,7 +10,8 @@ from stratamesh.coordinator.control.probes import AgentLink
 from stratamesh.coordinator.control.probes import PROBE_PEERS, PeerProbes, peers_of
 from stratamesh.coordinator.linkprobe import OriginLinkProber, due_peers
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import Capabilities, LinkMeasurement, Peer
+from stratamesh.fleet.boxes import Capabilities, Peer
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from tests.coordinator.test_deployer import Agent, connect_all
 

@@ -14,7 +14,7 @@ from stratamesh.coordinator.control.probes import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.types import LinkMeasurement, ProbeLinks
+from stratamesh.fleet.control_messages import LinkMeasurement, ProbeLinks
 from stratamesh.partitioner.fleet_snapshot import ORIGIN, SITE_LINK, Link
 from tests.coordinator.test_deployer import Agent, connect_all, model_dir  # noqa: F401  (model_dir: a fixture)
 

@@ -18,7 +18,7 @@ from stratamesh.coordinator.api.openai import create_app
 from stratamesh.coordinator.metrics import ApiMetrics, Phases, one_two_five_buckets
 from stratamesh.coordinator.serving.request import Request, Stops
 from stratamesh.coordinator.text import IncrementalDetokenizer, Tokenizer
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 from tests.coordinator.served import served
 from tests.coordinator.test_api import CHAT, FAIL_AFTER, FakeServing, chat_tokenizers, sse_events  # noqa: F401  (a fixture)
 

@@ -17,8 +17,8 @@ from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.request import Stops
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.errors import StageFailed
-from stratamesh.fleet.types import (Hop, KvImportRequest, KvImportSummary, SamplingParams, SessionClose,
-                                    SessionHold, SessionOpen, StepChunk, TokenEvent)
+from stratamesh.fleet.kv import KvImportRequest, KvImportSummary
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepChunk, TokenEvent
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc

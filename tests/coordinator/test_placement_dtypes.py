@@ -14,7 +14,7 @@ from stratamesh.coordinator.placement import (
 )
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import Capabilities, GpuInfo, Speed
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed
 from stratamesh.partitioner.plan import PlannedStage
 
 GiB = 1 << 30

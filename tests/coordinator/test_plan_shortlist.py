@@ -7,7 +7,7 @@ import random
 import pytest
 
 from stratamesh.coordinator.placement import PLAN_CANDIDATES, SitePins, plan_stages, shortlist
-from stratamesh.fleet.types import Capabilities, Speed
+from stratamesh.fleet.boxes import Capabilities, Speed
 
 GiB = 1 << 30
 CONFIG = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 512,

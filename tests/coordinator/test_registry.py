@@ -11,8 +11,9 @@ import pytest
 from stratamesh.coordinator.registry import (
     MIGRATIONS, AgentRecord, Registry, SchemaTooNew, StageRecord)
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import (Capabilities, GpuInfo, LinkMeasurement, Speed, StageLoad, StageSpec,
-                                    Telemetry)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
+from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.stages import StageSpec
 
 T0 = 1_700_000_000.0
 CPU_BOX = Capabilities("edge-1", "ARM Cortex-A78", 8, 16 << 30, 12 << 30)

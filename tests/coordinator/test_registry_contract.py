@@ -24,7 +24,9 @@ from stratamesh.coordinator.registry_store import (DESIGN_NOTE, AgentStore, Even
                                                    SqlTables, TelemetryStore, UnsupportedStore, open_registry,
                                                    sqlite_path)
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import Capabilities, LinkMeasurement, StageLoad, StageSpec, Telemetry
+from stratamesh.fleet.boxes import Capabilities, StageLoad, Telemetry
+from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.stages import StageSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
@@ -375,7 +377,7 @@ def test_a_reopened_store_holds_what_was_committed(backend: Backend) -> None:
 _CRASH = """
 import os, sys
 from stratamesh.coordinator.registry_store import open_registry
-from stratamesh.fleet.types import Capabilities
+from stratamesh.fleet.boxes import Capabilities
 store = open_registry(sys.argv[1])
 store.log_event("before", "", 1.0)
 with store.transaction():

@@ -14,7 +14,8 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.serving.router import DECODE_WORK_TOKENS, Disaggregation, Router, RouteWork
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
-from stratamesh.fleet.types import KvEvents, StageLoad, Telemetry
+from stratamesh.fleet.boxes import StageLoad, Telemetry
+from stratamesh.fleet.kv import KvEvents
 from tests.coordinator.test_deployer import Agent, connect_all, model_dir, report_ready  # noqa: F401 (a fixture)
 from tests.coordinator.test_replicas import two_replicas
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from stratamesh.coordinator.control.rtc_relay import RtcRelay, nat_address
-from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.control_messages import RtcAnswer, RtcOffer
 
 
 class Agents:

@@ -13,7 +13,9 @@ from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, fl
 from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import Assignment, Capabilities, ControlMessage, GpuInfo, Registration, Speed, StageSpec
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Registration, Speed
+from stratamesh.fleet.control_messages import ControlMessage
+from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, SITE_LINK, Device, Link
 
 GiB = 1 << 30

@@ -7,7 +7,7 @@ import pytest
 from stratamesh.coordinator.serving.records import RequestRecord
 from stratamesh.coordinator.traces import ORIGIN_STAGE, request_trace, stage_of
 from stratamesh.fleet.tracing import Span, SpanStore
-from stratamesh.fleet.types import Hop
+from stratamesh.fleet.sessions import Hop
 
 ROUTE = ("a0", "a1", "a2")
 TRACE = "ab" * 16

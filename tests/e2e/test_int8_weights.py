@@ -12,7 +12,7 @@ import pytest
 from stratamesh.bench.chaos import make_jobs
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.launcher import LocalMesh
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
 
 from .test_mesh import complete_ids

@@ -22,7 +22,7 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.agent.probe import parse_cpu_model, parse_gpu, read_cpuinfo, read_nvml
 from stratamesh.agent.speed import ONNX_CACHE_NAME, box_fingerprint, default_cache_path
 from stratamesh.launcher import LocalMesh
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from stratamesh.fleet.errors import InvalidAssignment, InvalidInput
-from stratamesh.fleet.types import (
-    Assignment, Capabilities, GpuInfo, Heartbeat, Hop, KvEventReport, KvEvents, KvExportRequest, KvHeader,
-    KvImportRequest, KvLayout, KvPiece, LinkMeasurement, LinkReport, Peer, ProbeLinks, Registration, Release,
-    RevokedSerials, RtcAnswer, RtcOffer, SamplingParams, SessionClose, SessionOpen, Shutdown, Speed, StageLoad,
-    StageSpec, StageStatus, StepBatch, StepChunk, Telemetry, TensorBlob, TokenEvent, Welcome,
-)
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, Peer, Registration, Speed, StageLoad, Telemetry
+from stratamesh.fleet.control_messages import (Heartbeat, KvEventReport, LinkMeasurement, LinkReport, ProbeLinks,
+                                               Release, RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
+from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece
+from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionOpen, StepBatch, StepChunk,
+                                       TensorBlob, TokenEvent)
+from stratamesh.fleet.stages import Assignment, StageSpec, StageStatus
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb

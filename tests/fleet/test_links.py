@@ -17,7 +17,7 @@ from stratamesh.fleet.links import (NUM_PINGS, NUM_WARMUP_PINGS, PAYLOAD_BYTES, 
                                     measure_link, measure_peers)
 from stratamesh.testbed.netbed import LinkProfile, Netbed
 from tests.testbed.conftest import netbed  # noqa: F401 (a fixture)
-from stratamesh.fleet.types import Peer
+from stratamesh.fleet.boxes import Peer
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server

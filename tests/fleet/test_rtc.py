@@ -10,7 +10,7 @@ import time
 import pytest
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.types import RtcAnswer, RtcOffer
+from stratamesh.fleet.control_messages import RtcAnswer, RtcOffer
 from stratamesh.fleet.wire import rtc
 from stratamesh.fleet.wire.channels import MeshTls, revoked
 

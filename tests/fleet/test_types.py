@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stratamesh.fleet.types import wire_dtype
+from stratamesh.fleet.sessions import wire_dtype
 
 
 @pytest.mark.parametrize("sender, receiver, travels", [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import TensorBlob
+from stratamesh.fleet.sessions import TensorBlob
 from stratamesh.kernels.codec import decode, encode
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.tiny_model import TINY_ARCHS

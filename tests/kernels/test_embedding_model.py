@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
-from stratamesh.fleet.types import StageSpec, model_task
+from stratamesh.fleet.stages import StageSpec, model_task
 from stratamesh.kernels.models.checkpoint import Checkpoint, canonical_name, stage_tensor_names
 from stratamesh.kernels.models.config import parse_config, read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage

@@ -18,7 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stratamesh.fleet.types import StageSpec, wire_dtype
+from stratamesh.fleet.sessions import wire_dtype
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import load_stage
 

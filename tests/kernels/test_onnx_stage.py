@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import load_stage

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops import quant

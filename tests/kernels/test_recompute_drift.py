@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from stratamesh.bench.margins import MIN_MARGIN
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratamesh.fleet.types import SamplingParams
+from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.ops.sampler import sample, sample_rows
 
 

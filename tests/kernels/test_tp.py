@@ -15,7 +15,7 @@ import torch
 
 from stratamesh.agent.engine.tp_group import Collectives, store_for
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice, load_tp_stage, shard_tensors

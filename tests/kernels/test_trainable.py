@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import parse_config
 from stratamesh.kernels.models.decoder import StageModel
 from stratamesh.kernels.models.trainable import TrainableDecoder

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, replace
 
 from stratamesh.partitioner.fleet_snapshot import ORIGIN, Device, FleetSnapshot, Link
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config
 

@@ -8,7 +8,7 @@ import pytest
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, fleet_from_dict
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 from tests.partitioner.random_fleets import random_case
 
 GOOD = {

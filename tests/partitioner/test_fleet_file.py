@@ -10,7 +10,7 @@ import pytest
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.partitioner.fleet_snapshot import ORIGIN, Device, Link
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 from stratamesh.partitioner.fleet_file import (
     SCHEMA_PATH, _engineering, fleet_from_dict, fleet_json_schema, fleet_schema_text,
 )

@@ -14,7 +14,8 @@ import pytest
 
 from stratamesh.testbed import sim
 from stratamesh.fleet.errors import PlacementError
-from stratamesh.fleet.types import Speed, wire_dtype
+from stratamesh.fleet.boxes import Speed
+from stratamesh.fleet.sessions import wire_dtype
 from stratamesh.partitioner.cost import TP_MIN_BANDWIDTH
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, SITE_LINK, WAN_LINK, Device, FleetSnapshot, Link, fleet_from_dict
 from stratamesh.partitioner.plan import Plan, Pipeline, PlanRequest

@@ -9,7 +9,7 @@ import pytest
 
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import profile_from_hf_config

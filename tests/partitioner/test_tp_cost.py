@@ -11,7 +11,7 @@ import pytest
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.partitioner.cost import TP_EFFICIENCY, StageTables, group_link, group_unit, single_unit
 from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link
-from stratamesh.fleet.types import Speed
+from stratamesh.fleet.boxes import Speed
 from stratamesh.partitioner.plan import PlanRequest
 from stratamesh.partitioner.planner import evaluate, plan_pipeline
 from stratamesh.partitioner.profile import ModelProfile, profile_from_hf_config

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stratamesh.coordinator.access import AccessStore
 from stratamesh.coordinator.registry import StageRecord, Registry
-from stratamesh.fleet.types import StageSpec
+from stratamesh.fleet.stages import StageSpec
 from stratamesh.up_state import forget_last_run, open_up_state
 
 NOW = 1_800_000_000.0

@@ -9,7 +9,8 @@ import asyncio
 import json
 import sys
 
-from stratamesh.fleet.types import Hop, RtcAnswer, RtcOffer
+from stratamesh.fleet.control_messages import RtcAnswer, RtcOffer
+from stratamesh.fleet.sessions import Hop
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc

@@ -1,0 +1,148 @@
+"""A model's stages: what an agent is asked to load (StageSpec in an Assignment) and how it reports on one, the
+kinds of stage the mesh computes (dtypes, runtimes, quantization) and their limits; what a model's config says of them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stratamesh.fleet.errors import CheckpointError, InvalidInput
+from stratamesh.fleet.states import Runtime, StageState
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+RUNTIMES = (Runtime.TORCH, Runtime.ONNXRUNTIME)   # what computes a stage's layers (on its device)
+
+
+AUTO_RUNTIME = Runtime.AUTO           # an agent's runtime when the planner picks one of RUNTIMES per stage
+
+
+AGENT_RUNTIMES = tuple(Runtime)       # what an agent's operator may choose (--runtime)
+
+
+MAX_REPLICAS = 64               # pipelines one model may run side by side
+
+
+QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
+
+
+ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
+
+
+MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
+
+
+MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
+
+
+MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: no box holds more)
+
+
+# Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
+
+
+def model_task(config: Mapping[str, Any]) -> str:
+    """"embed" for a config.json dict whose architectures[0] is a base model without an LM head, else "generate"."""
+    architectures = config.get("architectures")
+    first = architectures[0] if isinstance(architectures, list) and architectures else None
+    return "embed" if first in EMBEDDING_ARCHITECTURES else "generate"
+
+
+def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types) of a config.json dict: Mistral windows every layer; Qwen2 only with
+    use_sliding_window, from max_window_layers on (its layer_types name which); (None, ()) is full attention.
+    CheckpointError where layer_types does not name every layer."""
+    window = config.get("sliding_window")
+    if arch == "llama" or window is None:
+        return None, ()
+    if arch == "mistral":
+        return int(window), ()
+    if not config.get("use_sliding_window", False):
+        return None, ()
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = int(config.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return int(window), tuple(layer_types)
+
+
+def windowed(config: Mapping[str, Any]) -> bool:
+    """Whether any layer of a config.json dict attends over a sliding window (attention_windows)."""
+    window, layer_types = attention_windows(config, str(config.get("model_type")),
+                                            int(config.get("num_hidden_layers", 0)))
+    return window is not None and (not layer_types or "sliding_attention" in layer_types)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """A contiguous layer range [start_layer, end_layer) of one model, as one stage serves it."""
+
+    model_id: str
+    model_path: str
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_block_size: int = 16
+    tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
+    runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
+    quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales (torch or ORT)
+    kv_cache_bytes: int = 0     # the KV cache its plan reserved for it, per rank; 0: the plan said nothing
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
+            raise InvalidInput(f"stage tp_degree must be in 1..{MAX_TP_DEGREE}, got {self.tp_degree}")
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:
+            raise InvalidInput(f"stage kv_block_size must be in 1..{MAX_KV_BLOCK_SIZE}, got {self.kv_block_size}")
+        if not 0 <= self.start_layer < self.end_layer <= self.num_layers:
+            raise InvalidInput(
+                f"stage layer range [{self.start_layer}, {self.end_layer}) is not inside "
+                f"[0, {self.num_layers})")
+        if self.dtype not in DTYPES:
+            raise InvalidInput(f"stage dtype {self.dtype!r} is not one of {DTYPES}")
+        if not re.fullmatch(r"cpu|cuda(:\d{1,2})?", self.device):
+            raise InvalidInput(f"stage device {self.device!r} is not cpu, cuda or cuda:N")
+        if self.runtime not in RUNTIMES:
+            raise InvalidInput(f"stage runtime {self.runtime!r} is not one of {RUNTIMES}")
+        if self.quantize and self.quantize not in QUANTIZATIONS:
+            raise InvalidInput(f"stage quantize {self.quantize!r} is not one of {QUANTIZATIONS} (or none)")
+        if self.quantize and self.tp_degree > 1:
+            raise InvalidInput("int8 weights are for single-process stages (tp_degree 1)")
+        if not 0 <= self.kv_cache_bytes <= MAX_KV_CACHE_BYTES:
+            raise InvalidInput(f"stage kv_cache_bytes must be in 0..{MAX_KV_CACHE_BYTES}, got {self.kv_cache_bytes}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end_layer == self.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """An order to an agent: serve this stage under this id."""
+
+    assignment_id: str
+    stage: StageSpec
+
+
+STAGE_STATES = tuple(StageState)
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatus:
+    """An agent's report on one assignment: one of STAGE_STATES (less "assigned")."""
+
+    assignment_id: str
+    state: str
+    error: str = ""
+    param_bytes: int = 0
