@@ -448,12 +448,7 @@ class StageService(pb_grpc.StageServicer):
         return [item for engine in self._host.engines.values() for item in engine.sessions.items()]
 
     def _reject(self, message: pb.StageMessage, exc: InvalidInput) -> None:
-        kind = message.WhichOneof("kind")
-        if kind in ("batch", "chunks"):
-            session_ids = [c.session_id for c in getattr(message, kind).chunks]
-        else:
-            session_ids = [getattr(message, kind).session_id] if kind else []
-        known = [s for s in session_ids if s and self._host.engine_of(s, message.to) is not None]
+        known = [s for s in convert.session_ids_of(message) if s and self._host.engine_of(s, message.to) is not None]
         for session_id in known:
             self._inbox.put_nowait((_Poison(session_id, exc), 0, message.to))
         if not known:

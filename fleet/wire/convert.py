@@ -213,6 +213,14 @@ def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
     raise InvalidInput("stage message has no kind set")
 
 
+def session_ids_of(msg: pb.StageMessage) -> list[str]:
+    """The session ids a data-plane message names, read even from one that failed validation (its sessions end)."""
+    kind = msg.WhichOneof("kind")
+    if kind in ("batch", "chunks"):
+        return [c.session_id for c in getattr(msg, kind).chunks]
+    return [getattr(msg, kind).session_id] if kind else []
+
+
 def _require_session_id(session_id: str, where: str) -> None:
     if not _SESSION_ID.fullmatch(session_id):
         raise InvalidInput(f"{where}.session_id must be 1..128 printable ASCII characters without spaces")

@@ -29,6 +29,7 @@ import grpc
 
 from stratamesh.fleet import pki
 from stratamesh.fleet.boxes import Capabilities, Registration, Speed, Telemetry
+from stratamesh.fleet.control_messages import Welcome
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -112,13 +113,14 @@ class SimAgent:
         try:
             async for message in call:
                 self._counts.messages_in += 1
-                if message.WhichOneof("kind") == "welcome":
-                    if heartbeat is None:
-                        self._counts.welcomed.add(self.agent_id)
-                        self._counts.join_s.append(time.monotonic() - started)
-                    else:               # the coordinator changed the pace: the fleet grew or shrank
-                        heartbeat.cancel()
-                    heartbeat = asyncio.create_task(self._heartbeat(message.welcome.heartbeat_interval_s))
+                match convert.coordinator_message_from_pb(message):
+                    case Welcome(heartbeat_interval_s=interval_s):
+                        if heartbeat is None:
+                            self._counts.welcomed.add(self.agent_id)
+                            self._counts.join_s.append(time.monotonic() - started)
+                        else:               # the coordinator changed the pace: the fleet grew or shrank
+                            heartbeat.cancel()
+                        heartbeat = asyncio.create_task(self._heartbeat(interval_s))
                 if stop.is_set():
                     break
         finally:
