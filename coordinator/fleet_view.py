@@ -16,7 +16,8 @@ from statistics import median
 from typing import Any
 
 from stratamesh.coordinator.plain import plain
-from stratamesh.coordinator.records import AgentRecord, LinkRecord
+from stratamesh.coordinator.records import AgentRecord
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.states import AgentState
 from stratamesh.fleet.boxes import Telemetry
 
@@ -113,7 +114,7 @@ def site_summaries(agents: Iterable[AgentRecord], telemetry: Mapping[str, Teleme
     return dict(sorted(sites.items()))
 
 
-def site_links(links: Iterable[LinkRecord], site_of: Mapping[str, str]) -> list[dict[str, Any]]:
+def site_links(links: Iterable[LinkMeasurement], site_of: Mapping[str, str]) -> list[dict[str, Any]]:
     """The links measured between agents, summed up per pair of sites (either way; a site with itself too): how
     many, how many failed last, and the median round trip and bulk rate of the others. The origin's links are left
     out (a view holds them to the agents it holds). At most SITE_LINKS_MAX pairs, those with the most links."""
@@ -121,7 +122,7 @@ def site_links(links: Iterable[LinkRecord], site_of: Mapping[str, str]) -> list[
     rates: defaultdict[tuple[str, str], list[float]] = defaultdict(list)
     failed: Counter[tuple[str, str]] = Counter()
     for link in links:
-        a, b = site_of.get(link.agent_id), site_of.get(link.peer_id)
+        a, b = site_of.get(link.agent_id), site_of.get(link.peer_agent_id)
         if a is None or b is None:
             continue
         pair = (a, b) if a <= b else (b, a)

@@ -18,13 +18,13 @@ from stratamesh.coordinator.enrollment import Revoker
 from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json, agents_that_matter, page_of,
                                                site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
-from stratamesh.coordinator.plain import plain
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, LinkRecord
+from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord
 from stratamesh.coordinator.registry import ModelRecord, Registry
 from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.boxes import Telemetry
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
@@ -59,7 +59,7 @@ class MeshAdmin:
         self._live = live if live is not None else LiveStats()
         self._clock = clock
         self._revoker = revoker
-        self._links_read: tuple[float, list[LinkRecord], list[dict[str, Any]]] | None = None   # (when, links, sums)
+        self._links_read: tuple[float, list[LinkMeasurement], list[dict[str, Any]]] | None = None   # (when, links, sums)
 
     async def agents_page(self, query: AgentQuery) -> dict[str, Any]:
         """One page of the agents the registry knows, in id order: each with its state, capabilities and newest
@@ -182,7 +182,7 @@ class MeshAdmin:
         ends = held | {ORIGIN}
         latest = self.stats(1)
         return FleetView(now, len(agents), sites, {a["agent_id"]: a for a in records}, plans,
-                         [plain(k) for k in links if k.agent_id in ends and k.peer_id in held], between_sites,
+                         [link_json(k) for k in links if k.agent_id in ends and k.peer_agent_id in held], between_sites,
                          self.models(), drains, latest[-1] if latest else None, self.events(SNAPSHOT_EVENTS))
 
     def _fleet(self, telemetry: Mapping[str, Telemetry],
@@ -190,7 +190,7 @@ class MeshAdmin:
         agents = self._registry.agents()
         return agents, site_summaries(agents, telemetry, planned)
 
-    async def _links_now(self, agents: Sequence[AgentRecord]) -> tuple[list[LinkRecord], list[dict[str, Any]]]:
+    async def _links_now(self, agents: Sequence[AgentRecord]) -> tuple[list[LinkMeasurement], list[dict[str, Any]]]:
         """Every measured link and their sums per pair of sites, read again at most every LINKS_EVERY_S."""
         now = self._clock()
         if self._links_read is None or now >= self._links_read[0] + LINKS_EVERY_S:
@@ -198,7 +198,7 @@ class MeshAdmin:
             self._links_read = (now, *await asyncio.to_thread(self._read_links, site_of))
         return self._links_read[1], self._links_read[2]
 
-    def _read_links(self, site_of: Mapping[str, str]) -> tuple[list[LinkRecord], list[dict[str, Any]]]:
+    def _read_links(self, site_of: Mapping[str, str]) -> tuple[list[LinkMeasurement], list[dict[str, Any]]]:
         links = self._registry.links()
         return links, site_links(links, site_of)
 
@@ -229,7 +229,7 @@ class MeshAdmin:
         return {"agent_id": agent_id, "revoked_serials": serials}
 
     def links(self) -> list[dict[str, Any]]:
-        return [asdict(link) for link in self._registry.links()]
+        return [link_json(link) for link in self._registry.links()]
 
     def requests(self, limit: int) -> list[dict[str, Any]]:
         """The newest requests, newest first."""
@@ -249,6 +249,12 @@ class MeshAdmin:
             raise UnknownRequest(f"no request {request_id!r}: unknown, or older than the newest "
                                  f"{len(self._requests.recent)} requests")
         return record
+
+
+def link_json(link: LinkMeasurement) -> dict[str, Any]:
+    """A link as the admin API shows it, under its schema's names (peer_id, ts)."""
+    return {"agent_id": link.agent_id, "peer_id": link.peer_agent_id, "rtt_s": link.rtt_s,
+            "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "error": link.error, "ts": link.measured_at_s}
 
 
 def _planned(plans: list[dict[str, Any]]) -> set[str]:

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stratamesh.coordinator.records import LinkRecord
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
@@ -91,7 +91,7 @@ def _has_bf16(gpu: GpuInfo) -> bool:
         return True
 
 
-def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord] = (),
+def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkMeasurement] = (),
              checkpoint: str = "float32", hosts: Hosts = Hosts(), onnx: bool = True) -> FleetSnapshot:
     """One device per rank of each agent (rank_ids), the agent its node, computing in stage_dtype for a model
     stored in checkpoint; measured links between agents apply to all their devices, and agents of one host that
@@ -254,7 +254,7 @@ def _speeds_for(device_id: str, speeds: Sequence[Speed], backend: str, dtype: st
     return (*own, Speed(backend, dtype, float32.flops, float32.mem_bandwidth))
 
 
-def _links(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord]) -> tuple[Link, ...]:
+def _links(agents: Mapping[str, Capabilities], links: Sequence[LinkMeasurement]) -> tuple[Link, ...]:
     """Measured links between agents (or an agent and ORIGIN) as links between their devices, and loopback
     between the devices of two agents on one host that measured no link (each agent is its own node)."""
     ids = {a: rank_ids(a, num_ranks(caps)) for a, caps in agents.items()} | {ORIGIN: [ORIGIN]}
@@ -267,16 +267,16 @@ def _links(agents: Mapping[str, Capabilities], links: Sequence[LinkRecord]) -> t
     return tuple(out)
 
 
-def measured_links(agent_ids: Iterable[str], links: Sequence[LinkRecord]) -> tuple[Link, ...]:
+def measured_links(agent_ids: Iterable[str], links: Sequence[LinkMeasurement]) -> tuple[Link, ...]:
     """The planner's links from measured ones: between two of these agents, or one of them and ORIGIN."""
     ends = {*agent_ids, ORIGIN}
-    return tuple(Link(r.agent_id, r.peer_id, r.bandwidth_bytes_per_s, r.rtt_s) for r in links
-                 if r.agent_id in ends and r.peer_id in ends and r.agent_id != r.peer_id
+    return tuple(Link(r.agent_id, r.peer_agent_id, r.bandwidth_bytes_per_s, r.rtt_s) for r in links
+                 if r.agent_id in ends and r.peer_agent_id in ends and r.agent_id != r.peer_agent_id
                  and r.bandwidth_bytes_per_s > 0 and r.rtt_s > 0)
 
 
 def plan_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                num_stages: int, links: Sequence[LinkRecord] = (), previous: Placement = (),
+                num_stages: int, links: Sequence[LinkMeasurement] = (), previous: Placement = (),
                 pins: SitePins = SitePins(), hosts: Hosts = Hosts(), quantize: str = "",
                 candidates: int = PLAN_CANDIDATES) -> tuple[Plan, list[tuple[str, StageSpec]]]:
     """The planner's best num_stages-stage pipeline over the agents and measured links (PlacementError if none);
@@ -361,7 +361,7 @@ def _in_rank_order(plan: Plan, profile: ModelProfile, fleet: FleetSnapshot, requ
 
 
 def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents: Mapping[str, Capabilities],
-                  placement: Placement, links: Sequence[LinkRecord] = (),
+                  placement: Placement, links: Sequence[LinkMeasurement] = (),
                   pins: SitePins = SitePins(), hosts: Hosts = Hosts(), quantize: str = "") -> list[tuple[str, StageSpec]]:
     """(agent id, spec) of each stage after the stages of agents not among these go to the spares that price best,
     layer ranges and TP degrees unchanged (what lets a drained stage's sessions move with their KV); a spare's spec

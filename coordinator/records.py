@@ -70,18 +70,6 @@ class EventRecord:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
-class LinkRecord:
-    """The newest measurement of the link from agent_id to peer_id (error: the latest probe failed)."""
-
-    agent_id: str
-    peer_id: str
-    rtt_s: float
-    bandwidth_bytes_per_s: float
-    error: str
-    ts: float
-
-
 DRAIN_RUNNING = (DrainState.MOVING_STAGES, DrainState.MOVING_SESSIONS)
 
 

@@ -17,14 +17,14 @@ from sqlite_utils import Database
 from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.plain import plain
-from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.fleet.states import PlanState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.stages import MAX_REPLICAS, StageSpec
 
-__all__ = ["AgentRecord", "EventRecord", "LinkRecord", "ModelRecord", "PlanRecord", "Registry", "StageRecord"]
+__all__ = ["AgentRecord", "EventRecord", "ModelRecord", "PlanRecord", "Registry", "StageRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -546,10 +546,11 @@ class Registry:
                 else:
                     db.conn.execute(_UPSERT_LINK, (agent_id, m.peer_agent_id, "", now, m.rtt_s, m.bandwidth_bytes_per_s))
 
-    def links(self) -> list[LinkRecord]:
+    def links(self) -> list[LinkMeasurement]:
         """Every link measured at least once, ordered by its two ends."""
         rows = self._rows("SELECT * FROM links WHERE rtt_s IS NOT NULL ORDER BY agent_id, peer_id")
-        return [LinkRecord(**r) for r in rows]
+        return [LinkMeasurement(r["peer_id"], r["rtt_s"], r["bandwidth_bytes_per_s"], r["error"], r["agent_id"], r["ts"])
+                for r in rows]
 
 
 # Plain SQL: sqlite-utils' upsert reads the table's schema for every row.

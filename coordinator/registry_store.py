@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, LinkRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
@@ -76,7 +76,7 @@ class TelemetryStore(Protocol):
         """Keeps the newest measurement of each link from agent_id, as one transaction; a failed probe records its
         error and keeps the last figures measured."""
 
-    def links(self) -> list[LinkRecord]:
+    def links(self) -> list[LinkMeasurement]:
         """Every link measured successfully at least once, by (agent_id, peer_id)."""
 
 

@@ -57,12 +57,16 @@ class RtcAnswer:
 
 @dataclass(frozen=True, slots=True)
 class LinkMeasurement:
-    """A measured link from the reporting agent to a peer; error instead of figures when it failed."""
+    """A measured link from agent_id to a peer (error instead of figures when the probe failed). An agent's report
+    leaves agent_id and measured_at_s to the coordinator (its stream says who, its clock when); the registry keeps
+    each link's newest, whole."""
 
     peer_agent_id: str
     rtt_s: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
     error: str = ""
+    agent_id: str = ""
+    measured_at_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

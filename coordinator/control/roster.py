@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from stratamesh.coordinator.control.probes import AgentLink, PeerProbes, peers_of, probe
 from stratamesh.coordinator.liveness import CONTROL, DATA, Liveness, LivenessConfig
-from stratamesh.coordinator.records import LinkRecord, StageRecord
+from stratamesh.coordinator.records import StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.states import AgentState, StageState
@@ -58,7 +58,7 @@ class Roster:
         self._pruned_at = float("-inf")
         self.membership = 0     # bumped whenever an agent connects or is forgotten: who peers() lists may differ
         # (from, to) agent ids -> the newest reading of that link (rtt_s, bytes/s), as the registry keeps them
-        self._newest = {(r.agent_id, r.peer_id): (r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()}
+        self._newest = {(r.agent_id, r.peer_agent_id): (r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()}
         self._earlier: dict[tuple[str, str], tuple[float, float]] = {}     # ... and the one before, since this start
 
     def start(self, now: float) -> None:
@@ -249,12 +249,12 @@ class Roster:
                 return _better(newest, self._earlier.get(key))[1]
         return None
 
-    def links(self) -> list[LinkRecord]:
+    def links(self) -> list[LinkMeasurement]:
         """The registry's measured links as the planner prices them: the round trip and the bandwidth of each at the
         better of its two newest readings, as bandwidth() gives routes, so one slow reading moves no stage either."""
         out = []
         for r in self._registry.links():
-            rtt_s, bandwidth = _better((r.rtt_s, r.bandwidth_bytes_per_s), self._earlier.get((r.agent_id, r.peer_id)))
+            rtt_s, bandwidth = _better((r.rtt_s, r.bandwidth_bytes_per_s), self._earlier.get((r.agent_id, r.peer_agent_id)))
             out.append(replace(r, rtt_s=rtt_s, bandwidth_bytes_per_s=bandwidth))
         return out
 

@@ -57,7 +57,7 @@ async def test_connected_agents_measure_each_other_and_the_coordinator_keeps_the
                 break
             await asyncio.sleep(0.02)
         links = registry.links()
-        assert [(r.agent_id, r.peer_id) for r in links] == [("a1", "a2"), ("a2", "a1")]
+        assert [(r.agent_id, r.peer_agent_id) for r in links] == [("a1", "a2"), ("a2", "a1")]
         assert all(r.rtt_s > 0 and r.bandwidth_bytes_per_s > 0 and not r.error for r in links)
     finally:
         for task, server in agents:

@@ -65,7 +65,7 @@ async def test_the_origin_measures_each_agent_on_connect_and_again_when_due() ->
     connect_all(deployer, [a1, a2])
     await prober.probe_due()
     assert measure.asked == [["a1", "a2"]]
-    assert [(r.agent_id, r.peer_id, r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()] == \
+    assert [(r.agent_id, r.peer_agent_id, r.rtt_s, r.bandwidth_bytes_per_s) for r in registry.links()] == \
         [(ORIGIN, "a1", 1e-3, 1e8)]                # a2 failed: no figures
     now[0] += 299
     await prober.probe_due()

@@ -12,7 +12,6 @@ import pytest
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.probes import LINK_PROBE_EVERY_S
 from stratamesh.coordinator.placement import fleet_of
-from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.control_messages import LinkMeasurement, ProbeLinks
 from stratamesh.partitioner.fleet_snapshot import ORIGIN, SITE_LINK, Link
@@ -70,13 +69,13 @@ def test_reported_links_reach_the_registry() -> None:
     registry = Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: 7.0)
     deployer.roster.links_reported("a1", [LinkMeasurement("a2", 0.002, 5e8), LinkMeasurement("a3", error="timed out")])
-    assert registry.links() == [LinkRecord("a1", "a2", 0.002, 5e8, "", 7.0)]
+    assert registry.links() == [LinkMeasurement("a2", 0.002, 5e8, "", "a1", 7.0)]
 
 
 def test_fleet_of_takes_measured_links_between_its_agents_and_the_origin_only() -> None:
     agents = {a.link.agent_id: a.caps for a in (Agent("a1", 8), Agent("a2", 8))}
-    records = [LinkRecord("a1", "a2", 0.5, 1e6, "", 1.0), LinkRecord(ORIGIN, "a1", 0.01, 2e7, "", 1.0),
-               LinkRecord("a1", "gone", 0.001, 1e9, "", 1.0), LinkRecord("gone", "a2", 0.001, 1e9, "", 1.0)]
+    records = [LinkMeasurement("a2", 0.5, 1e6, "", "a1", 1.0), LinkMeasurement("a1", 0.01, 2e7, "", ORIGIN, 1.0),
+               LinkMeasurement("gone", 0.001, 1e9, "", "a1", 1.0), LinkMeasurement("a2", 0.001, 1e9, "", "gone", 1.0)]
     fleet = fleet_of(agents, records)
     assert set(fleet.links) == {Link("a1", "a2", 1e6, 0.5), Link(ORIGIN, "a1", 2e7, 0.01)}
     a1, a2 = fleet.device("a1"), fleet.device("a2")

@@ -12,7 +12,7 @@ from stratamesh.coordinator.placement import (
     UNMEASURED, checkpoint_dtype, cpu_shares, fleet_of, onnx_servable, plan_stages, repair_stages, stage_device,
     stage_dtype,
 )
-from stratamesh.coordinator.records import LinkRecord
+from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed
 from stratamesh.partitioner.plan import PlannedStage
@@ -40,7 +40,7 @@ def cpu_box(host: str, cpu_bf16: bool = False, dtype: str = "",
 
 
 def specs_of(agents: dict[str, Capabilities], config: dict = CONFIG, num_stages: int = 3,
-             links: list[LinkRecord] = ()) -> dict[str, tuple[str, str]]:
+             links: list[LinkMeasurement] = ()) -> dict[str, tuple[str, str]]:
     """agent -> (device, dtype) of its stage."""
     _, specs = plan_stages("m", "/models/m", config, agents, num_stages, links)
     return {agent: (spec.device, spec.dtype) for agent, spec in specs}
@@ -134,7 +134,7 @@ def test_a_cpu_with_native_bf16_runs_a_bf16_checkpoint_in_bf16(cpu_bf16: bool, c
 def test_the_mixed_plans_links_carry_activations_in_the_wire_dtype() -> None:
     """bf16 GPU -> fp32 CPU: bf16 on the wire (2 bytes), fp32 CPU -> fp32 CPU: 4 bytes."""
     agents = {"gpu": gpu_box("h1", "9.0"), "cpu1": cpu_box("h2"), "cpu2": cpu_box("h3")}
-    links = [LinkRecord(a, b, 1e-3, 1e8, "", 1.0) for a, b in (("gpu", "cpu1"), ("gpu", "cpu2"), ("cpu1", "cpu2"))]
+    links = [LinkMeasurement(b, 1e-3, 1e8, "", a, 1.0) for a, b in (("gpu", "cpu1"), ("gpu", "cpu2"), ("cpu1", "cpu2"))]
     plan, specs = plan_stages("m", "/models/m", CONFIG, agents, 3, links)
     dtypes = [spec.dtype for _, spec in specs]
     assert sorted(dtypes) == ["bfloat16", "float32", "float32"]

@@ -335,11 +335,11 @@ def test_telemetry_retention_drops_old_rows_and_caps_each_agent(reg: Registry) -
 
 def test_links_keep_the_newest_figures_and_survive_a_failed_probe(reg: Registry) -> None:
     reg.record_links("a", [LinkMeasurement("b", 0.002, 1e8), LinkMeasurement("c", error="refused")], now=T0)
-    assert [(r.agent_id, r.peer_id, r.rtt_s) for r in reg.links()] == [("a", "b", 0.002)]  # c: never measured
+    assert [(r.agent_id, r.peer_agent_id, r.rtt_s) for r in reg.links()] == [("a", "b", 0.002)]  # c: never measured
     reg.record_links("a", [LinkMeasurement("b", 0.001, 2e8)], now=T0 + 1)
     reg.record_links("a", [LinkMeasurement("b", error="timeout")], now=T0 + 2)
     (link,) = reg.links()
-    assert (link.rtt_s, link.bandwidth_bytes_per_s, link.error, link.ts) == (0.001, 2e8, "timeout", T0 + 2)
+    assert (link.rtt_s, link.bandwidth_bytes_per_s, link.error, link.measured_at_s) == (0.001, 2e8, "timeout", T0 + 2)
 
 
 def test_a_models_quantization_and_its_stages_round_trip_across_a_restart(tmp_path: Path) -> None:

@@ -235,8 +235,8 @@ def test_links_keep_the_newest_figures_through_a_failed_probe(store: RegistrySto
     store.record_links("a", [LinkMeasurement("b", 0.002, 1e8), LinkMeasurement("c", error="refused")], now=T0)
     store.record_links("a", [LinkMeasurement("b", error="timeout")], now=T0 + 1)
     links = store.links()
-    assert [(link.agent_id, link.peer_id) for link in links] == [("a", "b"), ("b", "a")]  # c: never measured
-    assert (links[0].rtt_s, links[0].bandwidth_bytes_per_s, links[0].error, links[0].ts) == (
+    assert [(link.agent_id, link.peer_agent_id) for link in links] == [("a", "b"), ("b", "a")]  # c: never measured
+    assert (links[0].rtt_s, links[0].bandwidth_bytes_per_s, links[0].error, links[0].measured_at_s) == (
         0.002, 1e8, "timeout", T0 + 1)
 
 

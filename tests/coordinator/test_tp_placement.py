@@ -10,11 +10,10 @@ import pytest
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.probes import AgentLink
 from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, fleet_of, plan_stages, repair_stages
-from stratamesh.coordinator.records import LinkRecord
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import PlacementError
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Registration, Speed
-from stratamesh.fleet.control_messages import ControlMessage
+from stratamesh.fleet.control_messages import ControlMessage, LinkMeasurement
 from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, SITE_LINK, Device, Link
 
@@ -72,7 +71,7 @@ def test_a_single_rank_agent_is_one_device_named_after_it() -> None:
 
 def test_measured_links_reach_every_rank_and_agents_of_one_host_default_to_loopback() -> None:
     agents = {"a": cpu_box(2, host="h1"), "b": cpu_box(host="h2"), "c": cpu_box(host="h2"), "d": cpu_box(host="h1")}
-    fleet = fleet_of(agents, [LinkRecord("a", "b", 0.01, 1e8, "", 1.0)])
+    fleet = fleet_of(agents, [LinkMeasurement("b", 0.01, 1e8, "", "a", 1.0)])
     device = fleet.device
     assert fleet.link(device("a#1"), device("b")) == Link("a#1", "b", 1e8, 0.01)
     assert fleet.link(device("a#0"), device("b")) == Link("a#0", "b", 1e8, 0.01)
