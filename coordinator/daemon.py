@@ -92,7 +92,7 @@ class CoordinatorOptions:
     bootstrap_file: str = ""             # credentials for `up`, kept while they work (coordinator/bootstrap.py)
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (serving.router)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
-    codec_policy: str = "auto"           # the codec activations cross links in: --wire-codec (partitioner/wire_codec.py)
+    codec_policy: str = "auto"           # what activations cross links in: --wire-codec (partitioner/wire_codec.py)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.

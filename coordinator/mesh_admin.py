@@ -26,6 +26,7 @@ from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.states import ModelState
 from stratamesh.fleet.boxes import Telemetry
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
@@ -59,7 +60,8 @@ class MeshAdmin:
         self._live = live if live is not None else LiveStats()
         self._clock = clock
         self._revoker = revoker
-        self._links_read: tuple[float, list[LinkMeasurement], list[dict[str, Any]]] | None = None   # (when, links, sums)
+        # (when, links, their sums per pair of sites)
+        self._links_read: tuple[float, list[LinkMeasurement], list[dict[str, Any]]] | None = None
 
     async def agents_page(self, query: AgentQuery) -> dict[str, Any]:
         """One page of the agents the registry knows, in id order: each with its state, capabilities and newest
@@ -143,8 +145,8 @@ class MeshAdmin:
     def _model_json(self, model: ModelRecord, info: ModelInfo) -> dict[str, Any]:
         deployer, model_id = self._planner(), model.model_id
         routes = deployer.routes
-        state = ("ready" if routes.is_ready(model_id) else "recovering" if routes.accepts(model_id)
-                 else "loading" if self._registry.active_plan(model_id) else "waiting")
+        state = (ModelState.READY if routes.is_ready(model_id) else ModelState.RECOVERING if routes.accepts(model_id)
+                 else ModelState.LOADING if self._registry.active_plan(model_id) else ModelState.WAITING)
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
                 "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,

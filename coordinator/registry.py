@@ -549,8 +549,8 @@ class Registry:
     def links(self) -> list[LinkMeasurement]:
         """Every link measured at least once, ordered by its two ends."""
         rows = self._rows("SELECT * FROM links WHERE rtt_s IS NOT NULL ORDER BY agent_id, peer_id")
-        return [LinkMeasurement(r["peer_id"], r["rtt_s"], r["bandwidth_bytes_per_s"], r["error"], r["agent_id"], r["ts"])
-                for r in rows]
+        return [LinkMeasurement(r["peer_id"], r["rtt_s"], r["bandwidth_bytes_per_s"], r["error"], r["agent_id"],
+                                r["ts"]) for r in rows]
 
 
 # Plain SQL: sqlite-utils' upsert reads the table's schema for every row.

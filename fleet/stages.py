@@ -1,5 +1,6 @@
 """A model's stages: what an agent is asked to load (StageSpec in an Assignment) and how it reports on one, the
-kinds of stage the mesh computes (dtypes, runtimes, quantization) and their limits; what a model's config says of them."""
+kinds of stage the mesh computes (dtypes, runtimes, quantization) and their limits; what a model's config says of
+them."""
 
 from __future__ import annotations
 

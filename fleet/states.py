@@ -37,6 +37,24 @@ class StageState(StrEnum):
     RELEASED = "released"
 
 
+class RequestState(StrEnum):
+    """A request the origin runs (its record in the admin API)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class ModelState(StrEnum):
+    """A deployed model, as /health and the admin API say it is."""
+
+    READY = "ready"                 # a replica's every stage is loaded on a connected agent
+    RECOVERING = "recovering"       # it was ready and lost an agent: requests wait for its new route
+    STARTING = "starting"           # (/health) not ready yet, and never was
+    LOADING = "loading"             # (admin) planned, its stages loading
+    WAITING = "waiting"             # (admin) no plan yet: too few agents can hold it
+
+
 class DrainState(StrEnum):
     """A drain of an agent (coordinator/control/drainer.py)."""
 

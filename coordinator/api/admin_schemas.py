@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stratamesh.fleet.states import AgentState, DrainState, PlanState
+from stratamesh.fleet.states import AgentState, DrainState, ModelState, PlanState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, StageLoad
 from stratamesh.fleet.stages import MAX_REPLICAS
 
@@ -18,6 +18,8 @@ MAX_AGENTS_PAGE = 10_000     # a fleet of 10,000 in one call: its cost is readin
 AgentStateName = Literal[tuple(s.value for s in AgentState)]                  # type: ignore[valid-type]
 LivePlanState = Literal[PlanState.ACTIVE.value, PlanState.STANDBY.value]     # the plans the API lists
 DrainStateName = Literal[tuple(s.value for s in DrainState)]                  # type: ignore[valid-type]
+# what the admin API says of a model (/health says STARTING where this says LOADING or WAITING)
+AdminModelState = Literal[tuple(s.value for s in ModelState if s != ModelState.STARTING)]   # type: ignore[valid-type]
 Tier = Literal["edge", "cloud"]
 
 
@@ -142,7 +144,7 @@ class ModelView(BaseModel):
     path: str
     num_layers: int
     max_context: int
-    state: Literal["ready", "recovering", "loading", "waiting"]
+    state: AdminModelState
     num_stages: int
     first_site: str
     last_site: str

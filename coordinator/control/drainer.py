@@ -109,7 +109,7 @@ class Drainer:
                 break
             except (AgentNotConnected, DrainRefused) as exc:
                 if time.monotonic() >= deadline:
-                    status.state, status.error = "failed", f"not resumed after a coordinator restart: {exc}"
+                    status.state, status.error = DrainState.FAILED, f"not resumed after a coordinator restart: {exc}"
                     status.finished_unix_s = time.time()
                     self._save(status)
                     log.warning("drain of %s failed: %s", status.agent_id, status.error)

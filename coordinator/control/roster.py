@@ -254,7 +254,8 @@ class Roster:
         better of its two newest readings, as bandwidth() gives routes, so one slow reading moves no stage either."""
         out = []
         for r in self._registry.links():
-            rtt_s, bandwidth = _better((r.rtt_s, r.bandwidth_bytes_per_s), self._earlier.get((r.agent_id, r.peer_agent_id)))
+            earlier = self._earlier.get((r.agent_id, r.peer_agent_id))
+            rtt_s, bandwidth = _better((r.rtt_s, r.bandwidth_bytes_per_s), earlier)
             out.append(replace(r, rtt_s=rtt_s, bandwidth_bytes_per_s=bandwidth))
         return out
 

@@ -20,6 +20,7 @@ from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotReady
 from stratamesh.fleet.logs import trace_id_var
+from stratamesh.fleet.states import ModelState
 from stratamesh.fleet.sessions import Hop, SamplingParams
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
@@ -84,17 +85,17 @@ class Origin:
 
     def health(self) -> dict[str, Any]:
         models = {m.model_id: self._state(m.model_id) for m in model_infos(self._deployer.registry)}
-        ready = bool(models) and all(state == "ready" for state in models.values())
-        serving = bool(models) and all(state in ("ready", "recovering") for state in models.values())
+        ready = bool(models) and all(state == ModelState.READY for state in models.values())
+        serving = bool(models) and all(state in (ModelState.READY, ModelState.RECOVERING) for state in models.values())
         return {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
                 "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
 
-    def _state(self, model_id: str) -> str:
-        """ready; recovering (it lost an agent and requests wait for its new route); or starting."""
+    def _state(self, model_id: str) -> ModelState:
+        """READY; RECOVERING (it lost an agent and requests wait for its new route); or STARTING."""
         routes = self._deployer.routes
         if routes.is_ready(model_id):
-            return "ready"
-        return "recovering" if routes.accepts(model_id) else "starting"
+            return ModelState.READY
+        return ModelState.RECOVERING if routes.accepts(model_id) else ModelState.STARTING
 
     def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int) -> Run:
         return Run(self.sessions, self.log, self.address, self.log.begin(request_id, len(prompt_ids)), params,

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from stratamesh.fleet.states import RequestState
 from stratamesh.fleet.tracing import SpanStore, new_trace_id
 from stratamesh.fleet.sessions import Hop
 
@@ -34,8 +35,10 @@ class RequestRecord:
     error: str = ""
 
     @property
-    def state(self) -> str:
-        return "running" if not self.end_unix_ns else ("failed" if self.error else "finished")
+    def state(self) -> RequestState:
+        if not self.end_unix_ns:
+            return RequestState.RUNNING
+        return RequestState.FAILED if self.error else RequestState.FINISHED
 
     @property
     def num_attempts(self) -> int:
