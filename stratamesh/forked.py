@@ -23,6 +23,10 @@ FORK_SERVER_ENV = "STRATAMESH_FORK_SERVER"   # "1": a local mesh's agents on thi
 # environment differs from the server's in one of them is started as a new interpreter instead.
 IMPORT_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "TRITON_",
                         "PYTHON", "LD_")
+# ... but for those torch writes into its own process's environment as it runs, which a child inherits without anyone
+# having chosen them: inductor's cache folder, set once anything in the parent (the ONNX exporter, a compiled kernel)
+# asks for it. Left in, it kept every agent the suite started after that from forking (78 of them: ~2 s of CPU each).
+SET_WHILE_RUNNING = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 def wanted(environ: Mapping[str, str] = os.environ) -> bool:
@@ -101,8 +105,8 @@ class ForkServer:
 
     def can_fork(self, environ: Mapping[str, str]) -> bool:
         """Whether a child with this environment may be forked: it agrees with the server's on what imports read."""
-        return all(environ.get(name) == self._environ.get(name)
-                   for name in {*environ, *self._environ} if name.startswith(IMPORT_TIME_PREFIXES))
+        return all(environ.get(name) == self._environ.get(name) for name in {*environ, *self._environ}
+                   if name.startswith(IMPORT_TIME_PREFIXES) and name not in SET_WHILE_RUNNING)
 
     def fork(self, argv: Sequence[str], environ: Mapping[str, str], stderr: int) -> ForkedProcess:
         """A child running `stratamesh ARGV` with this environment; its stdout is a pipe, its stderr the fd given."""
