@@ -23,10 +23,12 @@ FORK_SERVER_ENV = "STRATAMESH_FORK_SERVER"   # "1": a local mesh's agents on thi
 # environment differs from the server's in one of them is started as a new interpreter instead.
 IMPORT_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "TORCH", "PYTORCH_", "TRITON_",
                         "PYTHON", "LD_")
-# ... but for those torch writes into its own process's environment as it runs, which a child inherits without anyone
-# having chosen them: inductor's cache folder, set once anything in the parent (the ONNX exporter, a compiled kernel)
-# asks for it. Left in, it kept every agent the suite started after that from forking (78 of them: ~2 s of CPU each).
-SET_WHILE_RUNNING = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+# ... but for these, which nothing in the server reads: torch writes inductor's cache folder into its own process's
+# environment once anything asks for it (the ONNX exporter, a compiled kernel), and the agent's probe sets
+# CUDA_DEVICE_ORDER, which CUDA reads as it initializes (in the child), in whatever process calls it, a test's
+# included. Either, inherited from the process that starts a mesh, kept its agents from forking: 79 of the suite's
+# agents in one run, ~2 s of CPU each.
+NOT_READ_BY_THE_SERVER = frozenset({"TORCHINDUCTOR_CACHE_DIR", "CUDA_DEVICE_ORDER"})
 
 
 def wanted(environ: Mapping[str, str] = os.environ) -> bool:
@@ -106,7 +108,7 @@ class ForkServer:
     def can_fork(self, environ: Mapping[str, str]) -> bool:
         """Whether a child with this environment may be forked: it agrees with the server's on what imports read."""
         return all(environ.get(name) == self._environ.get(name) for name in {*environ, *self._environ}
-                   if name.startswith(IMPORT_TIME_PREFIXES) and name not in SET_WHILE_RUNNING)
+                   if name.startswith(IMPORT_TIME_PREFIXES) and name not in NOT_READ_BY_THE_SERVER)
 
     def fork(self, argv: Sequence[str], environ: Mapping[str, str], stderr: int) -> ForkedProcess:
         """A child running `stratamesh ARGV` with this environment; its stdout is a pipe, its stderr the fd given."""

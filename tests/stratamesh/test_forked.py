@@ -63,6 +63,7 @@ def test_only_a_child_whose_import_time_environment_is_the_servers_is_forked(ser
     assert server.can_fork(dict(os.environ))
     assert server.can_fork({**os.environ, "STRATAMESH_CACHE_DIR": "/elsewhere"})    # read when used
     assert server.can_fork({**os.environ, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})      # torch set it in the parent
+    assert server.can_fork({**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})         # a probe set it there
     assert not server.can_fork({**os.environ, "TORCH_LOGS": "+dynamo"})              # a TORCH* variable a user set
     assert not server.can_fork({**os.environ, "OMP_NUM_THREADS": "7"})             # read as torch loads
     assert not server.can_fork({k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
