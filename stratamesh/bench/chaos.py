@@ -155,6 +155,7 @@ class FailoverRun:
     reference: list[StreamOutcome]
     outcomes: list[StreamOutcome]
     killed_address: str = ""                                       # the stage's agent killed (or drained)
+    killed_index: int = -1          # ... its index in the mesh, read at the kill (a restart gives it a new address)
     kill_s: float = 0.0                                            # time.monotonic of the kill (or drain order)
     routes_after: list[list[str]] = field(default_factory=list)   # running requests' routes after the failover
     drain_output: str = ""                                         # what `stratamesh drain` printed, and ...
@@ -195,7 +196,8 @@ async def kill_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Stre
     """Runs the jobs undisturbed, then again with a kill -9 of the agent serving `stage` once every stream
     has after_tokens tokens (held jobs run on until the kill's effects are read: see StreamJob)."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
-        mesh.kill_agent(mesh.agent_index(run.killed_address))
+        run.killed_index = mesh.agent_index(run.killed_address)
+        mesh.kill_agent(run.killed_index)
         await wait_for_failover(mesh.url, mesh.headers, run.killed_address)
 
     return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, kill)
@@ -209,7 +211,8 @@ async def kill_rank_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Strea
     That rank is killed in every group the agent holds: beside the serving group it may hold another of the
     stage (a standby plan's, or a replaced stage's kept for reuse), and which process serves is not visible."""
     async def kill(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
-        run.killed_rank_pids = mesh.rank_pids(mesh.agent_index(run.killed_address))
+        run.killed_index = mesh.agent_index(run.killed_address)
+        run.killed_rank_pids = mesh.rank_pids(run.killed_index)
         for pid in run.killed_rank_pids[rank]:
             os.kill(pid, signal.SIGKILL)
         await wait_for_failover(mesh.url, mesh.headers, run.killed_address)

@@ -181,7 +181,7 @@ def test_mesh_local_restarts_a_killed_agent_under_its_id(tiny_models: dict[str, 
         processes = mesh.local_mesh
         before = time.time()
         run = asyncio.run(kill_stage_mid_stream(processes, MODEL, held(jobs), stage=1))
-        index = processes.agent_index(run.killed_address)
+        index = run.killed_index     # (read at the kill: the restarted agent listens at another address)
         agent_id = processes.agent_ids[index]
         assert wait_until(lambda: processes.supervisor.restarts.get(index) == 1)
         assert wait_until(lambda: rejoined(agents(processes.url, processes.headers), agent_id, before))

@@ -79,7 +79,7 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
         run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, held(jobs), stage=index, rank=1))
         # the group killed is the one serving the stage when the kill came: the plan read above may have been
         # replaced meanwhile (an agent that joined after the first plan makes a better one, and it takes over)
-        group_agent = mesh.agent_index(run.killed_address)
+        group_agent = run.killed_index
         agent_id, rank_pids = mesh.agent_ids[group_agent], run.killed_rank_pids
         exit_code = mesh.agents[group_agent].wait(timeout=30)
         records = settled_requests(mesh, 6)
