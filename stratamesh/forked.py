@@ -1,6 +1,6 @@
-"""Agents forked from a fork server (stratamesh/forkserver.py) instead of started as new interpreters: what a local
-mesh's launcher uses where STRATAMESH_FORK_SERVER=1 (the test suite sets it), each agent's start then costs its box
-~1.8 CPU seconds less (torch is imported once, by the server).
+"""Agents and coordinators forked from a fork server (stratamesh/forkserver.py) instead of started as new
+interpreters: what a local mesh's launcher uses where STRATAMESH_FORK_SERVER=1 (the test suite sets it); each agent's
+start then costs its box ~1.8 CPU seconds less (torch is imported once, by the server), a coordinator's ~0.6 s.
 
 ForkedProcess stands for a forked child as subprocess.Popen does for a started one (pid, args, stdout, poll, wait,
 send_signal, kill, returncode): the launcher and its supervisor treat both alike."""

@@ -1,8 +1,10 @@
-"""A fork server for a local mesh's agents: one process imports torch once, then forks each agent, which runs
-`stratamesh agent ...` as a fresh interpreter would, without importing torch again.
+"""A fork server for a local mesh's processes: one process imports torch (and the coordinator's libraries) once, then
+forks each agent and coordinator, which runs `stratamesh agent ...` or `stratamesh coordinator ...` as a fresh
+interpreter would, without importing them again.
 
 Importing torch is most of what an agent's start costs a box: ~1.8 of its ~3 CPU seconds on this project's 2-core
-VM (benchmarks/mesh_start.py), paid again by every agent of every mesh a launcher starts. The server imports only
+VM (benchmarks/mesh_start.py), paid again by every agent of every mesh a launcher starts; a coordinator's HTTP stack,
+SQLite and cryptography cost it ~0.6 s more. The server imports only
 what does no I/O and starts no thread that matters at import (PRELOAD: not gRPC, which must see its environment
 first; see fleet/wire/polling.py), so a fork of it is as clean as a new process.
 
@@ -28,7 +30,10 @@ import sys
 import threading
 import traceback
 
-PRELOAD = ("numpy", "torch", "safetensors", "tokenizers")
+# what agents import (torch, numpy, the checkpoints' readers) and what the coordinator does (its HTTP stack, SQLite,
+# the CA's cryptography): ~1.8 and ~0.6 s of CPU of a start, paid once here
+PRELOAD = ("numpy", "torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "sqlite_utils", "cryptography.x509",
+           "zeroconf", "prometheus_client")
 MAX_REQUEST_BYTES = 1 << 20
 
 

@@ -82,8 +82,9 @@ class LocalMesh:
     threads_per_agent: int = 0
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     insecure: bool = False              # True: plaintext, no CA, no enrollment (development only)
-    fork_agents: bool = field(default_factory=forked.wanted)   # agents on loopback forked from a fork server that
-                                        # imported torch once (stratamesh/forked.py); default: STRATAMESH_FORK_SERVER=1
+    fork_agents: bool = field(default_factory=forked.wanted)   # the processes on loopback (agents, coordinator)
+                                        # forked from a fork server that imported torch and the coordinator's
+                                        # libraries once (stratamesh/forked.py); default: STRATAMESH_FORK_SERVER=1
     extra_env: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
@@ -413,7 +414,7 @@ class LocalMesh:
                host: Host | None = None) -> Process:
         log_file = open(Path(self._logs(), f"{name}.log"), "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **(env or {})}
-        if args[0] == "agent" and host is None and self.fork_agents:
+        if args[0] in ("agent", "coordinator") and host is None and self.fork_agents:
             server = forked.fork_server(env)
             if server.can_fork(env):
                 try:
