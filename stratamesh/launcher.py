@@ -238,7 +238,7 @@ class LocalMesh:
         per group it holds, and it may hold two of a stage for a while (a standby plan's, loading beside the
         serving one; a released stage's, kept for reuse)."""
         out: dict[int, list[int]] = {}
-        for pid in _children(self.agents[index].pid):
+        for pid in children(self.agents[index].pid):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             except OSError:
@@ -479,7 +479,8 @@ def _signal(process: Process, sig: int) -> None:
             pass
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The processes pid started (its threads' children, Linux /proc)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:

@@ -21,6 +21,7 @@ from stratamesh.bench.chaos import (FailoverRun, StreamJob, disturb_stage_mid_st
                                     make_jobs, wait_for_failover)
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
+from stratamesh.launcher import children
 from stratamesh.sdk import Mesh
 
 from .streams import held, settled_requests, which_diverged
@@ -99,16 +100,6 @@ class Up:
 def agents(url: str, headers: dict[str, str]) -> dict[str, dict]:
     """Every agent the coordinator knows, by id (GET /admin/api/agents)."""
     return {a["agent_id"]: a for a in httpx.get(f"{url}/admin/api/agents", headers=headers).json()["agents"]}
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
 
 
 def cmdline(pid: int) -> str:
