@@ -2,7 +2,7 @@
 runtime): memory, quality, speed.
 
     python benchmarks/int8_weights.py [--prompts 20] [--tokens 64] [--batches 1 32] [--rounds 5]
-                                      [--runtimes torch onnxruntime]
+                                      [--runtimes torch onnxruntime] [--held-out-tokens N]
 
 Quality is measured on the demo model (kernels/demo_model.py), whose held-out chapter the model never saw:
   - memory per stage: the weights each stage of a 3-stage split holds (StageModel.param_bytes: for ONNX Runtime,
@@ -94,11 +94,12 @@ def agreement(num_prompts: int, num_tokens: int, runtime: str) -> tuple[int, flo
     return identical, statistics.mean(prefixes), equal / (num_tokens * len(texts)), texts
 
 
-def quality(num_prompts: int, num_tokens: int, runtime: str) -> None:
-    """Prints the held-out perplexities and the greedy agreement of int8 with float32."""
+def quality(num_prompts: int, num_tokens: int, runtime: str, held_out_tokens: int = 0) -> None:
+    """Prints the held-out perplexities (over its first held_out_tokens tokens; 0: all) and the greedy agreement of
+    int8 with float32."""
     held_out = read_book().held_out
     onnx_cache = os.environ["STRATAMESH_CACHE_DIR"] if runtime == "onnxruntime" else None
-    ppl = {kind: served_perplexity(DEMO_DIR, held_out, quantize=q, onnx_cache=onnx_cache)
+    ppl = {kind: served_perplexity(DEMO_DIR, held_out, quantize=q, onnx_cache=onnx_cache, max_tokens=held_out_tokens)
            for kind, q in KINDS.items()}
     print(f"held-out perplexity: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f} "
           f"(delta {ppl['int8'] - ppl['float32']:+.3f}, {100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%)")
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--wide-hidden", type=int, default=1024, help="the random Llama's width (4 layers)")
     parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    parser.add_argument("--held-out-tokens", type=int, default=0,
+                        help="the perplexities over the held-out chapter's first so many tokens (default: all of it)")
     args = parser.parse_args()
     os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp())     # where ONNX Runtime's exports go
     torch.set_num_threads(os.cpu_count() or 1)
@@ -184,11 +187,11 @@ def main() -> None:
         for name, full, int8 in memory_rows(runtime):
             print(f"| {name} | {full / 1e6:.2f} | {int8 / 1e6:.2f} | {full / int8:.2f}x |")
         print()
-        quality(args.prompts, args.tokens, runtime)
+        quality(args.prompts, args.tokens, runtime, args.held_out_tokens)
         if runtime == "torch":
             with exact_products():
                 print("\nthe same with float32 activations in the int8 products (no bfloat16 kernel; slower):")
-                quality(args.prompts, args.tokens, runtime)
+                quality(args.prompts, args.tokens, runtime, args.held_out_tokens)
         for name, model_dir in (("demo model (6 x 256)", DEMO_DIR), (f"random Llama (4 x {hidden})", wide)):
             print(f"\n{runtime}, {name}: decode step, prompt {args.prompt_len}, {args.rounds} rounds x {args.steps} "
                   f"steps\n")

@@ -189,16 +189,19 @@ def held_out_perplexity(model: Callable[[torch.Tensor], torch.Tensor], ids: torc
 
 
 def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quantize: str = "",
-                      onnx_cache: str | Path | None = None) -> float:
+                      onnx_cache: str | Path | None = None, max_tokens: int = 0) -> float:
     """held_out_perplexity() of text under the model in model_dir as one stage serves it: its stored weights, read
     by the stage loader (and quantized: StageSpec.quantize), computed by kernels.models.decoder in float32 on this
-    CPU, or by ONNX Runtime from an export kept in onnx_cache (kernels.models.onnx_stage) where one is given."""
+    CPU, or by ONNX Runtime from an export kept in onnx_cache (kernels.models.onnx_stage) where one is given.
+    max_tokens: only the text's first so many tokens (0: all of it)."""
     config = read_config(model_dir)
     spec = StageSpec(model_id=Path(model_dir).name, model_path=str(model_dir), start_layer=0,
                      end_layer=config.num_layers, num_layers=config.num_layers, quantize=quantize,
                      runtime="onnxruntime" if onnx_cache else "torch")
     stage = load_runtime_stage(spec, onnx_cache, config) if onnx_cache else load_stage(spec, config)
     ids = torch.tensor(Tokenizer.from_file(str(Path(model_dir, "tokenizer.json"))).encode(text).ids)
+    if max_tokens:
+        ids = ids[:max_tokens + 1]
 
     def logits_of(window: torch.Tensor) -> torch.Tensor:     # [1, T] -> [1, T, vocab]
         hidden = one_sequence(stage, window.shape[1])(window[0], 0)

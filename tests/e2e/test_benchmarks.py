@@ -69,7 +69,8 @@ def test_onnx_export_benchmark_prints_its_table() -> None:
 def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int8_weights.py"), "--prompts", "2",
                              "--tokens", "8", "--batches", "1", "2", "--prompt-len", "8", "--steps", "2",
-                             "--rounds", "1", "--wide-hidden", "256"], capture_output=True, text=True, timeout=300)
+                             "--rounds", "1", "--wide-hidden", "256", "--held-out-tokens", "512"], capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| [")] == [

@@ -40,10 +40,10 @@ def samples(url: str) -> dict[str, float]:
 
 def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models: dict[str, Path],
                                                                      tmp_path: Path) -> None:
-    """3 stages and a spare; 8 streams of 256 tokens (greedy and seeded); drain the middle stage's agent."""
+    """3 stages and a spare; 8 streams of 128 tokens (greedy and seeded); drain the middle stage's agent."""
     model_dir = tiny_models["llama"]
     # held open: every stream still runs when `stratamesh drain` returns, however busy the box
-    jobs = held(decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=256, seed=11), model_dir))
+    jobs = held(decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=128, seed=11), model_dir))
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(drain_stage_mid_stream(mesh, MODEL, jobs, stage=1))

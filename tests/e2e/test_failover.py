@@ -81,7 +81,7 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
         tiny_models: dict[str, Path], tmp_path: Path) -> None:
     model_dir = tiny_models["llama"]
     vocab = regular_token_ids(model_dir)
-    long_jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=240, seed=7), model_dir)
+    long_jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=120, seed=7), model_dir)
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         reference = asyncio.run(run_streams(mesh.url, MODEL, long_jobs, headers=mesh.headers))
@@ -98,7 +98,7 @@ def test_an_agent_joining_mid_stream_disturbs_nothing_and_the_next_plan_uses_it(
                         await asyncio.sleep(0.05)
                 joined["while streaming"] = not any(o.end_s for o in outcomes)
             finally:
-                release.set()       # the held streams end at their 240 tokens from here on
+                release.set()       # the held streams end at their 120 tokens from here on
 
         during_join = asyncio.run(run_streams(mesh.url, MODEL, held(long_jobs), during=join,
                                               headers=mesh.headers, release=release))
