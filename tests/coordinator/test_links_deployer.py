@@ -185,7 +185,7 @@ def test_a_link_narrows_only_once_a_second_reading_confirms_its_drop(model_dir: 
     assert len(probes(agent)) == 1                                 # a drop to 60%: the next period's probe will do
 
 
-def test_a_codec_policy_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
+def test_a_codec_policy_puts_one_codec_on_every_link(model_dir: Path) -> None:
     deployer, registry = two_stages(model_dir, codec_policy="float16")
     plan = registry.active_plan("m")
     deployer.roster.links_reported(plan.stages[0].agent_id, [LinkMeasurement(plan.stages[1].agent_id, 1e-4, 1e10)])
