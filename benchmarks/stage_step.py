@@ -1,11 +1,13 @@
 """One stage's step in process, next to transformers' forward on the same batch: is the kernel the bottleneck?
 
-    python benchmarks/stage_step.py [--batch 32] [--prompt-len 128] [--layers 8] [--hidden 512] [--steps 20]
-                                    [--dtype float32|bfloat16]
+    python benchmarks/stage_step.py [--families llama qwen3 ...] [--batches 1 32] [--prompt-len 128] [--layers 8]
+                                    [--hidden 512] [--steps 20] [--dtype float32|bfloat16]
 
 Times, on this machine and with the same torch threads, a batched decode step (every session one token)
 and the prefill of batch x prompt-len tokens, for the stratamesh stage engine (scheduler + paged KV
-cache + runner, all layers in one stage) and for transformers with its own KV cache.
+cache + runner, all layers in one stage) and for transformers with its own KV cache, for each model family (a
+random-weight checkpoint of the family, kernels.tiny_model) and batch. The ratio column is stratamesh /
+transformers per decode step: lower is better.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from stratamesh.agent.engine.stage_engine import EngineConfig, Outbox, StageEngi
 from stratamesh.agent.engine.stage_runner import StageRunner
 from stratamesh.fleet.sessions import SamplingParams, SessionOpen, StepChunk
 from stratamesh.fleet.stages import Assignment, StageSpec
-from stratamesh.kernels.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import TINY_ARCHS, write_tiny_model
 
 
 def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, steps: int,
@@ -78,7 +80,8 @@ def transformers_times(model_dir: Path, batch: int, prompt_len: int, steps: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--families", nargs="+", choices=TINY_ARCHS, default=list(TINY_ARCHS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
@@ -86,19 +89,25 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "llama", num_layers=args.layers,
-                                 hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16,
-                                 num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
-    ours = stratamesh_times(model_dir, args.layers, args.batch, args.prompt_len, args.steps, args.dtype)
-    theirs = transformers_times(model_dir, args.batch, args.prompt_len, args.steps, args.dtype)
-    print(f"Llama {args.layers} layers x hidden {args.hidden}, {args.dtype}, batch {args.batch}, "
-          f"prompt {args.prompt_len}, {torch.get_num_threads()} threads\n")
-    print(f"| {'':<26} | {'prefill s':>9} | {'decode step ms':>14} |")
-    print(f"|{'-' * 28}|{'-' * 11}|{'-' * 16}|")
-    for name, (prefill_s, step_s) in (("stratamesh stage engine", ours), ("transformers", theirs)):
-        print(f"| {name:<26} | {prefill_s:9.3f} | {step_s * 1e3:14.2f} |")
-    print(f"\ndecode step ratio stratamesh / transformers = {ours[1] / theirs[1]:.2f}x "
-          f"(prefill {ours[0] / theirs[0]:.2f}x); lower is better")
+    print(f"{args.layers} layers x hidden {args.hidden}, {args.dtype}, prompt {args.prompt_len}, "
+          f"{torch.get_num_threads()} threads\n")
+    print(f"| {'family':<8} | {'batch':>5} | {'':<23} | {'prefill s':>9} | {'decode step ms':>14} | {'ratio':>6} |")
+    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 25}|{'-' * 11}|{'-' * 16}|{'-' * 8}|")
+    ratios = []
+    for family in args.families:
+        model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / family, arch=family, num_layers=args.layers,
+                                     hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16,
+                                     num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
+        for batch in args.batches:
+            ours = stratamesh_times(model_dir, args.layers, batch, args.prompt_len, args.steps, args.dtype)
+            theirs = transformers_times(model_dir, batch, args.prompt_len, args.steps, args.dtype)
+            ratios.append(ours[1] / theirs[1])
+            for name, (prefill_s, step_s), ratio in (("stratamesh stage engine", ours, f"{ratios[-1]:.2f}x"),
+                                                     ("transformers", theirs, "")):
+                print(f"| {family:<8} | {batch:>5} | {name:<23} | {prefill_s:9.3f} | {step_s * 1e3:14.2f} | "
+                      f"{ratio:>6} |")
+    print(f"\ndecode step ratio stratamesh / transformers: {min(ratios):.2f}x to {max(ratios):.2f}x "
+          f"(median {statistics.median(ratios):.2f}x); lower is better")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
-from stratamesh.fleet.stages import AUTO_RUNTIME, DTYPES, ORT_DTYPES, StageSpec, windowed
+from stratamesh.fleet.stages import AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec, windowed
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -123,10 +123,10 @@ def fleet_of(agents: Mapping[str, Capabilities], links: Sequence[LinkMeasurement
 
 
 def onnx_servable(config: Mapping[str, Any]) -> bool:
-    """Whether ONNX Runtime stages can serve the model's layers (kernels.models.onnx_stage.check_exportable): none
-    of them attends over a sliding window."""
+    """Whether ONNX Runtime stages can serve the model's layers (kernels.models.onnx_stage.check_exportable): its
+    family's, none of them attending over a sliding window."""
     try:
-        return not windowed(config)
+        return config.get("model_type") in ONNX_MODEL_TYPES and not windowed(config)
     except (CheckpointError, TypeError, ValueError):    # (a model no stage serves: the planner says so, not this)
         return False
 

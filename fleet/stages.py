@@ -42,8 +42,41 @@ MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
 MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: no box holds more)
 
 
+# The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
+# the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model")
+
+
+def rope_type(config: Mapping[str, Any]) -> str:
+    """The rope scaling a config.json dict asks for, in transformers 4's spelling (rope_scaling: {"type" or
+    "rope_type"}) or 5's (rope_parameters: {"rope_type"}); "default" where it asks for none."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"config.json rope scaling must be an object, got {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def check_model_config(config: Mapping[str, Any]) -> None:
+    """CheckpointError, in one line naming the problem, unless a stage computes the model of a config.json dict:
+    a family of MODEL_TYPES, a rope type of ROPE_TYPES, a dtype of DTYPES (the full check of its sizes is the
+    loader's: kernels.models.config)."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"config.json model_type {model_type!r} is not supported; supported: "
+                              f"{', '.join(MODEL_TYPES)}")
+    rope = rope_type(config)
+    if rope not in ROPE_TYPES:
+        raise CheckpointError(f"config.json rope type {rope!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"config.json dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
 
 
 def model_task(config: Mapping[str, Any]) -> str:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-TINY_ARCHS = ("llama", "qwen2", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
@@ -21,9 +21,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-_BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel"}   # no LM head: embeddings
-_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0}
+_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+_BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",   # no LM head: embeddings
+               "qwen3": "Qwen3Model"}
+_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0, "qwen3": 1000000.0}
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,14 +36,16 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
                      tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
                      rope_spelling: str = "classic", shard_size_bytes: int | None = None,
                      seed: int = 0, sliding_window: int | None = None, embedding: bool = False,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "float32", head_dim: int | None = None) -> Path:
     """Write config, generation config, safetensors weights and a ChatML BPE tokenizer to out_dir.
 
     rope_spelling "classic" writes rope_theta + rope_scaling (transformers 4), "parameters" writes
     rope_parameters (transformers 5). sliding_window applies to mistral only (default 32). embedding writes
     an embedding model instead: the base model (LlamaModel, ...) without an LM head nor a generation config,
     its tensors named as transformers' save_pretrained names them ("layers.0...", no "model." prefix). dtype is
-    how the weights are stored (config.json says so too): "float32", "bfloat16" or "float16"."""
+    how the weights are stored (config.json says so too): "float32", "bfloat16" or "float16". head_dim: the
+    attention heads' size, hidden_size / num_heads by default, but 1.5 times that for qwen3 (as in Qwen3's
+    checkpoints, its heads together are wider than the hidden state)."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {TINY_ARCHS}")
     if embedding and tie_word_embeddings:
@@ -51,8 +55,10 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     tokenizer = train_tokenizer(vocab_size)
+    head_dim = head_dim or (hidden_size // num_heads) * (3 if arch == "qwen3" else 2) // 2
     config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
+    config["head_dim"] = head_dim
     config["dtype"] = dtype
     weights = {name: t.to(_DTYPES[dtype]) for name, t in
                _random_weights(config, seed, num_text_tokens=tokenizer.get_vocab_size()).items()}
@@ -104,7 +110,8 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": vocab_size,
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": hidden // num_heads,
-        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5 if arch != "qwen2" else 1e-6,
+        "hidden_act": "silu", "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
         "tie_word_embeddings": tie, "bos_token_id": 0, "eos_token_id": 0, "dtype": "float32",
         "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0,
     }
@@ -115,8 +122,10 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    elif arch == "qwen2":   # a window is declared but off, as in released Qwen2 checkpoints
+    elif arch in ("qwen2", "qwen3"):   # a window is declared but off, as in released Qwen2 and Qwen3 checkpoints
         config.update(use_sliding_window=False, sliding_window=max_pos, max_window_layers=num_layers)
+        if arch == "qwen3":
+            config.update(attention_bias=False)
     else:
         config["sliding_window"] = sliding_window or _MISTRAL_WINDOW
     return config
@@ -158,6 +167,9 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         if config["model_type"] == "qwen2":
             for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 w[p + f"self_attn.{name}_proj.bias"] = normal(dim, std=0.5)
+        if config["model_type"] == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = normal(config["head_dim"], std=0.1, mean=1.0)
+            w[p + "self_attn.k_norm.weight"] = normal(config["head_dim"], std=0.1, mean=1.0)
         w[p + "post_attention_layernorm.weight"] = normal(hidden, std=0.1, mean=1.0)
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)

@@ -277,7 +277,7 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(metavar="ACTION")
     tiny = model_commands.add_parser("tiny", help="write a random-weight checkpoint with a real tokenizer")
-    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral"), default="llama")
+    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral", "qwen3"), default="llama")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--layers", type=int, default=6)
     tiny.add_argument("--hidden", type=int, default=256)
@@ -388,6 +388,8 @@ def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins
 
+    if args.model:
+        _check_model_folder("coordinator", args.model)
     models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site),
                            args.quantize, args.replicas),
               ) if args.model else ()
@@ -570,6 +572,7 @@ def _up(args: argparse.Namespace) -> None:
         sys.exit(f"stratamesh up: {args.replicas} replicas of {num_stages} stages need {num_stages * args.replicas} "
                  f"agents; --agents is {args.agents}")
     model_dir = args.model or builtin_model_dir()
+    _check_model_folder("up", model_dir)
     state = open_up_state(up_folder(os.environ), args.fresh, time.time())
     forget_last_run(state)
     coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
@@ -602,6 +605,18 @@ def _up(args: argparse.Namespace) -> None:
         print("\nstopping ...", flush=True)
     finally:
         mesh.stop()
+
+
+def _check_model_folder(command: str, model_dir: str) -> None:
+    """Exits with one line naming the problem unless a mesh can serve the model in model_dir, before any process
+    starts or agent loads it (fleet.model_folder)."""
+    from stratamesh.fleet.errors import CheckpointError
+    from stratamesh.fleet.model_folder import check_model_folder
+
+    try:
+        check_model_folder(model_dir)
+    except CheckpointError as e:
+        sys.exit(f"stratamesh {command}: {e}")
 
 
 def _security_line(mesh: LocalMesh) -> str:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.weights import canonical_name
 from stratamesh.kernels.models.config import ModelConfig
+from stratamesh.kernels.models.families import layer_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,26 +101,13 @@ def _read_slice(f, name: str, stored_name: str, part: Slice, dtype: torch.dtype,
     return torch.empty(read.shape, dtype=dtype, device=device).copy_(read)     # one copy, cast as it goes
 
 
-def layer_tensor_names(config: ModelConfig, layer_idx: int) -> list[str]:
-    """The HF names of one decoder layer's tensors."""
-    p = f"model.layers.{layer_idx}."
-    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    names += [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
-    if config.attention_bias:
-        names += [f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
-    if config.o_proj_bias:
-        names.append(p + "self_attn.o_proj.bias")
-    names += [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-    return names
-
-
 def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
     """The HF names a stage serving layers [start, end) needs, embedding and head only where they belong (an
     embedding model has no LM head: its last stage ends in the final norm)."""
     assert 0 <= start < end <= config.num_layers, (start, end, config.num_layers)
-    names = [EMBED] if start == 0 else []
+    names, layer = [EMBED] if start == 0 else [], layer_class(config)
     for i in range(start, end):
-        names += layer_tensor_names(config, i)
+        names += layer.tensor_names(config, i)
     if end == config.num_layers:
         names.append(FINAL_NORM)
         head = EMBED if config.tie_word_embeddings else LM_HEAD

@@ -1,4 +1,4 @@
-"""A Llama-family model's shape, parsed from a Hugging Face config.json: pure values, I/O only in read_config."""
+"""A decoder's shape, parsed from a Hugging Face config.json: pure values, I/O only in read_config."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import attention_windows, model_task
+from stratamesh.fleet.stages import MODEL_TYPES, ROPE_TYPES, attention_windows, model_task
 
-ARCHS = ("llama", "qwen2", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3")
+ARCHS = MODEL_TYPES      # config.json's model_type; each has its layer in kernels.models.families
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What a stage needs to know about a Llama-family decoder (Llama, Qwen2, Mistral)."""
+    """What a stage needs to know about a decoder of one of the families (ARCHS)."""
 
     arch: str
     vocab_size: int
@@ -74,7 +73,8 @@ class ModelConfig:
         if self.o_proj_bias:
             attn += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        return attn + mlp + 2 * self.hidden_size
+        qk_norms = 2 * self.head_dim if self.arch == "qwen3" else 0
+        return attn + mlp + 2 * self.hidden_size + qk_norms
 
     @property
     def num_embedding_params(self) -> int:
@@ -85,7 +85,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from the dict of a config.json; CheckpointError on a model or RoPE we do not run."""
     arch = raw.get("model_type")
     if arch not in ARCHS:
-        raise CheckpointError(f"config.json model_type {arch!r} is not supported; supported: {ARCHS}")
+        raise CheckpointError(f"config.json model_type {arch!r} is not supported; supported: {', '.join(ARCHS)}")
     _reject_unsupported(raw)
     try:
         return _check_sizes(_build(raw, arch))
@@ -184,7 +184,8 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":

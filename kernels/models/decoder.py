@@ -1,9 +1,8 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) as a stage: a contiguous slice of its layers."""
+"""A decoder as a stage: a contiguous slice of its layers, of any family kernels.models.families knows."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -14,15 +13,15 @@ from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
                                                   stage_tensor_names)
 from stratamesh.kernels.models.config import ModelConfig, read_config
+from stratamesh.kernels.models.families import layer_class
+from stratamesh.kernels.models.families.llama import Step, weight
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
-from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear, quantize_int8
-from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, linear, quantize_int8
+from stratamesh.kernels.ops.rope import rope_cos_sin, rope_inv_freq
 
-Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ONE_SEQUENCE_BLOCK = 16      # a paged one_sequence cache's block
 
@@ -41,56 +40,6 @@ def run_through(steps: Generator[None, None, T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value
-
-
-@dataclass(slots=True)
-class LayerWeights:
-    """One decoder layer's tensors, fused for fewer kernels per step: q, k and v as one [q + 2 kv, hidden] matrix,
-    the MLP's gate and up as one [2 inter, hidden]; weights are [out, in] as in the checkpoint."""
-
-    input_norm: torch.Tensor
-    post_attn_norm: torch.Tensor
-    qkv: Weight
-    o: Weight
-    gate_up: Weight
-    down: Weight
-    qkv_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-
-    @classmethod
-    def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LayerWeights:
-        """The layer's weights from its checkpoint tensors; t's q, k, v, gate and up entries become views of the
-        fused matrices (so the separate copies are freed, and t still names every tensor)."""
-        p = f"model.layers.{layer_idx}."
-        a, m = p + "self_attn.", p + "mlp."
-        qkv = _fuse_weight(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-        biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
-        return cls(input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
-                   qkv=qkv, o=_weight(t, a + "o_proj.weight"),
-                   gate_up=_fuse_weight(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
-                   down=_weight(t, m + "down_proj.weight"), qkv_bias=_fuse(t, biases) if biases[0] in t else None,
-                   o_bias=t.get(a + "o_proj.bias"))
-
-
-def _weight(t: dict[str, torch.Tensor], name: str) -> Weight:
-    """The named matrix: an Int8Weight where the tensors hold its scales (quantize_tensors), else the tensor."""
-    scale = t.get(name + SCALE_SUFFIX)
-    return t[name] if scale is None else Int8Weight(t[name], scale)
-
-
-def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
-    """_fuse of the named matrices, and of their scales where they are int8."""
-    if names[0] + SCALE_SUFFIX not in t:
-        return _fuse(t, names)
-    return Int8Weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
-
-
-def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """The named tensors concatenated along their first dimension; each name then holds a view of its rows."""
-    fused = torch.cat([t[name] for name in names])
-    for name, view in zip(names, fused.split([t[name].shape[0] for name in names]), strict=True):
-        t[name] = view
-    return fused
 
 
 class StageModel:
@@ -132,14 +81,15 @@ class StageModel:
         self.num_heads, self.num_kv_heads, self.reduce = num_heads, num_kv_heads, reduce
 
     def _take(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Takes over tensors (their q, k, v, gate and up become views of fused matrices: see LayerWeights.fuse)."""
+        """Takes over tensors (their q, k, v, gate and up become views of fused matrices: see LlamaLayer.fuse)."""
         spec = self.spec
         self._tensors = tensors
-        self._layers = [LayerWeights.fuse(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
+        layer = layer_class(self.config)
+        self._layers = [layer.fuse(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
         self._embed = tensors.get(EMBED) if spec.is_first else None
         self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
-        self._lm_head = _weight(tensors, head) if spec.is_last and self.config.has_lm_head else None
+        self._lm_head = weight(tensors, head) if spec.is_last and self.config.has_lm_head else None
 
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
@@ -170,12 +120,10 @@ class StageModel:
         if positions.device != x.device or positions.dtype != torch.long:
             positions = positions.to(x.device, torch.long)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [N, D]
-        cos, sin = cos[:, None], sin[:, None]                   # [N, 1, D]: broadcast over heads
+        step = Step(self.config, self.num_heads, self.num_kv_heads, cos[:, None], sin[:, None],   # [N, 1, D]:
+                    positions, attn, self.reduce)                                                  # over heads
         for local_idx, layer in enumerate(self._layers):
-            window = self.config.window_for_layer(self.spec.start_layer + local_idx)
-            x = x + self._attention(layer, local_idx, x, cos, sin, positions, window, attn)
-            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
-            x = x + self.reduce(swiglu(h, layer.gate_up, layer.down))
+            x = layer.forward(x, step, local_idx, self.config.window_for_layer(self.spec.start_layer + local_idx))
             yield
         return x
 
@@ -196,17 +144,6 @@ class StageModel:
             raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) is not the last stage")
         h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
         return F.normalize(h.float(), dim=-1)
-
-    def _attention(self, layer: LayerWeights, local_idx: int, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, positions: torch.Tensor, window: int | None, attn: Attention) -> torch.Tensor:
-        c, num_tokens, heads, kv_heads = self.config, x.shape[0], self.num_heads, self.num_kv_heads
-        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        qkv = linear(h, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, c.head_dim)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)     # q's and k's heads rotated at once
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]   # q: [N, H, D]  k, v: [N, KV, D]
-        out = attn.attend(local_idx, q, k, v, positions, window)  # [N, H, D]
-        out = self.reduce(linear(out.reshape(num_tokens, heads * c.head_dim), layer.o))
-        return out if layer.o_bias is None else out + layer.o_bias   # the bias once, after the partial sums
 
     def check_inputs(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention) -> None:
         """InvalidInput unless forward() takes these: token ids in the vocabulary (first stage) or hidden states
@@ -314,17 +251,7 @@ def check_device(device: str) -> None:
 def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor], world_size: int = 1) -> None:
     """CheckpointError if a tensor's shape disagrees with the config (of one rank's shards, when world_size > 1)."""
     c = config
-    q_dim, kv_dim = c.num_heads * c.head_dim // world_size, c.num_kv_heads * c.head_dim // world_size
-    mlp = c.intermediate_size // world_size
-    expected = {
-        "input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
-        "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.q_proj.bias": (q_dim,),
-        "self_attn.k_proj.weight": (kv_dim, c.hidden_size), "self_attn.k_proj.bias": (kv_dim,),
-        "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.v_proj.bias": (kv_dim,),
-        "self_attn.o_proj.weight": (c.hidden_size, q_dim), "self_attn.o_proj.bias": (c.hidden_size,),
-        "mlp.gate_proj.weight": (mlp, c.hidden_size), "mlp.up_proj.weight": (mlp, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, mlp),
-    }
+    expected = layer_class(config).shapes(config, world_size)
     top = {EMBED: (c.vocab_size, c.hidden_size), LM_HEAD: (c.vocab_size, c.hidden_size), FINAL_NORM: (c.hidden_size,)}
     for name, t in tensors.items():
         want = top.get(name) or expected.get(name.split(".", 3)[-1])

@@ -43,10 +43,11 @@ import torch.nn.functional as F
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.stages import ORT_DTYPES, StageSpec
+from stratamesh.fleet.stages import ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec
 from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
 from stratamesh.kernels.models.config import ModelConfig
-from stratamesh.kernels.models.decoder import LayerWeights, StageModel, load_stage
+from stratamesh.kernels.models.decoder import StageModel, load_stage
+from stratamesh.kernels.models.families.llama import LlamaLayer
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
@@ -175,7 +176,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor | BlockInt8Weight, bias: torch.Tens
 _WEIGHTS = ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias")
 
 
-def layer_tensors(layer: LayerWeights) -> dict[str, torch.Tensor]:
+def layer_tensors(layer: LlamaLayer) -> dict[str, torch.Tensor]:
     """A layer's weights as the exported graph takes them, by name: an int8 one as its BlockInt8Weight's packed and
     scales tensors ("qkv_packed", "qkv_scales")."""
     out = {}
@@ -201,8 +202,8 @@ class _Layer(torch.nn.Module):
             c.head_dim
         self.names, self.in_features = tuple(names), dict(in_features)    # int8 weights' row lengths
 
-    def weights(self, tensors: Sequence[torch.Tensor]) -> LayerWeights:
-        """The layer's LayerWeights from the graph's weight inputs."""
+    def weights(self, tensors: Sequence[torch.Tensor]) -> LlamaLayer:
+        """The layer's LlamaLayer from the graph's weight inputs."""
         given = dict(zip(self.names, tensors, strict=True))
         own = {}
         for name in _WEIGHTS:
@@ -210,7 +211,7 @@ class _Layer(torch.nn.Module):
                 own[name] = BlockInt8Weight(given[f"{name}_packed"], given[f"{name}_scales"], self.in_features[name])
             elif name in given:
                 own[name] = given[name]
-        return LayerWeights(**own)
+        return LlamaLayer(**own)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_slots: torch.Tensor,
                 rows: torch.Tensor, unpad: torch.Tensor, past_mask: torch.Tensor, new_mask: torch.Tensor,
@@ -420,6 +421,9 @@ def check_exportable(model: StageModel) -> None:
         raise InvalidInput(f"ONNX Runtime stages compute in {', '.join(ORT_DTYPES)} here, not {spec.dtype}")
     if spec.tp_degree > 1 or not spec.device == "cpu":
         raise InvalidInput("ONNX Runtime stages run on one CPU rank here")
+    if c.arch not in ONNX_MODEL_TYPES:
+        raise InvalidInput(f"ONNX Runtime stages run the Llama layer ({', '.join(ONNX_MODEL_TYPES)}), not {c.arch}'s: "
+                           "its exported graph has no q/k norms yet; serve it with --runtime torch")
     if any(c.window_for_layer(i) is not None for i in range(spec.start_layer, spec.end_layer)):
         raise InvalidInput("ONNX Runtime stages do not serve sliding-window attention yet")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.launcher import LocalMesh
-from stratamesh.kernels.tiny_model import write_tiny_model
+from stratamesh.kernels.tiny_model import TINY_ARCHS, write_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,7 +21,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 6-layer tiny checkpoint of every supported family."""
     root = tmp_path_factory.mktemp("models")
     return {arch: write_tiny_model(root / f"tiny-{arch}", arch=arch, num_layers=NUM_LAYERS)
-            for arch in ("llama", "qwen2", "mistral")}
+            for arch in TINY_ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -41,11 +41,13 @@ def test_mesh_start_benchmark_prints_its_table() -> None:
 
 
 def test_stage_step_benchmark_prints_its_table() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stage_step.py"), "--batch", "4",
-                             "--prompt-len", "16", "--layers", "2", "--hidden", "128", "--steps", "3"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stage_step.py"), "--batches", "1", "4",
+                             "--families", "llama", "qwen3", "--prompt-len", "16", "--layers", "2", "--hidden", "128",
+                             "--steps", "3"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| stratamesh stage engine" in result.stdout and "decode step ratio" in result.stdout
+    rows = re.findall(r"^\| (\w+) +\| +(\d+) \| stratamesh stage engine .*\| +[\d.]+x \|$", result.stdout, re.M)
+    assert rows == [("llama", "1"), ("llama", "4"), ("qwen3", "1"), ("qwen3", "4")], result.stdout
+    assert "decode step ratio stratamesh / transformers" in result.stdout
 
 
 def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:

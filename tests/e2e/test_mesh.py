@@ -14,6 +14,7 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 from .conftest import NUM_LAYERS, start_mesh
 from .reference import encode, greedy_tokens
@@ -33,7 +34,7 @@ def complete_ids(mesh: LocalMesh, model_dir: Path, prompt_ids: list[int], max_to
     return choice["token_ids"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_greedy_generation_equals_transformers(arch: str, tiny_models: dict[str, Path],
                                                llama_mesh: LocalMesh, tmp_path: Path) -> None:
     model_dir = tiny_models[arch]

@@ -65,7 +65,8 @@ def test_head_dim_from_config() -> None:
     q_dim, kv_dim = 16 * 128, 8 * 128
     assert profile.layer_kv_bytes_per_token[0] == 2 * kv_dim * 2
     assert profile.layer_attn_flops_per_ctx[0] == 4 * q_dim
-    assert profile.layer_params[0] == 1024 * (q_dim + 2 * kv_dim) + q_dim * 1024 + 3 * 1024 * 3072 + 2 * 1024
+    assert profile.layer_params[0] == (1024 * (q_dim + 2 * kv_dim) + q_dim * 1024 + 3 * 1024 * 3072 + 2 * 1024
+                                       + 2 * 128)     # its per-head q and k RMSNorms
 
 
 def test_tied_embeddings_counted_once() -> None:

@@ -62,6 +62,26 @@ def test_up_refuses_more_replicas_than_its_agents_hold(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--replicas: must be in 1..64, got 0" in result.stderr
 
 
+@pytest.mark.parametrize(("change", "says"), [
+    ({"model_type": "gemma7"}, "config.json model_type 'gemma7' is not supported; supported: llama, mistral"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "config.json rope type 'su' is not supported"),
+    ({"dtype": "float8"}, "config.json dtype 'float8' is not supported"),
+])
+def test_up_and_a_coordinator_refuse_a_model_they_cannot_serve_in_one_line(tmp_path: Path, change: dict,
+                                                                           says: str) -> None:
+    model = tmp_path / "model"
+    stratamesh("model", "tiny", "--out", str(model), "--layers", "2", "--hidden", "64", "--intermediate", "128")
+    (model / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()), **change}))
+    env = {**os.environ, "STRATAMESH_HOME": str(tmp_path / "home")}
+    for command in (["up", "--model", str(model)],
+                    ["coordinator", "--model", str(model), "--db", str(tmp_path / "r.db"), "--mesh", "cli-test"]):
+        result = stratamesh(*command, env=env)
+        lines = result.stderr.splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(f"stratamesh {command[0]}: {says}"), lines
+    assert not (tmp_path / "home").exists() and not (tmp_path / "r.db").exists()     # nothing started, no state
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

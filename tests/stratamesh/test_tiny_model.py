@@ -89,7 +89,8 @@ def test_transformers_loads_each_arch_and_argmax_is_clear(tmp_path, arch):
 def test_an_embedding_checkpoint_is_the_base_model_as_transformers_saves_it(tmp_path, arch):
     model_dir = write_tiny_model(tmp_path, arch, **SMALL, embedding=True)
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == [{"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel"}[arch]]
+    assert config["architectures"] == [{"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",
+                                        "qwen3": "Qwen3Model"}[arch]]
     assert not (model_dir / "generation_config.json").exists()
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())

@@ -1,0 +1,37 @@
+"""A model folder checked before any agent loads it (`stratamesh up`, the coordinator's models): its config names a
+family, rope type and dtype a stage computes, and its weights and tokenizer are there. What is wrong is said in one
+line, at once, rather than by every agent's failed load in a log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.stages import check_model_config
+from stratamesh.fleet.weight_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def check_model_folder(model_dir: str | Path) -> dict[str, Any]:
+    """The folder's config.json as a dict; CheckpointError, one line naming the problem, unless a mesh can serve the
+    model in it (fleet.stages.check_model_config) and it holds safetensors weights and a tokenizer.json."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"model folder {folder} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / CONFIG_FILE} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder / CONFIG_FILE} is not a JSON object")
+    check_model_config(config)
+    if not (folder / SINGLE_FILE).exists() and not (folder / INDEX_FILE).exists():
+        raise CheckpointError(f"model folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    if not (folder / TOKENIZER_FILE).exists():
+        raise CheckpointError(f"model folder {folder} has no {TOKENIZER_FILE}")
+    return config

@@ -1,0 +1,138 @@
+"""The Llama layer (Llama, Mistral, Qwen2): pre-norm attention with rotary q and k, then a pre-norm SwiGLU MLP,
+each added to the residual stream. Other families are this layer with a difference (qwen3.py: q and k normed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from stratamesh.kernels.models.config import ModelConfig
+from stratamesh.kernels.ops.attention import Attention
+from stratamesh.kernels.ops.mlp import swiglu
+from stratamesh.kernels.ops.norm import rms_norm
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear
+from stratamesh.kernels.ops.rope import apply_rope
+
+Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
+
+
+@dataclass(slots=True)
+class Step:
+    """What every layer of one forward step shares: the heads this stage computes (a tensor-parallel rank's share),
+    the rotary cos and signed sin [N, 1, D] of the step's positions, where attention runs, and how partial outputs
+    of the o and down projections combine across ranks."""
+
+    config: ModelConfig
+    num_heads: int
+    num_kv_heads: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    attn: Attention
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class LlamaLayer:
+    """One decoder layer's tensors, fused for fewer kernels per step: q, k and v as one [q + 2 kv, hidden] matrix,
+    the MLP's gate and up as one [2 inter, hidden]; weights are [out, in] as in the checkpoint."""
+
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    qkv: Weight
+    o: Weight
+    gate_up: Weight
+    down: Weight
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+    # The layer's norms in the checkpoint (their names after "model.layers.{i}."), each [hidden]
+    NORMS: ClassVar[tuple[str, ...]] = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+    @classmethod
+    def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LlamaLayer:
+        """The layer's weights from its checkpoint tensors; t's q, k, v, gate and up entries become views of the
+        fused matrices (so the separate copies are freed, and t still names every tensor)."""
+        return cls(**cls._fused(t, f"model.layers.{layer_idx}."))
+
+    @classmethod
+    def _fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
+        a, m = p + "self_attn.", p + "mlp."
+        biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        return dict(input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
+                    qkv=_fuse_weight(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                    o=weight(t, a + "o_proj.weight"),
+                    gate_up=_fuse_weight(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                    down=weight(t, m + "down_proj.weight"), qkv_bias=_fuse(t, biases) if biases[0] in t else None,
+                    o_bias=t.get(a + "o_proj.bias"))
+
+    @classmethod
+    def tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
+        """The HF names of one layer's tensors."""
+        p = f"model.layers.{layer_idx}."
+        names = [p + name for name in cls.NORMS] + [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        if config.o_proj_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        return names + [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+
+    @classmethod
+    def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape by its name after "model.layers.{i}.", for one of world_size ranks."""
+        q_dim, kv_dim = c.num_heads * c.head_dim // world_size, c.num_kv_heads * c.head_dim // world_size
+        mlp = c.intermediate_size // world_size
+        return {
+            **{name: (c.hidden_size,) for name in cls.NORMS},
+            "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.q_proj.bias": (q_dim,),
+            "self_attn.k_proj.weight": (kv_dim, c.hidden_size), "self_attn.k_proj.bias": (kv_dim,),
+            "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.v_proj.bias": (kv_dim,),
+            "self_attn.o_proj.weight": (c.hidden_size, q_dim), "self_attn.o_proj.bias": (c.hidden_size,),
+            "mlp.gate_proj.weight": (mlp, c.hidden_size), "mlp.up_proj.weight": (mlp, c.hidden_size),
+            "mlp.down_proj.weight": (c.hidden_size, mlp),
+        }
+
+    def forward(self, x: torch.Tensor, step: Step, local_idx: int, window: int | None) -> torch.Tensor:
+        """x [N, hidden] through the layer (local_idx: its index within the stage's KV cache; window: its sliding
+        window, or None) -> [N, hidden]."""
+        eps = step.config.rms_norm_eps
+        x = x + self.attention(rms_norm(x, self.input_norm, eps), step, local_idx, window)
+        return x + step.reduce(swiglu(rms_norm(x, self.post_attn_norm, eps), self.gate_up, self.down))
+
+    def attention(self, h: torch.Tensor, step: Step, local_idx: int, window: int | None) -> torch.Tensor:
+        """The attention block on the normed h [N, hidden], through the o projection -> [N, hidden]."""
+        head_dim, num_tokens, heads, kv_heads = step.config.head_dim, h.shape[0], step.num_heads, step.num_kv_heads
+        qkv = linear(h, self.qkv, self.qkv_bias).view(num_tokens, heads + 2 * kv_heads, head_dim)
+        q, k = self.rotate(qkv[:, :heads + kv_heads], step)         # q: [N, H, D]  k: [N, KV, D]
+        out = step.attn.attend(local_idx, q, k, qkv[:, heads + kv_heads:], step.positions, window)   # [N, H, D]
+        out = step.reduce(linear(out.reshape(num_tokens, heads * head_dim), self.o))
+        return out if self.o_bias is None else out + self.o_bias   # the bias once, after the partial sums
+
+    def rotate(self, qk: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """q's and k's heads [N, H + KV, D] rotated (at once) -> (q [N, H, D], k [N, KV, D])."""
+        qk = apply_rope(qk, step.cos, step.sin)
+        return qk[:, :step.num_heads], qk[:, step.num_heads:]
+
+
+def weight(t: dict[str, torch.Tensor], name: str) -> Weight:
+    """The named matrix: an Int8Weight where the tensors hold its scales (quantize_tensors), else the tensor."""
+    scale = t.get(name + SCALE_SUFFIX)
+    return t[name] if scale is None else Int8Weight(t[name], scale)
+
+
+def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
+    """_fuse of the named matrices, and of their scales where they are int8."""
+    if names[0] + SCALE_SUFFIX not in t:
+        return _fuse(t, names)
+    return Int8Weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
+
+
+def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The named tensors concatenated along their first dimension; each name then holds a view of its rows."""
+    fused = torch.cat([t[name] for name in names])
+    for name, view in zip(names, fused.split([t[name].shape[0] for name in names]), strict=True):
+        t[name] = view
+    return fused
