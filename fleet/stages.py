@@ -45,7 +45,7 @@ MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: 
 # The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
 # the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)

@@ -190,13 +190,36 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     if rope_type == "linear":
         return theta, {"rope_type": "linear", "factor": float(params["factor"])}
-    params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    params.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings") or max_pos)
+    if rope_type == "yarn":
+        return theta, _yarn(params, max_pos)
     missing = [k for k in _LLAMA3_KEYS if k not in params]
     if missing:
         raise CheckpointError(f"config.json llama3 rope scaling lacks {missing}")
     scaling = {k: float(params[k]) for k in _LLAMA3_KEYS}
     scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     return theta, {"rope_type": "llama3", **scaling}
+
+
+def _yarn(params: dict[str, Any], max_pos: int) -> dict[str, Any]:
+    """YaRN's scaling, its defaults filled in as transformers fills them: factor from the contexts' ratio, the
+    attention factor from the factor (and mscale / mscale_all_dim where both are given), beta_fast 32, beta_slow 1."""
+    old_len = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_pos / old_len)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
+            "attention_factor": float(attention_factor), "beta_fast": float(params.get("beta_fast") or 32),
+            "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's softmax temperature for a context factor times longer (its eq. 21): 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.quant import SCALE_SUFFIX, linear, quantize_int8
-from stratamesh.kernels.ops.rope import rope_cos_sin, rope_inv_freq
+from stratamesh.kernels.ops.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ONE_SEQUENCE_BLOCK = 16      # a paged one_sequence cache's block
@@ -57,6 +57,7 @@ class StageModel:
         self.dtype = TORCH_DTYPES[spec.dtype]
         self._take(tensors)
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
+        self._rope_factor = rope_attention_factor(config.rope_scaling)
         # The heads this model computes and how partial outputs of the attention and MLP projections combine.
         self.num_heads, self.num_kv_heads = config.num_heads // world_size, config.num_kv_heads // world_size
         self.reduce = reduce
@@ -119,7 +120,7 @@ class StageModel:
         x = self._embed_inputs(inputs)                          # x: [N, hidden]
         if positions.device != x.device or positions.dtype != torch.long:
             positions = positions.to(x.device, torch.long)
-        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)   # [N, D]
+        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype, self._rope_factor)   # [N, D]
         step = Step(self.config, self.num_heads, self.num_kv_heads, cos[:, None], sin[:, None],   # [N, 1, D]:
                     positions, attn, self.reduce)                                                  # over heads
         for local_idx, layer in enumerate(self._layers):

@@ -523,7 +523,7 @@ class OrtStageModel(StageModel):
         if not checked:
             self.check_inputs(inputs, positions, attn)
         x = self._embed_inputs(inputs)
-        cos, sin = rope_cos_sin(self._inv_freq, positions.to(torch.long), self.dtype)
+        cos, sin = rope_cos_sin(self._inv_freq, positions.to(torch.long), self.dtype, self._rope_factor)
         cache = attn.cache
         pools = [t for i in range(self._ort.num_layers) for t in cache.flat(i)]
         x, new_k, new_v = self._ort.run(x, cos, sin, AttentionIndex.of(attn.seqs, cache.block_size), pools)

@@ -1,4 +1,4 @@
-"""Rotary position embedding (default, linear and llama3 scaling), as Hugging Face Llama computes it."""
+"""Rotary position embedding (default, linear, llama3 and yarn scaling), as Hugging Face transformers computes it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     assert scaling["rope_type"] == "llama3", scaling
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (its softmax temperature, folded into q and k),
+    1 for every other scaling."""
+    return 1.0 if scaling is None else float(scaling.get("attention_factor", 1.0))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -32,17 +40,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [T, D] for positions [T], computed in float32 then cast to dtype.
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): the dimensions that turn fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those that turn more than beta_fast times kept, a linear ramp between."""
+    old_len, factor = s["original_max_position_embeddings"], s["factor"]
+
+    def dim_of(rotations: float) -> float:      # the dimension that turns `rotations` times over old_len positions
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kept = 1 - ramp     # (transformers' order of operations, so that the frequencies are bit-identical)
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [T, D] for positions [T], computed in float32 (times attention_factor: yarn's) then cast
+    to dtype.
 
     The signed sin is HF's sin with its first half negated: apply_rope then rotates with one roll
     instead of slicing, negating and concatenating (8x faster on a 512-token prefill here)."""
     freqs = positions[:, None] * inv_freq[None, :]          # [T, D/2] in float32 (positions are int64)
     emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
     sin = emb.sin()
-    sin[:, :freqs.shape[1]].neg_()
     cos = emb.cos()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    sin[:, :freqs.shape[1]].neg_()
     return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 

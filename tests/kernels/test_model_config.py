@@ -36,7 +36,7 @@ def test_rope_spellings(extra, theta, scaling):
 @pytest.mark.parametrize("raw, match", [
     ({"model_type": "gpt2", **BASE}, "model_type 'gpt2'"),
     ({**BASE}, "model_type None"),
-    ({"model_type": "llama", **BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"model_type": "llama", **BASE, "rope_scaling": {"rope_type": "su", "factor": 4.0}}, "rope type 'su'"),
     ({"model_type": "llama", **BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
     ({"model_type": "llama", **BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
     ({"model_type": "llama", **BASE, "hidden_act": "gelu"}, "hidden_act"),
