@@ -44,23 +44,26 @@ MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: 
 
 # The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
 # the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model")
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma3TextModel")
+GEMMA3_SLIDING_PATTERN = 6      # Gemma 3 without layer_types: every 6th layer full attention, the others sliding
 
 
-def rope_type(config: Mapping[str, Any]) -> str:
-    """The rope scaling a config.json dict asks for, in transformers 4's spelling (rope_scaling: {"type" or
-    "rope_type"}) or 5's (rope_parameters: {"rope_type"}); "default" where it asks for none."""
+def rope_types(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The rope scalings a config.json dict asks for, in transformers 4's spelling (rope_scaling: {"type" or
+    "rope_type"}) or 5's (rope_parameters: {"rope_type"}, or one such per layer type, as Gemma 3's); "default"
+    where it asks for none."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise CheckpointError(f"config.json rope scaling must be an object, got {params!r}")
-    if any(isinstance(v, Mapping) for v in params.values()):
+    nested = [v for v in params.values() if isinstance(v, Mapping)]
+    if nested and config.get("model_type") != "gemma3_text":
         raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
-    return str(params.get("rope_type") or params.get("type") or "default")
+    return tuple(str(p.get("rope_type") or p.get("type") or "default") for p in (nested or [params]))
 
 
 def check_model_config(config: Mapping[str, Any]) -> None:
@@ -71,9 +74,10 @@ def check_model_config(config: Mapping[str, Any]) -> None:
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"config.json model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(MODEL_TYPES)}")
-    rope = rope_type(config)
-    if rope not in ROPE_TYPES:
-        raise CheckpointError(f"config.json rope type {rope!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    for rope in rope_types(config):
+        if rope not in ROPE_TYPES:
+            raise CheckpointError(f"config.json rope type {rope!r} is not supported; supported: "
+                                  f"{', '.join(ROPE_TYPES)}")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
         raise CheckpointError(f"config.json dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
@@ -88,13 +92,23 @@ def model_task(config: Mapping[str, Any]) -> str:
 
 def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding window, layer types) of a config.json dict: Mistral windows every layer; Qwen2 only with
-    use_sliding_window, from max_window_layers on (its layer_types name which); (None, ()) is full attention.
+    use_sliding_window, from max_window_layers on (its layer_types name which); Gemma 3 the layers its layer_types
+    (or sliding_window_pattern) say are sliding; (None, ()) is full attention.
     CheckpointError where layer_types does not name every layer."""
     window = config.get("sliding_window")
     if arch == "llama" or window is None:
         return None, ()
     if arch == "mistral":
         return int(window), ()
+    if arch == "gemma3_text" and config.get("layer_types") is None:
+        pattern = int(config.get("sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+        return int(window), tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(num_layers))
+    if arch == "gemma3_text":
+        layer_types = config["layer_types"]
+        if len(layer_types) != num_layers:
+            raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
+        return int(window), tuple(layer_types)
     if not config.get("use_sliding_window", False):
         return None, ()
     layer_types = config.get("layer_types")

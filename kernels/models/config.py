@@ -41,6 +41,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     task: str = "generate"                       # "embed": a base model without an LM head (fleet.stages.model_task)
+    # Gemma's: the sliding layers' own rope, queries scaled by query_pre_attn_scalar ** -0.5 (not head_dim's), the
+    # embedding times sqrt(hidden), the logits soft-capped (tanh(x / cap) * cap)
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    query_pre_attn_scalar: float | None = None
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     @property
     def has_lm_head(self) -> bool:
@@ -73,8 +80,9 @@ class ModelConfig:
         if self.o_proj_bias:
             attn += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        qk_norms = 2 * self.head_dim if self.arch == "qwen3" else 0
-        return attn + mlp + 2 * self.hidden_size + qk_norms
+        qk_norms = 2 * self.head_dim if self.arch in ("qwen3", "gemma3_text") else 0
+        norms = (4 if self.arch == "gemma3_text" else 2) * self.hidden_size
+        return attn + mlp + norms + qk_norms
 
     @property
     def num_embedding_params(self) -> int:
@@ -99,8 +107,9 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
     """The ModelConfig a config.json describes, before its sizes are checked."""
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     num_layers = int(raw["num_hidden_layers"])
-    rope_theta, rope_scaling = _parse_rope(raw)
+    (rope_theta, rope_scaling), local_rope = _parse_ropes(raw)
     sliding_window, layer_types = attention_windows(raw, arch, num_layers)
+    gemma = arch == "gemma3_text"
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -123,6 +132,11 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
         eos_token_ids=_as_ids(raw.get("eos_token_id")),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         task=model_task(raw),
+        local_rope_theta=local_rope[0] if local_rope else None,
+        local_rope_scaling=local_rope[1] if local_rope else None,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+        embed_scale=hidden ** 0.5 if gemma else None,
+        final_logit_softcap=float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None,
     )
 
 
@@ -165,23 +179,53 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh"}      # the MLP's gate activation, where it is not SiLU
+
+
 def _reject_unsupported(raw: dict[str, Any]) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"config.json hidden_act {act!r} is not supported; only 'silu'")
+    want = ACTIVATIONS.get(raw.get("model_type"), "silu")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or want
+    if act != want:
+        raise CheckpointError(f"config.json hidden_act {act!r} is not supported for {raw.get('model_type')}; "
+                              f"only {want!r}")
+    if raw.get("attn_logit_softcapping"):
+        raise CheckpointError("config.json attn_logit_softcapping (Gemma 2's) is not supported yet")
+    if raw.get("use_bidirectional_attention"):
+        raise CheckpointError("config.json use_bidirectional_attention=true is not supported")
     if raw.get("mlp_bias"):
         raise CheckpointError("config.json mlp_bias=true is not supported")
     if raw.get("is_causal") is False:   # some embedding models attend both ways; our attention is causal
         raise CheckpointError("config.json is_causal=false (bidirectional attention) is not supported")
 
 
-def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalized scaling or None) from transformers 4 or transformers 5 spelling."""
+Rope = tuple[float, dict[str, Any] | None]     # (theta, normalized scaling or None)
+LOCAL_THETA = 10000.0                          # Gemma 3's sliding layers' rope base where the config names none
+
+
+def _parse_ropes(raw: dict[str, Any]) -> tuple[Rope, Rope | None]:
+    """(the rope of every layer, or of the full-attention ones, the sliding layers' own rope or None) from
+    transformers 4 or transformers 5 spelling; Gemma 3's sliding layers have a rope of their own (rope_parameters
+    nested per layer type, or rope_local_base_freq)."""
     params = raw.get("rope_parameters")
-    if params is not None and any(isinstance(v, dict) for v in params.values()):
-        raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
-    params = dict(params or raw.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    nested = isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
+    if raw.get("model_type") != "gemma3_text":
+        if nested:
+            raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
+        return _parse_rope(raw, params or raw.get("rope_scaling") or {}), None
+    if nested:
+        return (_parse_rope(raw, params.get("full_attention") or {}, 1_000_000.0),
+                _parse_rope(raw, params.get("sliding_attention") or {}, LOCAL_THETA, local=True))
+    local = {"rope_theta": raw.get("rope_local_base_freq") or LOCAL_THETA}
+    return _parse_rope(raw, params or raw.get("rope_scaling") or {}, 1_000_000.0), _parse_rope(raw, local, local=True)
+
+
+def _parse_rope(raw: dict[str, Any], params: dict[str, Any], default_theta: float = 10000.0,
+                local: bool = False) -> Rope:
+    """(theta, normalized scaling or None) of one rope's parameters (local: the sliding layers', whose theta is
+    their own)."""
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or (None if local else raw.get("rope_theta")) or default_theta
+    theta = float(theta)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; supported: "

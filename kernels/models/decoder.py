@@ -17,7 +17,6 @@ from stratamesh.kernels.models.families import layer_class
 from stratamesh.kernels.models.families.llama import Step, weight
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
-from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.quant import SCALE_SUFFIX, linear, quantize_int8
 from stratamesh.kernels.ops.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
@@ -58,6 +57,9 @@ class StageModel:
         self._take(tensors)
         self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
         self._rope_factor = rope_attention_factor(config.rope_scaling)
+        self._local_inv_freq = None if config.local_rope_theta is None else rope_inv_freq(
+            config.head_dim, config.local_rope_theta, config.local_rope_scaling).to(spec.device)
+        self._norm = layer_class(config).norm
         # The heads this model computes and how partial outputs of the attention and MLP projections combine.
         self.num_heads, self.num_kv_heads = config.num_heads // world_size, config.num_kv_heads // world_size
         self.reduce = reduce
@@ -123,6 +125,9 @@ class StageModel:
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype, self._rope_factor)   # [N, D]
         step = Step(self.config, self.num_heads, self.num_kv_heads, cos[:, None], sin[:, None],   # [N, 1, D]:
                     positions, attn, self.reduce)                                                  # over heads
+        if self._local_inv_freq is not None:
+            cos, sin = rope_cos_sin(self._local_inv_freq, positions, self.dtype)
+            step.local_cos, step.local_sin = cos[:, None], sin[:, None]
         for local_idx, layer in enumerate(self._layers):
             x = layer.forward(x, step, local_idx, self.config.window_for_layer(self.spec.start_layer + local_idx))
             yield
@@ -134,8 +139,9 @@ class StageModel:
         if self._lm_head is None:
             raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) has no LM head (it is not "
                                "the last stage, or the model is an embedding model)")
-        h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
-        return linear(h, self._lm_head).float()
+        h = self._norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
+        logits, cap = linear(h, self._lm_head), self.config.final_logit_softcap
+        return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
     @torch.inference_mode()
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -143,7 +149,7 @@ class StageModel:
         pooling) -> float32 unit vectors [T, hidden]; last stage only."""
         if self._final_norm is None:
             raise InvalidInput(f"stage [{self.spec.start_layer}, {self.spec.end_layer}) is not the last stage")
-        h = rms_norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
+        h = self._norm(hidden.to(self.dtype), self._final_norm, self.config.rms_norm_eps)
         return F.normalize(h.float(), dim=-1)
 
     def check_inputs(self, inputs: torch.Tensor, positions: torch.Tensor, attn: Attention) -> None:
@@ -163,7 +169,10 @@ class StageModel:
     def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._embed is not None:
             ids = inputs if inputs.device == self._embed.device else inputs.to(self._embed.device)
-            return F.embedding(ids, self._embed)
+            x = F.embedding(ids, self._embed)
+            if self.config.embed_scale is None:
+                return x
+            return x * torch.tensor(self.config.embed_scale, device=x.device).to(x.dtype)   # (rounded as Gemma's)
         if inputs.dtype == self.dtype and inputs.device == self._inv_freq.device:
             return inputs
         return inputs.to(device=self._inv_freq.device, dtype=self.dtype)

@@ -1,4 +1,4 @@
-"""The SwiGLU feed-forward block of Llama-family decoders."""
+"""The gated feed-forward blocks of decoders: SwiGLU (Llama, Qwen, Mistral), GeGLU with tanh's GELU (Gemma)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def swiglu(x: torch.Tensor, gate_up: Any, down: Any,
     float or Int8Weight matrices, or whatever product (x, weight) multiplies (an ONNX export's packed int8)."""
     gate, up = product(x, gate_up).chunk(2, dim=-1)         # [N, inter] each
     return product(F.silu(gate) * up, down)
+
+
+def geglu(x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
+    """swiglu with the tanh approximation of GELU for the gate (Gemma's gelu_pytorch_tanh)."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate="tanh") * up, down)

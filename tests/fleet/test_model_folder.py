@@ -9,7 +9,7 @@ import pytest
 
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.model_folder import check_model_folder
-from stratamesh.fleet.stages import MODEL_TYPES, ROPE_TYPES, check_model_config, rope_type
+from stratamesh.fleet.stages import MODEL_TYPES, ROPE_TYPES, check_model_config, rope_types
 
 CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "dtype": "bfloat16",
           "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
@@ -63,5 +63,16 @@ def test_no_folder_or_no_config_is_said_so(tmp_path: Path) -> None:
     ({"rope_parameters": {"rope_theta": 1e6}}, "default"),
 ])
 def test_the_rope_type_is_read_in_either_spelling(config: dict, rope: str) -> None:
-    assert rope_type(config) == rope and rope in ROPE_TYPES
+    assert rope_types(config) == (rope,) and rope in ROPE_TYPES
     check_model_config({"model_type": "llama", **config})
+
+
+def test_gemma_3_names_a_rope_per_layer_type_and_each_is_checked() -> None:
+    nested = {"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    assert rope_types(nested) == ("linear", "default")
+    check_model_config(nested)
+    nested["rope_parameters"]["sliding_attention"]["rope_type"] = "longrope"
+    with pytest.raises(CheckpointError, match="rope type 'longrope'"):
+        check_model_config(nested)

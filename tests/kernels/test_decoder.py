@@ -111,10 +111,15 @@ def test_greedy_decode_with_cache_matches_generate(tiny_model, arch):
     {"rope_spelling": "parameters", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     {"shard_size_bytes": 2_000_000},
-], ids=["tied", "llama3", "linear", "rope_parameters", "rope_parameters_llama3", "sharded"])
+    {"arch": "gemma3_text", "tie_word_embeddings": True},
+    {"arch": "gemma3_text", "rope_spelling": "parameters"},    # a rope per layer type
+    {"arch": "gemma3_text", "rope_scaling": {"rope_type": "linear", "factor": 8.0}},    # the full layers' (4B-27B)
+    {"arch": "gemma3_text", "rope_spelling": "parameters", "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+], ids=["tied", "llama3", "linear", "rope_parameters", "rope_parameters_llama3", "sharded", "gemma3_tied",
+        "gemma3_rope_parameters", "gemma3_linear", "gemma3_rope_parameters_linear"])
 def test_variants_match_transformers(tiny_model, variant):
-    model_dir = tiny_model("llama", **variant)
-    ids = prompt(seed=4, length=24)
+    model_dir = tiny_model(**{"arch": "llama", **variant})
+    ids = prompt(seed=4, length=40)
     stages = load_stages(model_dir, SPLIT)
     caches = [s.new_cache() for s in stages]
     ours = run_pipeline(stages, caches, ids, 0)

@@ -33,6 +33,8 @@ class Step:
     positions: torch.Tensor
     attn: Attention
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    local_cos: torch.Tensor | None = None    # the sliding layers' own rope, where the family has one (Gemma 3)
+    local_sin: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class LlamaLayer:
 
     # The layer's norms in the checkpoint (their names after "model.layers.{i}."), each [hidden]
     NORMS: ClassVar[tuple[str, ...]] = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    norm = staticmethod(rms_norm)       # how the family's RMSNorms weigh (the final norm's too)
 
     @classmethod
     def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> LlamaLayer:
@@ -106,13 +109,14 @@ class LlamaLayer:
         """The attention block on the normed h [N, hidden], through the o projection -> [N, hidden]."""
         head_dim, num_tokens, heads, kv_heads = step.config.head_dim, h.shape[0], step.num_heads, step.num_kv_heads
         qkv = linear(h, self.qkv, self.qkv_bias).view(num_tokens, heads + 2 * kv_heads, head_dim)
-        q, k = self.rotate(qkv[:, :heads + kv_heads], step)         # q: [N, H, D]  k: [N, KV, D]
+        q, k = self.rotate(qkv[:, :heads + kv_heads], step, window)   # q: [N, H, D]  k: [N, KV, D]
         out = step.attn.attend(local_idx, q, k, qkv[:, heads + kv_heads:], step.positions, window)   # [N, H, D]
         out = step.reduce(linear(out.reshape(num_tokens, heads * head_dim), self.o))
         return out if self.o_bias is None else out + self.o_bias   # the bias once, after the partial sums
 
-    def rotate(self, qk: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """q's and k's heads [N, H + KV, D] rotated (at once) -> (q [N, H, D], k [N, KV, D])."""
+    def rotate(self, qk: torch.Tensor, step: Step, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q's and k's heads [N, H + KV, D] rotated (at once) -> (q [N, H, D], k [N, KV, D]); window: the layer's
+        (None: full attention)."""
         qk = apply_rope(qk, step.cos, step.sin)
         return qk[:, :step.num_heads], qk[:, step.num_heads:]
 

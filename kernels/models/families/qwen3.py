@@ -33,7 +33,7 @@ class Qwen3Layer(LlamaLayer):
     def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
         return {**super().shapes(c, world_size), **{name: (c.head_dim,) for name in QK_NORMS}}
 
-    def rotate(self, qk: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, qk: torch.Tensor, step: Step, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         eps, heads = step.config.rms_norm_eps, step.num_heads
         q = apply_rope(rms_norm(qk[:, :heads], self.q_norm, eps), step.cos, step.sin)
         k = apply_rope(rms_norm(qk[:, heads:], self.k_norm, eps), step.cos, step.sin)
