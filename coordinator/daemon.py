@@ -36,7 +36,7 @@ from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
-from stratamesh.coordinator.serving.origin import Origin
+from stratamesh.coordinator.serving.origin import ROUTE_WAIT_S, Origin
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.router import Disaggregation, Router
 from stratamesh.coordinator.serving.servicer import OriginService
@@ -93,6 +93,7 @@ class CoordinatorOptions:
     router_mode: str = DEFAULT_ROUTER_MODE   # how a request picks among a model's replicas (serving.router)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
     codec_policy: str = "auto"           # what activations cross links in: --wire-codec (partitioner/wire_codec.py)
+    route_wait_s: float = ROUTE_WAIT_S   # how long a request waits for its model to load or recover (--route-wait)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -253,7 +254,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     deployer = _deployer(options, registry, sessions)
     requests = RequestLog(spans, options.trace_sample_rate)
     origin = Origin(f"{advertise_host}:{grpc_port}", deployer,
-                    Router(deployer.routes, options.router_mode, options.disaggregation), sessions, requests)
+                    Router(deployer.routes, options.router_mode, options.disaggregation), sessions, requests,
+                    route_wait_s=options.route_wait_s)
     _collect(metrics, registry, deployer, requests)
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)

@@ -126,6 +126,9 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                              help="fraction of requests traced (spans at every stage; 0 turns tracing off)")
     coordinator.add_argument("--agent-lease", type=float, default=2.0, metavar="SECONDS",
                              help="an agent not heard from for this long is declared dead and its stages re-planned")
+    coordinator.add_argument("--route-wait", type=_seconds, default=30.0, metavar="SECONDS",
+                             help="how long a request waits for its model to load or recover (a re-plan after an "
+                                  "agent died) before it is refused with 503")
     _add_trace_export_arguments(coordinator)
     coordinator.set_defaults(func=_coordinator)
 
@@ -400,7 +403,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         trace_sample_rate=args.trace_sample_rate, traces_json=args.traces_json,
         otlp_traces_endpoint=args.otlp_traces_endpoint, liveness=LivenessConfig(lease_s=args.agent_lease),
         insecure=args.insecure, pki_dir=args.pki_dir, enroll_port=args.enroll_port, bootstrap_file=args.bootstrap_file,
-        router_mode=args.router_mode, codec_policy=args.wire_codec,
+        router_mode=args.router_mode, codec_policy=args.wire_codec, route_wait_s=args.route_wait,
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
@@ -413,6 +416,14 @@ def _gib(text: str) -> float:
     value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A time in seconds: a number > 0."""
+    value = _number(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
     return value
 
 

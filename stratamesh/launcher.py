@@ -65,6 +65,20 @@ def _limit_s(timeout_s: float) -> float:
     return timeout_s * patience()
 
 
+# The coordinator's limits that a slow box can outrun, at their defaults (`stratamesh coordinator --help`)
+AGENT_LEASE_S = 2.0      # an agent unheard for this long is dead: a busy box can delay a heartbeat past it
+ROUTE_WAIT_S = 30.0      # a request waits this long for its model to recover: a busy box can take longer to re-plan
+
+
+def patient_coordinator_args(environ: dict[str, str] | None = None) -> list[str]:
+    """The coordinator's lease and route wait stretched by this box's patience (none where it is 1: the defaults);
+    a mesh's own coordinator_args come after them, and win."""
+    factor = patience(environ)
+    if factor == 1.0:
+        return []
+    return ["--agent-lease", f"{AGENT_LEASE_S * factor:g}", "--route-wait", f"{ROUTE_WAIT_S * factor:g}"]
+
+
 @dataclass
 class LocalMesh:
     """A coordinator and num_agents agent processes on loopback, found through zeroconf."""
@@ -161,7 +175,8 @@ class LocalMesh:
             args += ["--insecure"]
         elif bootstrap:    # a join token, operator key and admin password: those in the file that still work, or new
             args += ["--bootstrap-file", self._bootstrap_path()]
-        self.coordinator = self._spawn("coordinator", [*args, *self.coordinator_args], host=self.coordinator_host)
+        self.coordinator = self._spawn("coordinator", [*args, *patient_coordinator_args(), *self.coordinator_args],
+                                       host=self.coordinator_host)
 
     def _coordinator_started(self, timeout_s: float) -> None:
         """Waits for the coordinator to print its addresses; takes its bootstrap credentials."""
