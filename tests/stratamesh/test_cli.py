@@ -62,23 +62,23 @@ def test_up_refuses_more_replicas_than_its_agents_hold(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--replicas: must be in 1..64, got 0" in result.stderr
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    ({"model_type": "gemma7"}, "config.json model_type 'gemma7' is not supported; supported: llama, mistral"),
-    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "config.json rope type 'su' is not supported"),
-    ({"dtype": "float8"}, "config.json dtype 'float8' is not supported"),
-])
-def test_up_and_a_coordinator_refuse_a_model_they_cannot_serve_in_one_line(tmp_path: Path, change: dict,
+@pytest.mark.parametrize(("change", "command", "says"), [
+    ({"model_type": "gemma7"}, "up", "config.json model_type 'gemma7' is not supported; supported: llama, mistral"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "up", "config.json rope type 'su' is not supported"),
+    ({"model_type": "gemma7"}, "coordinator", "config.json model_type 'gemma7' is not supported"),
+])   # (every refusal's words: tests/fleet/test_model_folder.py)
+def test_up_and_a_coordinator_refuse_a_model_they_cannot_serve_in_one_line(tmp_path: Path, change: dict, command: str,
                                                                            says: str) -> None:
-    model = tmp_path / "model"
-    stratamesh("model", "tiny", "--out", str(model), "--layers", "2", "--hidden", "64", "--intermediate", "128")
+    from stratamesh.kernels.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", num_layers=2, hidden_size=64, intermediate_size=128)
     (model / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()), **change}))
     env = {**os.environ, "STRATAMESH_HOME": str(tmp_path / "home")}
-    for command in (["up", "--model", str(model)],
-                    ["coordinator", "--model", str(model), "--db", str(tmp_path / "r.db"), "--mesh", "cli-test"]):
-        result = stratamesh(*command, env=env)
-        lines = result.stderr.splitlines()
-        assert result.returncode == 1 and len(lines) == 1, result.stderr
-        assert lines[0].startswith(f"stratamesh {command[0]}: {says}"), lines
+    args = ["--db", str(tmp_path / "r.db"), "--mesh", "cli-test"] if command == "coordinator" else []
+    result = stratamesh(command, "--model", str(model), *args, env=env)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"stratamesh {command}: {says}"), lines
     assert not (tmp_path / "home").exists() and not (tmp_path / "r.db").exists()     # nothing started, no state
 
 

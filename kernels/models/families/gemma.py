@@ -12,7 +12,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.families.llama import LlamaLayer, Step
 from stratamesh.kernels.ops.mlp import geglu
 from stratamesh.kernels.ops.rope import apply_rope
@@ -26,7 +25,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-@dataclass    # (not slots: a slotted dataclass is a new class, which zero-argument super() does not know)
+@dataclass(slots=True)
 class Gemma3Layer(LlamaLayer):
     pre_ff_norm: torch.Tensor | None = None
     post_ff_norm: torch.Tensor | None = None
@@ -35,6 +34,7 @@ class Gemma3Layer(LlamaLayer):
 
     NORMS: ClassVar[tuple[str, ...]] = ("input_layernorm.weight", "post_attention_layernorm.weight",
                                         "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+    HEAD_NORMS: ClassVar[tuple[str, ...]] = QK_NORMS
     norm = staticmethod(gemma_rms_norm)
 
     @classmethod
@@ -42,14 +42,6 @@ class Gemma3Layer(LlamaLayer):
         p = f"model.layers.{layer_idx}."
         return cls(**cls._fused(t, p), pre_ff_norm=t[p + cls.NORMS[2]], post_ff_norm=t[p + cls.NORMS[3]],
                    q_norm=t[p + QK_NORMS[0]], k_norm=t[p + QK_NORMS[1]])
-
-    @classmethod
-    def tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
-        return super().tensor_names(config, layer_idx) + [f"model.layers.{layer_idx}.{name}" for name in QK_NORMS]
-
-    @classmethod
-    def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
-        return {**super().shapes(c, world_size), **{name: (c.head_dim,) for name in QK_NORMS}}
 
     def forward(self, x: torch.Tensor, step: Step, local_idx: int, window: int | None) -> torch.Tensor:
         eps = step.config.rms_norm_eps

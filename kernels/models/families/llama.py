@@ -51,8 +51,10 @@ class LlamaLayer:
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
-    # The layer's norms in the checkpoint (their names after "model.layers.{i}."), each [hidden]
+    # The layer's norms in the checkpoint (their names after "model.layers.{i}."): each [hidden], or [head_dim]
+    # for those applied to every head (a family's q and k norms)
     NORMS: ClassVar[tuple[str, ...]] = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    HEAD_NORMS: ClassVar[tuple[str, ...]] = ()
     norm = staticmethod(rms_norm)       # how the family's RMSNorms weigh (the final norm's too)
 
     @classmethod
@@ -76,7 +78,8 @@ class LlamaLayer:
     def tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
         """The HF names of one layer's tensors."""
         p = f"model.layers.{layer_idx}."
-        names = [p + name for name in cls.NORMS] + [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        names = [p + name for name in cls.NORMS + cls.HEAD_NORMS]
+        names += [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
         if config.attention_bias:
             names += [f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
         if config.o_proj_bias:
@@ -89,7 +92,7 @@ class LlamaLayer:
         q_dim, kv_dim = c.num_heads * c.head_dim // world_size, c.num_kv_heads * c.head_dim // world_size
         mlp = c.intermediate_size // world_size
         return {
-            **{name: (c.hidden_size,) for name in cls.NORMS},
+            **{name: (c.hidden_size,) for name in cls.NORMS}, **{name: (c.head_dim,) for name in cls.HEAD_NORMS},
             "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.q_proj.bias": (q_dim,),
             "self_attn.k_proj.weight": (kv_dim, c.hidden_size), "self_attn.k_proj.bias": (kv_dim,),
             "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.v_proj.bias": (kv_dim,),

@@ -4,10 +4,10 @@ k_norm), no q/k/v bias, and a head_dim that need not be hidden_size / heads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.families.llama import LlamaLayer, Step
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.rope import apply_rope
@@ -15,23 +15,17 @@ from stratamesh.kernels.ops.rope import apply_rope
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-@dataclass    # (not slots: a slotted dataclass is a new class, which zero-argument super() does not know)
+@dataclass(slots=True)
 class Qwen3Layer(LlamaLayer):
     q_norm: torch.Tensor | None = None      # [head_dim], shared by every query head (and by a TP rank's share)
     k_norm: torch.Tensor | None = None
+
+    HEAD_NORMS: ClassVar[tuple[str, ...]] = QK_NORMS
 
     @classmethod
     def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> Qwen3Layer:
         p = f"model.layers.{layer_idx}."
         return cls(**cls._fused(t, p), q_norm=t[p + QK_NORMS[0]], k_norm=t[p + QK_NORMS[1]])
-
-    @classmethod
-    def tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
-        return super().tensor_names(config, layer_idx) + [f"model.layers.{layer_idx}.{name}" for name in QK_NORMS]
-
-    @classmethod
-    def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
-        return {**super().shapes(c, world_size), **{name: (c.head_dim,) for name in QK_NORMS}}
 
     def rotate(self, qk: torch.Tensor, step: Step, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         eps, heads = step.config.rms_norm_eps, step.num_heads
