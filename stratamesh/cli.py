@@ -591,7 +591,8 @@ def _up(args: argparse.Namespace) -> None:
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],
-                     fork_agents=False)   # each agent a process of its own, its command line in `ps`, a child of `up`
+                     fork_agents=False,   # each agent a process of its own, its command line in `ps`, a child of `up`
+                     say=lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT
         signal.signal(sig, _interrupt)
     print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)

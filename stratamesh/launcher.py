@@ -103,6 +103,7 @@ class LocalMesh:
     agent_args: list[str] = field(default_factory=list)   # appended to every agent's command line
     agent_args_by_index: dict[int, list[str]] = field(default_factory=dict)   # ... and to that agent's
     coordinator_args: list[str] = field(default_factory=list)   # appended to the coordinator's command line
+    say: Callable[[str], None] | None = None    # hears, while start() waits, of each stage an agent could not load
     # On a test bed (stratamesh/testbed/netbed.py): the hosts the coordinator and agents (by index) run on; None / absent: this
     # machine's loopback. An agent finds the coordinator by zeroconf only on the same site as it (the multicast
     # stays inside a site); across the WAN it dials the coordinator's address.
@@ -332,7 +333,9 @@ class LocalMesh:
         """Waits until /health says every model is ready (LaunchError after timeout_s)."""
         health = self._wait_health(lambda h: h.get("status") == "ok", timeout_s)
         if health.get("status") != "ok":
-            raise LaunchError(f"mesh not ready after {_limit_s(timeout_s):.0f} s: {health}")
+            errors = "; ".join(f"agent {e['agent_id']}: {e['error']}" for e in health.get("load_errors", ()))
+            raise LaunchError(f"mesh not ready after {_limit_s(timeout_s):.0f} s: "
+                              + (f"stages failed to load: {errors}" if errors else str(health)))
 
     def wait_connected(self, num_agents: int, timeout_s: float) -> None:
         """Waits until /health counts num_agents agents connected (LaunchError after timeout_s)."""
@@ -344,13 +347,24 @@ class LocalMesh:
     def _wait_health(self, done: Callable[[dict], bool], timeout_s: float) -> dict:
         """/health polled until done(it) or timeout_s (times patience) passes (a mesh process dying raises
         LaunchError); the last."""
-        deadline = time.monotonic() + _limit_s(timeout_s)
+        deadline, told = time.monotonic() + _limit_s(timeout_s), set()
         while True:
             self._check_alive()
             health = self.health()
+            told |= self._tell_load_errors(health, told)
             if done(health) or time.monotonic() >= deadline:
                 return health
             time.sleep(0.2)
+
+    def _tell_load_errors(self, health: dict, told: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        """say() of each load failure in /health not told before; the (assignment id, error) pairs told."""
+        new = {(e["assignment_id"], e["error"]): e for e in health.get("load_errors", ())
+               if (e["assignment_id"], e["error"]) not in told}
+        for error in new.values():
+            if self.say is not None:
+                self.say(f"agent {error['agent_id']} could not load its stage of {error['model_id']}: "
+                         f"{error['error']}")
+        return set(new)
 
     def health(self) -> dict:
         try:

@@ -139,6 +139,16 @@ class Plans(BaseModel):
     plans: list[PlanView]
 
 
+class LoadErrorView(BaseModel):
+    """An agent's report that it could not load a stage of the model (its newest), until the stage loads."""
+
+    model_id: str
+    assignment_id: str
+    agent_id: str
+    error: str
+    at: float
+
+
 class ModelView(BaseModel):
     model_id: str
     path: str
@@ -152,6 +162,7 @@ class ModelView(BaseModel):
     num_replicas: int = 1        # the operator's choice: pipelines serving it side by side
     ready_replicas: int = 0      # of them, those whose every stage is loaded
     created: float
+    load_errors: list[LoadErrorView] = []    # the stages of its plans that an agent could not load, and why
 
 
 class Models(BaseModel):

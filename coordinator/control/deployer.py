@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 
 from stratamesh.coordinator.control.drains import Drains, Move
+from stratamesh.coordinator.control.load_errors import LoadError, LoadErrors
 from stratamesh.coordinator.control.plans import Plans
 from stratamesh.coordinator.control.probes import LINK_PROBE_EVERY_S, AgentLink
 from stratamesh.coordinator.control.roster import AgentNotConnected, Roster
@@ -47,6 +48,7 @@ class Deployer:
         self.plans = Plans(registry, clock, self.roster, self.routes, self.drains, sessions, origin_host)
         self.on_rest: Callable[[str, str], None] = lambda agent_id, why: None
         self.weights: dict[str, WeightsProgress] = {}   # assignment id -> how its agent's fetch of its tensors went
+        self.load_errors = LoadErrors()                 # the stages agents could not load, and why
 
     def start(self) -> None:
         """After a (re)start no agent is connected and no stage known loaded until its agent says so."""
@@ -166,9 +168,14 @@ class Deployer:
         """Records an agent's report on one of its assignments."""
         if status.assignment_id not in self.plans.planned_for(agent_id):
             return
+        stage = self.plans.planned_for(agent_id)[status.assignment_id]
         self.roster.record_loaded(agent_id, status.assignment_id, status.state == StageState.READY)
         self.plans.set_stage_state(status.assignment_id, status.state)
+        if status.state == StageState.READY:
+            self.load_errors.loaded(status.assignment_id)
         if status.state == StageState.FAILED:
+            self.load_errors.failed(LoadError(stage.spec.model_id, status.assignment_id, agent_id, status.error,
+                                              self._clock()))
             self.registry.log_event("stage_failed", status.error, self._clock(), agent_id=agent_id)
             log.warning("agent %s failed to load %s: %s", agent_id, status.assignment_id, status.error)
             self.drains.replacement_failed(status.assignment_id, status.error)
@@ -185,6 +192,7 @@ class Deployer:
         self.plans.improve()
         self.plans.release_unplanned()
         self.routes.prune()
+        self.load_errors.keep(self.plans.planned_ids())
         if self.weights:
             planned = self.plans.planned_ids()
             self.weights = {a: p for a, p in self.weights.items() if a in planned}

@@ -87,8 +87,11 @@ class Origin:
         models = {m.model_id: self._state(m.model_id) for m in model_infos(self._deployer.registry)}
         ready = bool(models) and all(state == ModelState.READY for state in models.values())
         serving = bool(models) and all(state in (ModelState.READY, ModelState.RECOVERING) for state in models.values())
-        return {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
-                "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
+        health = {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
+                  "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
+        errors = [e.as_json() for model_id in models
+                  for e in self._deployer.load_errors.of_model(self._deployer.registry, model_id)]
+        return {**health, "load_errors": errors} if errors else health
 
     def _state(self, model_id: str) -> ModelState:
         """READY; RECOVERING (it lost an agent and requests wait for its new route); or STARTING."""

@@ -19,6 +19,7 @@ from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.stages import StageStatus
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
 
 T0 = 1_700_000_000.0
@@ -35,6 +36,22 @@ def mesh(model_dir: Path):
     mount_ui(app)
     install_error_handlers(app)
     return registry, deployer, agents, live, admin, app
+
+
+async def test_a_stage_an_agent_could_not_load_is_shown_with_its_model_until_it_loads(mesh, model_dir: Path) -> None:
+    registry, deployer, agents, _, _, app = mesh
+    deployer.plans.add_model("m2", str(model_dir), num_stages=1)
+    (stage,) = registry.active_plan("m2").stages
+    failed = StageStatus(stage.assignment_id, "failed", "CheckpointError: checkpoint has no tensor 'lm_head.weight'")
+    deployer.stage_status(stage.agent_id, failed)
+    async with await client_of(app) as client:
+        models = {m["model_id"]: m for m in (await client.get("/admin/api/models")).json()["models"]}
+        assert models["m"]["load_errors"] == []
+        assert models["m2"]["load_errors"] == [{"model_id": "m2", "assignment_id": stage.assignment_id,
+                                                "agent_id": stage.agent_id, "error": failed.error, "at": 100.0}]
+        deployer.stage_status(stage.agent_id, StageStatus(stage.assignment_id, "ready"))
+        models = {m["model_id"]: m for m in (await client.get("/admin/api/models")).json()["models"]}
+        assert models["m2"]["load_errors"] == [] and models["m2"]["state"] == "ready"
 
 
 async def client_of(app: FastAPI) -> httpx.AsyncClient:
@@ -60,7 +77,7 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert deployed.json()["model"] | {"created": 0} == {
             "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
             "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
-            "ready_replicas": 0, "created": 0}
+            "ready_replicas": 0, "created": 0, "load_errors": []}
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"

@@ -289,6 +289,22 @@ async def test_the_origin_waits_for_a_route_through_a_recovery_and_avoids_a_lost
         await origin.route("m", avoid=(), token_ids=())
 
 
+def test_health_names_the_stages_agents_could_not_load_until_they_load_or_leave_the_plan(model_dir: Path) -> None:
+    now = [100.0]
+    registry, deployer, (a1, a2, a3) = ready_pair(model_dir, now)
+    origin = Origin("127.0.0.1:9", deployer, Router(deployer.routes), SessionTable(), RequestLog())
+    assert "load_errors" not in origin.health()
+    first, second = registry.active_plan("m").stages
+    deployer.stage_status(second.agent_id, StageStatus(second.assignment_id, "failed", "out of memory"))
+    assert origin.health()["load_errors"] == [{"model_id": "m", "assignment_id": second.assignment_id,
+                                               "agent_id": second.agent_id, "error": "out of memory", "at": 100.0}]
+    deployer.stage_status(first.agent_id, StageStatus(first.assignment_id, "failed", "not on my plan"))
+    deployer.stage_status(first.agent_id, StageStatus(first.assignment_id, "ready"))      # it loaded after all
+    assert [e["error"] for e in origin.health()["load_errors"]] == ["out of memory"]
+    deployer.load_errors.keep(set())           # the stage left every plan (what tick() does for the re-planned)
+    assert "load_errors" not in origin.health()
+
+
 def test_a_faster_agent_joining_gets_a_standby_plan_that_takes_over_without_cutting_generations(
         model_dir: Path) -> None:
     registry, in_use, now = Registry(":memory:"), set(), [100.0]
