@@ -22,6 +22,7 @@ from stratamesh.fleet.sessions import wire_dtype
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 RANGES = ((0, 2), (2, 4), (4, 6))
 PROMPT = list(range(40, 104))
@@ -89,14 +90,21 @@ def test_int8_activations_on_every_hop_stay_as_close_to_float32_as_a_bfloat16_mo
     assert agree >= int((bf16.argmax(-1) == reference.argmax(-1)).sum()) - 2 and agree >= 0.9 * len(PROMPT)
 
 
-def test_a_bfloat16_checkpoint_loads_without_an_upcast(tiny_model) -> None:
-    fp32_dir, bf16_dir = tiny_model("llama", num_layers=2), tiny_model("llama", num_layers=2, dtype="bfloat16")
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_a_bfloat16_checkpoint_loads_without_an_upcast(tiny_model, arch: str) -> None:
+    fp32_dir, bf16_dir = tiny_model(arch, num_layers=2), tiny_model(arch, num_layers=2, dtype="bfloat16")
     spec = StageSpec("m", str(bf16_dir), 0, 2, 2, dtype="bfloat16")
     model = load_stage(spec)
     assert {t.dtype for t in model.tensors.values()} == {torch.bfloat16}
     assert 2 * model.param_bytes == load_stage(StageSpec("m", str(fp32_dir), 0, 2, 2)).param_bytes
     upcast = load_stage(StageSpec("m", str(bf16_dir), 0, 2, 2, dtype="float32"))   # what the spec says, only
     assert {t.dtype for t in upcast.tensors.values()} == {torch.float32}
+    # and it computes as transformers does in bfloat16, within the margin above (from the float32 checkpoint's)
+    x, positions = torch.tensor(PROMPT), torch.arange(len(PROMPT))
+    ours = model.logits(model.forward(x, positions, model.new_cache()))
+    reference = transformers_logits(str(fp32_dir), torch.float32)
+    yardstick = relative_distance(transformers_logits(str(bf16_dir), torch.bfloat16), reference)
+    assert 1e-3 < yardstick and relative_distance(ours, reference) <= BF16_MARGIN * yardstick
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this box has CUDA")
