@@ -44,13 +44,14 @@ MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: 
 
 # The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
 # the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma3TextModel")
-GEMMA3_SLIDING_PATTERN = 6      # Gemma 3 without layer_types: every 6th layer full attention, the others sliding
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma2Model", "Gemma3TextModel")
+# Gemma without layer_types: every 2nd (Gemma 2) or 6th (Gemma 3) layer full attention, the others sliding
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
 def rope_types(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -92,19 +93,19 @@ def model_task(config: Mapping[str, Any]) -> str:
 
 def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding window, layer types) of a config.json dict: Mistral windows every layer; Qwen2 only with
-    use_sliding_window, from max_window_layers on (its layer_types name which); Gemma 3 the layers its layer_types
-    (or sliding_window_pattern) say are sliding; (None, ()) is full attention.
+    use_sliding_window, from max_window_layers on (its layer_types name which); Gemma 2 and 3 the layers their
+    layer_types (or sliding_window_pattern) say are sliding; (None, ()) is full attention.
     CheckpointError where layer_types does not name every layer."""
     window = config.get("sliding_window")
     if arch == "llama" or window is None:
         return None, ()
     if arch == "mistral":
         return int(window), ()
-    if arch == "gemma3_text" and config.get("layer_types") is None:
-        pattern = int(config.get("sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    if arch in GEMMA_SLIDING_PATTERN and config.get("layer_types") is None:
+        pattern = int(config.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN[arch])
         return int(window), tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(num_layers))
-    if arch == "gemma3_text":
+    if arch in GEMMA_SLIDING_PATTERN:
         layer_types = config["layer_types"]
         if len(layer_types) != num_layers:
             raise CheckpointError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
@@ -22,13 +22,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",   # no LM head: embeddings
-               "qwen3": "Qwen3Model", "gemma3_text": "Gemma3TextModel"}
+               "qwen3": "Qwen3Model", "gemma2": "Gemma2Model", "gemma3_text": "Gemma3TextModel"}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0, "qwen3": 1000000.0,
-               "gemma3_text": 1000000.0}
+               "gemma2": 10000.0, "gemma3_text": 1000000.0}
 _GEMMA_LOCAL_THETA = 10000.0
 _GEMMA_PATTERN = 3     # every third layer full attention, the others sliding (Gemma 3's own is 6: fewer layers here)
+_GEMMA2_CAPS = (5.0, 10.0)   # attention and final logit soft-caps: Gemma 2's are 50 and 30, which a tiny model's
+                             # scores never come near; these bite
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +45,7 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     """Write config, generation config, safetensors weights and a ChatML BPE tokenizer to out_dir.
 
     rope_spelling "classic" writes rope_theta + rope_scaling (transformers 4), "parameters" writes
-    rope_parameters (transformers 5). sliding_window applies to mistral and gemma3_text (default 32). embedding writes
+    rope_parameters (transformers 5). sliding_window applies to mistral and Gemma (default 32). embedding writes
     an embedding model instead: the base model (LlamaModel, ...) without an LM head nor a generation config,
     its tensors named as transformers' save_pretrained names them ("layers.0...", no "model." prefix). dtype is
     how the weights are stored (config.json says so too): "float32", "bfloat16" or "float16". head_dim: the
@@ -123,8 +125,8 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
     else:
         config["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
-    if arch == "gemma3_text":
-        return _gemma3(config, num_layers, num_heads, hidden, rope_spelling, sliding_window)
+    if arch in ("gemma2", "gemma3_text"):
+        return _gemma(arch, config, num_layers, num_heads, hidden, rope_spelling, sliding_window)
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     elif arch in ("qwen2", "qwen3"):   # a window is declared but off, as in released Qwen2 and Qwen3 checkpoints
@@ -136,17 +138,23 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
     return config
 
 
-def _gemma3(config: dict[str, Any], num_layers: int, num_heads: int, hidden: int, rope_spelling: str,
-            sliding_window: int | None) -> dict[str, Any]:
-    """Gemma 3's config: its sliding layers (with their own rope base: in rope_parameters per layer type, or
-    rope_local_base_freq) beside full ones, queries scaled by a query_pre_attn_scalar other than head_dim (as
-    Gemma 3 27B's), a tanh-GELU MLP."""
+def _gemma(arch: str, config: dict[str, Any], num_layers: int, num_heads: int, hidden: int, rope_spelling: str,
+           sliding_window: int | None) -> dict[str, Any]:
+    """Gemma's config: sliding layers beside full ones, queries scaled by a query_pre_attn_scalar other than
+    head_dim (as the 27B models'), a tanh-GELU MLP; Gemma 2's attention and final logits soft-capped (every other
+    layer sliding), Gemma 3's sliding layers with their own rope base (in rope_parameters per layer type, or
+    rope_local_base_freq; two of them for each full one)."""
+    gemma2 = arch == "gemma2"
     config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=(hidden // num_heads) * 3 // 4,
                   sliding_window=sliding_window or _MISTRAL_WINDOW, attention_bias=False,
-                  final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False,
-                  layer_types=["sliding_attention" if (i + 1) % _GEMMA_PATTERN else "full_attention"
+                  final_logit_softcapping=_GEMMA2_CAPS[1] if gemma2 else None,
+                  attn_logit_softcapping=_GEMMA2_CAPS[0] if gemma2 else None,
+                  layer_types=["sliding_attention" if (i + 1) % (2 if gemma2 else _GEMMA_PATTERN) else "full_attention"
                                for i in range(num_layers)])
     del config["hidden_act"]
+    if gemma2:
+        return config
+    config["use_bidirectional_attention"] = False
     if rope_spelling == "classic":
         config["rope_local_base_freq"] = _GEMMA_LOCAL_THETA
     else:
@@ -180,7 +188,7 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
     def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std + mean
 
-    gemma = config["model_type"] == "gemma3_text"
+    gemma = config["model_type"] in ("gemma2", "gemma3_text")
     norm_mean = 0.0 if gemma else 1.0        # Gemma's norms weigh by (1 + w)
     w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=hidden ** -0.5 if gemma else 1.0)}
     for i in range(config["num_hidden_layers"]):

@@ -94,7 +94,7 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
     matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
-    gemma = raw.get("model_type") == "gemma3_text"
+    gemma = raw.get("model_type") in ("gemma2", "gemma3_text")
     qk_norms = 2 * head_dim if raw.get("model_type") in ("qwen3", "gemma3_text") else 0   # per-head q, k RMSNorms
     layer = matmul + bias + (4 if gemma else 2) * hidden + qk_norms     # + the RMSNorm weights (Gemma's sandwich)
     # An embedding model has no LM head: its last stage holds the final norm and pools (a few FLOPs per prompt).

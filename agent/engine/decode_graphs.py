@@ -27,10 +27,11 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 def can_capture(model: StageModel, block_size: int) -> bool:
     """Whether a stage's decode steps can run as graphs here: a generating model on CUDA, one process, and head
-    and block sizes the Triton kernel takes."""
+    and block sizes the Triton kernel takes (which does not soft-cap scores)."""
     c, spec = model.config, model.spec
     return (spec.device.startswith("cuda") and spec.tp_degree == 1 and c.has_lm_head and triton_decode.available()
-            and _pow2(c.head_dim) and 16 <= c.head_dim <= triton_decode.MAX_HEAD_DIM and _pow2(block_size))
+            and c.attn_logit_softcap is None and _pow2(c.head_dim) and 16 <= c.head_dim <= triton_decode.MAX_HEAD_DIM
+            and _pow2(block_size))
 
 
 class StaticDecode:
@@ -43,8 +44,10 @@ class StaticDecode:
         """Nothing to check: the step copied its own positions in."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Writes k, v [B, KV, D] to the slots; q [B, H, D] attends over each row's context -> [B, H, D]."""
+               positions: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
+        """Writes k, v [B, KV, D] to the slots; q [B, H, D] attends over each row's context -> [B, H, D] (no
+        soft-capped scores: can_capture() keeps such models off graphs)."""
+        assert softcap is None, "the Triton decode kernel does not soft-cap scores"
         k_flat, v_flat = self.cache.flat(layer_idx)
         k_flat.index_copy_(0, self.slots, k if k.dtype == k_flat.dtype else k.to(k_flat.dtype))
         v_flat.index_copy_(0, self.slots, v if v.dtype == v_flat.dtype else v.to(v_flat.dtype))

@@ -48,6 +48,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None      # Gemma 2's: the attention scores soft-capped too
 
     @property
     def has_lm_head(self) -> bool:
@@ -81,7 +82,7 @@ class ModelConfig:
             attn += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
         qk_norms = 2 * self.head_dim if self.arch in ("qwen3", "gemma3_text") else 0
-        norms = (4 if self.arch == "gemma3_text" else 2) * self.hidden_size
+        norms = (4 if self.arch in ("gemma2", "gemma3_text") else 2) * self.hidden_size
         return attn + mlp + norms + qk_norms
 
     @property
@@ -109,7 +110,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
     num_layers = int(raw["num_hidden_layers"])
     (rope_theta, rope_scaling), local_rope = _parse_ropes(raw)
     sliding_window, layer_types = attention_windows(raw, arch, num_layers)
-    gemma = arch == "gemma3_text"
+    gemma = arch in ("gemma2", "gemma3_text")
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -137,6 +138,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
         embed_scale=hidden ** 0.5 if gemma else None,
         final_logit_softcap=float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None,
+        attn_logit_softcap=float(raw["attn_logit_softcapping"]) if raw.get("attn_logit_softcapping") else None,
     )
 
 
@@ -179,7 +181,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh"}      # the MLP's gate activation, where it is not SiLU
+ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}   # the MLP's gate, if not SiLU
 
 
 def _reject_unsupported(raw: dict[str, Any]) -> None:
@@ -188,8 +190,6 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     if act != want:
         raise CheckpointError(f"config.json hidden_act {act!r} is not supported for {raw.get('model_type')}; "
                               f"only {want!r}")
-    if raw.get("attn_logit_softcapping"):
-        raise CheckpointError("config.json attn_logit_softcapping (Gemma 2's) is not supported yet")
     if raw.get("use_bidirectional_attention"):
         raise CheckpointError("config.json use_bidirectional_attention=true is not supported")
     if raw.get("mlp_bias"):

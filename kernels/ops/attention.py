@@ -15,8 +15,9 @@ class Attention(Protocol):
         """ValueError unless positions [N] are ones this backend can attend at."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Store k, v [N, KV, D] of a layer (index within the stage); q [N, H, D] attends -> [N, H, D]."""
+               positions: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
+        """Store k, v [N, KV, D] of a layer (index within the stage); q [N, H, D] attends -> [N, H, D]; softcap:
+        the scores soft-capped, tanh(s / cap) * cap (Gemma 2), or None."""
 
 
 def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
@@ -32,9 +33,30 @@ def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) ->
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-              is_causal: bool = False) -> torch.Tensor:
+              is_causal: bool = False, softcap: float | None = None) -> torch.Tensor:
     """q [H, T, D] over k, v [KV, S, D] (grouped-query when KV < H) -> [H, T, D], as a batch of one: SDPA's CPU
-    flash kernel takes 4-D inputs only, and 3-D ones run its math path (2x slower at 128 tokens, masked or not)."""
+    flash kernel takes 4-D inputs only, and 3-D ones run its math path (2x slower at 128 tokens, masked or not).
+    softcap: the scores soft-capped (capped_attention), which SDPA cannot do."""
+    if softcap is not None:
+        if is_causal:
+            mask = causal_mask(torch.arange(k.shape[1] - q.shape[1], k.shape[1], device=q.device), k.shape[1], None)
+        return capped_attention(q, k, v, mask, softcap)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal,
                                          enable_gqa=q.shape[0] != k.shape[0])
     return out[0]
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     softcap: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax, tanh(s / cap) * cap (Gemma 2), in transformers'
+    order: scores scaled by head_dim ** -0.5 and capped in q's dtype, masked, softmax in float32, cast back. q
+    [..., H, T, D] over k, v [..., KV, S, D], H a multiple of KV (each KV head serves H / KV query heads in a row,
+    as transformers' repeat_kv); mask: True where a query sees a key, broadcastable to [..., H, T, S]."""
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -59,12 +59,12 @@ class KVCache:
             raise ValueError("positions must be consecutive")
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, window: int | None) -> torch.Tensor:
+               positions: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """The Attention interface for one sequence: q [N, H, D], k, v [N, KV, D] -> [N, H, D]."""
         start_pos = int(positions[0])
         k_all, v_all = self.update(layer_idx, k.transpose(0, 1), v.transpose(0, 1), start_pos)  # [KV, S, D]
         mask = causal_mask(positions, k_all.shape[1], window)   # [N, S] or None
-        return attention(q.transpose(0, 1), k_all, v_all, mask).transpose(0, 1)
+        return attention(q.transpose(0, 1), k_all, v_all, mask, softcap=softcap).transpose(0, 1)
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every position >= num_tokens in every layer."""

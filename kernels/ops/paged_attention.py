@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from stratamesh.kernels.ops import triton_decode
-from stratamesh.kernels.ops.attention import attention, causal_mask
+from stratamesh.kernels.ops.attention import attention, capped_attention, causal_mask
 
 
 class PagedKVCache:
@@ -107,17 +107,17 @@ class PagedBatch:
             raise ValueError("positions disagree with the batch's sequences")
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, window: int | None) -> torch.Tensor:
+               positions: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Write k, v [N, KV, D] to their slots, then q [N, H, D] attends over each sequence -> [N, H, D]."""
         k_flat, v_flat = self.write_kv(layer_idx, k, v)
         if self._all_decodes:
-            return self._decode(layer_idx, q, k_flat, v_flat, window)
+            return self._decode(layer_idx, q, k_flat, v_flat, window, softcap)
         out = torch.empty_like(q)
         if self._decode_rows.numel():
-            out[self._decode_rows] = self._decode(layer_idx, q[self._decode_rows], k_flat, v_flat, window)
+            out[self._decode_rows] = self._decode(layer_idx, q[self._decode_rows], k_flat, v_flat, window, softcap)
         for seq, slots in self._prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window)
+            out[rows] = self._prefill(seq, q[rows], k_flat, v_flat, slots, window, softcap)
         return out
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +128,12 @@ class PagedBatch:
         return k_flat, v_flat
 
     def _decode(self, layer_idx: int, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                window: int | None) -> torch.Tensor:
+                window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Every one-token sequence at once: q [B, H, D] over its context -> [B, H, D].
 
-        On CUDA one Triton kernel reads the blocks in place; elsewhere SDPA over the gathered blocks."""
-        if q.is_cuda and triton_decode.available():
+        On CUDA one Triton kernel reads the blocks in place; elsewhere SDPA over the gathered blocks (soft-capped
+        scores: capped_attention)."""
+        if q.is_cuda and triton_decode.available() and softcap is None:
             return triton_decode.paged_decode(q, self.cache.k[layer_idx], self.cache.v[layer_idx],
                                               self._decode_blocks, self._decode_lens, q.shape[-1] ** -0.5,
                                               window)
@@ -145,7 +146,10 @@ class PagedBatch:
         # SDPA's enable_gqa path does on CPU (0.89 -> 0.44 ms a layer at 32 decodes of 192 keys, 2 threads).
         num_seqs, num_heads, head_dim = q.shape
         q = q.reshape(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if softcap is not None:
+            out = capped_attention(q, k, v, mask, softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.reshape(num_seqs, num_heads, head_dim)
 
     def _gather_blocks(self, flat: torch.Tensor) -> torch.Tensor:
@@ -171,16 +175,16 @@ class PagedBatch:
         return self._decode_masks[window]
 
     def _prefill(self, seq: SeqSlice, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                 slots: torch.Tensor, window: int | None) -> torch.Tensor:
+                 slots: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]. A chunk with no
         prefix and no window is plain causal attention (no mask to build)."""
         k = _gather(k_flat, slots).transpose(0, 1)                             # [KV, S, D]
         v = _gather(v_flat, slots).transpose(0, 1)
         q = q.transpose(0, 1)                                                  # q: [H, T, D]
         if seq.start_pos == 0 and (window is None or window >= seq.num_ctx):
-            return attention(q, k, v, is_causal=True).transpose(0, 1)
+            return attention(q, k, v, is_causal=True, softcap=softcap).transpose(0, 1)
         q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
-        return attention(q, k, v, causal_mask(q_pos, seq.num_ctx, window)).transpose(0, 1)
+        return attention(q, k, v, causal_mask(q_pos, seq.num_ctx, window), softcap=softcap).transpose(0, 1)
 
 
 def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:

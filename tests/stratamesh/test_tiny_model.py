@@ -90,7 +90,8 @@ def test_an_embedding_checkpoint_is_the_base_model_as_transformers_saves_it(tmp_
     model_dir = write_tiny_model(tmp_path, arch, **SMALL, embedding=True)
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [{"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",
-                                        "qwen3": "Qwen3Model", "gemma3_text": "Gemma3TextModel"}[arch]]
+                                        "qwen3": "Qwen3Model", "gemma2": "Gemma2Model",
+                                        "gemma3_text": "Gemma3TextModel"}[arch]]
     assert not (model_dir / "generation_config.json").exists()
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())

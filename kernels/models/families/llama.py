@@ -113,7 +113,8 @@ class LlamaLayer:
         head_dim, num_tokens, heads, kv_heads = step.config.head_dim, h.shape[0], step.num_heads, step.num_kv_heads
         qkv = linear(h, self.qkv, self.qkv_bias).view(num_tokens, heads + 2 * kv_heads, head_dim)
         q, k = self.rotate(qkv[:, :heads + kv_heads], step, window)   # q: [N, H, D]  k: [N, KV, D]
-        out = step.attn.attend(local_idx, q, k, qkv[:, heads + kv_heads:], step.positions, window)   # [N, H, D]
+        out = step.attn.attend(local_idx, q, k, qkv[:, heads + kv_heads:], step.positions, window,
+                               step.config.attn_logit_softcap)                                 # [N, H, D]
         out = step.reduce(linear(out.reshape(num_tokens, heads * head_dim), self.o))
         return out if self.o_bias is None else out + self.o_bias   # the bias once, after the partial sums
 
