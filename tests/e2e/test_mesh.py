@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,18 +35,35 @@ def complete_ids(mesh: LocalMesh, model_dir: Path, prompt_ids: list[int], max_to
     return choice["token_ids"]
 
 
+@pytest.fixture(scope="module")
+def families_mesh(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    """One mesh of 3 agents serving every family but Llama (llama_mesh's) side by side, each model in 3 stages over
+    the 3 agents: the first started with the mesh, the others deployed through the admin API."""
+    first, *others = [arch for arch in TINY_ARCHS if arch != "llama"]
+    mesh = start_mesh(tiny_models[first], tmp_path_factory.mktemp("families-mesh"))
+    try:
+        for arch in others:
+            deployed = httpx.post(f"{mesh.url}/admin/api/models", headers=mesh.headers,
+                                  json={"path": str(tiny_models[arch]), "num_stages": 3})
+            assert deployed.status_code == 202, deployed.text
+        mesh.wait_ready(timeout_s=120)      # /health is ok once every model is
+        yield mesh
+    finally:
+        mesh.stop()
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_greedy_generation_equals_transformers(arch: str, tiny_models: dict[str, Path],
-                                               llama_mesh: LocalMesh, tmp_path: Path) -> None:
+                                               request: pytest.FixtureRequest) -> None:
     model_dir = tiny_models[arch]
     prompt_ids = encode(model_dir, PROMPT)
     expected = greedy_tokens(model_dir, prompt_ids, 32)
     assert len(expected) == 32
-    if arch == "llama":
-        assert complete_ids(llama_mesh, model_dir, prompt_ids, 32) == expected
-        return
-    with start_mesh(model_dir, tmp_path) as mesh:
-        assert complete_ids(mesh, model_dir, prompt_ids, 32) == expected
+    mesh = request.getfixturevalue("llama_mesh" if arch == "llama" else "families_mesh")
+    plan = next(p for p in httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
+                if p["model_id"] == model_dir.name and p["state"] == "active")
+    assert len({s["agent_id"] for s in plan["stages"]}) == 3          # 3 stages, on 3 agents
+    assert complete_ids(mesh, model_dir, prompt_ids, 32) == expected
 
 
 def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_models) -> None:
