@@ -91,8 +91,8 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"{args.layers} layers x hidden {args.hidden}, {args.dtype}, prompt {args.prompt_len}, "
           f"{torch.get_num_threads()} threads\n")
-    print(f"| {'family':<8} | {'batch':>5} | {'':<23} | {'prefill s':>9} | {'decode step ms':>14} | {'ratio':>6} |")
-    print(f"|{'-' * 10}|{'-' * 7}|{'-' * 25}|{'-' * 11}|{'-' * 16}|{'-' * 8}|")
+    print(f"| {'family':<11} | {'batch':>5} | {'':<23} | {'prefill s':>9} | {'decode step ms':>14} | {'ratio':>6} |")
+    print(f"|{'-' * 13}|{'-' * 7}|{'-' * 25}|{'-' * 11}|{'-' * 16}|{'-' * 8}|")
     ratios = []
     for family in args.families:
         model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / family, arch=family, num_layers=args.layers,
@@ -104,7 +104,7 @@ def main() -> None:
             ratios.append(ours[1] / theirs[1])
             for name, (prefill_s, step_s), ratio in (("stratamesh stage engine", ours, f"{ratios[-1]:.2f}x"),
                                                      ("transformers", theirs, "")):
-                print(f"| {family:<8} | {batch:>5} | {name:<23} | {prefill_s:9.3f} | {step_s * 1e3:14.2f} | "
+                print(f"| {family:<11} | {batch:>5} | {name:<23} | {prefill_s:9.3f} | {step_s * 1e3:14.2f} | "
                       f"{ratio:>6} |")
     print(f"\ndecode step ratio stratamesh / transformers: {min(ratios):.2f}x to {max(ratios):.2f}x "
           f"(median {statistics.median(ratios):.2f}x); lower is better")
