@@ -253,9 +253,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
                             rtc_dialer=RtcDialer(lambda offer: control.rtc.offer(offer)))
     deployer = _deployer(options, registry, sessions)
     requests = RequestLog(spans, options.trace_sample_rate)
-    origin = Origin(f"{advertise_host}:{grpc_port}", deployer,
-                    Router(deployer.routes, options.router_mode, options.disaggregation), sessions, requests,
-                    route_wait_s=options.route_wait_s)
+    router = Router(deployer.routes, options.router_mode, options.disaggregation)
+    origin = Origin(f"{advertise_host}:{grpc_port}", deployer, router, sessions, requests, options.route_wait_s)
     _collect(metrics, registry, deployer, requests)
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)

@@ -351,20 +351,12 @@ class LocalMesh:
         while True:
             self._check_alive()
             health = self.health()
-            told |= self._tell_load_errors(health, told)
+            for line in load_error_lines(health, told):
+                if self.say is not None:
+                    self.say(line)
             if done(health) or time.monotonic() >= deadline:
                 return health
             time.sleep(0.2)
-
-    def _tell_load_errors(self, health: dict, told: set[tuple[str, str]]) -> set[tuple[str, str]]:
-        """say() of each load failure in /health not told before; the (assignment id, error) pairs told."""
-        new = {(e["assignment_id"], e["error"]): e for e in health.get("load_errors", ())
-               if (e["assignment_id"], e["error"]) not in told}
-        for error in new.values():
-            if self.say is not None:
-                self.say(f"agent {error['agent_id']} could not load its stage of {error['model_id']}: "
-                         f"{error['error']}")
-        return set(new)
 
     def health(self) -> dict:
         try:
@@ -483,6 +475,17 @@ class LocalMesh:
         for process in [self.coordinator, *self.agents]:
             if process is not None and process.poll() is not None:
                 raise LaunchError(f"a mesh process exited with {process.returncode}; see {self.log_dir}")
+
+
+def load_error_lines(health: dict, told: set[tuple[str, str]]) -> list[str]:
+    """A line for each load failure in a /health body not told before (told: (assignment id, error) pairs, which
+    this adds to)."""
+    lines = []
+    for e in health.get("load_errors", ()):
+        if (e["assignment_id"], e["error"]) not in told:
+            told.add((e["assignment_id"], e["error"]))
+            lines.append(f"agent {e['agent_id']} could not load its stage of {e['model_id']}: {e['error']}")
+    return lines
 
 
 def _on_host(host: Host) -> list[str]:
