@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:       # torch is imported where weights are made: training a tokenizer alone does not need it
+    import torch
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -32,7 +33,7 @@ _GEMMA_PATTERN = 3     # every third layer full attention, the others sliding (G
 _GEMMA2_CAPS = (5.0, 10.0)   # attention and final logit soft-caps: Gemma 2's are 50 and 30, which a tiny model's
                              # scores never come near; these bite
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")       # how the weights may be stored (torch's dtype names)
 
 
 def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int = 6, hidden_size: int = 256,
@@ -65,7 +66,9 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
     config["head_dim"] = head_dim
     config["dtype"] = dtype
-    weights = {name: t.to(_DTYPES[dtype]) for name, t in
+    import torch
+
+    weights = {name: t.to(getattr(torch, dtype)) for name, t in
                _random_weights(config, seed, num_text_tokens=tokenizer.get_vocab_size()).items()}
     if embedding:
         config["architectures"] = [_BASE_CLASS[arch]]
@@ -180,6 +183,8 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
     The LM head rows of the special tokens and of the vocab padding are zero: their logit is 0 while the
     best text token's is several units, so an untied tiny model never stops early nor emits an id the
     tokenizer cannot decode. (Tied: only the padding rows are zero.)"""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_dim = config["num_attention_heads"] * config["head_dim"]
@@ -221,6 +226,8 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
 
 
 def _write_weights(out: Path, weights: dict[str, torch.Tensor], shard_size_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
     metadata = {"format": "pt"}
     if shard_size_bytes is None:
         save_file(weights, str(out / "model.safetensors"), metadata=metadata)
