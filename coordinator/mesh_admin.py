@@ -152,7 +152,7 @@ class MeshAdmin:
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
                 "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
                 "created": model.created,
-                "load_errors": [e.as_json() for e in deployer.load_errors.of_model(self._registry, model_id)]}
+                "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
 
     def _planner(self) -> Deployer:
         if self._deployer is None:

@@ -21,17 +21,25 @@ def check_model_folder(model_dir: str | Path) -> dict[str, Any]:
     folder = Path(model_dir)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"model folder {folder} has no {CONFIG_FILE}") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / CONFIG_FILE} is not readable JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{folder / CONFIG_FILE} is not a JSON object")
+    config = read_config_json(folder)
     check_model_config(config)
     if not (folder / SINGLE_FILE).exists() and not (folder / INDEX_FILE).exists():
         raise CheckpointError(f"model folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     if not (folder / TOKENIZER_FILE).exists():
         raise CheckpointError(f"model folder {folder} has no {TOKENIZER_FILE}")
+    return config
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """A model folder's config.json as a dict; CheckpointError, naming the file, where it is missing, unreadable or
+    not a JSON object."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"model folder {path.parent} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
     return config

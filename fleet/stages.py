@@ -52,6 +52,17 @@ ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma2Model", "Gemma3TextModel")
 # Gemma without layer_types: every 2nd (Gemma 2) or 6th (Gemma 3) layer full attention, the others sliding
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+GEMMA_MODEL_TYPES = tuple(GEMMA_SLIDING_PATTERN)
+PER_LAYER_TYPE_ROPE = ("gemma3_text",)      # a rope per layer type (rope_parameters nested by it)
+# A layer's RMSNorm weights, beyond the two [hidden] ones of Llama's: (how many [hidden], how many [head_dim]):
+# Gemma's sandwich norms around attention and MLP, and Qwen3's and Gemma 3's per-head q and k norms
+_LAYER_NORMS = {"qwen3": (2, 2), "gemma2": (4, 0), "gemma3_text": (4, 2)}
+
+
+def layer_norms(model_type: str) -> tuple[int, int]:
+    """(norm weights of [hidden], norm weights of [head_dim]) in one layer of the family: what the planner counts
+    and a stage loads (kernels.models.families: a layer class's NORMS and HEAD_NORMS)."""
+    return _LAYER_NORMS.get(model_type, (2, 0))
 
 
 def rope_types(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -62,7 +73,7 @@ def rope_types(config: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(params, Mapping):
         raise CheckpointError(f"config.json rope scaling must be an object, got {params!r}")
     nested = [v for v in params.values() if isinstance(v, Mapping)]
-    if nested and config.get("model_type") != "gemma3_text":
+    if nested and config.get("model_type") not in PER_LAYER_TYPE_ROPE:
         raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
     return tuple(str(p.get("rope_type") or p.get("type") or "default") for p in (nested or [params]))
 

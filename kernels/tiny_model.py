@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from stratamesh.fleet.stages import GEMMA_MODEL_TYPES, layer_norms
+
 if TYPE_CHECKING:       # torch is imported where weights are made: training a tokenizer alone does not need it
     import torch
 
@@ -29,7 +31,8 @@ _BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "Mistral
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0, "qwen3": 1000000.0,
                "gemma2": 10000.0, "gemma3_text": 1000000.0}
 _GEMMA_LOCAL_THETA = 10000.0
-_GEMMA_PATTERN = 3     # every third layer full attention, the others sliding (Gemma 3's own is 6: fewer layers here)
+# Gemma's full-attention layers: every 2nd (Gemma 2's own), every 3rd (Gemma 3's is 6: fewer layers here)
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 3}
 _GEMMA2_CAPS = (5.0, 10.0)   # attention and final logit soft-caps: Gemma 2's are 50 and 30, which a tiny model's
                              # scores never come near; these bite
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
@@ -63,8 +66,8 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     tokenizer = train_tokenizer(vocab_size)
     head_dim = head_dim or (hidden_size // num_heads) * (3 if arch == "qwen3" else 2) // 2
     config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
-                     max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window)
-    config["head_dim"] = head_dim
+                     max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window,
+                     head_dim)
     config["dtype"] = dtype
     import torch
 
@@ -112,12 +115,13 @@ def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Toke
 
 def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
             vocab_size: int, max_pos: int, tie: bool, rope_scaling: dict[str, Any] | None,
-            rope_spelling: str, sliding_window: int | None) -> dict[str, Any]:
+            rope_spelling: str, sliding_window: int | None, head_dim: int | None = None) -> dict[str, Any]:
     theta = _ROPE_THETA[arch]
     config: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": vocab_size,
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": hidden // num_heads,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden // num_heads,
         "hidden_act": "silu", "max_position_embeddings": max_pos,
         "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
         "tie_word_embeddings": tie, "bos_token_id": 0, "eos_token_id": 0, "dtype": "float32",
@@ -128,7 +132,7 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
     else:
         config["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
-    if arch in ("gemma2", "gemma3_text"):
+    if arch in GEMMA_MODEL_TYPES:
         return _gemma(arch, config, num_layers, num_heads, hidden, rope_spelling, sliding_window)
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
@@ -152,7 +156,7 @@ def _gemma(arch: str, config: dict[str, Any], num_layers: int, num_heads: int, h
                   sliding_window=sliding_window or _MISTRAL_WINDOW, attention_bias=False,
                   final_logit_softcapping=_GEMMA2_CAPS[1] if gemma2 else None,
                   attn_logit_softcapping=_GEMMA2_CAPS[0] if gemma2 else None,
-                  layer_types=["sliding_attention" if (i + 1) % (2 if gemma2 else _GEMMA_PATTERN) else "full_attention"
+                  layer_types=["sliding_attention" if (i + 1) % _GEMMA_PATTERN[arch] else "full_attention"
                                for i in range(num_layers)])
     del config["hidden_act"]
     if gemma2:
@@ -193,7 +197,7 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
     def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std + mean
 
-    gemma = config["model_type"] in ("gemma2", "gemma3_text")
+    gemma = config["model_type"] in GEMMA_MODEL_TYPES
     norm_mean = 0.0 if gemma else 1.0        # Gemma's norms weigh by (1 + w)
     w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=hidden ** -0.5 if gemma else 1.0)}
     for i in range(config["num_hidden_layers"]):
@@ -206,7 +210,7 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         if config["model_type"] == "qwen2":
             for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 w[p + f"self_attn.{name}_proj.bias"] = normal(dim, std=0.5)
-        if config["model_type"] in ("qwen3", "gemma3_text"):
+        if layer_norms(config["model_type"])[1]:
             w[p + "self_attn.q_norm.weight"] = normal(config["head_dim"], std=0.1, mean=norm_mean)
             w[p + "self_attn.k_norm.weight"] = normal(config["head_dim"], std=0.1, mean=norm_mean)
         w[p + "post_attention_layernorm.weight"] = normal(hidden, std=0.1, mean=norm_mean)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import model_task
+from stratamesh.fleet.stages import layer_norms, model_task
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token
@@ -94,9 +94,8 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
     matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
-    gemma = raw.get("model_type") in ("gemma2", "gemma3_text")
-    qk_norms = 2 * head_dim if raw.get("model_type") in ("qwen3", "gemma3_text") else 0   # per-head q, k RMSNorms
-    layer = matmul + bias + (4 if gemma else 2) * hidden + qk_norms     # + the RMSNorm weights (Gemma's sandwich)
+    norms, head_norms = layer_norms(str(raw.get("model_type")))
+    layer = matmul + bias + norms * hidden + head_norms * head_dim      # + the RMSNorm weights
     # An embedding model has no LM head: its last stage holds the final norm and pools (a few FLOPs per prompt).
     head = vocab * hidden if model_task(raw) == "generate" else 0
     tied = bool(head) and bool(raw.get("tie_word_embeddings", False))

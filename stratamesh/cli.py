@@ -277,10 +277,12 @@ def _add_credentials_commands(commands: argparse._SubParsersAction) -> None:
 
 def _add_model(commands: argparse._SubParsersAction) -> None:
     """`stratamesh model tiny` and `model train-demo`: model folders."""
+    from stratamesh.fleet.stages import MODEL_TYPES      # (pure values: the families a tiny checkpoint can be of)
+
     model = commands.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(metavar="ACTION")
     tiny = model_commands.add_parser("tiny", help="write a random-weight checkpoint with a real tokenizer")
-    tiny.add_argument("--arch", choices=("llama", "qwen2", "mistral", "qwen3"), default="llama")
+    tiny.add_argument("--arch", choices=MODEL_TYPES, default="llama")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--layers", type=int, default=6)
     tiny.add_argument("--hidden", type=int, default=256)

@@ -166,9 +166,9 @@ class Deployer:
 
     def stage_status(self, agent_id: str, status: StageStatus) -> None:
         """Records an agent's report on one of its assignments."""
-        if status.assignment_id not in self.plans.planned_for(agent_id):
+        stage = self.plans.planned_for(agent_id).get(status.assignment_id)
+        if stage is None:
             return
-        stage = self.plans.planned_for(agent_id)[status.assignment_id]
         self.roster.record_loaded(agent_id, status.assignment_id, status.state == StageState.READY)
         self.plans.set_stage_state(status.assignment_id, status.state)
         if status.state == StageState.READY:
@@ -192,7 +192,8 @@ class Deployer:
         self.plans.improve()
         self.plans.release_unplanned()
         self.routes.prune()
-        self.load_errors.keep(self.plans.planned_ids())
+        if self.load_errors:
+            self.load_errors.keep(self.plans.planned_ids())
         if self.weights:
             planned = self.plans.planned_ids()
             self.weights = {a: p for a, p in self.weights.items() if a in planned}

@@ -19,16 +19,15 @@ class LoadError:
     error: str
     at: float
 
-    def as_json(self) -> dict[str, str | float]:
-        return {"model_id": self.model_id, "assignment_id": self.assignment_id, "agent_id": self.agent_id,
-                "error": self.error, "at": self.at}
-
 
 class LoadErrors:
     """The newest load failure of each planned stage."""
 
     def __init__(self) -> None:
         self._errors: dict[str, LoadError] = {}     # assignment id -> its newest failure
+
+    def __len__(self) -> int:
+        return len(self._errors)
 
     def failed(self, error: LoadError) -> None:
         self._errors[error.assignment_id] = error
@@ -40,10 +39,11 @@ class LoadErrors:
         """Forgets the failures of stages no plan holds any more (re-planned elsewhere, or retired)."""
         self._errors = {a: e for a, e in self._errors.items() if a in planned}
 
-    def all(self) -> list[LoadError]:
-        return sorted(self._errors.values(), key=lambda e: (e.model_id, e.at))
-
     def of_model(self, registry: PlanStore, model_id: str) -> list[LoadError]:
-        """The failures of the stages of the model's active plans (those it serves, or is loading)."""
+        """The failures of the stages of the model's active plans (those it serves, or is loading); none, without
+        reading the registry, while every stage loads (as /health, polled, asks)."""
+        errors = [e for e in self._errors.values() if e.model_id == model_id]
+        if not errors:
+            return []
         stages = {s.assignment_id for plan in registry.active_plans(model_id) for s in plan.stages}
-        return [e for e in self.all() if e.assignment_id in stages]
+        return sorted((e for e in errors if e.assignment_id in stages), key=lambda e: e.at)

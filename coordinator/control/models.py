@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from stratamesh.coordinator.registry_store import PlanStore
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
+from stratamesh.fleet.model_folder import read_config_json
 from stratamesh.fleet.stages import QUANTIZATIONS, check_model_config, model_task
 from stratamesh.partitioner.profile import profile_from_hf_config
 
@@ -28,12 +27,7 @@ class ModelInfo:
 def read_model_config(path: str) -> dict:
     """config.json of a Hugging Face folder, checked for a family, rope type and dtype stages compute
     (check_model_config) and the fields placement needs."""
-    try:
-        config = json.loads(Path(path, "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}/config.json: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}/config.json is not a JSON object")
+    config = read_config_json(path)
     for key in ("num_hidden_layers", "hidden_size", "max_position_embeddings"):
         if not isinstance(config.get(key), int) or config[key] <= 0:
             raise CheckpointError(f"{path}/config.json: {key} must be a positive integer")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -89,7 +89,7 @@ class Origin:
         serving = bool(models) and all(state in (ModelState.READY, ModelState.RECOVERING) for state in models.values())
         health = {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
                   "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
-        errors = [e.as_json() for model_id in models
+        errors = [asdict(e) for model_id in models
                   for e in self._deployer.load_errors.of_model(self._deployer.registry, model_id)]
         return {**health, "load_errors": errors} if errors else health
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import MODEL_TYPES, ROPE_TYPES, attention_windows, model_task
+from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_TYPES,
+                                     attention_windows, layer_norms, model_task)
 
 ARCHS = MODEL_TYPES      # config.json's model_type; each has its layer in kernels.models.families
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -81,9 +82,8 @@ class ModelConfig:
         if self.o_proj_bias:
             attn += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        qk_norms = 2 * self.head_dim if self.arch in ("qwen3", "gemma3_text") else 0
-        norms = (4 if self.arch in ("gemma2", "gemma3_text") else 2) * self.hidden_size
-        return attn + mlp + norms + qk_norms
+        norms, head_norms = layer_norms(self.arch)
+        return attn + mlp + norms * self.hidden_size + head_norms * self.head_dim
 
     @property
     def num_embedding_params(self) -> int:
@@ -110,7 +110,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
     num_layers = int(raw["num_hidden_layers"])
     (rope_theta, rope_scaling), local_rope = _parse_ropes(raw)
     sliding_window, layer_types = attention_windows(raw, arch, num_layers)
-    gemma = arch in ("gemma2", "gemma3_text")
+    gemma = arch in GEMMA_MODEL_TYPES
     return ModelConfig(
         arch=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -181,7 +181,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}   # the MLP's gate, if not SiLU
+ACTIVATIONS = dict.fromkeys(GEMMA_MODEL_TYPES, "gelu_pytorch_tanh")   # the MLP's gate activation, if not SiLU
 
 
 def _reject_unsupported(raw: dict[str, Any]) -> None:
@@ -208,7 +208,7 @@ def _parse_ropes(raw: dict[str, Any]) -> tuple[Rope, Rope | None]:
     nested per layer type, or rope_local_base_freq)."""
     params = raw.get("rope_parameters")
     nested = isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
-    if raw.get("model_type") != "gemma3_text":
+    if raw.get("model_type") not in PER_LAYER_TYPE_ROPE:
         if nested:
             raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
         return _parse_rope(raw, params or raw.get("rope_scaling") or {}), None

@@ -423,7 +423,7 @@ def check_exportable(model: StageModel) -> None:
         raise InvalidInput("ONNX Runtime stages run on one CPU rank here")
     if c.arch not in ONNX_MODEL_TYPES:
         raise InvalidInput(f"ONNX Runtime stages run the Llama layer ({', '.join(ONNX_MODEL_TYPES)}), not {c.arch}'s: "
-                           "its exported graph has no q/k norms yet; serve it with --runtime torch")
+                           "its differences are not in the exported graph yet; serve it with --runtime torch")
     if any(c.window_for_layer(i) is not None for i in range(spec.start_layer, spec.end_layer)):
         raise InvalidInput("ONNX Runtime stages do not serve sliding-window attention yet")
 

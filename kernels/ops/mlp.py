@@ -11,16 +11,22 @@ import torch.nn.functional as F
 from stratamesh.kernels.ops.quant import linear
 
 
-def swiglu(x: torch.Tensor, gate_up: Any, down: Any,
-           product: Callable[[torch.Tensor, Any], torch.Tensor] = linear) -> torch.Tensor:
+Product = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def swiglu(x: torch.Tensor, gate_up: Any, down: Any, product: Product = linear) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for x [N, hidden]; gate_up [2 * inter, hidden] holds the gate's rows then the up
     projection's (one matmul for both), down [hidden, inter] as in the checkpoint -> [N, hidden]. The weights are
     float or Int8Weight matrices, or whatever product (x, weight) multiplies (an ONNX export's packed int8)."""
-    gate, up = product(x, gate_up).chunk(2, dim=-1)         # [N, inter] each
-    return product(F.silu(gate) * up, down)
+    return _gated(x, gate_up, down, F.silu, product)
 
 
-def geglu(x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
+def geglu(x: torch.Tensor, gate_up: Any, down: Any, product: Product = linear) -> torch.Tensor:
     """swiglu with the tanh approximation of GELU for the gate (Gemma's gelu_pytorch_tanh)."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.gelu(gate, approximate="tanh") * up, down)
+    return _gated(x, gate_up, down, lambda gate: F.gelu(gate, approximate="tanh"), product)
+
+
+def _gated(x: torch.Tensor, gate_up: Any, down: Any, act: Callable[[torch.Tensor], torch.Tensor],
+           product: Product) -> torch.Tensor:
+    gate, up = product(x, gate_up).chunk(2, dim=-1)         # [N, inter] each
+    return product(act(gate) * up, down)

@@ -11,21 +11,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from stratamesh.kernels.models.config import ModelConfig
-from stratamesh.kernels.models.families.llama import LlamaLayer, Step
+from stratamesh.kernels.models.families.llama import QK_NORMS, LlamaLayer, Step
 from stratamesh.kernels.ops.mlp import geglu
+from stratamesh.kernels.ops.norm import gemma_rms_norm
 from stratamesh.kernels.ops.rope import apply_rope
-
-QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
-
-
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] scaled to unit RMS over D and times (1 + weight), both in float32, then cast to x's dtype
-    (Gemma's order: Llama casts before the weight)."""
-    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
-
 
 @dataclass(slots=True)
 class GemmaLayer(LlamaLayer):
@@ -59,14 +50,7 @@ class GemmaLayer(LlamaLayer):
 class Gemma3Layer(GemmaLayer):
     """Gemma 3's layer: Gemma 2's, with q and k normed per head and the sliding layers' own rope."""
 
-    q_norm: torch.Tensor | None = None      # [head_dim], shared by every query head
-    k_norm: torch.Tensor | None = None
-
     HEAD_NORMS: ClassVar[tuple[str, ...]] = QK_NORMS
-
-    @classmethod
-    def _fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
-        return {**super(Gemma3Layer, cls)._fused(t, p), "q_norm": t[p + QK_NORMS[0]], "k_norm": t[p + QK_NORMS[1]]}
 
     def rotate(self, qk: torch.Tensor, step: Step, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         c, heads = step.config, step.num_heads

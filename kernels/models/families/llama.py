@@ -17,6 +17,7 @@ from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear
 from stratamesh.kernels.ops.rope import apply_rope
 
 Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")   # Qwen3's and Gemma 3's per-head norms
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class LlamaLayer:
     down: Weight
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None      # a family's per-head q and k norms (HEAD_NORMS): [head_dim], shared by
+    k_norm: torch.Tensor | None = None      # every head (and by a tensor-parallel rank's share of them)
 
     # The layer's norms in the checkpoint (their names after "model.layers.{i}."): each [hidden], or [head_dim]
     # for those applied to every head (a family's q and k norms)
@@ -67,7 +70,8 @@ class LlamaLayer:
     def _fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
         a, m = p + "self_attn.", p + "mlp."
         biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
-        return dict(input_norm=t[p + "input_layernorm.weight"], post_attn_norm=t[p + "post_attention_layernorm.weight"],
+        head_norms = dict(zip(("q_norm", "k_norm"), (t[p + name] for name in cls.HEAD_NORMS)))
+        return dict(input_norm=t[p + cls.NORMS[0]], post_attn_norm=t[p + cls.NORMS[1]], **head_norms,
                     qkv=_fuse_weight(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                     o=weight(t, a + "o_proj.weight"),
                     gate_up=_fuse_weight(t, [m + "gate_proj.weight", m + "up_proj.weight"]),

@@ -8,24 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from stratamesh.kernels.models.families.llama import LlamaLayer, Step
+from stratamesh.kernels.models.families.llama import QK_NORMS, LlamaLayer, Step
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.rope import apply_rope
-
-QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 @dataclass(slots=True)
 class Qwen3Layer(LlamaLayer):
-    q_norm: torch.Tensor | None = None      # [head_dim], shared by every query head (and by a TP rank's share)
-    k_norm: torch.Tensor | None = None
-
     HEAD_NORMS: ClassVar[tuple[str, ...]] = QK_NORMS
-
-    @classmethod
-    def fuse(cls, t: dict[str, torch.Tensor], layer_idx: int) -> Qwen3Layer:
-        p = f"model.layers.{layer_idx}."
-        return cls(**cls._fused(t, p), q_norm=t[p + QK_NORMS[0]], k_norm=t[p + QK_NORMS[1]])
 
     def rotate(self, qk: torch.Tensor, step: Step, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         eps, heads = step.config.rms_norm_eps, step.num_heads
