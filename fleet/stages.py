@@ -44,16 +44,19 @@ MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: 
 
 # The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
 # the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma2Model", "Gemma3TextModel")
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma2Model", "Gemma3TextModel",
+                           "Phi3Model")
 # Gemma without layer_types: every 2nd (Gemma 2) or 6th (Gemma 3) layer full attention, the others sliding
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 GEMMA_MODEL_TYPES = tuple(GEMMA_SLIDING_PATTERN)
 PER_LAYER_TYPE_ROPE = ("gemma3_text",)      # a rope per layer type (rope_parameters nested by it)
+# Older names of a family's rope type, as transformers reads them: Phi-3's "su" and "yarn" are LongRoPE
+ROPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # A layer's RMSNorm weights, beyond the two [hidden] ones of Llama's: (how many [hidden], how many [head_dim]):
 # Gemma's sandwich norms around attention and MLP, and Qwen3's and Gemma 3's per-head q and k norms
 _LAYER_NORMS = {"qwen3": (2, 2), "gemma2": (4, 0), "gemma3_text": (4, 2)}
@@ -75,7 +78,19 @@ def rope_types(config: Mapping[str, Any]) -> tuple[str, ...]:
     nested = [v for v in params.values() if isinstance(v, Mapping)]
     if nested and config.get("model_type") not in PER_LAYER_TYPE_ROPE:
         raise CheckpointError("config.json rope_parameters nested per layer type are not supported")
-    return tuple(str(p.get("rope_type") or p.get("type") or "default") for p in (nested or [params]))
+    aliases = ROPE_ALIASES.get(config.get("model_type"), {})
+    kinds = (str(p.get("rope_type") or p.get("type") or "default") for p in (nested or [params]))
+    return tuple(aliases.get(kind, kind) for kind in kinds)
+
+
+def served_context(config: Mapping[str, Any]) -> int:
+    """The longest sequence the mesh serves of a config.json dict's model: its max_position_embeddings, times the
+    factor of a dynamic (NTK) rope scaling, which is for contexts longer than that (as vLLM serves it)."""
+    context = int(config["max_position_embeddings"])
+    if rope_types(config) == ("dynamic",):
+        params = config.get("rope_parameters") or config.get("rope_scaling")
+        return int(context * float(params["factor"]))
+    return context
 
 
 def check_model_config(config: Mapping[str, Any]) -> None:
@@ -103,14 +118,14 @@ def model_task(config: Mapping[str, Any]) -> str:
 
 
 def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, layer types) of a config.json dict: Mistral windows every layer; Qwen2 only with
+    """(sliding window, layer types) of a config.json dict: Mistral and Phi-3 window every layer; Qwen2 only with
     use_sliding_window, from max_window_layers on (its layer_types name which); Gemma 2 and 3 the layers their
     layer_types (or sliding_window_pattern) say are sliding; (None, ()) is full attention.
     CheckpointError where layer_types does not name every layer."""
     window = config.get("sliding_window")
     if arch == "llama" or window is None:
         return None, ()
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         return int(window), ()
     if arch in GEMMA_SLIDING_PATTERN and config.get("layer_types") is None:
         pattern = int(config.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN[arch])

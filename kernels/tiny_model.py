@@ -14,7 +14,7 @@ from stratamesh.fleet.stages import GEMMA_MODEL_TYPES, layer_norms
 if TYPE_CHECKING:       # torch is imported where weights are made: training a tokenizer alone does not need it
     import torch
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
@@ -25,17 +25,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
 _BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",   # no LM head: embeddings
-               "qwen3": "Qwen3Model", "gemma2": "Gemma2Model", "gemma3_text": "Gemma3TextModel"}
+               "qwen3": "Qwen3Model", "gemma2": "Gemma2Model", "gemma3_text": "Gemma3TextModel",
+               "phi3": "Phi3Model"}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0, "qwen3": 1000000.0,
-               "gemma2": 10000.0, "gemma3_text": 1000000.0}
+               "gemma2": 10000.0, "gemma3_text": 1000000.0, "phi3": 10000.0}
 _GEMMA_LOCAL_THETA = 10000.0
 # Gemma's full-attention layers: every 2nd (Gemma 2's own), every 3rd (Gemma 3's is 6: fewer layers here)
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 3}
 _GEMMA2_CAPS = (5.0, 10.0)   # attention and final logit soft-caps: Gemma 2's are 50 and 30, which a tiny model's
                              # scores never come near; these bite
 _MISTRAL_WINDOW = 32   # small so that tests with a few dozen tokens exercise the sliding window
+_PHI3_ROTARY = 0.75    # Phi-4-mini's partial_rotary_factor: rope turns the first 3/4 of each head
 _DTYPES = ("float32", "bfloat16", "float16")       # how the weights may be stored (torch's dtype names)
 
 
@@ -140,8 +143,13 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config.update(use_sliding_window=False, sliding_window=max_pos, max_window_layers=num_layers)
         if arch == "qwen3":
             config.update(attention_bias=False)
-    else:
+    else:       # mistral, phi3
         config["sliding_window"] = sliding_window or _MISTRAL_WINDOW
+    if arch == "phi3":
+        original = (rope_scaling or {}).get("original_max_position_embeddings", max_pos)   # where Phi-3 keeps it
+        config.update(partial_rotary_factor=_PHI3_ROTARY, original_max_position_embeddings=original, pad_token_id=0)
+        if rope_spelling == "parameters":
+            config["rope_parameters"]["partial_rotary_factor"] = _PHI3_ROTARY
     return config
 
 
@@ -220,6 +228,11 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter ** -0.5)
+    if config["model_type"] == "phi3":     # Phi-3 stores q, k, v and gate, up fused
+        for i in range(config["num_hidden_layers"]):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            w[a + "qkv_proj.weight"] = torch.cat([w.pop(a + f"{n}_proj.weight") for n in "qkv"])
+            w[m + "gate_up_proj.weight"] = torch.cat([w.pop(m + f"{n}_proj.weight") for n in ("gate", "up")])
     w["model.norm.weight"] = normal(hidden, std=0.1, mean=norm_mean)
     w["model.embed_tokens.weight"][num_text_tokens:] = 0
     if not config["tie_word_embeddings"]:

@@ -24,13 +24,18 @@ LM_HEAD = "lm_head.weight"
 
 @dataclass(frozen=True, slots=True)
 class Slice:
-    """A part of a tensor to read instead of all of it: along dimension dim, whose length must be size, the
-    length entries from start (a tensor-parallel rank's rows or columns: kernels.models.tp)."""
+    """Parts of a tensor to read instead of all of it: along dimension dim, whose length must be size, the entries
+    of each (start, length) range, one after the other (a tensor-parallel rank's rows or columns of a matrix, or of
+    each matrix a fused one holds, as Phi-3's qkv_proj: kernels.models.tp)."""
 
     dim: int
-    start: int
-    length: int
     size: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This part of t (a view where it is one range)."""
+        parts = [t.narrow(self.dim, start, length) for start, length in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 class Checkpoint:
@@ -97,7 +102,8 @@ def _read_slice(f, name: str, stored_name: str, part: Slice, dtype: torch.dtype,
     if len(shape) <= part.dim or shape[part.dim] != part.size:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, expected {part.size} along dimension "
                               f"{part.dim}")
-    read = view[(slice(None),) * part.dim + (slice(part.start, part.start + part.length),)]
+    reads = [view[(slice(None),) * part.dim + (slice(start, start + length),)] for start, length in part.ranges]
+    read = reads[0] if len(reads) == 1 else torch.cat(reads, dim=part.dim)
     return torch.empty(read.shape, dtype=dtype, device=device).copy_(read)     # one copy, cast as it goes
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_TYPES,
-                                     attention_windows, layer_norms, model_task)
+from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_ALIASES, ROPE_TYPES,
+                                     attention_windows, layer_norms, model_task, served_context)
 
 ARCHS = MODEL_TYPES      # config.json's model_type; each has its layer in kernels.models.families
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -31,8 +31,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None   # {"rope_type": "linear"|"llama3", "factor", ...}
-    max_position_embeddings: int = 2048
+    rope_scaling: dict[str, Any] | None = None   # {"rope_type": "linear"|"llama3"|..., "factor", ...}
+    max_position_embeddings: int = 2048          # the context it is served at (fleet.stages.served_context)
+    partial_rotary_factor: float = 1.0           # the share of each head's dimensions rope rotates (Phi-3's)
     tie_word_embeddings: bool = False
     attention_bias: bool = False                 # q/k/v projections carry a bias (Qwen2)
     o_proj_bias: bool = False                    # Llama's attention_bias also puts one on o_proj
@@ -50,6 +51,11 @@ class ModelConfig:
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None      # Gemma 2's: the attention scores soft-capped too
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head rope rotates: the first rotary_dim, as transformers rounds them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def has_lm_head(self) -> bool:
@@ -123,7 +129,8 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=served_context({"max_position_embeddings": 2048, **raw}),
+        partial_rotary_factor=_partial_rotary(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
         o_proj_bias=arch == "llama" and bool(raw.get("attention_bias", False)),
@@ -142,6 +149,15 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
     )
 
 
+def _partial_rotary(raw: dict[str, Any]) -> float:
+    """The share of each head rope rotates: Phi-3's partial_rotary_factor (in its rope parameters, or beside them),
+    1 for the families whose transformers code rotates all of it."""
+    if raw.get("model_type") != "phi3":
+        return 1.0
+    params = raw.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+
+
 def _check_sizes(config: ModelConfig) -> ModelConfig:
     """Sizes a model can have: positive, heads that group, finite epsilon and theta."""
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -156,6 +172,14 @@ def _check_sizes(config: ModelConfig) -> ModelConfig:
         raise CheckpointError("config.json rms_norm_eps must lie in (0, 1) and rope_theta be positive and finite")
     if config.sliding_window is not None and config.sliding_window < 1:
         raise CheckpointError(f"config.json sliding_window must be positive, got {config.sliding_window}")
+    if not (0 < config.partial_rotary_factor <= 1 and config.rotary_dim % 2 == 0):
+        raise CheckpointError(f"config.json partial_rotary_factor {config.partial_rotary_factor} must lie in (0, 1] "
+                              f"and rotate an even number of each head's {config.head_dim} dimensions")
+    scaling = config.rope_scaling or {}
+    for name in ("short_factor", "long_factor"):
+        if name in scaling and len(scaling[name]) != config.rotary_dim // 2:
+            raise CheckpointError(f"config.json longrope {name} has {len(scaling[name])} entries; the "
+                                  f"{config.rotary_dim} rotated dimensions of a head need {config.rotary_dim // 2}")
     return config
 
 
@@ -199,6 +223,7 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
 
 
 Rope = tuple[float, dict[str, Any] | None]     # (theta, normalized scaling or None)
+_ORIGINAL_CONTEXT = {"phi3": 4096}             # a family's original context where its config.json names none
 LOCAL_THETA = 10000.0                          # Gemma 3's sliding layers' rope base where the config names none
 
 
@@ -227,6 +252,7 @@ def _parse_rope(raw: dict[str, Any], params: dict[str, Any], default_theta: floa
     theta = params.pop("rope_theta", None) or (None if local else raw.get("rope_theta")) or default_theta
     theta = float(theta)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    rope_type = ROPE_ALIASES.get(raw.get("model_type"), {}).get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; supported: "
                               f"{', '.join(ROPE_TYPES)}")
@@ -235,9 +261,17 @@ def _parse_rope(raw: dict[str, Any], params: dict[str, Any], default_theta: floa
     if rope_type == "linear":
         return theta, {"rope_type": "linear", "factor": float(params["factor"])}
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    params.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings") or max_pos)
+    if rope_type == "dynamic":
+        factor = float(params["factor"])
+        return theta, {"rope_type": "dynamic", "factor": factor, "original_max_position_embeddings": max_pos,
+                       "context": served_context({**raw, "max_position_embeddings": max_pos})}
+    # transformers prefers an original context beside the rope parameters to one inside them (Phi-3's place)
+    beside = raw.get("original_max_position_embeddings") or _ORIGINAL_CONTEXT.get(raw.get("model_type"))
+    params["original_max_position_embeddings"] = beside or params.get("original_max_position_embeddings") or max_pos
     if rope_type == "yarn":
         return theta, _yarn(params, max_pos)
+    if rope_type == "longrope":
+        return theta, _longrope(params, max_pos)
     missing = [k for k in _LLAMA3_KEYS if k not in params]
     if missing:
         raise CheckpointError(f"config.json llama3 rope scaling lacks {missing}")
@@ -259,6 +293,20 @@ def _yarn(params: dict[str, Any], max_pos: int) -> dict[str, Any]:
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len,
             "attention_factor": float(attention_factor), "beta_fast": float(params.get("beta_fast") or 32),
             "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
+
+
+def _longrope(params: dict[str, Any], max_pos: int) -> dict[str, Any]:
+    """LongRoPE's scaling (Phi-3): a factor per frequency, short ones within the original context and long ones
+    past it; the long ones apply where the model is served past its original context (kernels.ops.rope says why
+    once for all), and the attention factor defaults as transformers' does, from the contexts' ratio."""
+    old_len = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_pos / old_len)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return {"rope_type": "longrope", "short_factor": tuple(float(f) for f in params["short_factor"]),
+            "long_factor": tuple(float(f) for f in params["long_factor"]), "original_max_position_embeddings": old_len,
+            "attention_factor": float(attention_factor), "long": max_pos > old_len}
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -55,10 +55,10 @@ class StageModel:
         self.config, self.spec = config, spec
         self.dtype = TORCH_DTYPES[spec.dtype]
         self._take(tensors)
-        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(spec.device)
+        self._inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling).to(spec.device)
         self._rope_factor = rope_attention_factor(config.rope_scaling)
         self._local_inv_freq = None if config.local_rope_theta is None else rope_inv_freq(
-            config.head_dim, config.local_rope_theta, config.local_rope_scaling).to(spec.device)
+            config.rotary_dim, config.local_rope_theta, config.local_rope_scaling).to(spec.device)
         self._norm = layer_class(config).norm
         # The heads this model computes and how partial outputs of the attention and MLP projections combine.
         self.num_heads, self.num_kv_heads = config.num_heads // world_size, config.num_kv_heads // world_size

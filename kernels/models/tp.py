@@ -18,10 +18,12 @@ from stratamesh.kernels.models.checkpoint import Checkpoint, Slice
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, checked_tensor_names
 
-# The parameter name's tail after "model.layers.{i}." -> the dimension split across ranks, and in units of what
-COLUMN = {"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads", "self_attn.v_proj": "kv_heads",
-          "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp"}
-ROW = {"self_attn.o_proj.weight": "heads", "mlp.down_proj.weight": "mlp"}
+# The parameter name's tail after "model.layers.{i}." -> the dimension split across ranks, in units of what: a
+# fused matrix (Phi-3's) is split in each of the matrices it holds, a rank taking its share of each
+COLUMN = {"self_attn.q_proj": ("heads",), "self_attn.k_proj": ("kv_heads",), "self_attn.v_proj": ("kv_heads",),
+          "mlp.gate_proj": ("mlp",), "mlp.up_proj": ("mlp",),
+          "self_attn.qkv_proj": ("heads", "kv_heads", "kv_heads"), "mlp.gate_up_proj": ("mlp", "mlp")}
+ROW = {"self_attn.o_proj.weight": ("heads",), "mlp.down_proj.weight": ("mlp",)}
 
 
 def check_tp(config: ModelConfig, world_size: int) -> None:
@@ -42,14 +44,15 @@ def shard_slices(config: ModelConfig, names: Iterable[str], rank: int, world_siz
     for name in names:
         tail = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
         column, row = COLUMN.get(tail.rsplit(".", 1)[0]), ROW.get(tail)
-        if column is not None:      # weight [out, in] or bias [out]: this rank's rows
-            dim, size = 0, units[column]
-        elif row is not None:       # weight [out, in]: this rank's columns
-            dim, size = 1, units[row]
-        else:
+        if column is None and row is None:
             continue
-        per_rank = size // world_size
-        out[name] = Slice(dim, rank * per_rank, per_rank, size)
+        dim = 0 if column is not None else 1    # weight [out, in] or bias [out]: this rank's rows; else its columns
+        ranges, offset = [], 0
+        for unit in column or row:
+            per_rank = units[unit] // world_size
+            ranges.append((offset + rank * per_rank, per_rank))
+            offset += units[unit]
+        out[name] = Slice(dim, offset, tuple(ranges))
     return out
 
 
@@ -90,4 +93,4 @@ def head_slice(num_kv_heads: int, rank: int, world_size: int) -> slice:
 
 def _slice(t: torch.Tensor, part: Slice) -> torch.Tensor:
     assert t.shape[part.dim] == part.size, (tuple(t.shape), part)
-    return t.narrow(part.dim, part.start, part.length).clone()
+    return part.of(t).clone() if len(part.ranges) == 1 else part.of(t)     # (several ranges: cat copied them)

@@ -34,7 +34,7 @@ class TrainableDecoder(nn.Module):
         self.model.norm = _Weight(torch.ones(c.hidden_size))
         if not c.tie_word_embeddings:
             self.lm_head = _Weight(torch.randn(c.vocab_size, c.hidden_size, generator=g) * std)
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -1,4 +1,14 @@
-"""Rotary position embedding (default, linear, llama3 and yarn scaling), as Hugging Face transformers computes it."""
+"""Rotary position embedding (default, linear, llama3, yarn, longrope and dynamic scaling), as Hugging Face
+transformers computes it, over a head's first rotary_dim dimensions (all of them, but for Phi-3's partial rotary).
+
+LongRoPE and dynamic NTK pick their frequencies by a sequence's length in transformers, anew at each forward: a
+sequence that grows past the original context is rotated one way before and another after, its cached keys
+computed with frequencies its later queries no longer use, and a prompt's rotation depends on how it was chunked.
+A mesh that chunks prefills, batches sequences, replays them after a failover and moves their KV cannot serve that.
+Here, as in vLLM, a model's frequencies are fixed by the context it is served at: LongRoPE's long factors where that
+context is longer than the original, its short ones otherwise; dynamic NTK's base for its whole scaled context
+(ModelConfig.max_position_embeddings: the original times factor). Those are transformers' frequencies for a
+sequence of that length (docs/models.md says where the two differ)."""
 
 from __future__ import annotations
 
@@ -8,22 +18,32 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [D/2] in float32 for a head size, base and normalized rope scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in float32 for the rotated dimensions of a head, a base and a normalized
+    rope scaling (kernels.models.config)."""
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, scaling)
+    if kind == "dynamic":       # NTK-aware: the base raised for the scaled context (transformers' formula)
+        factor, context = scaling["factor"], scaling["context"]
+        theta = theta * (factor * context / scaling["original_max_position_embeddings"] - (factor - 1)) ** (
+            rotary_dim / (rotary_dim - 2))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if kind == "longrope":      # each frequency divided by its own factor, the long ones or the short ones
+        factors = scaling["long_factor"] if scaling["long"] else scaling["short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
+    if kind == "linear":
         return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "yarn":
-        return _yarn_inv_freq(head_dim, theta, scaling)
-    assert scaling["rope_type"] == "llama3", scaling
-    return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    assert kind in (None, "dynamic"), scaling
+    return inv_freq
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor (its softmax temperature, folded into q and k),
-    1 for every other scaling."""
+    """What cos and sin are multiplied by: YaRN's and LongRoPE's attention factor (a softmax temperature, folded
+    into q and k), 1 for every other scaling."""
     return 1.0 if scaling is None else float(scaling.get("attention_factor", 1.0))
 
 
@@ -76,8 +96,13 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., D] by cos / signed sin broadcastable to it (the rotate-half layout HF checkpoints use).
+    """Rotate x [..., D] by cos / signed sin [..., R] broadcastable to it (the rotate-half layout HF checkpoints
+    use): its first R dimensions, the others passed through where R < D (partial rotary).
 
     HF computes x * cos + cat(-x2, x1) * sin for the halves x1, x2 of x; roll(x) is cat(x2, x1), and
     the sign moves into signed_sin. Every product and sum is the same, so the result is bit-identical."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + x.roll(rotary_dim // 2, dims=-1) * signed_sin
+    rot = x[..., :rotary_dim]
+    return torch.cat((rot * cos + rot.roll(rotary_dim // 2, dims=-1) * signed_sin, x[..., rotary_dim:]), dim=-1)

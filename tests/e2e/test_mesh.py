@@ -26,13 +26,13 @@ PROMPT = "The mesh carries every layer of the model from the edge to the cloud a
 
 
 def complete_ids(mesh: LocalMesh, model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    body = {"model": model_dir.name, "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    response = httpx.post(f"{mesh.url}/v1/completions", json=body, timeout=120, headers=mesh.headers)
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert choice["finish_reason"] == "length"
-    return choice["token_ids"]
+    """The greedy completion's token ids, asked through the openai client (vLLM's return_token_ids)."""
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, timeout=120)
+    completion = client.completions.create(model=model_dir.name, prompt=prompt_ids, max_tokens=max_tokens,
+                                           temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    (choice,) = completion.choices
+    assert choice.finish_reason == "length"
+    return choice.token_ids
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,9 @@ def test_no_folder_or_no_config_is_said_so(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("config", "rope"), [
     ({}, "default"), ({"rope_scaling": None}, "default"), ({"rope_scaling": {"type": "linear"}}, "linear"),
     ({"rope_scaling": {"rope_type": "llama3"}}, "llama3"), ({"rope_parameters": {"rope_type": "linear"}}, "linear"),
-    ({"rope_parameters": {"rope_theta": 1e6}}, "default"),
+    ({"rope_parameters": {"rope_theta": 1e6}}, "default"), ({"rope_scaling": {"type": "dynamic"}}, "dynamic"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "su"}}, "longrope"),    # Phi-3's older names for LongRoPE
+    ({"model_type": "phi3", "rope_scaling": {"type": "yarn"}}, "longrope"),
 ])
 def test_the_rope_type_is_read_in_either_spelling(config: dict, rope: str) -> None:
     assert rope_types(config) == (rope,) and rope in ROPE_TYPES
@@ -73,6 +75,6 @@ def test_gemma_3_names_a_rope_per_layer_type_and_each_is_checked() -> None:
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     assert rope_types(nested) == ("linear", "default")
     check_model_config(nested)
-    nested["rope_parameters"]["sliding_attention"]["rope_type"] = "longrope"
-    with pytest.raises(CheckpointError, match="rope type 'longrope'"):
+    nested["rope_parameters"]["sliding_attention"]["rope_type"] = "proportional"
+    with pytest.raises(CheckpointError, match="rope type 'proportional'"):
         check_model_config(nested)

@@ -52,8 +52,9 @@ def sharded_logits(ranks: list[StageModel], caches: list, ids: torch.Tensor, sta
     return on_every_rank(ranks, run)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])   # qwen2: biases split;
-# qwen3, gemma3_text: q and k norms (and Gemma's sandwich norms) whole on every rank
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"])   # qwen2: biases
+# split; qwen3, gemma3_text: q and k norms (and Gemma's sandwich norms) whole on every rank; phi3: each fused matrix
+# split in each of the matrices it holds
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_stage_matches_the_whole_model_and_transformers(tiny_model, arch, world_size):
     model_dir = tiny_model(arch, **GQA)
@@ -120,10 +121,11 @@ def test_the_shards_put_together_are_the_whole_tensors(tiny_model):
     assert head_slice(config.num_kv_heads, 3, 4) == slice(3, 4)
 
 
-def test_a_rank_reads_from_the_checkpoint_exactly_its_shards(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_a_rank_reads_from_the_checkpoint_exactly_its_shards(tiny_model, arch):
     """What a served rank loads (its shards alone, read as slices of the checkpoint's tensors) is what sharding the
-    whole stage in memory gives, for every tensor, biases and replicated ones included."""
-    model_dir = tiny_model("qwen2", **GQA)
+    whole stage in memory gives, for every tensor, biases, fused and replicated ones included."""
+    model_dir = tiny_model(arch, **GQA)
     config = read_config(model_dir)
     whole = load_stage(StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS)).tensors
     spec = StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS, tp_degree=4)
@@ -133,7 +135,7 @@ def test_a_rank_reads_from_the_checkpoint_exactly_its_shards(tiny_model):
         assert loaded.keys() == expected.keys()
         for name, t in expected.items():
             assert torch.equal(loaded[name], t) and loaded[name].is_contiguous(), name
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.0.self_attn." + ("qkv_proj.weight" if arch == "phi3" else "q_proj.weight")
     assert loaded[q].shape[0] == whole[q].shape[0] // 4
 
 

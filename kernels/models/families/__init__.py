@@ -9,10 +9,12 @@ from __future__ import annotations
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.families.gemma import Gemma3Layer, GemmaLayer
 from stratamesh.kernels.models.families.llama import LlamaLayer
+from stratamesh.kernels.models.families.phi3 import Phi3Layer
 from stratamesh.kernels.models.families.qwen3 import Qwen3Layer
 
 LAYERS: dict[str, type[LlamaLayer]] = {"llama": LlamaLayer, "mistral": LlamaLayer, "qwen2": LlamaLayer,
-                                       "qwen3": Qwen3Layer, "gemma2": GemmaLayer, "gemma3_text": Gemma3Layer}
+                                       "qwen3": Qwen3Layer, "gemma2": GemmaLayer, "gemma3_text": Gemma3Layer,
+                                       "phi3": Phi3Layer}
 
 
 def layer_class(config: ModelConfig) -> type[LlamaLayer]:

@@ -1,5 +1,6 @@
 """The Llama layer (Llama, Mistral, Qwen2): pre-norm attention with rotary q and k, then a pre-norm SwiGLU MLP,
-each added to the residual stream. Other families are this layer with a difference (qwen3.py: q and k normed)."""
+each added to the residual stream. Other families are this layer with a difference (qwen3.py: q and k normed;
+phi3.py: the projections stored fused)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ class LlamaLayer:
     # for those applied to every head (a family's q and k norms)
     NORMS: ClassVar[tuple[str, ...]] = ("input_layernorm.weight", "post_attention_layernorm.weight")
     HEAD_NORMS: ClassVar[tuple[str, ...]] = ()
+    # The checkpoint's projections that the layer fuses, in the order of its fused rows (after "self_attn." and
+    # "mlp."): a family that stores them fused already names the one matrix
+    QKV: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj")
+    GATE_UP: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj")
     norm = staticmethod(rms_norm)       # how the family's RMSNorms weigh (the final norm's too)
 
     @classmethod
@@ -72,9 +77,8 @@ class LlamaLayer:
         biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         head_norms = dict(zip(("q_norm", "k_norm"), (t[p + name] for name in cls.HEAD_NORMS)))
         return dict(input_norm=t[p + cls.NORMS[0]], post_attn_norm=t[p + cls.NORMS[1]], **head_norms,
-                    qkv=_fuse_weight(t, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                    o=weight(t, a + "o_proj.weight"),
-                    gate_up=_fuse_weight(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                    qkv=_fuse_weight(t, [f"{a}{name}.weight" for name in cls.QKV]), o=weight(t, a + "o_proj.weight"),
+                    gate_up=_fuse_weight(t, [f"{m}{name}.weight" for name in cls.GATE_UP]),
                     down=weight(t, m + "down_proj.weight"), qkv_bias=_fuse(t, biases) if biases[0] in t else None,
                     o_bias=t.get(a + "o_proj.bias"))
 
@@ -83,12 +87,12 @@ class LlamaLayer:
         """The HF names of one layer's tensors."""
         p = f"model.layers.{layer_idx}."
         names = [p + name for name in cls.NORMS + cls.HEAD_NORMS]
-        names += [f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        names += [f"{p}self_attn.{n}.weight" for n in cls.QKV + ("o_proj",)]
         if config.attention_bias:
-            names += [f"{p}self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+            names += [f"{p}self_attn.{n}.bias" for n in cls.QKV]
         if config.o_proj_bias:
             names.append(p + "self_attn.o_proj.bias")
-        return names + [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        return names + [f"{p}mlp.{n}.weight" for n in cls.GATE_UP + ("down_proj",)]
 
     @classmethod
     def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -103,6 +107,8 @@ class LlamaLayer:
             "self_attn.o_proj.weight": (c.hidden_size, q_dim), "self_attn.o_proj.bias": (c.hidden_size,),
             "mlp.gate_proj.weight": (mlp, c.hidden_size), "mlp.up_proj.weight": (mlp, c.hidden_size),
             "mlp.down_proj.weight": (c.hidden_size, mlp),
+            "self_attn.qkv_proj.weight": (q_dim + 2 * kv_dim, c.hidden_size), "mlp.gate_up_proj.weight": (2 * mlp,
+                                                                                                   c.hidden_size),
         }
 
     def forward(self, x: torch.Tensor, step: Step, local_idx: int, window: int | None) -> torch.Tensor:
@@ -136,7 +142,9 @@ def weight(t: dict[str, torch.Tensor], name: str) -> Weight:
 
 
 def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
-    """_fuse of the named matrices, and of their scales where they are int8."""
+    """_fuse of the named matrices, and of their scales where they are int8 (one name: that matrix, fused already)."""
+    if len(names) == 1:
+        return weight(t, names[0])
     if names[0] + SCALE_SUFFIX not in t:
         return _fuse(t, names)
     return Int8Weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
