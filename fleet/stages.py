@@ -149,9 +149,16 @@ def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> 
 
 def windowed(config: Mapping[str, Any]) -> bool:
     """Whether any layer of a config.json dict attends over a sliding window (attention_windows)."""
-    window, layer_types = attention_windows(config, str(config.get("model_type")),
-                                            int(config.get("num_hidden_layers", 0)))
-    return window is not None and (not layer_types or "sliding_attention" in layer_types)
+    return any(layer_windows(config))
+
+
+def layer_windows(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window of a config.json dict (attention_windows), 0 for a layer of full attention."""
+    num_layers = int(config.get("num_hidden_layers", 0))
+    window, layer_types = attention_windows(config, str(config.get("model_type")), num_layers)
+    if window is None:
+        return (0,) * num_layers
+    return tuple(window if not layer_types or layer_types[i] == "sliding_attention" else 0 for i in range(num_layers))
 
 
 @dataclass(frozen=True, slots=True)

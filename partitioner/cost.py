@@ -163,11 +163,14 @@ class StageTables:
         a, b = np.meshgrid(np.arange(num + 1), np.arange(num + 1), indexing="ij")   # a: start, b: end
         self.starts, self.ends, self.valid = a, b, b > a
         self.last = b == num
-        self.kv_values = _prefix([k // profile.bytes_per_param for k in profile.layer_kv_bytes_per_token])
-        flops = _prefix([f + request.mean_context * c for f, c in
-                         zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, strict=True)])
+        kv_values = [k // profile.bytes_per_param for k in profile.layer_kv_bytes_per_token]
+        self.kv_values = _prefix(kv_values)
+        # the context tokens a step's token reads in each layer: a sliding window's at most
+        read_ctx = [min(request.mean_context, w) if w else request.mean_context for w in profile.layer_windows]
+        flops = _prefix([f + n * c for f, c, n in
+                         zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, read_ctx, strict=True)])
         self.read_params = self._span(_prefix(profile.layer_params))     # weights a step reads (and a stage holds)
-        self.read_kv = request.step_tokens * request.mean_context * self._span(self.kv_values)   # and KV entries
+        self.read_kv = request.step_tokens * self._span(_prefix([k * n for k, n in zip(kv_values, read_ctx)]))
         self.flops = self._span(flops)                                                   # per token
         # Memory in values: what a group's ranks share (weights and KV of the layers) and what each holds whole
         self._kv_reserve_values = request.concurrency * request.context_len * self._span(self.kv_values)

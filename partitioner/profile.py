@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import layer_norms, model_task
+from stratamesh.fleet.stages import layer_norms, layer_windows, model_task
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token
@@ -18,7 +18,9 @@ class ModelProfile:
     """Per-layer costs of a decoder at one dtype; the embedding sits on the first stage, norm + head on the last.
 
     Costs are per token: a step of B tokens at an average context of C tokens reads every parameter once,
-    reads B * C * kv_bytes of KV and does B * (flops + C * attn_flops_per_ctx) FLOPs per layer."""
+    reads B * C * kv_bytes of KV and does B * (flops + C * attn_flops_per_ctx) FLOPs per layer, C at most the
+    layer's sliding window (it reads no key before it). Its KV is held for the whole context all the same (a stage
+    frees no block behind a window: docs/models.md)."""
 
     name: str
     num_layers: int
@@ -31,6 +33,7 @@ class ModelProfile:
     layer_kv_bytes_per_token: tuple[int, ...]     # K + V bytes one token costs in each layer
     layer_flops_per_token: tuple[int, ...]        # matmul FLOPs per token (2 per multiply-add)
     layer_attn_flops_per_ctx: tuple[int, ...]     # attention FLOPs per token per context token
+    layer_windows: tuple[int, ...]                # the context tokens each layer reads at most; 0: all of them
     embed_params: int                             # on the first stage
     head_params: int                              # final norm + LM head on the last stage (an embedding model: norm)
     head_flops_per_token: int
@@ -73,7 +76,8 @@ class ModelProfile:
 
 
 def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, name: str = "") -> ModelProfile:
-    """The profile of a Llama-family config.json dict (Llama, Qwen2, Mistral); CheckpointError if malformed."""
+    """The profile of a config.json dict of a family stages compute (fleet.stages.MODEL_TYPES): its layers as
+    loaded (head_dim, norms, biases, windows), a tied head once; CheckpointError if malformed."""
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         num_layers, inter, vocab = int(raw["num_hidden_layers"]), int(raw["intermediate_size"]), int(raw["vocab_size"])
@@ -107,6 +111,7 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
         layer_kv_bytes_per_token=(2 * kv_dim * DTYPE_BYTES[dtype],) * num_layers,
         layer_flops_per_token=(2 * matmul,) * num_layers,
         layer_attn_flops_per_ctx=(4 * q_dim,) * num_layers,             # q.k and p.v, 2 FLOPs per multiply-add
+        layer_windows=layer_windows(raw),
         embed_params=vocab * hidden,
         head_params=head + hidden,
         head_flops_per_token=2 * head,

@@ -20,11 +20,12 @@ class Attention(Protocol):
         the scores soft-capped, tanh(s / cap) * cap (Gemma 2), or None."""
 
 
-def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
-    """Bool mask [T, S]: query at position p sees keys 0..p, or only the last `window` of them; None if all."""
-    if window is None and q_positions.numel() == 1 and int(q_positions[0]) == num_keys - 1:
+def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None, first_key: int = 0) -> torch.Tensor | None:
+    """Bool mask [T, S]: query at position p sees keys 0..p, or only the last `window` of them; None if all. The S
+    keys are those at positions first_key .. num_keys - 1 (a window's reads start past the first ones)."""
+    if window is None and q_positions.numel() == 1 and int(q_positions[0]) == num_keys - 1 and first_key == 0:
         return None   # one new token, full attention: it sees every cached key
-    k_positions = torch.arange(num_keys, device=q_positions.device)
+    k_positions = torch.arange(first_key, num_keys, device=q_positions.device)
     diff = q_positions[:, None] - k_positions[None, :]   # [T, S]
     mask = diff >= 0
     if window is not None:

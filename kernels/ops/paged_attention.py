@@ -88,7 +88,7 @@ class PagedBatch:
         self.positions = _long([p for s in seqs for p in range(s.start_pos, s.num_ctx)], dev)     # [N]
         self._write_slots = _long([x for s in seqs for x in _slots(s.block_table, bs, s.start_pos, s.num_ctx)],
                                   dev)
-        decodes = [s for s in seqs if s.q_len == 1]
+        decodes = self._decodes = [s for s in seqs if s.q_len == 1]
         self._all_decodes = len(decodes) == len(seqs)
         self._prefills = [(s, _long(_slots(s.block_table, bs, 0, s.num_ctx), dev)) for s in seqs if s.q_len > 1]
         self._decode_rows = None if self._all_decodes else _long([s.q_start for s in decodes], dev)   # [B]
@@ -100,6 +100,7 @@ class PagedBatch:
         self._decode_pos = _long([s.start_pos for s in decodes], dev)                              # [B]
         self._decode_lens = self._decode_pos + 1                                                   # [B] keys each sees
         self._decode_masks: dict[int | None, torch.Tensor | None] = {}
+        self._window_reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """ValueError unless positions [N] are those the batch's sequences imply."""
@@ -137,10 +138,13 @@ class PagedBatch:
             return triton_decode.paged_decode(q, self.cache.k[layer_idx], self.cache.v[layer_idx],
                                               self._decode_blocks, self._decode_lens, q.shape[-1] ** -0.5,
                                               window)
-        max_ctx = self._decode_ctx
-        k = self._gather_blocks(k_flat)[:, :max_ctx].transpose(1, 2)           # [B, KV, S, D]
-        v = self._gather_blocks(v_flat)[:, :max_ctx].transpose(1, 2)
-        mask = self._decode_mask(window)                                       # [B, 1, 1, S] or None
+        if window is not None and window < self._decode_ctx:    # the blocks of each one's window alone
+            blocks, mask = self._window_read(window)
+            num_keys = blocks.shape[1] * self.cache.block_size
+        else:
+            blocks, mask, num_keys = self._decode_blocks, self._decode_mask(window), self._decode_ctx
+        k = self._gather_blocks(k_flat, blocks)[:, :num_keys].transpose(1, 2)  # [B, KV, S, D]
+        v = self._gather_blocks(v_flat, blocks)[:, :num_keys].transpose(1, 2)   # mask: [B, 1, 1, S] or None
         # Each KV head's H/KV query heads as that many queries of it (heads h*G..h*G+G-1 share KV head h, as
         # enable_gqa pairs them): q [B, KV, G, D], one SDPA call without repeating K and V per query head, which
         # SDPA's enable_gqa path does on CPU (0.89 -> 0.44 ms a layer at 32 decodes of 192 keys, 2 threads).
@@ -152,13 +156,28 @@ class PagedBatch:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.reshape(num_seqs, num_heads, head_dim)
 
-    def _gather_blocks(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each decode's blocks, whole: [slots, KV, D] -> [B, blocks * block_size, KV, D]."""
+    def _gather_blocks(self, flat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The blocks each decode reads (table [B, blocks]), whole: [slots, KV, D] -> [B, blocks * bs, KV, D]."""
         bs = self.cache.block_size
         blocks = flat.view(-1, bs, *flat.shape[1:])                            # [num_blocks, bs, KV, D]
-        num_seqs, num_blocks = self._decode_blocks.shape
-        picked = blocks.index_select(0, self._decode_blocks.view(-1))          # [B * blocks, bs, KV, D]
+        num_seqs, num_blocks = table.shape
+        picked = blocks.index_select(0, table.view(-1))                        # [B * blocks, bs, KV, D]
         return picked.view(num_seqs, num_blocks * bs, *flat.shape[1:])
+
+    def _window_read(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the blocks [B, blocks] that hold each decode's last window keys, from the one of its first on; the mask
+        [B, 1, 1, S] of the keys in them it sees): a windowed layer reads at most window / block_size + 1 blocks a
+        sequence, however long its context."""
+        if window not in self._window_reads:
+            bs, dev = self.cache.block_size, self._decode_pos.device
+            first = [max(0, s.start_pos - window + 1) // bs for s in self._decodes]
+            width = max(s.start_pos // bs + 1 - f for s, f in zip(self._decodes, first, strict=True))
+            blocks = _long(_padded([s.block_table[f:] for s, f in zip(self._decodes, first, strict=True)], width),
+                           dev)
+            k_pos = _long(first, dev)[:, None] * bs + torch.arange(width * bs, device=dev)[None, :]   # [B, S]
+            diff = self._decode_pos[:, None] - k_pos
+            self._window_reads[window] = blocks, ((diff >= 0) & (diff < window))[:, None, None, :]
+        return self._window_reads[window]
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """Key-padding (+ window) mask [B, 1, 1, S]: a decode at position p sees keys 0..p (last window)."""
@@ -178,13 +197,15 @@ class PagedBatch:
                  slots: torch.Tensor, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """One chunk of a sequence: q [T, H, D] over its cached prefix and itself -> [T, H, D]. A chunk with no
         prefix and no window is plain causal attention (no mask to build)."""
-        k = _gather(k_flat, slots).transpose(0, 1)                             # [KV, S, D]
-        v = _gather(v_flat, slots).transpose(0, 1)
+        first = 0 if window is None else max(0, seq.start_pos - window + 1)   # the chunk's first query's window
+        k = _gather(k_flat, slots[first:]).transpose(0, 1)                     # [KV, S, D]
+        v = _gather(v_flat, slots[first:]).transpose(0, 1)
         q = q.transpose(0, 1)                                                  # q: [H, T, D]
         if seq.start_pos == 0 and (window is None or window >= seq.num_ctx):
             return attention(q, k, v, is_causal=True, softcap=softcap).transpose(0, 1)
         q_pos = self.positions[seq.q_start:seq.q_start + seq.q_len]
-        return attention(q, k, v, causal_mask(q_pos, seq.num_ctx, window), softcap=softcap).transpose(0, 1)
+        mask = causal_mask(q_pos, seq.num_ctx, window, first)
+        return attention(q, k, v, mask, softcap=softcap).transpose(0, 1)
 
 
 def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:

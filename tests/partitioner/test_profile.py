@@ -22,6 +22,11 @@ QWEN25_05B = {   # q/k/v carry biases
     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
+PHI4_MINI = {    # q/k/v and gate/up stored fused: the same parameters
+    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064, "tie_word_embeddings": True,
+    "partial_rotary_factor": 0.75, "sliding_window": 262144, "torch_dtype": "bfloat16",
+}
 QWEN3_06B = {    # head_dim (128) is not hidden / heads (64)
     "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -34,6 +39,7 @@ QWEN3_06B = {    # head_dim (128) is not hidden / heads (64)
     (LLAMA_31_8B, 8_030_261_248, 2 * 8 * 128 * 2, 218_112_000),
     (LLAMA_32_1B, 1_235_814_400, 2 * 8 * 64 * 2, 60_821_504),
     (QWEN25_05B, 494_032_768, 2 * 2 * 64 * 2, 14_912_384),
+    (PHI4_MINI, 3_836_021_760, 2 * 8 * 128 * 2, 100_669_440),
 ])
 def test_known_models(config, params, kv_bytes, layer_params) -> None:
     profile = profile_from_hf_config(config)
@@ -162,3 +168,27 @@ def test_bad_configs(change, match) -> None:
         del config[key]
     with pytest.raises(CheckpointError, match=match):
         profile_from_hf_config(config)
+
+
+def test_a_windowed_layer_reads_at_most_its_window_and_holds_the_whole_context() -> None:
+    """Mistral's every layer, Gemma 2's every other: a step reads (and attends over) at most the window's KV per
+    windowed layer, while the KV reserved is the whole context's (a stage frees no block behind a window)."""
+    from stratamesh.partitioner.cost import StageTables
+    from stratamesh.partitioner.plan import PlanRequest
+
+    mistral = {"model_type": "mistral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "sliding_window": 256}
+    gemma2 = {**mistral, "model_type": "gemma2"}
+    full = {**mistral, "sliding_window": None}
+    assert profile_from_hf_config(mistral).layer_windows == (256,) * 4
+    assert profile_from_hf_config(gemma2).layer_windows == (256, 0, 256, 0)
+    request = PlanRequest(context_len=8192)
+    tables = {name: StageTables(profile_from_hf_config(c), request)
+              for name, c in (("mistral", mistral), ("gemma2", gemma2), ("full", full))}
+    share = 256 / request.mean_context
+    assert tables["mistral"].read_kv[0, 4] == pytest.approx(tables["full"].read_kv[0, 4] * share)
+    assert tables["gemma2"].read_kv[0, 4] == pytest.approx(tables["full"].read_kv[0, 4] * (1 + share) / 2)
+    assert tables["mistral"].flops[0, 4] < tables["gemma2"].flops[0, 4] < tables["full"].flops[0, 4]
+    assert (tables["mistral"].memory_at("float32") == tables["full"].memory_at("float32")).all()
+    short = StageTables(profile_from_hf_config(mistral), PlanRequest(context_len=256))   # the window not reached
+    assert short.read_kv[0, 4] == StageTables(profile_from_hf_config(full), PlanRequest(context_len=256)).read_kv[0, 4]
