@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import check_model_config
+from stratamesh.fleet.stages import check_model_config, text_model_config
 from stratamesh.fleet.weight_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -31,8 +31,9 @@ def check_model_folder(model_dir: str | Path) -> dict[str, Any]:
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    """A model folder's config.json as a dict; CheckpointError, naming the file, where it is missing, unreadable or
-    not a JSON object."""
+    """A model folder's config.json as a dict, as the mesh reads it (a multimodal model's: its text model's,
+    fleet.stages.text_model_config); CheckpointError, naming the file, where it is missing, unreadable or not a JSON
+    object."""
     path = Path(model_dir) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
@@ -42,4 +43,4 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    return config
+    return text_model_config(config)

@@ -55,11 +55,37 @@ EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Mod
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 GEMMA_MODEL_TYPES = tuple(GEMMA_SLIDING_PATTERN)
 PER_LAYER_TYPE_ROPE = ("gemma3_text",)      # a rope per layer type (rope_parameters nested by it)
+# Multimodal models whose text model a mesh serves (the vision tower is not): config.json's model_type -> its text
+# model's, whose config sits under text_config as saved by transformers: what differs from these defaults of its
+# config class (Gemma3TextConfig's: the released Gemma 3 4B-27B folders name only the sizes that differ)
+TEXT_MODELS = {"gemma3": "gemma3_text"}
+_TEXT_DEFAULTS = {"gemma3_text": {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}}
+_TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
 # Older names of a family's rope type, as transformers reads them: Phi-3's "su" and "yarn" are LongRoPE
 ROPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # A layer's RMSNorm weights, beyond the two [hidden] ones of Llama's: (how many [hidden], how many [head_dim]):
 # Gemma's sandwich norms around attention and MLP, and Qwen3's and Gemma 3's per-head q and k norms
 _LAYER_NORMS = {"qwen3": (2, 2), "gemma2": (4, 0), "gemma3_text": (4, 2)}
+
+
+def text_model_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json dict as the mesh reads it: a multimodal model's (TEXT_MODELS) becomes its text model's, its
+    text_config over its config class's defaults, with the dtype, tied head and special tokens the whole model's
+    config names; any other is itself. CheckpointError where a multimodal config has no text_config."""
+    text_type = TEXT_MODELS.get(config.get("model_type"))
+    if text_type is None:
+        return dict(config)
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise CheckpointError(f"config.json of a {config['model_type']} model has no text_config object")
+    whole = {key: config[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings", "bos_token_id",
+                                          "eos_token_id") if config.get(key) is not None}
+    return {**_TEXT_DEFAULTS[text_type], **text, **whole, "model_type": text_type,
+            "architectures": [_TEXT_ARCHITECTURES[text_type]]}
 
 
 def layer_norms(model_type: str) -> tuple[int, int]:

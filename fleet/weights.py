@@ -17,11 +17,21 @@ SHA256_BYTES = 32
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 # A base model (LlamaModel.save_pretrained, as embedding models ship) names its tensors without "model."
 _BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+# A multimodal model's text model (fleet.stages.TEXT_MODELS): under language_model, as released and as transformers
+# saves it, or under model.language_model (transformers 4.5x's own layout)
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                        "model.language_model.": "model."}
 
 
 def canonical_name(name: str) -> str:
-    """The name a checkpoint tensor goes by in the mesh: a base model's "layers.0..." becomes "model.layers.0..."."""
-    return "model." + name if name.startswith(_BASE_MODEL_PREFIXES) else name
+    """The name a checkpoint tensor goes by in the mesh: a base model's "layers.0..." becomes "model.layers.0...",
+    a multimodal model's "language_model.model.layers.0..." too (its vision tower's keep theirs)."""
+    if name.startswith(_BASE_MODEL_PREFIXES):
+        return "model." + name
+    for prefix, canonical in _TEXT_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return canonical + name[len(prefix):]
+    return name
 
 
 def check_file_name(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_ALIASES, ROPE_TYPES,
-                                     attention_windows, layer_norms, model_task, served_context)
+                                     attention_windows, layer_norms, model_task, served_context, text_model_config)
 
 ARCHS = MODEL_TYPES      # config.json's model_type; each has its layer in kernels.models.families
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -186,7 +186,7 @@ def _check_sizes(config: ModelConfig) -> ModelConfig:
 def read_config(model_dir: str | Path) -> ModelConfig:
     """parse_config of model_dir/config.json, with eos ids merged from generation_config.json if present."""
     model_dir = Path(model_dir)
-    raw = _read_json(model_dir / "config.json")
+    raw = text_model_config(_read_json(model_dir / "config.json"))     # a multimodal model's: its text model's
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
         gen_eos = _as_ids(_read_json(gen_path).get("eos_token_id"))
