@@ -13,7 +13,8 @@ from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
-from stratamesh.fleet.stages import AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec, windowed
+from stratamesh.fleet.stages import (AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec, served_context,
+                                     windowed)
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -391,7 +392,8 @@ def _profile(model_id: str, config: dict[str, Any], quantize: str = "") -> Model
 
 
 def _request(config: dict[str, Any], num_stages: int, pins: SitePins) -> PlanRequest:
-    context = min(int(config.get("max_position_embeddings", KV_CONTEXT_TOKENS)), KV_CONTEXT_TOKENS)
+    context = min(served_context(config) if "max_position_embeddings" in config else KV_CONTEXT_TOKENS,
+                  KV_CONTEXT_TOKENS)
     return PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
                        concurrency=KV_SEQUENCES, tensor_parallel=True, first_site=pins.first or None,
                        last_site=pins.last or None)

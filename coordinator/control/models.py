@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from stratamesh.coordinator.registry_store import PlanStore
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.model_folder import read_config_json
-from stratamesh.fleet.stages import QUANTIZATIONS, check_model_config, model_task
+from stratamesh.fleet.stages import QUANTIZATIONS, check_model_config, model_task, served_context
 from stratamesh.partitioner.profile import profile_from_hf_config
 
 
@@ -52,7 +52,7 @@ def check_quantize(quantize: str) -> None:
 def model_infos(registry: PlanStore) -> list[ModelInfo]:
     """Every registered model."""
     return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
-                      m.config["max_position_embeddings"], int(m.created), model_task(m.config))
+                      served_context(m.config), int(m.created), model_task(m.config))
             for m in registry.models()]
 
 

@@ -78,3 +78,13 @@ def test_gemma_3_names_a_rope_per_layer_type_and_each_is_checked() -> None:
     nested["rope_parameters"]["sliding_attention"]["rope_type"] = "proportional"
     with pytest.raises(CheckpointError, match="rope type 'proportional'"):
         check_model_config(nested)
+
+
+def test_a_dynamic_ntk_model_is_served_to_its_scaled_context() -> None:
+    """What /v1/models shows and the scheduler admits: max_position_embeddings times the factor (as vLLM)."""
+    from stratamesh.fleet.stages import served_context
+
+    assert served_context({"max_position_embeddings": 4096}) == 4096
+    assert served_context({"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic", "factor": 2.0}}) == 8192
+    assert served_context({"max_position_embeddings": 4096,
+                           "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}) == 4096
