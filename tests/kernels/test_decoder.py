@@ -115,8 +115,12 @@ def test_greedy_decode_with_cache_matches_generate(tiny_model, arch):
     {"arch": "gemma3_text", "rope_spelling": "parameters"},    # a rope per layer type
     {"arch": "gemma3_text", "rope_scaling": {"rope_type": "linear", "factor": 8.0}},    # the full layers' (4B-27B)
     {"arch": "gemma3_text", "rope_spelling": "parameters", "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    {"arch": "qwen3", "tie_word_embeddings": True},      # Qwen3 0.6B-4B's
+    {"arch": "phi3", "tie_word_embeddings": True},       # Phi-4-mini's
+    {"arch": "phi3", "rope_spelling": "parameters"},     # transformers 5 spelling (the factor in rope_parameters)
 ], ids=["tied", "llama3", "linear", "rope_parameters", "rope_parameters_llama3", "sharded", "gemma3_tied",
-        "gemma3_rope_parameters", "gemma3_linear", "gemma3_rope_parameters_linear"])
+        "gemma3_rope_parameters", "gemma3_linear", "gemma3_rope_parameters_linear", "qwen3_tied", "phi3_tied",
+        "phi3_rope_parameters"])
 def test_variants_match_transformers(tiny_model, variant):
     model_dir = tiny_model(**{"arch": "llama", **variant})
     ids = prompt(seed=4, length=40)
