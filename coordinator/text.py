@@ -195,12 +195,14 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 
 
 class IncrementalDetokenizer:
-    """Token ids in, finished text out: holds back partial characters and possible stop-string starts."""
+    """Token ids in, finished text out: holds back partial characters and possible stop-string starts. Stop strings
+    count from the min_tokens-th token on (vLLM's min_tokens: no stop before the output has that many)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._tokens_before_stops = min_tokens
         if any(not s for s in self._stop):
             raise InvalidInput("stop strings must not be empty")
         self._skip_special = skip_special_tokens
@@ -215,6 +217,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        self._tokens_before_stops -= 1
         self._pending += self._decode_new(final=False)
         return self._release(final=False)
 
@@ -237,12 +240,13 @@ class IncrementalDetokenizer:
         return full[_common_prefix_len(prefix, full):]
 
     def _release(self, final: bool) -> str:
-        cut = _find_stop(self._pending, self._stop)
+        stops = self._stop if self._tokens_before_stops <= 0 else ()
+        cut = _find_stop(self._pending, stops)
         if cut is not None:
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out
-        keep = 0 if final else _stop_prefix_len(self._pending, self._stop)
+        keep = 0 if final else _stop_prefix_len(self._pending, stops)
         out = self._pending[:len(self._pending) - keep]
         self._pending = self._pending[len(out):]
         return out

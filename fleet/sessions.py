@@ -23,12 +23,22 @@ def wire_dtype(sender: str, receiver: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How the last stage picks a token; temperature 0 is greedy."""
+    """How the last stage picks a token, in vLLM's order and with its meanings: the logits get logit_bias, and
+    min_tokens' ban of the stop tokens, then the penalties (repetition over the prompt and the output so far,
+    frequency and presence over the output); then temperature (0 is greedy: the argmax of those logits), min_p,
+    top_k and top_p, and a draw keyed by (seed, position)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0                  # tokens less likely than min_p x the likeliest are dropped (0: off)
+    presence_penalty: float = 0.0       # subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0      # ... times the times it is
+    repetition_penalty: float = 1.0     # a seen token's logit divided by it (positive) or times it (negative)
+    logit_bias: tuple[tuple[int, float], ...] = ()      # (token id, added to its logit)
+    min_tokens: int = 0                 # the stop tokens cannot be picked before the output has this many
+    stop_token_ids: tuple[int, ...] = ()    # ... which min_tokens holds back: EOS and the request's stop ids
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -37,10 +47,33 @@ class SamplingParams:
             raise InvalidInput(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidInput(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidInput(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidInput(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if any(not (token >= 0 and -100 <= bias <= 100) for token, bias in self.logit_bias):
+            raise InvalidInput("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if self.min_tokens < 0 or any(token < 0 for token in self.stop_token_ids):
+            raise InvalidInput("min_tokens and stop_token_ids must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its logits change before the pick: a bias, a ban or a penalty."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether its pick depends on the tokens before it (the stage must pass them: kernels.ops.sampler.History)."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +121,9 @@ class SessionOpen:
     feed: Hop | None = None
     max_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # Where the generation's output starts in prompt_token_ids (a replay sends the output so far after the prompt):
+    # what its penalties and min_tokens count from; 0: after all of prompt_token_ids
+    output_start: int = 0
 
     def forwarded(self, cached_tokens: int) -> SessionOpen:
         """The open as the next hop must receive it, carrying this stage's cached-token count."""

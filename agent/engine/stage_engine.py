@@ -20,6 +20,7 @@ from stratamesh.fleet.sessions import (Hop, SessionClose, SessionHold, SessionOp
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
+from stratamesh.kernels.ops.sampler import History
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class StageEngine:
         if self.is_last != (not message.route):
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
+        if not 0 <= message.output_start <= len(message.prompt_token_ids):
+            raise InvalidInput(f"open.output_start {message.output_start} lies outside its "
+                               f"{len(message.prompt_token_ids)} prompt_token_ids")
         cached = self._resume(message) if message.resume_from else None
         if cached is None:
             cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
@@ -274,7 +278,16 @@ class StageEngine:
         payloads = [c.item.payload[c.begin:c.end] if c.item.payload is not None else None
                     for c in batch.chunks]
         sampling = {c.session_id: self.sessions[c.session_id].sampling for c in batch.chunks if c.sample}
-        return (yield from self.runner.run_steps(batch, payloads, sampling))
+        histories = {c.session_id: self._history(c) for c in batch.chunks
+                     if c.sample and sampling[c.session_id].counts_output}
+        return (yield from self.runner.run_steps(batch, payloads, sampling, histories))
+
+    def _history(self, chunk: ScheduledChunk) -> History:
+        """What the pick after chunk counts: the request's prompt, and its output up to the chunk's end (a replayed
+        session's open names where that output starts in what it prefilled)."""
+        message, tokens = self.sessions[chunk.session_id], self.scheduler.sessions[chunk.session_id].token_ids
+        start = message.output_start or len(message.prompt_token_ids)
+        return History(tokens[:start], tokens[start:chunk.start_pos + chunk.num_tokens])
 
     def postprocess(self, batch: Batch, output: StepOutput | None, outbox: Outbox) -> None:
         """Advances the scheduler and turns the step's output into messages for the next hops."""

@@ -23,7 +23,7 @@ from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_sta
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.models.tp import check_tp, head_slice, load_tp_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from stratamesh.kernels.ops.sampler import sample_rows
+from stratamesh.kernels.ops.sampler import NO_HISTORY, History, processed_logits, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +183,14 @@ class StageRunner:
             cache.v[layer][ids] = padded[1, layer]
 
     @torch.inference_mode()
-    def run(self, batch: Batch, payloads: list[torch.Tensor | None],
-            sampling: Mapping[str, SamplingParams]) -> StepOutput:
-        """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows."""
-        return run_through(self.run_steps(batch, payloads, sampling))
+    def run(self, batch: Batch, payloads: list[torch.Tensor | None], sampling: Mapping[str, SamplingParams],
+            histories: Mapping[str, History] | None = None) -> StepOutput:
+        """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows; a sampling
+        session's history where its params count its output (SamplingParams.counts_output)."""
+        return run_through(self.run_steps(batch, payloads, sampling, histories))
 
-    def run_steps(self, batch: Batch, payloads: list[torch.Tensor | None],
-                  sampling: Mapping[str, SamplingParams]) -> Generator[None, None, StepOutput]:
+    def run_steps(self, batch: Batch, payloads: list[torch.Tensor | None], sampling: Mapping[str, SamplingParams],
+                  histories: Mapping[str, History] | None = None) -> Generator[None, None, StepOutput]:
         """run(), suspended after each layer: the caller may serve other work between layers of a long step (run it
         under torch.inference_mode())."""
         model, seqs, q_start = self.model, [], 0
@@ -203,15 +204,16 @@ class StageRunner:
             inputs = torch.cat(payloads)                           # [N, hidden]
         if self.graphs is not None and self.graphs.fits(seqs):   # a decode step: one graph launch
             out = self.graphs.run(seqs, inputs)                   # hidden, or the last stage's logits
-            return self._last_stage_output(batch, seqs, logits=out, sampling=sampling) if model.spec.is_last \
+            return self._last_stage_output(batch, seqs, sampling, histories, logits=out) if model.spec.is_last \
                 else StepOutput(hidden=out)
         hidden = yield from self.forward_steps(inputs, seqs)
         if not model.spec.is_last:
             return StepOutput(hidden=hidden)
-        return self._last_stage_output(batch, seqs, hidden=hidden, sampling=sampling)
+        return self._last_stage_output(batch, seqs, sampling, histories, hidden=hidden)
 
     def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], sampling: Mapping[str, SamplingParams],
-                           hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> StepOutput:
+                           histories: Mapping[str, History] | None, hidden: torch.Tensor | None = None,
+                           logits: torch.Tensor | None = None) -> StepOutput:
         """What the last stage makes of the chunks that asked for it, from the step's hidden rows or (a graph's)
         logits of every row: sampled tokens, or pooled embeddings."""
         model = self.model
@@ -223,7 +225,7 @@ class StageRunner:
             vectors = model.pool(hidden[rows])                     # [num sampled, hidden]
             return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
         logits = model.logits(hidden[rows]) if logits is None else logits[rows]    # [num sampled, vocab]
-        return StepOutput(tokens=_pick(sampled, logits, sampling))
+        return StepOutput(tokens=_pick(sampled, logits, sampling, histories or {}))
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:
@@ -240,11 +242,19 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
                                                 TORCH_DTYPES[spec.dtype]))
 
 
-def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor,
-          sampling: Mapping[str, SamplingParams]) -> dict[str, int]:
+def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, sampling: Mapping[str, SamplingParams],
+          histories: Mapping[str, History] | None = None) -> dict[str, int]:
     """Each chunk's next token from its row of logits [num chunks, vocab], computed where the logits are (only the
-    picked ids come back to the host): the greedy ones by one argmax, the others by one sample_rows() keyed by
+    picked ids come back to the host): the rows whose params change their logits processed first (their histories:
+    what their penalties count), then the greedy ones by one argmax, the others by one sample_rows() keyed by
     (seed, position), so that every device draws the same token."""
+    processed = [i for i, c in enumerate(chunks) if sampling[c.session_id].processes_logits]
+    if processed:
+        histories = histories or {}
+        ids = [chunks[i].session_id for i in processed]
+        logits = logits.float()     # this step's own rows (model.logits, or taken out of a graph's output)
+        logits[processed] = processed_logits(logits[processed], [sampling[s] for s in ids],
+                                             [histories.get(s, NO_HISTORY) for s in ids])
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}

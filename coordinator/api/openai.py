@@ -233,7 +233,9 @@ class OpenAIApi:
         clock = self._metrics.clock
         scheduled_s = clock()
         tokens = self._serving.generate(request)
-        run = TextStream(request, tokens, IncrementalDetokenizer(tokenizer, request.stops.strings, request.prompt_ids),
+        text = IncrementalDetokenizer(tokenizer, request.stops.strings, request.prompt_ids,
+                                      min_tokens=request.params.min_tokens)
+        run = TextStream(request, tokens, text,
                          Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
         self._metrics.request_started(run)
         return run
@@ -293,9 +295,24 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
     stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else tokenizer.eos_token_ids)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+        top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+        min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
+        stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else ())
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs in id order; a 400 naming an id outside the vocabulary."""
+    pairs = sorted((int(token), value) for token, value in bias.items())
+    outside = [token for token, _ in pairs if token >= vocab_size]
+    if outside:
+        raise ApiError(400, f"logit_bias names token ids {outside[:8]} outside the vocabulary [0, {vocab_size})",
+                       param="logit_bias")
+    return tuple(pairs)
 
 
 def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: int) -> int:

@@ -13,6 +13,7 @@ MAX_STOP_STRINGS = 16
 INT32_MAX = 2**31 - 1          # what a count or token id may be on the wire (int32 fields of mesh.proto)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MAX_EMBEDDING_INPUTS = 2048   # OpenAI's limit on the inputs of one embeddings request
+MAX_LOGIT_BIAS = 1024         # token ids one request may bias
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +24,8 @@ class StreamOptions(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """Fields /v1/completions and /v1/chat/completions share, OpenAI's plus vLLM's top_k and ignore_eos."""
+    """Fields /v1/completions and /v1/chat/completions share, OpenAI's plus vLLM's sampling extensions (top_k,
+    min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos)."""
 
     model_config = ConfigDict(extra="ignore")  # like vLLM: clients send fields we do not use
 
@@ -40,9 +42,12 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)    # vLLM extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)          # vLLM extension
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)      # vLLM extension: no stop token before this many
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -66,18 +71,13 @@ class GenerationRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported yet (only 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported yet")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} token ids")
+        if value is not None and any(not (key.isdigit() and int(key) <= INT32_MAX) for key in value):
+            raise ValueError("logit_bias keys must be token ids (decimal strings)")
         return value
 
     @property

@@ -53,10 +53,12 @@ class Attempt:
 
     first: token_ids is the prompt as the request began (its cached tokens are the request's; any other attempt
     counts what it computes again). decode: (max new tokens, 0 for no limit; stop token ids) of a generation, whose
-    last stage then feeds each token it samples to the first stage; None (an embedding): it samples once."""
+    last stage then feeds each token it samples to the first stage; None (an embedding): it samples once.
+    output_start: where the generation's output starts in token_ids (the request's prompt's length; 0: at the end)."""
 
     def __init__(self, run: Run, route: Sequence[Hop], block_size: int, token_ids: Sequence[int], first: bool,
-                 resume_from: str = "", decode: tuple[int, tuple[int, ...]] | None = None) -> None:
+                 resume_from: str = "", decode: tuple[int, tuple[int, ...]] | None = None,
+                 output_start: int = 0) -> None:
         self.outcome: Outcome | None = None
         self._run = run
         self._route = tuple(route)
@@ -65,6 +67,7 @@ class Attempt:
         self._first = first
         self._resume_from = resume_from
         self._decode = decode
+        self._output_start = output_start
         self._session_id = run.next_session_id()
 
     async def tokens(self, stops: Stops, num_emitted: int,
@@ -147,7 +150,7 @@ class Attempt:
             traceparent(record.trace_id, run.span_id) if record.trace_id else "", prompt_token_ids=token_ids,
             max_cached_tokens=len(token_ids) - 1 if cacheable else 0, resume_from=self._resume_from,
             feed=_feed(self._route[0]) if self._decode else None, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids))
+            stop_token_ids=stop_ids, output_start=self._output_start))
         cached = 0
         if cacheable:
             answer = await run.sessions.next_event(session, opened=True)

@@ -124,7 +124,8 @@ class Generation(_Request):
                 decode = (1 if prefill else left or 0, tuple(sorted(self._stops.token_ids)))
                 hand_off_to = route if prefill else None
                 attempt = Attempt(run, prefill or route, block_size, self._prompt + emitted,
-                                  first=not emitted, resume_from=moved.session_id if moved else "", decode=decode)
+                                  first=not emitted, resume_from=moved.session_id if moved else "", decode=decode,
+                                  output_start=len(self._prompt))
                 resuming, moved = moved, None
                 try:
                     async with aclosing(attempt.tokens(self._stops, len(emitted), hand_off_to)) as tokens:

@@ -127,12 +127,20 @@ def assignment_from_pb(msg: pb.Assignment) -> Assignment:
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=params.seed or 0, has_seed=params.seed is not None)
+                             seed=params.seed or 0, has_seed=params.seed is not None, min_p=params.min_p,
+                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                             repetition_penalty=params.repetition_penalty,
+                             logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+                             min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids))
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
-                          seed=msg.seed if msg.has_seed else None)
+                          seed=msg.seed if msg.has_seed else None, min_p=msg.min_p,
+                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                          repetition_penalty=msg.repetition_penalty or 1.0,
+                          logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias), min_tokens=msg.min_tokens,
+                          stop_token_ids=tuple(msg.stop_token_ids))
 
 
 def tensor_to_pb(blob: TensorBlob) -> pb.Tensor:
@@ -175,7 +183,8 @@ def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 max_cached_tokens=message.max_cached_tokens, resume_from=message.resume_from,
                 feed_address=message.feed.address if message.feed else "",
                 feed_assignment=message.feed.assignment_id if message.feed else "",
-                max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids)))
+                max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids),
+                output_start=message.output_start))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepChunks():
@@ -259,7 +268,7 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
                        sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
                        msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
-                       tuple(msg.stop_token_ids))
+                       tuple(msg.stop_token_ids), msg.output_start)
 
 
 def _if_any(values: list[str]) -> list[str]:

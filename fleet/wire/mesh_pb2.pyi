@@ -128,18 +128,40 @@ class StageSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ..., runtime: _Optional[str] = ..., quantize: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     has_seed: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LogitBias(_message.Message):
+    __slots__ = ("token_id", "bias")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    bias: float
+    def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh", "metrics_address")
@@ -494,7 +516,7 @@ class WeightData(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat", "output_start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -515,6 +537,7 @@ class SessionOpen(_message.Message):
     ROUTE_NATS_FIELD_NUMBER: _ClassVar[int]
     FEED_AGENT_FIELD_NUMBER: _ClassVar[int]
     FEED_NAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -535,7 +558,8 @@ class SessionOpen(_message.Message):
     route_nats: _containers.RepeatedScalarFieldContainer[str]
     feed_agent: str
     feed_nat: str
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ...) -> None: ...
+    output_start: int
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns")

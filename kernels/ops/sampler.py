@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature + top-k + top-p with randomness keyed by (seed, position).
+"""Token sampling: the logits processed (logit_bias, min_tokens, penalties), then greedy, or temperature + min-p +
+top-k + top-p with randomness keyed by (seed, position).
 
 A batch of rows is sampled where its logits are (on a GPU stage, on the GPU: the host gets back the width of the
 longest kept prefix and the picked ids), each row with its own settings. The only randomness is one uniform number a row, drawn on the host from its (seed,
@@ -10,10 +11,61 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from stratamesh.fleet.sessions import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What a row's penalties and min_tokens count: the request's prompt and the output it has so far."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+
+NO_HISTORY = History((), ())
+
+
+def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     histories: Sequence[History]) -> torch.Tensor:
+    """Float32 logits [B, vocab] as each row's params change them before its pick, in vLLM's order: its logit_bias
+    added and (while its output is shorter than min_tokens) its stop tokens banned, then the repetition penalty
+    on the tokens of its prompt and output (a positive logit divided by it, a negative one multiplied), the
+    frequency penalty times each token's count in its output and the presence penalty once for each token in it
+    subtracted. Computed on logits' device, in one pass over the batch."""
+    logits = logits.float().clone()
+    rows, vocab, device = len(params), logits.shape[-1], logits.device
+    bias = [(i, token, b) for i, p in enumerate(params) for token, b in p.logit_bias if token < vocab]
+    if bias:
+        index = torch.tensor([i * vocab + token for i, token, _ in bias], device=device)
+        logits.view(-1).index_add_(0, index, torch.tensor([b for _, _, b in bias], device=device))
+    banned = [i * vocab + token for i, (p, h) in enumerate(zip(params, histories, strict=True))
+              if len(h.output) < p.min_tokens for token in p.stop_token_ids if token < vocab]
+    if banned:
+        logits.view(-1)[torch.tensor(banned, device=device)] = float("-inf")
+    if not any(p.counts_output for p in params):
+        return logits
+    counts = _counts([h.output for h in histories], rows, vocab, device)           # [B, vocab]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (counts > 0) | (_counts([h.prompt for h in histories], rows, vocab, device) > 0)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def _counts(token_lists: Sequence[Sequence[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """How many times each token id occurs in each row's list: float32 [rows, vocab]."""
+    index = [i * vocab + t for i, tokens in enumerate(token_lists) for t in tokens if 0 <= t < vocab]
+    counts = torch.zeros(rows * vocab, dtype=torch.float32, device=device)
+    if index:
+        counts.index_add_(0, torch.tensor(index, device=device), torch.ones(len(index), device=device))
+    return counts.view(rows, vocab)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -25,11 +77,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
     """The token of each row of logits [B, vocab] drawn with its params (none greedy) at its position, computed on
-    logits' device: temperature, then top-k, then top-p over the highest-first order, then the inverse CDF at the
-    row's uniform draw (one copy of the kept width and one of the tokens to the host)."""
+    logits' device: temperature, then min-p, then top-k, then top-p over the highest-first order, then the inverse
+    CDF at the row's uniform draw (one copy of the kept width and one of the tokens to the host). The logits are
+    processed already (processed_logits), where a row's params say so."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scaled = logits.float() / temperature[:, None]
+    if any(p.min_p > 0 for p in params):     # tokens less likely than min_p x the likeliest are out
+        probs = torch.softmax(scaled, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)[:, None]
+        scaled = scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     top_ks = [min(p.top_k or vocab, vocab) for p in params]
     if max(top_ks) < vocab:     # every row keeps at most its top-k: only those need ordering
         sorted_logits, token_ids = torch.topk(scaled, max(top_ks), dim=-1)          # [B, K], highest first

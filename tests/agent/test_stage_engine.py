@@ -425,12 +425,40 @@ BAD_OPENS = [
     ({"prompt_token_ids": (-1, 5)}, "open.prompt_token_ids"),
     ({"route": (LAST,)}, "open.route"),               # the whole model: this is the last stage
     ({"session_id": "good"}, "open.session_id"),
+    ({"output_start": 9}, "open.output_start"),
 ]
 BAD_CHUNKS = [
     (StepChunk("victim", 0, 0, (5, 6, VOCAB), True), "chunk.token_ids"),
     (StepChunk("victim", 0, 0, (5, -3), True), "chunk.token_ids"),
     (StepChunk("stranger", 0, 0, (5, 6), True), "chunk.session_id"),
 ]
+
+
+# ------------------------------------------------------------ penalties count the output, across a replay
+PENALIZED = SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3,
+                           min_tokens=6, stop_token_ids=(0, 2))
+
+
+def test_a_replay_picks_the_tokens_of_the_run_it_replays_its_penalties_counting_the_output_so_far(
+        model_dir: Path) -> None:
+    """A replayed generation's open carries prompt + output so far, and output_start where the output begins: the
+    last stage counts that output, as the undisturbed run did, and picks the same tokens after it."""
+    prompt, num_tokens = random_prompt(40, 9), 12
+    whole = Mesh(make_engine(model_dir))
+    start(whole, replace(generation("s", prompt, max_new_tokens=num_tokens), sampling=PENALIZED))
+    whole.run()
+    tokens = whole.tokens("s")
+    assert len(tokens) == num_tokens
+    replayed = Mesh(make_engine(model_dir))
+    so_far = tokens[:5]
+    start(replayed, replace(generation("r", prompt + so_far, max_new_tokens=num_tokens - 5), sampling=PENALIZED,
+                            output_start=len(prompt)))
+    replayed.run()
+    assert so_far + replayed.tokens("r") == tokens
+    unaware = Mesh(make_engine(model_dir))      # guards it: without output_start, the output so far is prompt
+    start(unaware, replace(generation("u", prompt + so_far, max_new_tokens=num_tokens - 5), sampling=PENALIZED))
+    unaware.run()
+    assert so_far + unaware.tokens("u") != tokens
 
 
 @pytest.mark.parametrize("fields, field_name", BAD_OPENS, ids=[f"{name}-{i}" for i, (_, name) in enumerate(BAD_OPENS)])

@@ -231,3 +231,13 @@ def test_earliest_stop_wins(tokenizer: Tokenizer, stop: list[str]) -> None:
 def test_empty_stop_string_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(InvalidInput):
         IncrementalDetokenizer(tokenizer, stop=["ok", ""])
+
+
+def test_stop_strings_count_from_the_min_tokens_th_token(tokenizer: Tokenizer) -> None:
+    """vLLM's min_tokens: no stop before the output has that many tokens; a stop string after it still stops."""
+    ids = tokenizer.encode("the dog ran, the dog sat, and the cat")
+    dog_at = next(n for n in range(1, len(ids)) if "dog" in tokenizer.decode(ids[:n]))    # the first "dog" ends here
+    pieces, tail = stream(IncrementalDetokenizer(tokenizer, stop=["dog"], min_tokens=dog_at + 1), ids)
+    assert "".join(pieces) + tail == "the dog ran, the "
+    pieces, tail = stream(IncrementalDetokenizer(tokenizer, stop=["dog"]), ids)
+    assert "".join(pieces) + tail == "the "

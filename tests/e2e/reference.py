@@ -27,3 +27,17 @@ def greedy_tokens(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> li
 
 def encode(model_dir: Path, text: str) -> list[int]:
     return _load(str(model_dir))[1](text)["input_ids"]
+
+
+def greedy_processed_tokens(model_dir: Path, prompt_ids: list[int], num_tokens: int, params) -> list[int]:
+    """The greedy tokens of transformers' logits, each step's processed by params' formulas written out
+    (tests/sampling_reference.py): what a mesh must pick with those sampling parameters at temperature 0."""
+    from tests.sampling_reference import reference_processed
+
+    model, _ = _load(str(model_dir))
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1].float()
+            out.append(int(reference_processed(logits, params, prompt_ids, out).argmax()))
+    return out

@@ -15,10 +15,11 @@ from stratamesh.coordinator.registry import Registry
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 from .conftest import NUM_LAYERS, start_mesh
-from .reference import encode, greedy_tokens
+from .reference import encode, greedy_processed_tokens, greedy_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +83,30 @@ def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_
     assert whole.choices[0].message.content
     assert "".join(pieces) == whole.choices[0].message.content
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("fields", [
+    {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+    {"repetition_penalty": 1.8},
+    {"logit_bias": {"77": 3.0, "645": -100.0}, "presence_penalty": -0.5},     # 645: plain greedy's first
+], ids=["frequency-presence", "repetition", "logit-bias"])
+def test_penalties_and_logit_bias_pick_the_tokens_of_their_formulas(llama_mesh: LocalMesh, tiny_models,
+                                                                     fields: dict) -> None:
+    """Through 3 stages and the openai client, greedy: each step's pick is the argmax of transformers' logits as
+    the formula of each parameter changes them (tests/sampling_reference.py), which differs from plain greedy."""
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, PROMPT)
+    params = SamplingParams(**{**fields, "logit_bias": tuple((int(t), b) for t, b in fields.get("logit_bias",
+                                                                                                  {}).items())})
+    expected = greedy_processed_tokens(model_dir, prompt_ids, 24, params)
+    assert expected != greedy_tokens(model_dir, prompt_ids, 24)
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    standard = {k: v for k, v in fields.items() if k in ("frequency_penalty", "presence_penalty", "logit_bias")}
+    completion = client.completions.create(
+        model=model_dir.name, prompt=prompt_ids, max_tokens=24, temperature=0, **standard,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **{k: v for k, v in fields.items()
+                                                                       if k not in standard}})
+    assert completion.choices[0].token_ids == expected
 
 
 async def _stage_info(mesh: LocalMesh, address: str) -> pb.StageInfo:

@@ -33,6 +33,11 @@ STAGE_MESSAGES = [
                 "o:1", SamplingParams()),
     SessionOpen("s1.1", "b1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6, 7), max_cached_tokens=2,
                 resume_from="s1.0"),
+    SessionOpen("s1.2", "b1", (), "o:1", SamplingParams(0.8, 0, 1.0, 5, min_p=0.05, presence_penalty=-0.5,
+                                                        frequency_penalty=1.25, repetition_penalty=1.1,
+                                                        logit_bias=((3, -100.0), (17, 2.5)), min_tokens=4,
+                                                        stop_token_ids=(0, 2)),
+                prompt_token_ids=(5, 6, 7, 8), output_start=3),
     SessionOpen("s1", "a1", (Hop("10.0.0.2:5000", "a2", agent_id="cloud-1"),
                              Hop("192.168.1.3:5000", "a3", agent_id="edge-2", nat="203.0.113.9")), "o:1",
                 SamplingParams(), feed=Hop("192.168.1.2:5000", "a1", agent_id="edge-1", nat="203.0.113.9"),
@@ -192,6 +197,10 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
                                          sampling=pb.SamplingParams(temperature=-1))), "temperature"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
                                          sampling=pb.SamplingParams(top_p=1.5))), "top_p"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", sampling=pb.SamplingParams(
+        logit_bias=[pb.LogitBias(token_id=3, bias=1e9)]))), "logit_bias"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
+                                         sampling=pb.SamplingParams(min_p=2))), "min_p"),
 ])
 def test_bad_stage_messages_name_the_field(message: pb.StageMessage, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from stratamesh.fleet.sessions import SamplingParams
-from stratamesh.kernels.ops.sampler import sample, sample_rows
+from stratamesh.kernels.ops.sampler import History, processed_logits, sample, sample_rows
+from tests.sampling_reference import reference_processed
 
 
 def logits(seed: int, vocab: int = 500) -> torch.Tensor:
@@ -87,3 +88,45 @@ def test_rows_sampled_on_a_gpu_draw_what_the_cpu_draws() -> None:
     params = [SamplingParams(0.8, top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[i // 8], seed=i) for i in range(16)]
     positions = list(range(100, 116))
     assert sample_rows(x.cuda(), params, positions) == sample_rows(x, params, positions)
+
+
+# ---------------------------------------------------------------- logits processing (vLLM's order and formulas)
+
+PROCESSING = [
+    SamplingParams(logit_bias=((3, 5.0), (40, -100.0), (7, 0.25))),
+    SamplingParams(min_tokens=4, stop_token_ids=(0, 2, 9)),
+    SamplingParams(min_tokens=2, stop_token_ids=(0, 2, 9)),             # the output has reached it: no ban
+    SamplingParams(repetition_penalty=1.7),
+    SamplingParams(repetition_penalty=0.6),
+    SamplingParams(frequency_penalty=1.5),
+    SamplingParams(presence_penalty=-0.8),
+    SamplingParams(temperature=0.9, seed=1, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                   logit_bias=((1, 2.0),), min_tokens=9, stop_token_ids=(4,)),
+    SamplingParams(),
+]
+
+
+def test_each_row_is_processed_by_its_own_formulas_in_one_batch() -> None:
+    """Every bias, ban and penalty against the formula written out, rows of different settings side by side; the
+    prompt and output repeat tokens (so counts above one matter) and logits of both signs are penalized."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(PROCESSING), 60, generator=g) * 4
+    histories = [History(torch.randint(0, 60, (12,), generator=g).tolist(),
+                         torch.randint(0, 20, (3,), generator=g).tolist()) for _ in PROCESSING]
+    got = processed_logits(logits, PROCESSING, histories)
+    for i, (p, h) in enumerate(zip(PROCESSING, histories, strict=True)):
+        expected = reference_processed(logits[i], p, list(h.prompt), list(h.output))
+        torch.testing.assert_close(got[i], expected, atol=1e-6, rtol=0)
+        assert torch.equal(got[i], logits[i]) == (not p.processes_logits or p.min_tokens == 2), i   # each bit
+    assert torch.isinf(got[1, [0, 2, 9]]).all() and not torch.isinf(got[2]).any()
+    assert torch.equal(got[8], logits[8])
+
+
+def test_min_p_keeps_only_the_tokens_within_its_share_of_the_likeliest() -> None:
+    x = torch.tensor([4.0, 3.5, 2.0, 1.0, 0.0, -1.0])
+    probs = torch.softmax(x, dim=-1)
+    within = {i for i in range(6) if probs[i] >= 0.1 * probs.max()}
+    params = SamplingParams(temperature=1.0, min_p=0.1, seed=7)
+    picks = {sample(x, params, position=pos) for pos in range(400)}
+    assert picks == within and len(within) == 3       # every kept token drawn, none of the others
+    assert len({sample(x, SamplingParams(temperature=1.0, seed=7), position=pos) for pos in range(400)}) > 3
