@@ -2,9 +2,9 @@
 top-k + top-p with randomness keyed by (seed, position).
 
 A batch of rows is sampled where its logits are (on a GPU stage, on the GPU: the host gets back the width of the
-longest kept prefix and the picked ids), each row with its own settings. The only randomness is one uniform number a row, drawn on the host from its (seed,
-position): whatever device computes the rest, a replay of a position draws the same token (up to the device's
-rounding of the probabilities)."""
+longest kept prefix and the picked ids), each row with its own settings. The only randomness is one uniform number
+a row, drawn on the host from its (seed, position): whatever device computes the rest, a replay of a position draws
+the same token (up to the device's rounding of the probabilities)."""
 
 from __future__ import annotations
 
