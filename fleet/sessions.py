@@ -10,6 +10,7 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.stages import DTYPES
 
 HOP_CODECS = ("", *DTYPES, "int8")
+MAX_LOGPROBS = 20       # the likeliest tokens a pick may return with it (OpenAI's limit)
 
 
 def wire_dtype(sender: str, receiver: str) -> str:
@@ -39,6 +40,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()      # (token id, added to its logit)
     min_tokens: int = 0                 # the stop tokens cannot be picked before the output has this many
     stop_token_ids: tuple[int, ...] = ()    # ... which min_tokens holds back: EOS and the request's stop ids
+    # What comes back with the picks, the model's log-probabilities (before the settings above): each picked token's
+    # and this many of the likeliest (None: none); each prompt token's likewise (prompt_logprobs, for echo)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -58,6 +63,10 @@ class SamplingParams:
             raise InvalidInput("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         if self.min_tokens < 0 or any(token < 0 for token in self.stop_token_ids):
             raise InvalidInput("min_tokens and stop_token_ids must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidInput(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -174,6 +183,15 @@ class SessionHold:
 
 
 @dataclass(frozen=True, slots=True)
+class Logprobs:
+    """A token's log-probability under the model and the likeliest tokens' (id, log-probability), likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """What the last stage returns to the origin: a sampled token (or an embedding model's pooled vector), or the
     error that ended the session."""
@@ -190,6 +208,10 @@ class TokenEvent:
     unreachable: str = ""       # with error: the address of the hop a stage lost (the origin replays)
     embedding: tuple[float, ...] = ()   # instead of a token (embedding models): the prompt's normalized vector
     held: bool = False          # the last token before a hold: the session is quiet on every stage now
+    logprobs: Logprobs | None = None    # the token's, where its sampling asks for them
+    # with a generation's first token, where its sampling asks for prompt_logprobs: those of its prompt's tokens
+    # from the second on (the first has none)
+    prompt_logprobs: tuple[Logprobs, ...] = ()
 
 
 # What one stage sends another (or the origin its route's first stage) on a session's stream.

@@ -12,11 +12,11 @@ import torch
 from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.micro_batches import MicroBatches
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
-from stratamesh.agent.engine.stage_runner import StageRunner, StepOutput
+from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.kv import KvLayout
-from stratamesh.fleet.sessions import (Hop, SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
-                                       TokenEvent, wire_dtype)
+from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk,
+                                       StepChunks, TokenEvent, wire_dtype)
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
@@ -100,6 +100,8 @@ class StageEngine:
         self.sessions: dict[str, SessionOpen] = {}
         self.parked: set[str] = set()   # imported sessions waiting for the SessionOpen that resumes them
         self.loops: dict[str, DecodeLoop] = {}   # last stage: the decode loop of each generating session
+        # last stage: the log-probabilities of a session's prompt tokens so far, sent with its first token
+        self._prompt_logprobs: dict[str, list[Logprobs]] = {}
         self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
         self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
 
@@ -159,6 +161,7 @@ class StageEngine:
             return None
         self.loops.pop(session_id, None)
         self._left_ns.pop(session_id, None)
+        self._prompt_logprobs.pop(session_id, None)
         self.scheduler.close(session_id)
         if message.route:
             outbox.stage_messages.append((message.route[0], SessionClose(session_id)))
@@ -277,10 +280,23 @@ class StageEngine:
         """run(), suspended after each layer (StageRunner.run_steps; run it under torch.inference_mode())."""
         payloads = [c.item.payload[c.begin:c.end] if c.item.payload is not None else None
                     for c in batch.chunks]
-        sampling = {c.session_id: self.sessions[c.session_id].sampling for c in batch.chunks if c.sample}
+        return (yield from self.runner.run_steps(batch, payloads, self._picking(batch) if self.is_last else Picking()))
+
+    def _picking(self, batch: Batch) -> Picking:
+        """What the runner needs to pick this step's tokens (StageRunner's Picking)."""
+        params = {c.session_id: self.sessions[c.session_id].sampling for c in batch.chunks}
         histories = {c.session_id: self._history(c) for c in batch.chunks
-                     if c.sample and sampling[c.session_id].counts_output}
-        return (yield from self.runner.run_steps(batch, payloads, sampling, histories))
+                     if c.sample and params[c.session_id].counts_output}
+        targets = {c.session_id: self._prompt_targets(c) for c in batch.chunks
+                   if params[c.session_id].prompt_logprobs is not None}
+        return Picking(params, histories, {session_id: t for session_id, t in targets.items() if t})
+
+    def _prompt_targets(self, chunk: ScheduledChunk) -> tuple[int, ...]:
+        """The prompt tokens the chunk's rows predict (the row at position p predicts p + 1), up to the prompt's last
+        (the output's first is the chunk's pick)."""
+        message, tokens = self.sessions[chunk.session_id], self.scheduler.sessions[chunk.session_id].token_ids
+        prompt_end = message.output_start or len(message.prompt_token_ids)
+        return tuple(tokens[chunk.start_pos + 1:min(chunk.start_pos + chunk.num_tokens + 1, prompt_end)])
 
     def _history(self, chunk: ScheduledChunk) -> History:
         """What the pick after chunk counts: the request's prompt, and its output up to the chunk's end (a replayed
@@ -308,10 +324,14 @@ class StageEngine:
         (one message per first stage)."""
         feeds: dict[Hop, list[StepChunk]] = {}
         sent_ns = time.time_ns()
+        for session_id, logprobs in output.prompt_logprobs.items():
+            if session_id in self.sessions:
+                self._prompt_logprobs.setdefault(session_id, []).extend(logprobs)
         for chunk in batch.chunks:
             if not chunk.sample or chunk.session_id not in self.sessions:     # (closed while the step ran)
                 continue
-            event = _event(chunk, output)
+            event = replace(_event(chunk, output), logprobs=output.logprobs.get(chunk.session_id),
+                            prompt_logprobs=tuple(self._prompt_logprobs.pop(chunk.session_id, ())))
             loop = self.loops.get(chunk.session_id)
             if loop is not None and loop.sampled(event.token_id):
                 position = chunk.start_pos + chunk.num_tokens          # of the token just sampled

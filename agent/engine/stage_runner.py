@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,14 +16,14 @@ from stratamesh.agent.engine.memory import cpu_kv_bytes, gpu_kv_bytes, read_gpu_
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
 from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.states import Runtime
-from stratamesh.fleet.sessions import SamplingParams
+from stratamesh.fleet.sessions import Logprobs, SamplingParams
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, load_stage, run_through
 from stratamesh.kernels.models.onnx_stage import load_runtime_stage
 from stratamesh.kernels.models.tp import check_tp, head_slice, load_tp_stage
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from stratamesh.kernels.ops.sampler import NO_HISTORY, History, processed_logits, sample_rows
+from stratamesh.kernels.ops.sampler import NO_HISTORY, History, processed_logits, sample_rows, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,25 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """One step's result: hidden rows in batch order for the next stage, or what the last stage made of the chunks
-    that asked for it: sampled tokens, or (an embedding model) pooled vectors."""
+    that asked for it: sampled tokens (with their log-probabilities where asked), or (an embedding model) pooled
+    vectors; and the log-probabilities of the prompt tokens its chunks' rows predict, where asked."""
 
     hidden: torch.Tensor | None = None       # [sum of chunk lengths, hidden_size]
     tokens: Mapping[str, int] | None = None  # session id -> sampled token id
     embeddings: Mapping[str, torch.Tensor] | None = None   # session id -> unit vector [hidden_size], float32
+    logprobs: Mapping[str, Logprobs] = field(default_factory=dict)     # session id -> its sampled token's
+    prompt_logprobs: Mapping[str, list[Logprobs]] = field(default_factory=dict)   # session id -> its chunk's
+
+
+@dataclass(frozen=True, slots=True)
+class Picking:
+    """What the last stage needs of a step's sessions to pick their tokens: each session's sampling params; the
+    history of those whose params count their output; and, for a session that asks for its prompt's
+    log-probabilities, the prompt tokens its chunk's first rows predict (the row at position p predicts p + 1)."""
+
+    params: Mapping[str, SamplingParams] = field(default_factory=dict)
+    histories: Mapping[str, History] = field(default_factory=dict)
+    prompt_targets: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class StageRunner:
@@ -183,14 +197,13 @@ class StageRunner:
             cache.v[layer][ids] = padded[1, layer]
 
     @torch.inference_mode()
-    def run(self, batch: Batch, payloads: list[torch.Tensor | None], sampling: Mapping[str, SamplingParams],
-            histories: Mapping[str, History] | None = None) -> StepOutput:
-        """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows; a sampling
-        session's history where its params count its output (SamplingParams.counts_output)."""
-        return run_through(self.run_steps(batch, payloads, sampling, histories))
+    def run(self, batch: Batch, payloads: list[torch.Tensor | None], picking: Picking = Picking()) -> StepOutput:
+        """One forward pass over every chunk of the batch; payloads[i] holds chunk i's input rows; the last stage
+        picks the tokens of the chunks that ask for one as picking says."""
+        return run_through(self.run_steps(batch, payloads, picking))
 
-    def run_steps(self, batch: Batch, payloads: list[torch.Tensor | None], sampling: Mapping[str, SamplingParams],
-                  histories: Mapping[str, History] | None = None) -> Generator[None, None, StepOutput]:
+    def run_steps(self, batch: Batch, payloads: list[torch.Tensor | None],
+                  picking: Picking = Picking()) -> Generator[None, None, StepOutput]:
         """run(), suspended after each layer: the caller may serve other work between layers of a long step (run it
         under torch.inference_mode())."""
         model, seqs, q_start = self.model, [], 0
@@ -204,28 +217,43 @@ class StageRunner:
             inputs = torch.cat(payloads)                           # [N, hidden]
         if self.graphs is not None and self.graphs.fits(seqs):   # a decode step: one graph launch
             out = self.graphs.run(seqs, inputs)                   # hidden, or the last stage's logits
-            return self._last_stage_output(batch, seqs, sampling, histories, logits=out) if model.spec.is_last \
+            return self._last_stage_output(batch, seqs, picking, logits=out) if model.spec.is_last \
                 else StepOutput(hidden=out)
         hidden = yield from self.forward_steps(inputs, seqs)
         if not model.spec.is_last:
             return StepOutput(hidden=hidden)
-        return self._last_stage_output(batch, seqs, sampling, histories, hidden=hidden)
+        return self._last_stage_output(batch, seqs, picking, hidden=hidden)
 
-    def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], sampling: Mapping[str, SamplingParams],
-                           histories: Mapping[str, History] | None, hidden: torch.Tensor | None = None,
-                           logits: torch.Tensor | None = None) -> StepOutput:
+    def _last_stage_output(self, batch: Batch, seqs: list[SeqSlice], picking: Picking,
+                           hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> StepOutput:
         """What the last stage makes of the chunks that asked for it, from the step's hidden rows or (a graph's)
-        logits of every row: sampled tokens, or pooled embeddings."""
+        logits of every row: sampled tokens, or pooled embeddings; and the log-probabilities asked for."""
         model = self.model
         rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
         sampled = [c for c in batch.chunks if c.sample]
-        if not rows:
-            return StepOutput(tokens={}) if model.config.has_lm_head else StepOutput(embeddings={})
         if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
-            vectors = model.pool(hidden[rows])                     # [num sampled, hidden]
+            vectors = model.pool(hidden[rows]) if rows else []     # [num sampled, hidden]
             return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
-        logits = model.logits(hidden[rows]) if logits is None else logits[rows]    # [num sampled, vocab]
-        return StepOutput(tokens=_pick(sampled, logits, sampling, histories or {}))
+        # the rows whose logits give prompt tokens' log-probabilities: (session, row, the token it predicts)
+        targets = [(c.session_id, s.q_start + i, token) for s, c in zip(seqs, batch.chunks, strict=True)
+                   for i, token in enumerate(picking.prompt_targets.get(c.session_id, ()))]
+        every = rows + [row for _, row, _ in targets]
+        if not every:
+            return StepOutput(tokens={})
+        every_logits = model.logits(hidden[every]) if logits is None else logits[every]   # [rows, vocab]
+        logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):]
+        tokens = _pick(sampled, logits, picking) if rows else {}
+        prompt_logprobs: dict[str, list[Logprobs]] = {}
+        if targets:
+            k = [picking.params[session_id].prompt_logprobs or 0 for session_id, _, _ in targets]
+            for (session_id, _, _), lp in zip(targets, token_logprobs(prompt_logits, [t for _, _, t in targets], k),
+                                              strict=True):
+                prompt_logprobs.setdefault(session_id, []).append(lp)
+        asked = [i for i, c in enumerate(sampled) if picking.params[c.session_id].logprobs is not None]
+        logprobs = {} if not asked else dict(zip([sampled[i].session_id for i in asked], token_logprobs(
+            logits[asked], [tokens[sampled[i].session_id] for i in asked],
+            [picking.params[sampled[i].session_id].logprobs for i in asked]), strict=True))
+        return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:
@@ -242,19 +270,18 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
                                                 TORCH_DTYPES[spec.dtype]))
 
 
-def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, sampling: Mapping[str, SamplingParams],
-          histories: Mapping[str, History] | None = None) -> dict[str, int]:
+def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, picking: Picking) -> dict[str, int]:
     """Each chunk's next token from its row of logits [num chunks, vocab], computed where the logits are (only the
-    picked ids come back to the host): the rows whose params change their logits processed first (their histories:
-    what their penalties count), then the greedy ones by one argmax, the others by one sample_rows() keyed by
-    (seed, position), so that every device draws the same token."""
+    picked ids come back to the host): the rows whose params change their logits processed first (on a copy: the
+    logits stay the model's; their histories: what their penalties count), then the greedy ones by one argmax, the
+    others by one sample_rows() keyed by (seed, position), so that every device draws the same token."""
+    sampling = picking.params
     processed = [i for i, c in enumerate(chunks) if sampling[c.session_id].processes_logits]
     if processed:
-        histories = histories or {}
         ids = [chunks[i].session_id for i in processed]
-        logits = logits.float()     # this step's own rows (model.logits, or taken out of a graph's output)
+        logits = logits.float().clone()
         logits[processed] = processed_logits(logits[processed], [sampling[s] for s in ids],
-                                             [histories.get(s, NO_HISTORY) for s in ids])
+                                             [picking.histories.get(s, NO_HISTORY) for s in ids])
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}

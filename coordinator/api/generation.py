@@ -12,6 +12,7 @@ import anyio
 
 from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.text import IncrementalDetokenizer
+from stratamesh.fleet.sessions import Logprobs
 from stratamesh.fleet.states import FinishReason
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class Delta:
     text: str
     finish_reason: FinishReason | None = None
     token_ids: tuple[int, ...] = ()  # the tokens consumed since the previous delta
+    logprobs: tuple[Logprobs | None, ...] = ()     # theirs, where the request asked for them
 
 
 @dataclass(slots=True)
@@ -85,7 +87,8 @@ class TextStream:
                 if delta.finish_reason is not None:  # recorded before the yield: a consumer may stop at this delta
                     self._finish(delta.finish_reason, at_s=self.timeline.last_token_s)
                 if delta.text or delta.finish_reason is not None:
-                    yield replace(delta, token_ids=tuple(self.token_ids[sent:]))
+                    yield replace(delta, token_ids=tuple(self.token_ids[sent:]),
+                                  logprobs=tuple(self.logprobs[sent:len(self.token_ids)]))
                     sent = len(self.token_ids)
                 if self.finish_reason is not None:
                     return
@@ -133,6 +136,16 @@ class TextStream:
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def logprobs(self) -> list[Logprobs | None]:
+        """Each received token's log-probabilities, where the request asked (empty when the stream does not say)."""
+        return getattr(self._tokens, "logprobs", [])
+
+    @property
+    def prompt_logprobs(self) -> tuple[Logprobs, ...]:
+        """The prompt's tokens' log-probabilities from the second on, where the request asked (echo)."""
+        return getattr(self._tokens, "prompt_logprobs", ())
 
     async def _receive(self) -> int | None:
         """The next token (None when the stream ends), recorded with its arrival time and reported."""

@@ -30,7 +30,8 @@ from stratamesh.coordinator.api.embeddings import check_context, embed_all, embe
 from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                 GenerationRequest)
-from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, ResponseFormat
+from stratamesh.coordinator.api.logprobs import LogprobsShape
+from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
@@ -140,8 +141,10 @@ class OpenAIApi:
             req = await parse_body(request, CompletionRequest)
             card, tokenizer = self._model(req.model)
             prompt_ids = _prompt_ids(tokenizer, req.prompt)
-            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
-                                   req.return_token_ids)
+            echo = None if not req.echo else Echo(
+                req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids), tuple(prompt_ids))
+            fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage, req.return_token_ids,
+                                   _logprobs_shape(tokenizer, req.num_logprobs), echo)
             return await self._run(request, req, card, tokenizer, prompt_ids, req.max_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
@@ -154,8 +157,8 @@ class OpenAIApi:
             card, tokenizer = self._model(req.model)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             prompt_ids = tokenizer.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
-            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
-                             req.return_token_ids)
+            fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage, req.return_token_ids,
+                             _logprobs_shape(tokenizer, req.num_logprobs))
             return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
@@ -220,7 +223,7 @@ class OpenAIApi:
         self._metrics.request_finished(run)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(fmt.whole(*result, _usage(run), run.token_ids))
+        return JSONResponse(fmt.whole(*result, _usage(run), run))
 
     def _check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         cap = self._limits.max_prompt_tokens
@@ -300,9 +303,15 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
-        stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else ())
+        stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else (), logprobs=req.num_logprobs,
+        prompt_logprobs=req.num_prompt_logprobs)
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
+
+
+def _logprobs_shape(tokenizer: Tokenizer, num_top: int | None) -> LogprobsShape | None:
+    """How a response shows its tokens' log-probabilities; None where the request did not ask for them."""
+    return None if num_top is None else LogprobsShape(tokenizer, num_top)
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -363,7 +372,7 @@ async def _sse_events(run: TextStream, fmt: ResponseFormat,
                       on_error: Callable[[ApiError], None]) -> AsyncIterator[bytes]:
     """The SSE body of a started run; a failure mid-stream goes to on_error and becomes an error event, then [DONE]."""
     try:
-        for chunk in fmt.head():
+        for chunk in fmt.head(run):
             yield sse_event(chunk)
         async for delta in run.deltas():
             for chunk in fmt.pieces(delta):

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from stratamesh.fleet.sessions import MAX_LOGPROBS
+
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
@@ -84,15 +86,33 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """The likeliest tokens listed with each generated token's log-probability; None: no logprobs."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The same for each prompt token (echo); None: none."""
+        return None
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Any  # a string or a list of token ids; a list of several prompts is rejected
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -107,18 +127,18 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("several prompts in one request are not supported yet; send one per request")
         raise ValueError("prompt must be a string or a non-empty list of token ids")
 
-    @field_validator("logprobs", "best_of")
+    @field_validator("best_of")
     @classmethod
-    def _unsupported(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not (info.field_name == "best_of" and value == 1):
-            raise ValueError(f"{info.field_name} is not supported yet")
+    def _one_best(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of is not supported yet (only 1)")
         return value
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError(f"{info.field_name} is not supported yet")
+            raise ValueError("suffix is not supported (no model served here fills in the middle)")
         return value
 
 
@@ -151,18 +171,22 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported yet")
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod

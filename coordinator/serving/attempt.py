@@ -71,9 +71,9 @@ class Attempt:
         self._session_id = run.next_session_id()
 
     async def tokens(self, stops: Stops, num_emitted: int,
-                     hand_off_to: Sequence[Hop] | None = None) -> AsyncIterator[int]:
-        """A generation's tokens on this route, the num_emitted-th onwards, until stops says it ends (Done), the
-        session is held to move (Moved), or the attempt is Preempted or loses its route (RouteLost).
+                     hand_off_to: Sequence[Hop] | None = None) -> AsyncIterator[TokenEvent]:
+        """A generation's token events on this route, the num_emitted-th onwards, until stops says it ends (Done),
+        the session is held to move (Moved), or the attempt is Preempted or loses its route (RouteLost).
 
         hand_off_to: this route only prefills; the stages of hand_off_to are asked at once to pull the session's
         KV as each stage here finishes the prompt, and after the first token the session stops, quiet, to resume
@@ -94,7 +94,7 @@ class Attempt:
                         return
                     session.prefill_tokens = 0
                     num_emitted += 1
-                    yield event.token_id
+                    yield event
                     if stops.reason(event.token_id, num_emitted) is not None:
                         self.outcome = Done()       # its last token: the last stage fed it nowhere
                         return
@@ -141,7 +141,10 @@ class Attempt:
         stage holds already, from which the prefill starts."""
         run, token_ids = self._run, self._token_ids
         session.prefill_tokens = len(token_ids)
-        cacheable = bool(self._resume_from) or len(token_ids) > self._block_size
+        # a prompt whose tokens' log-probabilities are asked for is computed whole: the prefix cache holds KV, not
+        # the logits of the positions it serves (its blocks are still cached for the requests after it)
+        cacheable = bool(self._resume_from) or (len(token_ids) > self._block_size
+                                                and run.params.prompt_logprobs is None)
         opened_ns = time.time_ns()
         max_new_tokens, stop_ids = self._decode or (0, ())
         record = run.record

@@ -14,7 +14,7 @@ from stratamesh.coordinator.serving.outcomes import Done, Moved, Preempted, Rout
 from stratamesh.coordinator.serving.records import RequestRecord
 from stratamesh.coordinator.serving.request import Stops
 from stratamesh.fleet.errors import StageFailed
-from stratamesh.fleet.sessions import Hop
+from stratamesh.fleet.sessions import Hop, Logprobs
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,10 @@ class Generation(_Request):
         self._stops = stops
         self._prefill = prefill
         self._tokens = self._attempts()
+        # where its sampling asks for them: each emitted token's log-probabilities, and its prompt's (the second
+        # token's on), as the last stage sent them
+        self.logprobs: list[Logprobs | None] = []
+        self.prompt_logprobs: tuple[Logprobs, ...] = ()
 
     def __aiter__(self) -> Generation:
         return self
@@ -128,10 +132,12 @@ class Generation(_Request):
                                   output_start=len(self._prompt))
                 resuming, moved = moved, None
                 try:
-                    async with aclosing(attempt.tokens(self._stops, len(emitted), hand_off_to)) as tokens:
-                        async for token in tokens:
-                            emitted.append(token)
-                            yield token
+                    async with aclosing(attempt.tokens(self._stops, len(emitted), hand_off_to)) as events:
+                        async for event in events:
+                            emitted.append(event.token_id)
+                            self.logprobs.append(event.logprobs)
+                            self.prompt_logprobs = self.prompt_logprobs or event.prompt_logprobs
+                            yield event.token_id
                 finally:
                     if resuming is not None:    # resumed, or given up: no stage holds it for this request any more
                         run.sessions.moved(resuming.session_id)

@@ -16,8 +16,9 @@ from stratamesh.fleet.control_messages import (AgentMessage, ControlMessage, Coo
                                                KvEventReport, LinkMeasurement, LinkReport, ProbeLinks, Release,
                                                RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
 from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
-from stratamesh.fleet.sessions import (HOP_CODECS, Hop, SamplingParams, SessionClose, SessionHold, SessionOpen,
-    StageMessage, StepBatch, StepChunk, StepChunks, TensorBlob, TokenEvent)
+from stratamesh.fleet.sessions import (HOP_CODECS, MAX_LOGPROBS, Hop, Logprobs, SamplingParams, SessionClose,
+                                       SessionHold, SessionOpen, StageMessage, StepBatch, StepChunk, StepChunks,
+                                       TensorBlob, TokenEvent)
 from stratamesh.fleet.stages import (AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, StageSpec,
                                      StageStatus)
 from stratamesh.fleet.tracing import Span
@@ -131,7 +132,10 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
                              presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                              repetition_penalty=params.repetition_penalty,
                              logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
-                             min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids))
+                             min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
+                             logprobs=params.logprobs or 0, has_logprobs=params.logprobs is not None,
+                             prompt_logprobs=params.prompt_logprobs or 0,
+                             has_prompt_logprobs=params.prompt_logprobs is not None)
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -140,7 +144,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                           repetition_penalty=msg.repetition_penalty or 1.0,
                           logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias), min_tokens=msg.min_tokens,
-                          stop_token_ids=tuple(msg.stop_token_ids))
+                          stop_token_ids=tuple(msg.stop_token_ids),
+                          logprobs=msg.logprobs if msg.has_logprobs else None,
+                          prompt_logprobs=msg.prompt_logprobs if msg.has_prompt_logprobs else None)
 
 
 def tensor_to_pb(blob: TensorBlob) -> pb.Tensor:
@@ -331,7 +337,22 @@ def _token_event_to_pb(e: TokenEvent) -> pb.TokenEvent:
                         preempted=e.preempted, sent_unix_ns=e.sent_unix_ns, unreachable=e.unreachable, held=e.held)
     if e.embedding:
         msg.embedding.CopyFrom(vector_to_pb(e.embedding))
+    if e.logprobs is not None:
+        msg.logprobs.CopyFrom(_logprobs_to_pb(e.logprobs))
+    msg.prompt_logprobs.extend(_logprobs_to_pb(lp) for lp in e.prompt_logprobs)
     return msg
+
+
+def _logprobs_to_pb(lp: Logprobs) -> pb.Logprobs:
+    return pb.Logprobs(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                       top_logprobs=[v for _, v in lp.top])
+
+
+def _logprobs_from_pb(msg: pb.Logprobs) -> Logprobs:
+    if len(msg.top_ids) != len(msg.top_logprobs) or len(msg.top_ids) > MAX_LOGPROBS:
+        raise InvalidInput(f"token_event.logprobs has {len(msg.top_ids)} top ids and {len(msg.top_logprobs)} "
+                           f"log-probabilities (equal, at most {MAX_LOGPROBS})")
+    return Logprobs(msg.token_id, msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))
 
 
 def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
@@ -341,7 +362,8 @@ def token_event_from_pb(msg: pb.TokenEvent) -> TokenEvent:
     embedding = vector_from_pb(msg.embedding, "token_event.embedding") if msg.HasField("embedding") else ()
     return TokenEvent(msg.session_id, msg.step, msg.token_id, msg.error, msg.error_stage,
                       msg.opened, msg.cached_tokens, msg.preempted, msg.sent_unix_ns, msg.unreachable, embedding,
-                      msg.held)
+                      msg.held, _logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
+                      tuple(_logprobs_from_pb(lp) for lp in msg.prompt_logprobs))
 
 
 def vector_to_pb(vector: tuple[float, ...]) -> pb.Tensor:

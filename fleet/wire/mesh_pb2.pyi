@@ -128,7 +128,7 @@ class StageSpec(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ..., runtime: _Optional[str] = ..., quantize: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "has_logprobs", "prompt_logprobs", "has_prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,10 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -153,7 +157,11 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: int
+    has_logprobs: bool
+    prompt_logprobs: int
+    has_prompt_logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -803,7 +811,7 @@ class BulkSummary(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., timed_bytes: _Optional[int] = ..., timed_s: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable", "embedding", "held")
+    __slots__ = ("session_id", "step", "token_id", "error", "error_stage", "opened", "cached_tokens", "preempted", "sent_unix_ns", "unreachable", "embedding", "held", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -816,6 +824,8 @@ class TokenEvent(_message.Message):
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     token_id: int
@@ -828,7 +838,21 @@ class TokenEvent(_message.Message):
     unreachable: str
     embedding: Tensor
     held: bool
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., unreachable: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., held: _Optional[bool] = ...) -> None: ...
+    logprobs: Logprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., token_id: _Optional[int] = ..., error: _Optional[str] = ..., error_stage: _Optional[str] = ..., opened: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., preempted: _Optional[bool] = ..., sent_unix_ns: _Optional[int] = ..., unreachable: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., held: _Optional[bool] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("events",)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stratamesh.fleet.sessions import SamplingParams
+from stratamesh.fleet.sessions import Logprobs, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,18 @@ def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     return logits - frequency * counts - presence * (counts > 0)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[Logprobs]:
+    """Each row's token's log-probability under logits [B, vocab] (log-softmax in float32: the model's, before any
+    sampling setting) and its num_top likeliest tokens', computed on logits' device (two copies to the host)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [Logprobs(token, value, tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+            for i, (token, value, n) in enumerate(zip(token_ids, picked, num_top, strict=True))]
 
 
 def _counts(token_lists: Sequence[Sequence[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:

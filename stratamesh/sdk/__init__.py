@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from stratamesh.sdk.async_client import AsyncMesh
+from stratamesh.sdk.calls import SamplingOptions
 from stratamesh.sdk.client import Mesh
 from stratamesh.sdk.errors import (
     AmbiguousModelError,
@@ -30,6 +31,7 @@ from stratamesh.sdk.results import (
     Gpu,
     Message,
     Model,
+    TokenLogprob,
     Usage,
 )
 from stratamesh.sdk.streams import AsyncStream, Stream
@@ -39,5 +41,5 @@ __all__ = [
     "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "ConflictError", "EmbeddingsNotSupportedError",
     "Gpu", "InternalServerError", "Mesh", "MeshAPIError", "MeshConnectionError", "MeshError", "MeshTimeoutError",
     "Message", "Model", "NotFoundError", "PermissionDeniedError", "RateLimitError", "ServiceUnavailableError",
-    "Stream", "UnexpectedResponseError", "Usage",
+    "SamplingOptions", "Stream", "TokenLogprob", "UnexpectedResponseError", "Usage",
 ]

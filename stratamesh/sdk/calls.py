@@ -6,8 +6,7 @@ import os
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 from urllib.parse import urlencode
 
 from stratamesh.sdk.errors import (
@@ -27,25 +26,45 @@ MessageLike = Message | Mapping[str, Any]
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """The sampling fields of a completion or chat request."""
+class SamplingOptions(TypedDict, total=False):
+    """The sampling settings generate() and chat() take, named and meant as in the API (OpenAI's, and vLLM's for
+    top_k, min_p, repetition_penalty and min_tokens); what is left out takes the API's default, but max_tokens
+    (64 here) and temperature (0 here: greedy)."""
 
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    stop: str | Sequence[str]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float]     # token id -> added to its logit
+    min_tokens: int
+    logprobs: int       # each generated token's log-probability, and this many likeliest tokens' with it
 
-    def as_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                                "top_p": self.top_p, "top_k": self.top_k}
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if self.stop is not None:
-            body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return body
+
+SAMPLING_DEFAULTS: SamplingOptions = {"max_tokens": 64, "temperature": 0.0}
+
+
+def sampling_json(options: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """The API's fields of options (SamplingOptions) for /v1/completions, or /v1/chat/completions (chat: logprobs
+    as logprobs + top_logprobs); a TypeError naming an option it does not know, as a call with it would."""
+    unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    body: dict[str, Any] = {**SAMPLING_DEFAULTS, **options}
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    elif "stop" in body:
+        body["stop"] = list(body["stop"])
+    if "logit_bias" in body:
+        body["logit_bias"] = {str(token): bias for token, bias in body["logit_bias"].items()}
+    if chat and "logprobs" in body:
+        body.update(logprobs=True, top_logprobs=body.pop("logprobs"))
+    return body
 
 
 def api_root(url: str) -> str:
@@ -60,9 +79,10 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def generation_body(model: str, sampling: Sampling, stream: bool, **fields: Any) -> dict[str, Any]:
-    """The body of /v1/completions (fields: prompt) or /v1/chat/completions (fields: messages)."""
-    body = {"model": model, **fields, **sampling.as_json(), "stream": stream}
+def generation_body(model: str, sampling: Mapping[str, Any], stream: bool, **fields: Any) -> dict[str, Any]:
+    """The body of /v1/completions (fields: prompt) or /v1/chat/completions (fields: messages); sampling: the API's
+    fields of the call's options (sampling_json)."""
+    body = {"model": model, **fields, **sampling, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body

@@ -6,12 +6,12 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, closing
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 import httpx
 
 from stratamesh.sdk import calls
-from stratamesh.sdk.calls import MessageLike, Sampling
+from stratamesh.sdk.calls import MessageLike, SamplingOptions
 from stratamesh.sdk.errors import MeshAPIError, error_from_response, transport_error
 from stratamesh.sdk.results import Agent, ChatChunk, ChatCompletion, Completion, CompletionChunk, Model
 from stratamesh.sdk.streams import Stream
@@ -60,43 +60,37 @@ class Mesh:
                 return agents
 
     @overload
-    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stream: Literal[False] = False) -> Completion: ...
+    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, stream: Literal[False] = False,
+                 **sampling: Unpack[SamplingOptions]) -> Completion: ...
 
     @overload
-    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stream: Literal[True]) -> Stream[CompletionChunk]: ...
+    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, stream: Literal[True],
+                 **sampling: Unpack[SamplingOptions]) -> Stream[CompletionChunk]: ...
 
-    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None,
-                 stream: bool = False) -> Completion | Stream[CompletionChunk]:
-        """Completes prompt (text or token ids): POST /v1/completions; stream=True gives a Stream of chunks."""
-        sampling = Sampling(max_tokens, temperature, top_p, top_k, seed, stop)
+    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, stream: bool = False,
+                 **sampling: Unpack[SamplingOptions]) -> Completion | Stream[CompletionChunk]:
+        """Completes prompt (text or token ids): POST /v1/completions, with sampling's settings (SamplingOptions:
+        max_tokens 64 and greedy unless said); stream=True gives a Stream of chunks."""
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        body = calls.generation_body(self._model(model), sampling, stream, prompt=prompt)
+        body = calls.generation_body(self._model(model), calls.sampling_json(sampling, chat=False), stream,
+                                     prompt=prompt)
         if stream:
             return self._stream("/v1/completions", body, calls.completion_chunk)
         return calls.shaped("completion", Completion.from_json, self._json("POST", "/v1/completions", body))
 
     @overload
-    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, max_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             stop: str | Sequence[str] | None = None, stream: Literal[False] = False) -> ChatCompletion: ...
+    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: Literal[False] = False,
+             **sampling: Unpack[SamplingOptions]) -> ChatCompletion: ...
 
     @overload
-    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, max_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             stop: str | Sequence[str] | None = None, stream: Literal[True]) -> Stream[ChatChunk]: ...
+    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: Literal[True],
+             **sampling: Unpack[SamplingOptions]) -> Stream[ChatChunk]: ...
 
-    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, max_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             stop: str | Sequence[str] | None = None, stream: bool = False) -> ChatCompletion | Stream[ChatChunk]:
-        """Answers a conversation: POST /v1/chat/completions; stream=True gives a Stream of chunks."""
-        sampling = Sampling(max_tokens, temperature, top_p, top_k, seed, stop)
-        body = calls.generation_body(self._model(model), sampling, stream,
+    def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: bool = False,
+             **sampling: Unpack[SamplingOptions]) -> ChatCompletion | Stream[ChatChunk]:
+        """Answers a conversation: POST /v1/chat/completions, with sampling's settings (SamplingOptions); stream=True
+        gives a Stream of chunks."""
+        body = calls.generation_body(self._model(model), calls.sampling_json(sampling, chat=True), stream,
                                      messages=[calls.message_json(m) for m in messages])
         if stream:
             return self._stream("/v1/chat/completions", body, calls.chat_chunk)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Agent", "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "Gpu", "Message", "Model",
-           "Usage"]
+           "TokenLogprob", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,34 +43,64 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token of an answer with its log-probability under the model (None: an echoed prompt's first token) and
+    those of its likeliest alternatives, by their text."""
+
+    token: str
+    logprob: float | None
+    top: Mapping[str, float]
+
+    @classmethod
+    def of_completion(cls, body: Mapping[str, Any] | None) -> tuple[TokenLogprob, ...] | None:
+        """The completions API's logprobs (tokens, token_logprobs, top_logprobs), None where it has none."""
+        if not body:
+            return None
+        return tuple(cls(token, value, top or {}) for token, value, top in
+                     zip(body["tokens"], body["token_logprobs"], body["top_logprobs"], strict=True))
+
+    @classmethod
+    def of_chat(cls, body: Mapping[str, Any] | None) -> tuple[TokenLogprob, ...] | None:
+        """The chat API's logprobs (content: token, logprob, top_logprobs), None where it has none."""
+        if not body:
+            return None
+        return tuple(cls(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()})
+                     for e in body.get("content") or ())
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole answer of generate()."""
+    """A whole answer of generate(); logprobs where asked (logprobs=N)."""
 
     id: str
     model: str
     text: str
     finish_reason: str | None
     usage: Usage | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Completion:
         choice = body["choices"][0]
         return cls(body["id"], body["model"], choice["text"], choice.get("finish_reason"),
-                   Usage.from_json(body.get("usage")))
+                   Usage.from_json(body.get("usage")), TokenLogprob.of_completion(choice.get("logprobs")))
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionChunk:
-    """One streamed piece of generate(): a text delta; the last pieces carry finish_reason and usage."""
+    """One streamed piece of generate(): a text delta (and its tokens' logprobs where asked); the last pieces carry
+    finish_reason and usage."""
 
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> CompletionChunk:
         choice = body["choices"][0] if body.get("choices") else {}
-        return cls(choice.get("text") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")))
+        return cls(choice.get("text") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")),
+                   TokenLogprob.of_completion(choice.get("logprobs")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +112,7 @@ class ChatCompletion:
     message: Message
     finish_reason: str | None
     usage: Usage | None
+    logprobs: tuple[TokenLogprob, ...] | None = None     # where asked (logprobs=N)
 
     @property
     def content(self) -> str:
@@ -93,7 +124,8 @@ class ChatCompletion:
         choice = body["choices"][0]
         message = choice["message"]
         return cls(body["id"], body["model"], Message(message.get("role") or "assistant", message.get("content") or ""),
-                   choice.get("finish_reason"), Usage.from_json(body.get("usage")))
+                   choice.get("finish_reason"), Usage.from_json(body.get("usage")),
+                   TokenLogprob.of_chat(choice.get("logprobs")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +135,14 @@ class ChatChunk:
     content: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ChatChunk:
         choice = body["choices"][0] if body.get("choices") else {}
         delta = choice.get("delta") or {}
-        return cls(delta.get("content") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")))
+        return cls(delta.get("content") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")),
+                   TokenLogprob.of_chat(choice.get("logprobs")))
 
 
 @dataclass(frozen=True, slots=True)

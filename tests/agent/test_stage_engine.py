@@ -278,6 +278,32 @@ def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_over_several_steps(m
     assert mesh.num_steps == math.ceil(len(prompt) / max_batch_tokens) + num_tokens - 1
 
 
+def test_logprobs_of_the_prompt_and_of_each_pick_are_transformers_log_softmax(model_dir: Path) -> None:
+    """A prompt prefilled over several steps: each of its tokens' log-probability (the second on) and its 2 likeliest
+    come with the first token, each pick's with 3 likeliest with it; all within 1e-4 of transformers' log_softmax,
+    taken before the bias that changes the picks."""
+    prompt, num_tokens = random_prompt(12, 21), 6
+    greedy = hf_greedy(model_dir, prompt, num_tokens)
+    mesh = Mesh(make_engine(model_dir, max_batch_tokens=8))
+    params = SamplingParams(logprobs=3, prompt_logprobs=2, logit_bias=((greedy[0], -100.0),))
+    start(mesh, replace(generation("g", prompt, max_new_tokens=num_tokens), sampling=params))
+    mesh.run()
+    events = [e for e in mesh.events_of("g") if not e.opened]
+    tokens = [e.token_id for e in events]
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_model(model_dir)(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    assert len(events[0].prompt_logprobs) == len(prompt) - 1 and not any(e.prompt_logprobs for e in events[1:])
+    predicted = [(p, lp) for p, lp in enumerate(events[0].prompt_logprobs)] + [
+        (len(prompt) - 1 + i, e.logprobs) for i, e in enumerate(events)]
+    for row, lp in predicted:       # the row at position `row` predicts the token after it
+        assert lp.token_id == (prompt + tokens)[row + 1]
+        assert lp.logprob == pytest.approx(float(expected[row, lp.token_id]), abs=1e-4)
+        top = expected[row].topk(2 if row < len(prompt) - 1 else 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert tokens[0] != greedy[0]       # the bias changed the pick; the log-probabilities are the model's
+
+
 def test_a_first_stage_forwards_a_long_prompt_in_pieces_of_max_batch_tokens(model_dir: Path) -> None:
     prompt, size = random_prompt(10, 30), 8
     mesh = Mesh(make_engine(model_dir, (0, 1), max_batch_tokens=size))

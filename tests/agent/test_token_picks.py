@@ -7,7 +7,7 @@ import torch
 
 from stratamesh.agent.engine.scheduler import ScheduledChunk
 from stratamesh.agent.engine.sequence import WorkItem
-from stratamesh.agent.engine.stage_runner import _pick
+from stratamesh.agent.engine.stage_runner import Picking, _pick
 from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.ops.sampler import sample
 
@@ -23,7 +23,7 @@ def test_a_batch_of_greedy_and_sampled_rows_picks_what_each_row_alone_would() ->
     sampling = {"s0": SamplingParams(), "s1": SamplingParams(temperature=0.8, seed=1),
                 "s2": SamplingParams(temperature=1.0, top_k=5, seed=2), "s3": SamplingParams(),
                 "s4": SamplingParams(temperature=0.7, top_p=0.9, seed=4)}
-    picks = _pick(chunks, logits, sampling)
+    picks = _pick(chunks, logits, Picking(sampling))
     # the new token's position is the chunk's end: each sampled row draws with its own (seed, position)
     assert picks == {c.session_id: sample(logits[i], sampling[c.session_id], c.start_pos + 1)
                      for i, c in enumerate(chunks)}

@@ -41,3 +41,10 @@ def greedy_processed_tokens(model_dir: Path, prompt_ids: list[int], num_tokens: 
             logits = model(torch.tensor([prompt_ids + out])).logits[0, -1].float()
             out.append(int(reference_processed(logits, params, prompt_ids, out).argmax()))
     return out
+
+
+def log_softmax_of(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities [len(token_ids), vocab]: row i is the distribution of token i + 1."""
+    model, _ = _load(str(model_dir))
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)

@@ -19,7 +19,7 @@ from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.tiny_model import TINY_ARCHS
 
 from .conftest import NUM_LAYERS, start_mesh
-from .reference import encode, greedy_processed_tokens, greedy_tokens
+from .reference import encode, greedy_processed_tokens, greedy_tokens, log_softmax_of
 
 pytestmark = pytest.mark.slow
 
@@ -107,6 +107,52 @@ def test_penalties_and_logit_bias_pick_the_tokens_of_their_formulas(llama_mesh: 
         extra_body={"ignore_eos": True, "return_token_ids": True, **{k: v for k, v in fields.items()
                                                                        if k not in standard}})
     assert completion.choices[0].token_ids == expected
+
+
+def test_logprobs_and_echo_are_transformers_log_softmax(llama_mesh: LocalMesh, tiny_models) -> None:
+    """Through 3 stages and the openai client (lm-eval's call: echo with logprobs): the prompt's tokens (the first
+    null) and the generated ones with their 3 likeliest, and chat's logprobs and top_logprobs, streamed and not,
+    within 1e-4 of transformers' log_softmax."""
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, PROMPT)
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    completion = client.completions.create(model=model_dir.name, prompt=prompt_ids, max_tokens=8, temperature=0,
+                                           logprobs=3, echo=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+    (choice,) = completion.choices
+    ids = prompt_ids + choice.token_ids
+    expected = log_softmax_of(model_dir, ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([float(expected[i - 1, ids[i]]) for i in range(1, len(ids))],
+                                                  abs=1e-4)
+    for i in range(1, len(ids)):
+        top = expected[i - 1].topk(3).values.tolist()
+        assert sorted(lp.top_logprobs[i].values(), reverse=True)[:3] == pytest.approx(top, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert choice.text.startswith(PROMPT)      # echo: the prompt, then the completion
+
+    messages = [{"role": "user", "content": "Where do the layers live?"}]
+    asked = dict(model=model_dir.name, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                 top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat = client.chat.completions.create(**asked).choices[0]
+    chat_ids = chat.token_ids
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(**asked, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert [e.logprob for s in streamed for e in s.content] == [e.logprob for e in chat.logprobs.content]
+    template_ids = _chat_prompt_ids(model_dir, messages)
+    chat_expected = log_softmax_of(model_dir, template_ids + chat_ids)
+    start = len(template_ids) - 1
+    assert [e.logprob for e in chat.logprobs.content] == pytest.approx(
+        [float(chat_expected[start + i, t]) for i, t in enumerate(chat_ids)], abs=1e-4)
+    assert all(len(e.top_logprobs) == 2 for e in chat.logprobs.content)
+
+
+def _chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
+    """The token ids the mesh's chat template makes of messages (its tokenizer, as the coordinator renders it)."""
+    from stratamesh.coordinator.text import Tokenizer
+
+    return Tokenizer.from_dir(model_dir).encode_chat(messages, True, None)
 
 
 async def _stage_info(mesh: LocalMesh, address: str) -> pb.StageInfo:

@@ -106,6 +106,24 @@ def test_sampling_options_reach_the_server(mesh: Mesh) -> None:
     assert cut.finish_reason == "stop" and greedy.startswith(cut.text) and stop not in cut.text
 
 
+def test_penalties_bias_and_logprobs_reach_the_server_and_come_back_typed(mesh: Mesh) -> None:
+    greedy = mesh.generate(PROMPT, max_tokens=6, logprobs=2)
+    assert greedy.logprobs is not None and len(greedy.logprobs) == 6
+    assert "".join(t.token for t in greedy.logprobs) == greedy.text
+    assert all(t.logprob is not None and t.logprob <= 0 and len(t.top) >= 2 for t in greedy.logprobs)
+    first = max(greedy.logprobs[0].top, key=greedy.logprobs[0].top.get)
+    assert first == greedy.logprobs[0].token                     # greedy: the likeliest, as its logprobs say
+    penalized = mesh.generate(PROMPT, max_tokens=6, frequency_penalty=2.0, presence_penalty=1.0,
+                              repetition_penalty=1.5, min_p=0.05, min_tokens=2, logit_bias={5: -100})
+    assert penalized.usage is not None and penalized.usage.completion_tokens == 6
+    chat = mesh.chat(QUESTION, max_tokens=4, logprobs=3)
+    assert chat.logprobs is not None and len(chat.logprobs) == 4 and all(len(t.top) == 3 for t in chat.logprobs)
+    streamed = [t for c in mesh.chat(QUESTION, max_tokens=4, logprobs=3, stream=True) for t in c.logprobs or ()]
+    assert [t.logprob for t in streamed] == [t.logprob for t in chat.logprobs]
+    with pytest.raises(TypeError, match="'top_q'"):
+        mesh.generate(PROMPT, top_q=0.5)
+
+
 def test_messages_may_be_dataclasses(mesh: Mesh) -> None:
     as_dicts = mesh.chat(QUESTION, max_tokens=8)
     as_messages = mesh.chat([Message("user", QUESTION[0]["content"])], max_tokens=8)
