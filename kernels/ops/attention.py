@@ -20,7 +20,8 @@ class Attention(Protocol):
         the scores soft-capped, tanh(s / cap) * cap (Gemma 2), or None."""
 
 
-def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None, first_key: int = 0) -> torch.Tensor | None:
+def causal_mask(q_positions: torch.Tensor, num_keys: int, window: int | None,
+                first_key: int = 0) -> torch.Tensor | None:
     """Bool mask [T, S]: query at position p sees keys 0..p, or only the last `window` of them; None if all. The S
     keys are those at positions first_key .. num_keys - 1 (a window's reads start past the first ones)."""
     if window is None and q_positions.numel() == 1 and int(q_positions[0]) == num_keys - 1 and first_key == 0:
