@@ -139,8 +139,10 @@ class TextStream:
 
     @property
     def logprobs(self) -> list[Logprobs | None]:
-        """Each received token's log-probabilities, where the request asked (empty when the stream does not say)."""
-        return getattr(self._tokens, "logprobs", [])
+        """Each received token's log-probabilities where the request asked for them (None for a token the stream
+        gave none: one that does not say)."""
+        given = getattr(self._tokens, "logprobs", [])
+        return given + [None] * (len(self.token_ids) - len(given))
 
     @property
     def prompt_logprobs(self) -> tuple[Logprobs, ...]:

@@ -30,6 +30,7 @@ from stratamesh.coordinator.api.embeddings import check_context, embed_all, embe
 from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                 GenerationRequest)
+from stratamesh.coordinator.api.choices import Choices, choice_request
 from stratamesh.coordinator.api.logprobs import LogprobsShape
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
@@ -144,7 +145,7 @@ class OpenAIApi:
             echo = None if not req.echo else Echo(
                 req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids), tuple(prompt_ids))
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage, req.return_token_ids,
-                                   _logprobs_shape(tokenizer, req.num_logprobs), echo)
+                                   _logprobs_shape(tokenizer, req.logprobs), echo)
             return await self._run(request, req, card, tokenizer, prompt_ids, req.max_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
@@ -208,22 +209,23 @@ class OpenAIApi:
         stops = mesh_request.stops
         if cap and stops.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
             mesh_request = dataclasses.replace(mesh_request, stops=dataclasses.replace(stops, max_tokens=cap))
-        run = self._launch(mesh_request, tokenizer, arrival_s)
+        choices = Choices([self._launch(choice_request(mesh_request, i), tokenizer, arrival_s)
+                           for i in range(req.num_candidates)], req.n)
         try:
-            await run.start()
+            await choices.start()
             if req.stream:
-                return SSEResponse(_sse_events(run, fmt, partial(self._count_error, run)),
-                                   on_close=partial(self._close, run))
-            result = await _collect_unless_gone(request, run)
+                return SSEResponse(_sse_events(choices, fmt, partial(self._count_error, choices)),
+                                   on_close=partial(self._close, choices))
+            result = await _collect_unless_gone(request, choices)
         except Exception as e:
-            raise self._failed(run, e) from e
-        except BaseException:  # cancelled: the run is closed already, and counted as abandoned
-            self._metrics.request_finished(run)
+            raise self._failed(choices, e) from e
+        except BaseException:  # cancelled: the runs are closed already, and counted as abandoned
+            self._finished(choices)
             raise
-        self._metrics.request_finished(run)
+        self._finished(choices)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(fmt.whole(*result, _usage(run), run))
+        return JSONResponse(fmt.whole(result, choices.usage()))
 
     def _check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         cap = self._limits.max_prompt_tokens
@@ -243,19 +245,24 @@ class OpenAIApi:
         self._metrics.request_started(run)
         return run
 
-    async def _close(self, run: TextStream) -> None:
-        """Closes a streamed run however its response ended; counted unless it failed."""
-        await run.aclose()
-        self._metrics.request_finished(run)
+    async def _close(self, choices: Choices) -> None:
+        """Closes a streamed request's runs however its response ended; each counted unless it failed."""
+        await choices.aclose()
+        self._finished(choices)
 
-    def _failed(self, run: TextStream, exc: Exception) -> ApiError:
-        """The error to answer a failed run with, counted."""
+    def _finished(self, choices: Choices) -> None:
+        for run in choices.runs:
+            self._metrics.request_finished(run)
+
+    def _failed(self, choices: Choices, exc: Exception) -> ApiError:
+        """The error to answer a failed request with, counted for each of its runs still going."""
         err = to_api_error(exc)
-        self._count_error(run, err)
+        self._count_error(choices, err)
         return err
 
-    def _count_error(self, run: TextStream, err: ApiError) -> None:
-        self._metrics.request_failed(run, err.status, err.code or err.type)
+    def _count_error(self, choices: Choices, err: ApiError) -> None:
+        for run in choices.runs:
+            self._metrics.request_failed(run, err.status, err.code or err.type)
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
@@ -338,12 +345,13 @@ def _fit_context(num_prompt_tokens: int, max_tokens: int | None, max_context: in
                    param="max_tokens" if max_tokens else "prompt", code="context_length_exceeded")
 
 
-async def _collect_unless_gone(request: Request, run: TextStream) -> tuple[str, str] | None:
-    """The whole text and finish reason, or None (and the run closed) if the client disconnects first."""
+async def _collect_unless_gone(request: Request, choices: Choices) -> list[tuple[str, str, TextStream]] | None:
+    """The returned choices' whole texts and finish reasons, or None (and the runs closed) if the client disconnects
+    first."""
     try:
-        return await _unless_gone(request, run.request.request_id, run.collect())
+        return await _unless_gone(request, choices.runs[0].request.request_id, choices.collect())
     finally:
-        await run.aclose()   # closed already, unless cancelled before it ran; closing twice does nothing
+        await choices.aclose()   # closed already, unless cancelled before they ran; closing twice does nothing
 
 
 async def _unless_gone(request: Request, request_id: str, work: Awaitable[T]) -> T | None:
@@ -362,26 +370,23 @@ async def _unless_gone(request: Request, request_id: str, work: Awaitable[T]) ->
                 await task
 
 
-def _usage(run: TextStream) -> dict[str, int]:
-    prompt, completion = len(run.request.prompt_ids), run.num_completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
-
-
-async def _sse_events(run: TextStream, fmt: ResponseFormat,
+async def _sse_events(choices: Choices, fmt: ResponseFormat,
                       on_error: Callable[[ApiError], None]) -> AsyncIterator[bytes]:
-    """The SSE body of a started run; a failure mid-stream goes to on_error and becomes an error event, then [DONE]."""
+    """The SSE body of a started request, its choices' chunks interleaved as they come; a failure mid-stream goes to
+    on_error and becomes an error event, then [DONE]."""
     try:
-        for chunk in fmt.head(run):
-            yield sse_event(chunk)
-        async for delta in run.deltas():
-            for chunk in fmt.pieces(delta):
+        for index, run in enumerate(choices.runs):
+            for chunk in fmt.head(run, index):
+                yield sse_event(chunk)
+        async for index, delta in choices.deltas():
+            for chunk in fmt.pieces(delta, index):
                 yield sse_event(chunk)
         if fmt.include_usage:
-            yield sse_event(fmt.usage_chunk(_usage(run)))
+            yield sse_event(fmt.usage_chunk(choices.usage()))
     except Exception as e:
         err = to_api_error(e)
         on_error(err)
-        log.warning("request %s failed mid-stream with %d: %s", run.request.request_id, err.status, err.message)
+        log.warning("request %s failed mid-stream with %d: %s", choices.runs[0].request.request_id, err.status,
+                    err.message)
         yield sse_event(err.body())
     yield DONE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,16 +38,20 @@ class ResponseFormat:
         self.logprobs = logprobs
         self.created = int(time.time())
 
-    def head(self, run: TextStream) -> list[dict[str, Any]]:
-        """Chunks sent before any text of the started run."""
+    def head(self, run: TextStream, index: int = 0) -> list[dict[str, Any]]:
+        """Chunks of choice index sent before any text of its started run."""
         return []
 
-    def pieces(self, delta: Delta) -> list[dict[str, Any]]:
-        """Chunks carrying one delta."""
+    def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
+        """Chunks carrying one delta of choice index."""
         raise NotImplementedError
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int], run: TextStream) -> dict[str, Any]:
-        """The non-streamed response of the finished run."""
+    def whole(self, choices: Sequence[tuple[str, str, TextStream]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response: each choice's (text, finish reason, finished run), in index order."""
+        return {**self._envelope(self.object_name),
+                "choices": [self._choice(i, *choice) for i, choice in enumerate(choices)], "usage": usage}
+
+    def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
         raise NotImplementedError
 
     def _ids(self, token_ids: list[int] | tuple[int, ...] | None) -> dict[str, Any]:
@@ -58,9 +63,9 @@ class ResponseFormat:
         return {**self._envelope(self.chunk_object_name), "choices": [], "usage": usage}
 
     def _chunk(self, choice: dict[str, Any], finish_reason: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         chunk = {**self._envelope(self.chunk_object_name),
-                 "choices": [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                 "choices": [{"index": index, **choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self.include_usage:  # as OpenAI: every chunk has "usage": null but the last
             chunk["usage"] = None
         return chunk
@@ -72,7 +77,7 @@ class ResponseFormat:
 
 class CompletionFormat(ResponseFormat):
     """/v1/completions: choices carry "text" (after the prompt's, with echo); logprobs in the legacy shape, their
-    text offsets counted through the whole choice."""
+    text offsets counted through each choice's whole text."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
@@ -81,24 +86,24 @@ class CompletionFormat(ResponseFormat):
                  logprobs: LogprobsShape | None = None, echo: Echo | None = None) -> None:
         super().__init__(response_id, model, include_usage, return_token_ids, logprobs)
         self.echo = echo
-        self._offset = 0        # streamed: where the next tokens' text starts in the choice's
+        self._offsets: dict[int, int] = {}      # streamed: where each choice's next tokens' text starts in it
 
-    def head(self, run: TextStream) -> list[dict[str, Any]]:
+    def head(self, run: TextStream, index: int = 0) -> list[dict[str, Any]]:
         if self.echo is None:
             return []
-        return [self._chunk({"text": self.echo.text}, logprobs=self._logprobs(*self._echoed(run)))]
+        return [self._chunk({"text": self.echo.text}, logprobs=self._logprobs(*self._echoed(run), index),
+                            index=index)]
 
-    def pieces(self, delta: Delta) -> list[dict[str, Any]]:
+    def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         return [self._chunk({"text": delta.text, **self._ids(delta.token_ids)}, delta.finish_reason,
-                            self._logprobs(delta.token_ids, delta.logprobs))]
+                            self._logprobs(delta.token_ids, delta.logprobs, index), index)]
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int], run: TextStream) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
         prompt_ids, prompt_logprobs = self._echoed(run)
         ids, logprobs = prompt_ids + tuple(run.token_ids), prompt_logprobs + tuple(run.logprobs)
-        choice = {"index": 0, "text": (self.echo.text if self.echo else "") + text,
-                  "logprobs": self._logprobs(ids, logprobs), "finish_reason": finish_reason,
-                  **self._ids(run.token_ids)}
-        return {**self._envelope(self.object_name), "choices": [choice], "usage": usage}
+        return {"index": index, "text": (self.echo.text if self.echo else "") + text,
+                "logprobs": self._logprobs(ids, logprobs, index), "finish_reason": finish_reason,
+                **self._ids(run.token_ids)}
 
     def _echoed(self, run: TextStream) -> tuple[tuple[int, ...], tuple]:
         """The echoed prompt's token ids and their log-probabilities (none for the first): () without echo."""
@@ -106,11 +111,11 @@ class CompletionFormat(ResponseFormat):
             return (), ()
         return self.echo.token_ids, (None, *run.prompt_logprobs)
 
-    def _logprobs(self, token_ids: tuple[int, ...] | list[int], logprobs: tuple) -> dict[str, Any] | None:
+    def _logprobs(self, token_ids: Sequence[int], logprobs: tuple, index: int) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        body = self.logprobs.completion(token_ids, logprobs, self._offset)
-        self._offset += sum(len(t) for t in body["tokens"])
+        body = self.logprobs.completion(token_ids, logprobs, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in body["tokens"])
         return body
 
 
@@ -120,20 +125,20 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def head(self, run: TextStream) -> list[dict[str, Any]]:
-        return [self._chunk({"delta": {"role": "assistant", "content": ""}})]
+    def head(self, run: TextStream, index: int = 0) -> list[dict[str, Any]]:
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, index=index)]
 
-    def pieces(self, delta: Delta) -> list[dict[str, Any]]:
+    def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         ids = self._ids(delta.token_ids)
         logprobs = None if self.logprobs is None else self.logprobs.chat(delta.logprobs)
-        chunks = [self._chunk({"delta": {"content": delta.text}, **ids}, logprobs=logprobs)] if delta.text else []
+        chunks = [self._chunk({"delta": {"content": delta.text}, **ids}, logprobs=logprobs, index=index)
+                  ] if delta.text else []
         if delta.finish_reason is not None:  # as OpenAI: the finish reason comes with an empty delta
             chunks.append(self._chunk({"delta": {}, **({} if delta.text else ids)}, delta.finish_reason,
-                                      None if delta.text else logprobs))
+                                      None if delta.text else logprobs, index))
         return chunks
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int], run: TextStream) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None if self.logprobs is None else self.logprobs.chat(run.logprobs),
-                  "finish_reason": finish_reason, **self._ids(run.token_ids)}
-        return {**self._envelope(self.object_name), "choices": [choice], "usage": usage}
+    def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None if self.logprobs is None else self.logprobs.chat(run.logprobs),
+                "finish_reason": finish_reason, **self._ids(run.token_ids)}

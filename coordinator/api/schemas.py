@@ -16,6 +16,7 @@ INT32_MAX = 2**31 - 1          # what a count or token id may be on the wire (in
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MAX_EMBEDDING_INPUTS = 2048   # OpenAI's limit on the inputs of one embeddings request
 MAX_LOGIT_BIAS = 1024         # token ids one request may bias
+MAX_CHOICES = 128             # n and best_of at most (OpenAI's n)
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +44,7 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool = False  # vLLM extension: choices carry the token ids they decode
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)    # vLLM extension
@@ -66,12 +67,10 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
+    @property
+    def num_candidates(self) -> int:
+        """The generations the request runs: n, or (completions) best_of to return the best n of."""
+        return self.n
 
     @field_validator("logit_bias")
     @classmethod
@@ -104,15 +103,30 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @property
     def num_logprobs(self) -> int | None:
-        return self.logprobs
+        """Those asked, or (best_of ranks its candidates by theirs) 0."""
+        return self.logprobs if self.logprobs is not None or self.num_candidates == self.n else 0
 
     @property
     def num_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of above n cannot stream: the best are known only at the end")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -126,13 +140,6 @@ class CompletionRequest(GenerationRequest):
         if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
             raise ValueError("several prompts in one request are not supported yet; send one per request")
         raise ValueError("prompt must be a string or a non-empty list of token ids")
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_best(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("best_of is not supported yet (only 1)")
-        return value
 
     @field_validator("suffix")
     @classmethod

@@ -33,7 +33,7 @@ def test_an_echoed_completion_offsets_every_token_through_the_prompt_streamed_or
                       tuple(lp(t, -1.0 - i, (5, -0.1)) for i, t in enumerate(prompt[1:])))
     shape = LogprobsShape(tokenizer, 2)
     echo = Echo("the mesh carries", tuple(prompt))
-    whole = CompletionFormat("c", "m", logprobs=shape, echo=echo).whole(" every layer", "length", {}, run)
+    whole = CompletionFormat("c", "m", logprobs=shape, echo=echo).whole([(" every layer", "length", run)], {})
     body = whole["choices"][0]["logprobs"]
     assert whole["choices"][0]["text"] == "the mesh carries every layer"
     assert "".join(body["tokens"]) == "the mesh carries every layer"
@@ -53,8 +53,8 @@ def test_chat_logprobs_name_each_token_with_its_bytes_and_its_likeliest(chatml_d
     tokenizer = Tokenizer.from_dir(chatml_dir)
     out = tokenizer.encode("Héllo")
     run = FinishedRun(out, [lp(t, -0.25, (t, -0.25), (9, -3.0), (11, -4.0)) for t in out])
-    body = ChatFormat("c", "m", logprobs=LogprobsShape(tokenizer, 2)).whole("Héllo", "stop", {}, run)
+    body = ChatFormat("c", "m", logprobs=LogprobsShape(tokenizer, 2)).whole([("Héllo", "stop", run)], {})
     content = body["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == [tokenizer.decode([t], skip_special_tokens=False) for t in out]
     assert all(e["bytes"] == list(e["token"].encode("utf-8")) and len(e["top_logprobs"]) == 2 for e in content)
-    assert ChatFormat("c", "m").whole("Héllo", "stop", {}, run)["choices"][0]["logprobs"] is None
+    assert ChatFormat("c", "m").whole([("Héllo", "stop", run)], {})["choices"][0]["logprobs"] is None

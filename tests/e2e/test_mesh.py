@@ -148,6 +148,44 @@ def test_logprobs_and_echo_are_transformers_log_softmax(llama_mesh: LocalMesh, t
     assert all(len(e.top_logprobs) == 2 for e in chat.logprobs.content)
 
 
+def test_n_choices_share_the_prompt_and_best_of_returns_the_likeliest(llama_mesh: LocalMesh, tiny_models) -> None:
+    """n=3 greedy: three equal choices, the prompt prefilled once (the others' prompts are prefix-cache hits), usage
+    counting each; sampled with a seed: choices of their own, the same again; streamed: every index's chunks,
+    the same texts; best_of=4, n=2: the two of the four candidates whose tokens are likeliest."""
+    model_dir = tiny_models["llama"]
+    prompt_ids = encode(model_dir, PROMPT) * 3        # several full KV blocks to share
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    asked = dict(model=model_dir.name, prompt=prompt_ids, max_tokens=10, extra_body={"ignore_eos": True})
+    hits_before = _prefix_cache_hits(llama_mesh)
+    greedy = client.completions.create(**asked, n=3, temperature=0)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 30 and greedy.usage.prompt_tokens == len(prompt_ids)
+    # the second and third choices found all but the prompt's last partial block (of at most 16) in the cache
+    assert _prefix_cache_hits(llama_mesh) - hits_before >= 2 * (len(prompt_ids) - 16)
+    sampled = client.completions.create(**asked, n=3, temperature=1.0, seed=11)
+    assert len({c.text for c in sampled.choices}) > 1
+    assert [c.text for c in client.completions.create(**asked, n=3, temperature=1.0, seed=11).choices] == [
+        c.text for c in sampled.choices]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**asked, n=3, temperature=1.0, seed=11, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == [c.text for c in sampled.choices]
+    candidates = client.completions.create(**asked, n=4, temperature=1.0, seed=5, logprobs=0).choices
+    scores = [sum(c.logprobs.token_logprobs) for c in candidates]
+    best = client.completions.create(**asked, n=2, best_of=4, temperature=1.0, seed=5)
+    ranked = sorted(range(4), key=lambda i: -scores[i])[:2]
+    assert [c.text for c in best.choices] == [candidates[i].text for i in ranked]
+    assert best.usage.completion_tokens == 40 and all(c.logprobs is None for c in best.choices)
+
+
+def _prefix_cache_hits(mesh: LocalMesh) -> float:
+    """The coordinator's count of prompt tokens the stages' prefix caches served (vllm:prefix_cache_hits)."""
+    text = httpx.get(f"{mesh.url}/metrics", headers=mesh.headers).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
 def _chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
     """The token ids the mesh's chat template makes of messages (its tokenizer, as the coordinator renders it)."""
     from stratamesh.coordinator.text import Tokenizer
