@@ -64,6 +64,11 @@ class Tokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return self.config.eos_token_ids
 
+    @cached_property
+    def json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what llguidance builds its token trie of)."""
+        return self._tokenizer.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)

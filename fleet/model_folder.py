@@ -10,9 +10,7 @@ from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.stages import check_model_config, text_model_config
-from stratamesh.fleet.weight_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-
-TOKENIZER_FILE = "tokenizer.json"
+from stratamesh.fleet.weight_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE
 
 
 def check_model_folder(model_dir: str | Path) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class SamplingParams:
     # and this many of the likeliest (None: none); each prompt token's likewise (prompt_logprobs, for echo)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: the tokens that keep the output within this grammar (llguidance's JSON form: a JSON schema,
+    # a regex or a Lark grammar, as the API compiled it) are the only ones the pick may take; "": any
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -82,7 +85,7 @@ class SamplingParams:
     def counts_output(self) -> bool:
         """Whether its pick depends on the tokens before it (the stage must pass them: kernels.ops.sampler.History)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.grammar)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,8 +62,9 @@ TEXT_MODELS = {"gemma3": "gemma3_text"}
 _TEXT_DEFAULTS = {"gemma3_text": {
     "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}}
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+    "pad_token_id": 0}}
 _TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
 # Older names of a family's rope type, as transformers reads them: Phi-3's "su" and "yarn" are LongRoPE
 ROPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}

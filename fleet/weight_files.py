@@ -20,6 +20,7 @@ from stratamesh.fleet.weights import (MAX_CHUNK_BYTES, WeightChunk, WeightFile, 
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024     # safetensors' own limit on a header
 Range = tuple[int, int]                  # [start, end) bytes of a file
@@ -96,7 +97,8 @@ class ModelFiles:
         assert 0 < chunk_bytes <= MAX_CHUNK_BYTES, chunk_bytes
         self.model_dir = Path(model_dir)
         self.chunk_bytes = chunk_bytes
-        self._small = [name for name in (CONFIG_FILE, INDEX_FILE) if (self.model_dir / name).is_file()]
+        # delivered whole: the config, the index, and the tokenizer (a last stage's grammars are over its tokens)
+        self._small = [name for name in (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE) if (self.model_dir / name).is_file()]
         if CONFIG_FILE not in self._small:
             raise CheckpointError(f"{self.model_dir} has no {CONFIG_FILE}")
         self._heads: dict[str, int] = {}                 # weight file -> bytes of its header
@@ -150,7 +152,7 @@ class ModelFiles:
         return digest.hexdigest()
 
     def manifest(self, model_id: str, tensor_names: Iterable[str], sources: Sequence[str] = ()) -> WeightManifest:
-        """The chunks holding config.json, the index, and the named tensors with their files' headers
+        """The chunks holding config.json, the index, tokenizer.json, and the named tensors with their files' headers
         (InvalidInput naming a tensor the checkpoint lacks)."""
         wanted: dict[str, list[Range]] = {name: [(0, self._stats[name][0])] for name in self._small}
         tensor_ranges = set()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from stratamesh.agent.engine.block_manager import BlockManager
+from stratamesh.agent.engine.grammars import Grammars
 from stratamesh.agent.engine.micro_batches import MicroBatches
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutput
@@ -102,6 +103,8 @@ class StageEngine:
         self.loops: dict[str, DecodeLoop] = {}   # last stage: the decode loop of each generating session
         # last stage: the log-probabilities of a session's prompt tokens so far, sent with its first token
         self._prompt_logprobs: dict[str, list[Logprobs]] = {}
+        config = runner.model.config
+        self.grammars = Grammars(assignment.stage.model_path, config.vocab_size, config.eos_token_ids)
         self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
         self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
 
@@ -162,6 +165,7 @@ class StageEngine:
         self.loops.pop(session_id, None)
         self._left_ns.pop(session_id, None)
         self._prompt_logprobs.pop(session_id, None)
+        self.grammars.close(session_id)
         self.scheduler.close(session_id)
         if message.route:
             outbox.stage_messages.append((message.route[0], SessionClose(session_id)))
@@ -289,7 +293,10 @@ class StageEngine:
                      if c.sample and params[c.session_id].counts_output}
         targets = {c.session_id: self._prompt_targets(c) for c in batch.chunks
                    if params[c.session_id].prompt_logprobs is not None}
-        return Picking(params, histories, {session_id: t for session_id, t in targets.items() if t})
+        allowed = {session_id: self.grammars.allowed(session_id, params[session_id].grammar,
+                                                     histories[session_id].output)
+                   for session_id in histories if params[session_id].grammar}
+        return Picking(params, histories, {session_id: t for session_id, t in targets.items() if t}, allowed)
 
     def _prompt_targets(self, chunk: ScheduledChunk) -> tuple[int, ...]:
         """The prompt tokens the chunk's rows predict (the row at position p predicts p + 1), up to the prompt's last

@@ -50,6 +50,7 @@ class Picking:
     params: Mapping[str, SamplingParams] = field(default_factory=dict)
     histories: Mapping[str, History] = field(default_factory=dict)
     prompt_targets: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    allowed: Mapping[str, torch.Tensor] = field(default_factory=dict)   # a constrained session's next tokens [vocab]
 
 
 class StageRunner:
@@ -273,15 +274,21 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
 def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, picking: Picking) -> dict[str, int]:
     """Each chunk's next token from its row of logits [num chunks, vocab], computed where the logits are (only the
     picked ids come back to the host): the rows whose params change their logits processed first (on a copy: the
-    logits stay the model's; their histories: what their penalties count), then the greedy ones by one argmax, the
-    others by one sample_rows() keyed by (seed, position), so that every device draws the same token."""
+    logits stay the model's; their histories: what their penalties count) and those of constrained sessions masked
+    to what their grammars allow, then the greedy ones by one argmax, the others by one sample_rows() keyed by
+    (seed, position), so that every device draws the same token."""
     sampling = picking.params
     processed = [i for i, c in enumerate(chunks) if sampling[c.session_id].processes_logits]
+    constrained = [i for i, c in enumerate(chunks) if c.session_id in picking.allowed]
+    if processed or constrained:
+        logits = logits.float().clone()
     if processed:
         ids = [chunks[i].session_id for i in processed]
-        logits = logits.float().clone()
         logits[processed] = processed_logits(logits[processed], [sampling[s] for s in ids],
                                              [picking.histories.get(s, NO_HISTORY) for s in ids])
+    if constrained:     # structured output: the tokens its grammar does not allow cannot be picked
+        allowed = torch.stack([picking.allowed[chunks[i].session_id] for i in constrained]).to(logits.device)
+        logits[constrained] = logits[constrained].masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}

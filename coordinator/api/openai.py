@@ -34,6 +34,7 @@ from stratamesh.coordinator.api.choices import Choices, choice_request
 from stratamesh.coordinator.api.logprobs import LogprobsShape
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
+from stratamesh.coordinator.api.structured import grammar_of
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
 from stratamesh.coordinator.serving.request import Request as MeshRequest
@@ -311,7 +312,7 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
         stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else (), logprobs=req.num_logprobs,
-        prompt_logprobs=req.num_prompt_logprobs)
+        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer, tokenizer.vocab_size))
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
 

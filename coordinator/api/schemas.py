@@ -52,6 +52,12 @@ class GenerationRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)          # vLLM extension
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)      # vLLM extension: no stop token before this many
     user: str | None = None
+    # Structured output (coordinator/api/structured.py): OpenAI's response_format, vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -180,7 +186,6 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
 
@@ -202,12 +207,6 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("tools are not supported yet")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported")
-        return value
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -135,7 +135,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
                              min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
                              logprobs=params.logprobs or 0, has_logprobs=params.logprobs is not None,
                              prompt_logprobs=params.prompt_logprobs or 0,
-                             has_prompt_logprobs=params.prompt_logprobs is not None)
+                             has_prompt_logprobs=params.prompt_logprobs is not None, grammar=params.grammar)
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -146,7 +146,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                           logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias), min_tokens=msg.min_tokens,
                           stop_token_ids=tuple(msg.stop_token_ids),
                           logprobs=msg.logprobs if msg.has_logprobs else None,
-                          prompt_logprobs=msg.prompt_logprobs if msg.has_prompt_logprobs else None)
+                          prompt_logprobs=msg.prompt_logprobs if msg.has_prompt_logprobs else None,
+                          grammar=msg.grammar)
 
 
 def tensor_to_pb(blob: TensorBlob) -> pb.Tensor:

@@ -6,6 +6,8 @@ the prefix cache, hold / resume / export / import, close, preemption, and input 
 
 from __future__ import annotations
 
+import json
+
 import functools
 import math
 import re
@@ -485,6 +487,44 @@ def test_a_replay_picks_the_tokens_of_the_run_it_replays_its_penalties_counting_
     start(unaware, replace(generation("u", prompt + so_far, max_new_tokens=num_tokens - 5), sampling=PENALIZED))
     unaware.run()
     assert so_far + unaware.tokens("u") != tokens
+
+
+# ------------------------------------------------------------ structured output
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 3, "maximum": 9},
+                                           "tags": {"type": "array", "items": {"enum": ["edge", "cloud"]},
+                                                    "minItems": 1, "maxItems": 2}},
+          "required": ["id", "tags"], "additionalProperties": False}
+
+
+def test_a_constrained_session_keeps_to_its_schema_and_a_replay_rebuilds_the_grammar_from_its_output(
+        model_dir: Path) -> None:
+    """Sampled (so that only the mask can make it valid), the output is a JSON document of the schema; a replay
+    of its first tokens as prompt + output so far picks the rest the same: the new matcher is the old one's state."""
+    llguidance = pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    from stratamesh.kernels.tiny_model import ENDOFTEXT, train_tokenizer
+
+    params = SamplingParams(temperature=1.0, seed=2, grammar=llguidance.LLMatcher.grammar_from_json_schema(
+        SCHEMA, defaults={"whitespace_flexible": False}))
+    prompt = random_prompt(50, 7)
+    whole = Mesh(make_engine(model_dir))
+    start(whole, replace(generation("s", prompt, max_new_tokens=40, stop_token_ids=(0,)), sampling=params))
+    whole.run()
+    tokens = whole.tokens("s")
+    tokenizer = train_tokenizer(VOCAB)
+    assert tokens[-1] == tokenizer.token_to_id(ENDOFTEXT)       # it ended as its grammar was complete
+    jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), SCHEMA)
+    replayed = Mesh(make_engine(model_dir))
+    so_far = tokens[:4]
+    start(replayed, replace(generation("r", prompt + so_far, max_new_tokens=40 - 4, stop_token_ids=(0,)),
+                            sampling=params, output_start=len(prompt)))
+    replayed.run()
+    assert so_far + replayed.tokens("r") == tokens
+    free = Mesh(make_engine(model_dir))        # guards it: unconstrained, the same draws are no JSON
+    start(free, replace(generation("f", prompt, max_new_tokens=len(tokens)), sampling=replace(params, grammar="")))
+    free.run()
+    with pytest.raises(ValueError):
+        json.loads(tokenizer.decode(free.tokens("f")))
 
 
 @pytest.mark.parametrize("fields, field_name", BAD_OPENS, ids=[f"{name}-{i}" for i, (_, name) in enumerate(BAD_OPENS)])

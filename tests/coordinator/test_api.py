@@ -330,6 +330,18 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "response_format": {"type": "yaml"}},
+     "response_format"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_grammar": "start: undefined_rule"},
+     "guided_grammar"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a+"},
+     "guided_regex"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_choice": []}, "guided_choice"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 30},
      "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,6 +179,53 @@ def test_n_choices_share_the_prompt_and_best_of_returns_the_likeliest(llama_mesh
     ranked = sorted(range(4), key=lambda i: -scores[i])[:2]
     assert [c.text for c in best.choices] == [candidates[i].text for i in ranked]
     assert best.usage.completion_tokens == 40 and all(c.logprobs is None for c in best.choices)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"mood": {"enum": ["calm", "stormy", "bright"]},
+                                      "level": {"type": "integer", "minimum": -5, "maximum": 40}},
+     "required": ["mood", "level"], "additionalProperties": False},
+    {"type": "object", "properties": {"box": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "gpu": {"type": "boolean"}}, "required": ["name", "gpu"],
+        "additionalProperties": False},
+        "layers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 31}, "minItems": 2,
+                   "maxItems": 4}}, "required": ["box", "layers"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"const": "v"},
+                                                                 "n": {"type": "integer", "minimum": -999, "maximum": 999}},
+                                "required": ["k"], "additionalProperties": False}, "minItems": 1, "maxItems": 3},
+]
+
+
+def test_structured_output_keeps_a_random_model_to_each_schema_choice_and_regex(llama_mesh: LocalMesh,
+                                                                                 tiny_models) -> None:
+    """A random-weight model, sampled: only the constraint can make its output valid. Through 3 stages and the
+    openai client: chat's response_format json_schema (whole and streamed) and completions' guided_* each
+    validate, for several seeds."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model_dir = tiny_models["llama"]
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    messages = [{"role": "user", "content": "Describe the mesh as JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        response_format = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        for seed in (1, 2):
+            answer = client.chat.completions.create(model=model_dir.name, messages=messages, temperature=1.0,
+                                                    seed=seed, max_tokens=120, response_format=response_format)
+            assert answer.choices[0].finish_reason == "stop", answer
+            jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model_dir.name, messages=messages, temperature=1.0, seed=1, max_tokens=120,
+            response_format=response_format, stream=True) if c.choices)
+        jsonschema.validate(json.loads(streamed), schema)
+    unconstrained = client.chat.completions.create(model=model_dir.name, messages=messages, temperature=1.0, seed=1,
+                                                   max_tokens=40)
+    with pytest.raises(ValueError):       # guards it: the same draws without the constraint are no JSON
+        json.loads(unconstrained.choices[0].message.content)
+    choice = client.completions.create(model=model_dir.name, prompt="The weather is", temperature=1.0, seed=3,
+                                       max_tokens=10, extra_body={"guided_choice": ["sunny", "rainy", "foggy"]})
+    assert choice.choices[0].text in ("sunny", "rainy", "foggy")
+    regex = client.completions.create(model=model_dir.name, prompt="A date:", temperature=1.0, seed=3,
+                                      max_tokens=20, extra_body={"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])"})
+    assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])", regex.choices[0].text), regex.choices[0].text
 
 
 def _prefix_cache_hits(mesh: LocalMesh) -> float:
