@@ -216,6 +216,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # ... and emit what the ids from here on add
         self._pending = ""  # decoded, not yet returned: it may be the start of a stop string
         self.stopped = False
+        self.stop_string: str | None = None     # the stop string that ended it
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it finishes (often "")."""
@@ -246,8 +247,9 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         stops = self._stop if self._tokens_before_stops <= 0 else ()
-        cut = _find_stop(self._pending, stops)
-        if cut is not None:
+        found = _find_stop(self._pending, stops)
+        if found is not None:
+            cut, self.stop_string = found
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out
@@ -266,10 +268,10 @@ def _common_prefix_len(a: str, b: str) -> int:
     return n
 
 
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in text, or None."""
-    hits = [i for s in stop if (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """(index, string) of the earliest stop string in text (the first given, of those there), or None."""
+    hits = [(i, s) for s in stop if (i := text.find(s)) >= 0]
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
 def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:

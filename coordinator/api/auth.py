@@ -1,6 +1,7 @@
 """Who may call what over HTTP: an ASGI layer in front of every route, and the admin login routes.
 
-/v1 needs an API key of any role (`Authorization: Bearer sk-sm-...`); /admin/api needs a viewer to read and an
+/v1 needs an API key of any role (`Authorization: Bearer sk-sm-...`, or `x-api-key: sk-sm-...` as Anthropic's clients
+send it); /admin/api needs a viewer to read and an
 operator to act, by API key or by the session cookie the admin UI logs in for. /health, /metrics (as in vLLM,
 for scrapers and load balancers), the UI's static files and the OpenAPI document are open.
 """
@@ -84,6 +85,8 @@ class AccessControl:
         scheme, _, credential = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and credential:
             return self._access.check_key(credential.strip(), now)
+        if headers.get("x-api-key"):            # Anthropic's clients send their key so
+            return self._access.check_key(headers["x-api-key"].strip(), now)
         token = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE, "")
         return self._access.check_session(token, now) if token else None
 

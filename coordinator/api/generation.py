@@ -145,6 +145,11 @@ class TextStream:
         return given + [None] * (len(self.token_ids) - len(given))
 
     @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the generation, if one did."""
+        return self._detok.stop_string
+
+    @property
     def prompt_logprobs(self) -> tuple[Logprobs, ...]:
         """The prompt's tokens' log-probabilities from the second on, where the request asked (echo)."""
         return getattr(self._tokens, "prompt_logprobs", ())

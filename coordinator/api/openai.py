@@ -30,10 +30,12 @@ from stratamesh.coordinator.api.embeddings import check_context, embed_all, embe
 from stratamesh.coordinator.api.generation import TextStream, Timeline
 from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                 GenerationRequest)
+from stratamesh.coordinator.api import anthropic
+from stratamesh.coordinator.api.anthropic import MessagesFormat, MessagesRequest
 from stratamesh.coordinator.api.choices import Choices, choice_request
 from stratamesh.coordinator.api.logprobs import LogprobsShape
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
-from stratamesh.coordinator.api.sse import DONE, SSEResponse, sse_event
+from stratamesh.coordinator.api.sse import SSEResponse
 from stratamesh.coordinator.api.structured import grammar_of
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
@@ -78,6 +80,10 @@ def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limi
                       openapi_extra=json_body(CompletionRequest))
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"], responses=generated,
                       openapi_extra=json_body(ChatCompletionRequest))
+    app.add_api_route("/v1/messages", api.messages, methods=["POST"], openapi_extra=json_body(MessagesRequest),
+                      responses={200: {"description": "the message, or with stream: true Anthropic's events",
+                                       "content": {"application/json": {}, "text/event-stream": {}}},
+                                 **anthropic.error_responses(400, 401, 404, 413, 429, 499, 502, 503)})
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"],
                       responses=error_responses(400, 401, 404, 413, 429, 502, 503),
                       openapi_extra=json_body(EmbeddingRequest))
@@ -164,6 +170,23 @@ class OpenAIApi:
             return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages: Anthropic's Messages API, on the chat path (coordinator/api/anthropic.py)."""
+        arrival_s = self._metrics.clock()
+        try:
+            asked = await parse_body(request, MessagesRequest)
+            try:
+                req = asked.as_chat()
+            except ValidationError as e:
+                raise validation_error(e) from e
+            card, tokenizer = self._model(req.model)
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompt_ids = tokenizer.encode_chat(messages, True, None)
+            fmt = MessagesFormat(f"msg_{uuid.uuid4().hex}", req.model)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
+        except Exception as e:
+            return anthropic.error_response(e)
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings: an embedding model's vector of each input; a text-generation model gets a 400
@@ -378,16 +401,21 @@ async def _sse_events(choices: Choices, fmt: ResponseFormat,
     try:
         for index, run in enumerate(choices.runs):
             for chunk in fmt.head(run, index):
-                yield sse_event(chunk)
+                yield fmt.event(chunk)
         async for index, delta in choices.deltas():
             for chunk in fmt.pieces(delta, index):
-                yield sse_event(chunk)
+                yield fmt.event(chunk)
+            if delta.finish_reason is not None:
+                fmt.finished(choices.runs[index])
         if fmt.include_usage:
-            yield sse_event(fmt.usage_chunk(choices.usage()))
+            yield fmt.event(fmt.usage_chunk(choices.usage()))
+        for chunk in fmt.tail():
+            yield fmt.event(chunk)
     except Exception as e:
         err = to_api_error(e)
         on_error(err)
         log.warning("request %s failed mid-stream with %d: %s", choices.runs[0].request.request_id, err.status,
                     err.message)
-        yield sse_event(err.body())
-    yield DONE
+        yield fmt.event(fmt.error_event(err))
+    if fmt.done:
+        yield fmt.done

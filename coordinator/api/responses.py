@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stratamesh.coordinator.api.errors import ApiError
 from stratamesh.coordinator.api.generation import Delta, TextStream
 from stratamesh.coordinator.api.logprobs import LogprobsShape
+from stratamesh.coordinator.api.sse import DONE, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,21 @@ class ResponseFormat:
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, only usage."""
         return {**self._envelope(self.chunk_object_name), "choices": [], "usage": usage}
+
+    # How a stream is framed: each chunk as an SSE event, what follows the usage, the end
+    done = DONE
+
+    def event(self, chunk: dict[str, Any]) -> bytes:
+        return sse_event(chunk)
+
+    def finished(self, run: TextStream) -> None:
+        """A streamed choice's run reached its end (before the usage chunk)."""
+
+    def tail(self) -> list[dict[str, Any]]:
+        return []
+
+    def error_event(self, err: ApiError) -> dict[str, Any]:
+        return err.body()
 
     def _chunk(self, choice: dict[str, Any], finish_reason: str | None = None,
                logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:

@@ -190,9 +190,9 @@ SCHEMAS = [
         "additionalProperties": False},
         "layers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 31}, "minItems": 2,
                    "maxItems": 4}}, "required": ["box", "layers"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "object", "properties": {"k": {"const": "v"},
-                                                                 "n": {"type": "integer", "minimum": -999, "maximum": 999}},
-                                "required": ["k"], "additionalProperties": False}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "k": {"const": "v"}, "n": {"type": "integer", "minimum": -999, "maximum": 999}},
+        "required": ["k"], "additionalProperties": False}, "minItems": 1, "maxItems": 3},
 ]
 
 
@@ -226,6 +226,36 @@ def test_structured_output_keeps_a_random_model_to_each_schema_choice_and_regex(
     regex = client.completions.create(model=model_dir.name, prompt="A date:", temperature=1.0, seed=3,
                                       max_tokens=20, extra_body={"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])"})
     assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])", regex.choices[0].text), regex.choices[0].text
+
+
+def test_the_anthropic_sdk_gets_the_chat_apis_answers_from_messages(llama_mesh: LocalMesh, tiny_models) -> None:
+    """Anthropic's client (x-api-key) against /v1/messages: created and streamed, the chat API's answer to the same
+    conversation, with Anthropic's stop reasons and usage; a stop sequence names itself; a bad request is its
+    BadRequestError."""
+    anthropic = pytest.importorskip("anthropic")
+    model = tiny_models["llama"].name
+    client = anthropic.Anthropic(base_url=llama_mesh.url, api_key=llama_mesh.api_key, timeout=120)
+    asked = dict(model=model, max_tokens=16, system="Answer briefly.", extra_body={"temperature": 0},   # (older
+                 messages=[{"role": "user", "content": [{"type": "text", "text": "Where do the layers live?"}]}])
+    # clients name temperature; the newest take it no more: Anthropic's default, as OpenAI's, is 1)
+    message = client.messages.create(**asked)
+    (block,) = message.content
+    assert message.type == "message" and message.role == "assistant" and block.type == "text" and block.text
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 16 and message.usage.input_tokens
+    chat = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key).chat.completions.create(
+        model=model, max_tokens=16, temperature=0, messages=[{"role": "system", "content": "Answer briefly."},
+                                                            {"role": "user", "content": "Where do the layers live?"}])
+    assert block.text == chat.choices[0].message.content
+    with client.messages.stream(**asked) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == block.text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 16
+    sequence = block.text[len(block.text) // 2:][:3]        # from the answer's middle
+    cut = client.messages.create(**{**asked, "stop_sequences": [sequence]})
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == sequence
+    assert cut.content[0].text == block.text[:block.text.index(sequence)]
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        client.messages.create(**{**asked, "max_tokens": 0})
 
 
 def _prefix_cache_hits(mesh: LocalMesh) -> float:
