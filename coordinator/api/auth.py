@@ -1,7 +1,7 @@
 """Who may call what over HTTP: an ASGI layer in front of every route, and the admin login routes.
 
 /v1 needs an API key of any role (`Authorization: Bearer sk-sm-...`, or `x-api-key: sk-sm-...` as Anthropic's clients
-send it); /admin/api needs a viewer to read and an
+send it), and so do /tokenize and /detokenize; /admin/api needs a viewer to read and an
 operator to act, by API key or by the session cookie the admin UI logs in for. /health, /metrics (as in vLLM,
 for scrapers and load balancers), the UI's static files and the OpenAPI document are open.
 """
@@ -28,6 +28,7 @@ from stratamesh.coordinator.throttle import FailureThrottle
 SESSION_COOKIE = "stratamesh_session"
 INSECURE = Principal("insecure development mode", "operator", "insecure")
 _OPEN_ADMIN = {"/admin/api/login", "/admin/api/logout"}
+_CLIENT_ROUTES = {"/tokenize", "/detokenize"}      # vLLM's, outside /v1: a client's key as for /v1
 
 
 class Access(Protocol):
@@ -44,7 +45,7 @@ class Access(Protocol):
 
 def required_role(method: str, path: str) -> str | None:
     """The least role a request needs, or None for an open route."""
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in _CLIENT_ROUTES:
         return "client"
     if path.startswith("/admin/api/") and path not in _OPEN_ADMIN:
         return "viewer" if method in ("GET", "HEAD") else "operator"

@@ -28,8 +28,8 @@ from stratamesh.coordinator.api.errors import (
 from stratamesh.coordinator.api.admission import Limits
 from stratamesh.coordinator.api.embeddings import check_context, embed_all, embedding_body
 from stratamesh.coordinator.api.generation import TextStream, Timeline
-from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                                GenerationRequest)
+from stratamesh.coordinator.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                EmbeddingRequest, GenerationRequest, TokenizeRequest)
 from stratamesh.coordinator.api import anthropic
 from stratamesh.coordinator.api.anthropic import MessagesFormat, MessagesRequest
 from stratamesh.coordinator.api.choices import Choices, choice_request
@@ -87,6 +87,10 @@ def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limi
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"],
                       responses=error_responses(400, 401, 404, 413, 429, 502, 503),
                       openapi_extra=json_body(EmbeddingRequest))
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], responses=error_responses(400, 401, 404),
+                      openapi_extra=json_body(TokenizeRequest))
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"], responses=error_responses(400, 401, 404),
+                      openapi_extra=json_body(DetokenizeRequest))
     app.add_api_route("/health", api.health, methods=["GET"],
                       responses={503: {"description": "the mesh does not serve (yet)"}})
     app.add_api_route("/metrics", api.metrics, methods=["GET"], response_class=PlainTextResponse,
@@ -187,6 +191,29 @@ class OpenAIApi:
             return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
         except Exception as e:
             return anthropic.error_response(e)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: vLLM's count and ids of a prompt, or of a chat as the model's template renders it."""
+        try:
+            req = await parse_body(request, TokenizeRequest)
+            card, tokenizer = self._card(req.model), self._serving.text(req.model)
+            ids = (tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt is not None
+                   else tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages],
+                                              req.add_generation_prompt))
+            return JSONResponse({"count": len(ids), "max_model_len": card.max_context, "tokens": ids})
+        except Exception as e:
+            return error_response(e)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize: vLLM's text of token ids."""
+        try:
+            req = await parse_body(request, DetokenizeRequest)
+            self._card(req.model)
+            tokenizer = self._serving.text(req.model)
+            ids = _prompt_ids(tokenizer, req.tokens, "tokens") if req.tokens else []
+            return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        except Exception as e:
+            return error_response(e)
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings: an embedding model's vector of each input; a text-generation model gets a 400

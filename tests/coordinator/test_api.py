@@ -522,3 +522,22 @@ async def test_embeddings_of_a_text_generation_model_are_refused_by_name(client:
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     bad = await client.post("/v1/embeddings", json={"model": "tiny", "input": {"text": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
+async def test_tokenize_and_detokenize_as_vllm(client: httpx.AsyncClient, gen: FakeServing) -> None:
+    """vLLM's /tokenize (a prompt, or a chat through the template) and /detokenize, round trip."""
+    tokenizer = gen.tokenizer
+    resp = await client.post("/tokenize", json={"model": "tiny", "prompt": "Hello mesh"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == tokenizer.encode("Hello mesh") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0
+    chat = (await client.post("/tokenize", json={"model": "tiny", "messages": CHAT})).json()
+    assert chat["tokens"] == tokenizer.encode_chat(CHAT, True, None)
+    back = await client.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello mesh"}
+    for path, asked, param in (("/tokenize", {"model": "tiny"}, None),
+                               ("/detokenize", {"model": "tiny", "tokens": [99999]}, "tokens"),
+                               ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
+        resp = await client.post(path, json=asked)
+        assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, resp.text

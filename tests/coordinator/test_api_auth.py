@@ -62,7 +62,8 @@ def client(app: FastAPI, key: str = "") -> httpx.AsyncClient:
     ("POST", "/admin/api/agents/a/drain", "operator"), ("DELETE", "/admin/api/x", "operator"),
     ("POST", "/admin/api/login", None), ("POST", "/admin/api/logout", None), ("GET", "/health", None),
     ("GET", "/metrics", None), ("GET", "/admin/", None), ("GET", "/admin/app.js", None),
-    ("GET", "/openapi.json", None), ("GET", "/v1x", None)])
+    ("GET", "/openapi.json", None), ("GET", "/v1x", None), ("POST", "/tokenize", "client"),
+    ("POST", "/detokenize", "client")])
 def test_required_roles(method: str, path: str, role: str | None) -> None:
     assert required_role(method, path) == role
 
@@ -79,6 +80,12 @@ async def test_no_or_a_wrong_key_gets_401_in_openais_shape(access: AccessStore) 
     async with client(app, good) as http:
         assert (await http.post("/v1/completions")).json() == {"ok": "completions"}
         assert (await http.get("/health")).status_code == 200
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh",
+                                 headers={"x-api-key": good}) as http:     # as Anthropic's clients send it
+        assert (await http.post("/v1/completions")).json() == {"ok": "completions"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://mesh",
+                                 headers={"x-api-key": "garbage"}) as http:
+        assert (await http.post("/v1/completions")).status_code == 401
 
 
 async def test_each_role_reaches_what_it_may(access: AccessStore) -> None:
