@@ -29,6 +29,11 @@ from .test_mesh import complete_ids
 
 pytestmark = pytest.mark.slow
 
+# An agent exporting its ONNX layers holds the GIL for seconds, and its heartbeats can come later than the 2 s lease
+# on a loaded box: the coordinator then declares it dead mid-start (and, seen once in the suite, never got the mesh
+# ready after it came back: noted on issue 47's closing note). These tests are about runtimes and the planner.
+EXPORT_LEASE = ["--agent-lease", "10"]
+
 EDGE, FAR = ["--site", "home"], ["--site", "lab", "--runtime", "onnxruntime"]
 # ONNX Runtime's speeds as the probe stores them (agent.speed: tests/agent/test_speed.py times the real probe)
 MODEST = {"backend": "onnxruntime-cpu", "dtype": "float32", "flops": 5e10, "mem_bandwidth": 1e10,
@@ -74,7 +79,7 @@ def test_a_torch_onnxruntime_torch_mesh_gives_the_tokens_of_transformers(tiny_mo
                                                                           tmp_path: Path, run_cache: Path) -> None:
     model_dir = tiny_models["llama"]
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={0: EDGE, 1: FAR, 2: EDGE},
-                   coordinator_args=["--first-site", "home", "--last-site", "home"],
+                   coordinator_args=["--first-site", "home", "--last-site", "home", *EXPORT_LEASE],
                    extra_env={"STRATAMESH_CACHE_DIR": str(onnx_speeds_cache(tmp_path / "cache", MODEST, run_cache))},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
         plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
@@ -97,7 +102,8 @@ def test_the_planner_runs_an_auto_agents_stage_on_onnx_runtime_where_it_measured
     model_dir, cache = tiny_models["llama"], onnx_speeds_cache(tmp_path / "cache", FAST, run_cache)
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={1: ["--runtime", "auto"]},
                    extra_env={"STRATAMESH_CACHE_DIR": str(cache)},
-                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"),
+                   coordinator_args=EXPORT_LEASE) as mesh:
         plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
         (plan,) = [p for p in plans if p["state"] == "active"]
         runs = {s["agent_id"]: s["runtime"] for s in plan["stages"]}
