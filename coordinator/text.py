@@ -65,7 +65,7 @@ class Tokenizer:
         return self.config.eos_token_ids
 
     @cached_property
-    def json(self) -> str:
+    def tokenizer_json(self) -> str:
         """The tokenizer as tokenizer.json holds it (what llguidance builds its token trie of)."""
         return self._tokenizer.to_str()
 

@@ -137,6 +137,11 @@ class SessionOpen:
     # what its penalties and min_tokens count from; 0: after all of prompt_token_ids
     output_start: int = 0
 
+    @property
+    def output_position(self) -> int:
+        """Where the generation's output starts in prompt_token_ids (output_start, or after all of them)."""
+        return self.output_start or len(self.prompt_token_ids)
+
     def forwarded(self, cached_tokens: int) -> SessionOpen:
         """The open as the next hop must receive it, carrying this stage's cached-token count."""
         head, *rest = self.route

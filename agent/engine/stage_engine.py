@@ -301,16 +301,18 @@ class StageEngine:
     def _prompt_targets(self, chunk: ScheduledChunk) -> tuple[int, ...]:
         """The prompt tokens the chunk's rows predict (the row at position p predicts p + 1), up to the prompt's last
         (the output's first is the chunk's pick)."""
-        message, tokens = self.sessions[chunk.session_id], self.scheduler.sessions[chunk.session_id].token_ids
-        prompt_end = message.output_start or len(message.prompt_token_ids)
+        prompt_end, tokens = self.sessions[chunk.session_id].output_position, self._token_ids(chunk)
         return tuple(tokens[chunk.start_pos + 1:min(chunk.start_pos + chunk.num_tokens + 1, prompt_end)])
 
     def _history(self, chunk: ScheduledChunk) -> History:
         """What the pick after chunk counts: the request's prompt, and its output up to the chunk's end (a replayed
         session's open names where that output starts in what it prefilled)."""
-        message, tokens = self.sessions[chunk.session_id], self.scheduler.sessions[chunk.session_id].token_ids
-        start = message.output_start or len(message.prompt_token_ids)
+        start, tokens = self.sessions[chunk.session_id].output_position, self._token_ids(chunk)
         return History(tokens[:start], tokens[start:chunk.start_pos + chunk.num_tokens])
+
+    def _token_ids(self, chunk: ScheduledChunk) -> list[int]:
+        """Every token id of the chunk's session this stage knows (its prompt, then what its chunks brought)."""
+        return self.scheduler.sessions[chunk.session_id].token_ids
 
     def postprocess(self, batch: Batch, output: StepOutput | None, outbox: Outbox) -> None:
         """Advances the scheduler and turns the step's output into messages for the next hops."""

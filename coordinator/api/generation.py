@@ -88,7 +88,7 @@ class TextStream:
                     self._finish(delta.finish_reason, at_s=self.timeline.last_token_s)
                 if delta.text or delta.finish_reason is not None:
                     yield replace(delta, token_ids=tuple(self.token_ids[sent:]),
-                                  logprobs=tuple(self.logprobs[sent:len(self.token_ids)]))
+                                  logprobs=self._logprobs_from(sent))
                     sent = len(self.token_ids)
                 if self.finish_reason is not None:
                     return
@@ -141,8 +141,12 @@ class TextStream:
     def logprobs(self) -> list[Logprobs | None]:
         """Each received token's log-probabilities where the request asked for them (None for a token the stream
         gave none: one that does not say)."""
-        given = getattr(self._tokens, "logprobs", [])
-        return given + [None] * (len(self.token_ids) - len(given))
+        return list(self._logprobs_from(0))
+
+    def _logprobs_from(self, start: int) -> tuple[Logprobs | None, ...]:
+        """The received tokens' log-probabilities from the start-th token on (a slice, not the whole list)."""
+        given = getattr(self._tokens, "logprobs", [])[start:len(self.token_ids)]
+        return (*given, *[None] * (len(self.token_ids) - start - len(given)))
 
     @property
     def stop_string(self) -> str | None:

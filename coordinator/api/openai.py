@@ -362,7 +362,7 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
         stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else (), logprobs=req.num_logprobs,
-        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer, tokenizer.vocab_size))
+        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer))
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
 

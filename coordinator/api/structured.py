@@ -21,7 +21,7 @@ from stratamesh.coordinator.text import Tokenizer
 JSON_DEFAULTS = {"whitespace_flexible": False}    # compact JSON: no run of spaces a model may get lost in
 
 
-def grammar_of(req: GenerationRequest, tokenizer: Tokenizer, vocab_size: int) -> str:
+def grammar_of(req: GenerationRequest, tokenizer: Tokenizer) -> str:
     """The llguidance grammar of the request's constraint, "" without one; a 400 naming the field where it has
     several or one that does not compile against the model's tokenizer."""
     import llguidance
@@ -48,7 +48,8 @@ def grammar_of(req: GenerationRequest, tokenizer: Tokenizer, vocab_size: int) ->
             grammar = llguidance.LLMatcher.grammar_from_regex(value)
         case _:
             grammar = llguidance.LLMatcher.grammar_from_lark(value)
-    error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer.json, vocab_size))
+    error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer.tokenizer_json,
+                                                                         tokenizer.vocab_size))
     if error:
         raise ApiError(400, f"{param} does not compile: {error}", param=param)
     return grammar
