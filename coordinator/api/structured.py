@@ -40,8 +40,7 @@ def grammar_of(req: GenerationRequest, tokenizer: Tokenizer) -> str:
         case "response_format":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(_schema(value), defaults=JSON_DEFAULTS)
         case "guided_json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.loads(value) if isinstance(value, str) else value, defaults=JSON_DEFAULTS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_json_schema(value), defaults=JSON_DEFAULTS)
         case "guided_choice":
             grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         case "guided_regex":
@@ -53,6 +52,16 @@ def grammar_of(req: GenerationRequest, tokenizer: Tokenizer) -> str:
     if error:
         raise ApiError(400, f"{param} does not compile: {error}", param=param)
     return grammar
+
+
+def _json_schema(value: dict[str, Any] | str) -> Any:
+    """guided_json's schema: an object, or one as a JSON string (a 400 where the string is not JSON)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ApiError(400, f"guided_json is not a JSON schema: {e}", param="guided_json") from e
 
 
 def _schema(response_format: dict[str, Any]) -> Any:

@@ -342,6 +342,7 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a+"},
      "guided_regex"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": "{not json"}, "guided_json"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 30},
      "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
