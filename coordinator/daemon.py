@@ -94,6 +94,7 @@ class CoordinatorOptions:
     disaggregation: Disaggregation = field(default_factory=Disaggregation)   # prefill/decode (serving.router)
     codec_policy: str = "auto"           # what activations cross links in: --wire-codec (partitioner/wire_codec.py)
     route_wait_s: float = ROUTE_WAIT_S   # how long a request waits for its model to load or recover (--route-wait)
+    tool_call_parser: str | None = None  # how models write tool calls (--tool-call-parser); None: their templates'
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -137,7 +138,7 @@ class _Server(uvicorn.Server):
 async def _serve_http(origin: Origin, admin: MeshAdmin, metrics: ApiMetrics, access: AccessStore | None,
                       options: CoordinatorOptions) -> tuple[_Server, asyncio.Task[None], int]:
     """Starts the HTTP API on the running loop; returns the server, its task and the port bound."""
-    app = create_app(origin, metrics, options.limits)
+    app = create_app(origin, metrics, options.limits, options.tool_call_parser)
     app.include_router(admin_router(admin))
     install_access(app, access, limits=options.limits)
     mount_ui(app)

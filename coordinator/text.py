@@ -85,13 +85,15 @@ class Tokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """Render messages with the model's chat template as transformers does; template_kwargs add variables."""
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render messages with the model's chat template as transformers does; template_kwargs add variables,
+        tools are the functions the model may call (OpenAI's definitions)."""
         if self._template is None:
             raise InvalidInput("this model has no chat template; use /v1/completions")
         # transformers drops None values: templates handle a missing key better than a None one.
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {"tools": None, "documents": None, **self.config.special_tokens, **(template_kwargs or {}),
+        context = {"tools": tools or None, "documents": None, **self.config.special_tokens, **(template_kwargs or {}),
                    "messages": chat, "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(context)
@@ -99,9 +101,10 @@ class Tokenizer:
             raise InvalidInput(f"chat template failed: {e}") from e
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Prompt ids of a chat; the template places BOS itself, so none is added (as transformers)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property
@@ -253,7 +256,7 @@ class IncrementalDetokenizer:
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out
-        keep = 0 if final else _stop_prefix_len(self._pending, stops)
+        keep = 0 if final else stop_prefix_len(self._pending, stops)
         out = self._pending[:len(self._pending) - keep]
         self._pending = self._pending[len(out):]
         return out
@@ -274,7 +277,7 @@ def _find_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
     return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
-def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+def stop_prefix_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest tail of text that some stop string starts with."""
     longest = max((len(s) for s in stop), default=0)
     for k in range(min(len(text), longest - 1), 0, -1):

@@ -89,4 +89,6 @@ class Runtime(StrEnum):
 
 # How the origin's router picks one of a model's ready replicas for a request (coordinator/serving/router.py).
 ROUTER_MODES = tuple(RouterMode)
+# The formats of tool calls the API parses (coordinator/api/tool_parsers.py), as vLLM's --tool-call-parser names them
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 DEFAULT_ROUTER_MODE = RouterMode.KV

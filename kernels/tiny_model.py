@@ -18,9 +18,36 @@ TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "ph
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
+# ChatML; with tools, Hermes' tool calls as Qwen 2.5 renders them: the tools listed in the system turn (after the
+# system message), calls in <tool_call> blocks, results in <tool_response> blocks of a user turn
+_TOOLS_HEADER = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
+)
+_TOOL_TURNS = (
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant\n' }}{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + (call['arguments'] | tojson) "
+    "+ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    _TOOLS_HEADER
+    + "{% for message in messages %}"
+    + "{% if tools and loop.first and message['role'] == 'system' %}"
+    + _TOOL_TURNS
+    + "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -22,7 +22,7 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
 from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
 from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE
-from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES
+from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES, TOOL_CALL_PARSERS
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
 from stratamesh.fleet.logs import configure_logging, set_process_fields
 from stratamesh.fleet.wire.polling import use_classic_polling
@@ -72,6 +72,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                     help="pipelines serving the model side by side (see coordinator); --stages defaults to "
                          "agents / replicas")
     up.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE, help="see coordinator")
+    up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="see coordinator")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -116,6 +117,10 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                                   "work ahead of its prompt, counting what the replicas' prefix caches hold (kv); "
                                   "in turn (round-robin); or the one whose busiest stage runs and queues the fewest "
                                   "sequences (least-load)")
+    coordinator.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                             help="how the models write tool calls, for the chat API to parse them (default: the "
+                                  "format each model's chat template shows: <tool_call> blocks are hermes, "
+                                  "<|python_tag|> llama3_json, [TOOL_CALLS] mistral)")
     coordinator.add_argument("--wire-codec", choices=WIRE_CODECS, default="auto",
                              help="how activations cross each link between stages: the most exact codec whose "
                                   "transfer stays within a quarter of the sending stage's step, from the links' "
@@ -408,7 +413,8 @@ def _coordinator(args: argparse.Namespace) -> None:
         router_mode=args.router_mode, codec_policy=args.wire_codec, route_wait_s=args.route_wait,
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
-                      max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens))
+                      max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens),
+        tool_call_parser=args.tool_call_parser)
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
@@ -590,6 +596,7 @@ def _up(args: argparse.Namespace) -> None:
     forget_last_run(state)
     coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
+    coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],

@@ -1,13 +1,15 @@
 """Anthropic's Messages API (POST /v1/messages) on the chat path: a request becomes a chat completion's (its system
-prompt the first message, its text content blocks joined), and the answer takes Anthropic's shapes: a message with
-text content blocks, stop_reason and usage, or the event sequence message_start, content_block_start,
+prompt the first message, its text content blocks joined, tool_use blocks an assistant's tool_calls, tool_result
+blocks "tool" messages, its tools and tool_choice OpenAI's), and the answer takes Anthropic's shapes: a message with
+text and tool_use content blocks, stop_reason and usage, or the event sequence message_start, content_block_start,
 content_block_delta..., content_block_stop, message_delta, message_stop. Errors take its error shape. Clients
 authenticate with x-api-key (coordinator/api/auth.py) as with a bearer key."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,6 +19,7 @@ from stratamesh.coordinator.api.generation import Delta, TextStream
 from stratamesh.coordinator.api.responses import ResponseFormat
 from stratamesh.coordinator.api.schemas import INT32_MAX, MAX_STOP_STRINGS, ChatCompletionRequest
 from stratamesh.coordinator.api.sse import sse_event
+from stratamesh.coordinator.api.tool_parsers import ToolCall, ToolCallFormat
 from stratamesh.fleet.states import FinishReason
 
 # Anthropic's error type of each HTTP status
@@ -40,19 +43,82 @@ class TextBlock(BaseModel):
     text: str
 
 
-class AnthropicMessage(BaseModel):
+class ToolUseBlock(BaseModel):
+    """An assistant's call of a tool, in an earlier turn."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    """What a call of an earlier turn returned, in a user turn."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
 
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def as_chat(self) -> list[dict[str, Any]]:
+        """The chat messages of this turn: its tool results each a "tool" message, then its text and calls."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text}
+                   for b in self.content if isinstance(b, ToolResultBlock)]
+        text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in self.content if isinstance(b, ToolUseBlock)]
+        turn = {"role": self.role, "content": text or None, **({"tool_calls": calls} if calls else {})}
+        return results + ([turn] if text or calls or not results else [])
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def as_chat(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.input_schema}}
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    def as_chat(self) -> Any:
+        """OpenAI's tool_choice of this one."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
+
+
 class MessagesRequest(BaseModel):
-    """POST /v1/messages: Anthropic's fields (text content blocks only; tools are not served yet)."""
+    """POST /v1/messages: Anthropic's fields (content blocks of text, tool_use and tool_result)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -65,14 +131,8 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     stream: bool = False
-    tools: list[Any] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not served on /v1/messages yet")
-        return value
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -86,21 +146,27 @@ class MessagesRequest(BaseModel):
         system = self.system if isinstance(self.system, str) or self.system is None else "".join(
             b.text for b in self.system)
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": m.role, "content": m.text} for m in self.messages]
+            turn for m in self.messages for turn in m.as_chat()]
+        choice = self.tool_choice
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_tokens,
                                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                      stop=self.stop_sequences, stream=self.stream,
-                                     stream_options={"include_usage": True} if self.stream else None)
+                                     stream_options={"include_usage": True} if self.stream else None,
+                                     tools=[t.as_chat() for t in self.tools] if self.tools else None,
+                                     tool_choice=choice.as_chat() if choice else None,
+                                     parallel_tool_calls=not choice.disable_parallel_tool_use if choice else None)
 
 
 class MessagesFormat(ResponseFormat):
-    """Anthropic's message, and its streaming events (each named by its type; no [DONE])."""
+    """Anthropic's message, and its streaming events (each named by its type; no [DONE]). With tools, the text
+    block (index 0) is followed by a tool_use block per call, each streamed whole once the model has written it."""
 
     object_name = "message"
 
-    def __init__(self, response_id: str, model: str) -> None:
-        super().__init__(response_id, model, include_usage=True)
+    def __init__(self, response_id: str, model: str, tools: ToolCallFormat | None = None) -> None:
+        super().__init__(response_id, model, include_usage=True, tools=tools)
         self._stop: tuple[str, str | None] = ("end_turn", None)     # the streamed answer's stop reason, sequence
+        self._text_open = True
 
     def head(self, run: TextStream, index: int = 0) -> list[dict[str, Any]]:
         message = {"id": self.response_id, "type": "message", "role": "assistant", "content": [], "model": self.model,
@@ -110,14 +176,24 @@ class MessagesFormat(ResponseFormat):
                 {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
 
     def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
-        events = [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta.text}}
-                  ] if delta.text else []
-        if delta.finish_reason is not None:
+        text, calls, num_before = self.split(delta, index)
+        events = [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+                  ] if text else []
+        if self._text_open and (calls or delta.finish_reason is not None):
             events.append({"type": "content_block_stop", "index": 0})
+            self._text_open = False
+        for i, block in enumerate(map(_tool_use, calls), start=num_before + 1):
+            events += [{"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}},
+                       {"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
+                       {"type": "content_block_stop", "index": i}]
+        if calls:
+            self._stop = ("tool_use", None)
         return events
 
     def finished(self, run: TextStream) -> None:
-        self._stop = stop_reason(run)
+        if self._stop[0] != "tool_use":
+            self._stop = stop_reason(run)
 
     def error_event(self, err: ApiError) -> dict[str, Any]:
         return error_event(err)
@@ -136,10 +212,23 @@ class MessagesFormat(ResponseFormat):
 
     def whole(self, choices: Sequence[tuple[str, str, TextStream]], usage: dict[str, Any]) -> dict[str, Any]:
         ((text, _, run),) = choices
-        reason, sequence = stop_reason(run)
+        text, calls = self.split_whole(text)
+        reason, sequence = ("tool_use", None) if calls else stop_reason(run)
+        blocks = ([{"type": "text", "text": text}] if text.strip() or not calls else []) + [
+            _tool_use(call) for call in calls]
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": text}], "stop_reason": reason, "stop_sequence": sequence,
+                "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call as Anthropic's tool_use block (its arguments an object: {} where the model's were no JSON object)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": arguments if isinstance(arguments, dict) else {}}
 
 
 def stop_reason(run: TextStream) -> tuple[str, str | None]:

@@ -34,9 +34,11 @@ from stratamesh.coordinator.api import anthropic
 from stratamesh.coordinator.api.anthropic import MessagesFormat, MessagesRequest
 from stratamesh.coordinator.api.choices import Choices, choice_request
 from stratamesh.coordinator.api.logprobs import LogprobsShape
+from stratamesh.coordinator.api.openai_responses import ResponsesFormat, ResponsesRequest
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from stratamesh.coordinator.api.sse import SSEResponse
 from stratamesh.coordinator.api.structured import grammar_of
+from stratamesh.coordinator.api.tools import ToolUse, template_messages, tool_use
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
 from stratamesh.coordinator.serving.request import Request as MeshRequest
@@ -67,11 +69,13 @@ class Serving(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
-def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limits = Limits()) -> FastAPI:
+def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limits = Limits(),
+               tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API over serving, counting into metrics (a fresh one if None),
-    holding prompts and completions to limits' token caps."""
+    holding prompts and completions to limits' token caps; tool_call_parser: the format of every model's tool
+    calls (coordinator/api/tool_parsers.py), else the one its chat template shows."""
     app = FastAPI(title="stratamesh", summary="OpenAI-compatible API of a stratamesh inference mesh")
-    api = OpenAIApi(serving, metrics if metrics is not None else ApiMetrics(), limits)
+    api = OpenAIApi(serving, metrics if metrics is not None else ApiMetrics(), limits, tool_call_parser)
     app.add_api_route("/v1/models", api.models, methods=["GET"], responses=error_responses(401))
     generated = {200: {"description": "the answer, or with stream: true server-sent events ending in [DONE]",
                        "content": {"application/json": {}, "text/event-stream": {}}},
@@ -84,6 +88,10 @@ def create_app(serving: Serving, metrics: ApiMetrics | None = None, limits: Limi
                       responses={200: {"description": "the message, or with stream: true Anthropic's events",
                                        "content": {"application/json": {}, "text/event-stream": {}}},
                                  **anthropic.error_responses(400, 401, 404, 413, 429, 499, 502, 503)})
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"], openapi_extra=json_body(ResponsesRequest),
+                      responses={200: {"description": "the response, or with stream: true its named events",
+                                       "content": {"application/json": {}, "text/event-stream": {}}},
+                                 **error_responses(400, 401, 404, 413, 429, 499, 502, 503)})
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"],
                       responses=error_responses(400, 401, 404, 413, 429, 502, 503),
                       openapi_extra=json_body(EmbeddingRequest))
@@ -117,10 +125,12 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 class OpenAIApi:
     """The endpoints; every error becomes an OpenAI error body and never reaches the server."""
 
-    def __init__(self, serving: Serving, metrics: ApiMetrics, limits: Limits = Limits()) -> None:
+    def __init__(self, serving: Serving, metrics: ApiMetrics, limits: Limits = Limits(),
+                 tool_parser: str | None = None) -> None:
         self._serving = serving
         self._metrics = metrics
         self._limits = limits
+        self._tool_parser = tool_parser
 
     async def models(self) -> Response:
         """GET /v1/models."""
@@ -167,11 +177,11 @@ class OpenAIApi:
         try:
             req = await parse_body(request, ChatCompletionRequest)
             card, tokenizer = self._model(req.model)
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            prompt_ids = tokenizer.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+            prompt_ids, tools = self._chat_prompt(req, tokenizer)
             fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage, req.return_token_ids,
-                             _logprobs_shape(tokenizer, req.num_logprobs))
-            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
+                             _logprobs_shape(tokenizer, req.num_logprobs), tools.parsed_format if tools else None)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s,
+                                   tools)
         except Exception as e:
             return error_response(e)
 
@@ -185,12 +195,30 @@ class OpenAIApi:
             except ValidationError as e:
                 raise validation_error(e) from e
             card, tokenizer = self._model(req.model)
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            prompt_ids = tokenizer.encode_chat(messages, True, None)
-            fmt = MessagesFormat(f"msg_{uuid.uuid4().hex}", req.model)
-            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s)
+            prompt_ids, tools = self._chat_prompt(req, tokenizer)
+            fmt = MessagesFormat(f"msg_{uuid.uuid4().hex}", req.model, tools.parsed_format if tools else None)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s,
+                                   tools)
         except Exception as e:
             return anthropic.error_response(e)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: OpenAI's Responses API, on the chat path (coordinator/api/openai_responses.py)."""
+        arrival_s = self._metrics.clock()
+        try:
+            asked = await parse_body(request, ResponsesRequest)
+            try:
+                req = asked.as_chat()
+            except ValidationError as e:
+                raise validation_error(e) from e
+            card, tokenizer = self._model(req.model)
+            prompt_ids, tools = self._chat_prompt(req, tokenizer)
+            fmt = ResponsesFormat(f"resp_{uuid.uuid4().hex}", req.model, asked.settings(),
+                                  tools.parsed_format if tools else None)
+            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s,
+                                   tools)
+        except Exception as e:
+            return error_response(e)
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: vLLM's count and ids of a prompt, or of a chat as the model's template renders it."""
@@ -234,6 +262,14 @@ class OpenAIApi:
         except Exception as e:
             return error_response(e)
 
+    def _chat_prompt(self, req: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[list[int], ToolUse | None]:
+        """A chat's prompt as the model's template renders it, and what the request asks of its tools (None
+        without)."""
+        tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer, self._tool_parser)
+        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        return tokenizer.encode_chat(messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                     tools.template_tools() if tools else None), tools
+
     def _model(self, model_id: str, task: str = "generate") -> tuple[ModelCard, Tokenizer]:
         """The card and tokenizer of a model that serves task and is ready (404, 400, 503 otherwise)."""
         card = self._card(model_id)
@@ -250,17 +286,20 @@ class OpenAIApi:
         raise ModelNotFound(f"The model `{model_id}` does not exist.")
 
     async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, tokenizer: Tokenizer,
-                   prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float) -> Response:
+                   prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float,
+                   tools: ToolUse | None = None) -> Response:
         self._check_prompt(prompt_ids, "prompt" if isinstance(fmt, CompletionFormat) else "messages")
         cap = self._limits.max_tokens
         if cap and max_tokens is not None and max_tokens > cap:
             raise ApiError(400, f"max_tokens is {max_tokens}; this mesh allows at most {cap}", param="max_tokens",
                            code="max_tokens_over_limit")
-        mesh_request = _mesh_request(req, tokenizer, prompt_ids, card.max_context, max_tokens, fmt.response_id)
+        mesh_request = _mesh_request(req, tokenizer, prompt_ids, card.max_context, max_tokens, fmt.response_id,
+                                     tools.grammar(tokenizer) if tools else "")
         stops = mesh_request.stops
         if cap and stops.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
             mesh_request = dataclasses.replace(mesh_request, stops=dataclasses.replace(stops, max_tokens=cap))
-        choices = Choices([self._launch(choice_request(mesh_request, i), tokenizer, arrival_s)
+        keep_special = tools is not None and tools.parsed_format is not None and tools.fmt.special_start
+        choices = Choices([self._launch(choice_request(mesh_request, i), tokenizer, arrival_s, keep_special)
                            for i in range(req.num_candidates)], req.n)
         try:
             await choices.start()
@@ -284,13 +323,15 @@ class OpenAIApi:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this mesh takes at most {cap}", param=param,
                            code="prompt_over_limit")
 
-    def _launch(self, request: MeshRequest, tokenizer: Tokenizer, arrival_s: float) -> TextStream:
-        """Hands the request to the origin; its run is timed from arrival_s and counted as running."""
+    def _launch(self, request: MeshRequest, tokenizer: Tokenizer, arrival_s: float,
+                keep_special: bool = False) -> TextStream:
+        """Hands the request to the origin; its run is timed from arrival_s and counted as running; keep_special:
+        its text keeps the special tokens' (a tool-call marker that is one)."""
         clock = self._metrics.clock
         scheduled_s = clock()
         tokens = self._serving.generate(request)
         text = IncrementalDetokenizer(tokenizer, request.stops.strings, request.prompt_ids,
-                                      min_tokens=request.params.min_tokens)
+                                      skip_special_tokens=not keep_special, min_tokens=request.params.min_tokens)
         run = TextStream(request, tokens, text,
                          Timeline(arrival_s, scheduled_s), clock, observer=self._metrics)
         self._metrics.request_started(run)
@@ -352,7 +393,7 @@ def _wrong_task(card: ModelCard) -> ApiError:
 
 
 def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_context: int,
-                  max_tokens: int | None, request_id: str) -> MeshRequest:
+                  max_tokens: int | None, request_id: str, tool_grammar: str = "") -> MeshRequest:
     stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else tokenizer.eos_token_ids)
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -362,7 +403,7 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
         stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else (), logprobs=req.num_logprobs,
-        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer))
+        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer, tool_grammar))
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
 

@@ -12,6 +12,8 @@ from stratamesh.coordinator.api.errors import ApiError
 from stratamesh.coordinator.api.generation import Delta, TextStream
 from stratamesh.coordinator.api.logprobs import LogprobsShape
 from stratamesh.coordinator.api.sse import DONE, sse_event
+from stratamesh.coordinator.api.tool_parsers import CallSplitter, ToolCall, ToolCallFormat, split_calls
+from stratamesh.fleet.states import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +34,16 @@ class ResponseFormat:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, include_usage: bool = False,
-                 return_token_ids: bool = False, logprobs: LogprobsShape | None = None) -> None:
+                 return_token_ids: bool = False, logprobs: LogprobsShape | None = None,
+                 tools: ToolCallFormat | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
         self.logprobs = logprobs
+        self.tools = tools      # how the model writes tool calls, where the request's output is parsed for them
         self.created = int(time.time())
+        self._splitters: dict[int, CallSplitter] = {}      # streamed with tools: each choice's
 
     def head(self, run: TextStream, index: int = 0) -> list[dict[str, Any]]:
         """Chunks of choice index sent before any text of its started run."""
@@ -55,6 +60,23 @@ class ResponseFormat:
 
     def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
         raise NotImplementedError
+
+    def split(self, delta: Delta, index: int) -> tuple[str, list[ToolCall], int]:
+        """A streamed delta's text and the tool calls it completes (none without tools), and how many calls the
+        choice made before them."""
+        if self.tools is None:
+            return delta.text, [], 0
+        splitter = self._splitters.setdefault(index, CallSplitter(self.tools))
+        num_before = splitter.num_calls
+        text, calls = splitter.push(delta.text)
+        if delta.finish_reason is not None:
+            more_text, more_calls = splitter.finish()
+            text, calls = text + more_text, calls + more_calls
+        return text, calls, num_before
+
+    def split_whole(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output's text and tool calls (none without tools)."""
+        return (text, []) if self.tools is None else split_calls(self.tools, text)
 
     def _ids(self, token_ids: list[int] | tuple[int, ...] | None) -> dict[str, Any]:
         """vLLM's return_token_ids: the choice names the token ids it decodes."""
@@ -137,7 +159,9 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """/v1/chat/completions: a message, or deltas after a first {"role": "assistant"} chunk."""
+    """/v1/chat/completions: a message, or deltas after a first {"role": "assistant"} chunk. With tools, each
+    choice's output is split into content and tool calls (tool_parsers.py): a call streams as one tool_calls delta
+    once the model has written it whole, and a choice that made calls finishes with "tool_calls"."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -148,14 +172,34 @@ class ChatFormat(ResponseFormat):
     def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         ids = self._ids(delta.token_ids)
         logprobs = None if self.logprobs is None else self.logprobs.chat(delta.logprobs)
-        chunks = [self._chunk({"delta": {"content": delta.text}, **ids}, logprobs=logprobs, index=index)
-                  ] if delta.text else []
+        text, calls, num_before = self.split(delta, index)
+        chunks = [self._chunk({"delta": {"content": text}, **ids}, logprobs=logprobs, index=index)] if text else []
+        chunks += [self._chunk({"delta": {"tool_calls": [_call_delta(num_before + i, call)]},
+                                **({} if chunks else ids)}, logprobs=None if chunks else logprobs, index=index)
+                   for i, call in enumerate(calls)]
         if delta.finish_reason is not None:  # as OpenAI: the finish reason comes with an empty delta
-            chunks.append(self._chunk({"delta": {}, **({} if delta.text else ids)}, delta.finish_reason,
-                                      None if delta.text else logprobs, index))
+            reason = finish_reason_of(delta.finish_reason, num_before + len(calls))
+            chunks.append(self._chunk({"delta": {}, **({} if chunks else ids)}, reason,
+                                      None if chunks else logprobs, index))
         return chunks
 
     def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        text, calls = self.split_whole(text)
+        message = {"role": "assistant", "content": text if text.strip() or not calls else None,
+                   **({"tool_calls": [_call(call) for call in calls]} if calls else {})}
+        return {"index": index, "message": message,
                 "logprobs": None if self.logprobs is None else self.logprobs.chat(run.logprobs),
-                "finish_reason": finish_reason, **self._ids(run.token_ids)}
+                "finish_reason": finish_reason_of(finish_reason, len(calls)), **self._ids(run.token_ids)}
+
+
+def finish_reason_of(reason: str, num_calls: int) -> str:
+    """OpenAI's finish reason of a choice that made num_calls tool calls: "tool_calls" where it ended by itself."""
+    return "tool_calls" if num_calls and reason == FinishReason.STOP else reason
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    return {"index": index, **_call(call)}

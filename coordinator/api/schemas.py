@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from stratamesh.coordinator.api.tools import Tool
 from stratamesh.fleet.sessions import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None      # "none", "auto", "required" or {"type": "function", ...}: coordinator/api/tools.py
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
 
@@ -199,14 +202,6 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported yet")
-        return value
-
 
     @property
     def max_new_tokens(self) -> int | None:

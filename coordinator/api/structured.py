@@ -16,20 +16,20 @@ from typing import Any
 
 from stratamesh.coordinator.api.errors import ApiError
 from stratamesh.coordinator.api.schemas import GenerationRequest
+from stratamesh.coordinator.api.tool_parsers import COMPACT_JSON
 from stratamesh.coordinator.text import Tokenizer
 
-JSON_DEFAULTS = {"whitespace_flexible": False}    # compact JSON: no run of spaces a model may get lost in
 
-
-def grammar_of(req: GenerationRequest, tokenizer: Tokenizer) -> str:
+def grammar_of(req: GenerationRequest, tokenizer: Tokenizer, tool_grammar: str = "") -> str:
     """The llguidance grammar of the request's constraint, "" without one; a 400 naming the field where it has
-    several or one that does not compile against the model's tokenizer."""
+    several or one that does not compile against the model's tokenizer. tool_grammar: the Lark grammar of the tool
+    calls tool_choice requires (coordinator/api/tools.py), one constraint more."""
     import llguidance
 
     asked = [(name, value) for name, value in (
         ("response_format", req.response_format if (req.response_format or {}).get("type") != "text" else None),
         ("guided_json", req.guided_json), ("guided_choice", req.guided_choice), ("guided_regex", req.guided_regex),
-        ("guided_grammar", req.guided_grammar)) if value]
+        ("guided_grammar", req.guided_grammar), ("tool_choice", tool_grammar)) if value]
     if not asked:
         return ""
     if len(asked) > 1:
@@ -38,14 +38,14 @@ def grammar_of(req: GenerationRequest, tokenizer: Tokenizer) -> str:
     param, value = asked[0]
     match param:
         case "response_format":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(_schema(value), defaults=JSON_DEFAULTS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_schema(value), defaults=COMPACT_JSON)
         case "guided_json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(_json_schema(value), defaults=JSON_DEFAULTS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_json_schema(value), defaults=COMPACT_JSON)
         case "guided_choice":
             grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         case "guided_regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(value)
-        case _:
+        case _:     # guided_grammar, tool_choice
             grammar = llguidance.LLMatcher.grammar_from_lark(value)
     error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer.tokenizer_json,
                                                                          tokenizer.vocab_size))

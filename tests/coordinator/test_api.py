@@ -345,7 +345,7 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": "{not json"}, "guided_json"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 30},
      "top_logprobs"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_completion_tokens": -3},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_completion_tokens": 2**63},

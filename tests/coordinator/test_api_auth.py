@@ -57,7 +57,8 @@ def client(app: FastAPI, key: str = "") -> httpx.AsyncClient:
 
 
 @pytest.mark.parametrize("method, path, role", [
-    ("POST", "/v1/completions", "client"), ("GET", "/v1/models", "client"), ("GET", "/v1", "client"),
+    ("POST", "/v1/completions", "client"), ("POST", "/v1/responses", "client"), ("GET", "/v1/models", "client"),
+    ("GET", "/v1", "client"),
     ("GET", "/admin/api/agents", "viewer"), ("HEAD", "/admin/api/agents", "viewer"),
     ("POST", "/admin/api/agents/a/drain", "operator"), ("DELETE", "/admin/api/x", "operator"),
     ("POST", "/admin/api/login", None), ("POST", "/admin/api/logout", None), ("GET", "/health", None),

@@ -58,7 +58,8 @@ def fuzz_app(app: FastAPI, skip: tuple[str, ...] = (), headers: dict[str, str] |
 
 def test_the_openai_api_answers_any_request_as_documented(chat_tokenizers: tuple[Tokenizer, Tokenizer]) -> None:
     counts = fuzz_app(create_app(FakeServing(*chat_tokenizers)))
-    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages", "POST /v1/embeddings"):
+    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages", "POST /v1/responses",
+                  "POST /v1/embeddings"):
         assert counts[label] >= CASES_PER_OPERATION, (label, counts)
 
 

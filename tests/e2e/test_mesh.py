@@ -228,6 +228,38 @@ def test_structured_output_keeps_a_random_model_to_each_schema_choice_and_regex(
     assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])", regex.choices[0].text), regex.choices[0].text
 
 
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "the weather of a city, some days ahead",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                          "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "alarm", "parameters": {"type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23}, "repeat": {"type": "boolean"}},
+        "required": ["hour"], "additionalProperties": False}}}]   # (strict: a random model writes keys forever)
+
+
+def test_tool_calls_required_or_named_validate_against_their_functions(llama_mesh: LocalMesh, tiny_models) -> None:
+    """A random-weight model, sampled, through 3 stages and the openai client: tool_choice "required" and a named
+    function give calls (whole and streamed, the same) whose arguments validate against the function's parameters,
+    finish_reason "tool_calls"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER_TOOLS}
+    asked = {"model": tiny_models["llama"].name, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+             "tools": WEATHER_TOOLS, "temperature": 1.0, "max_tokens": 150, "parallel_tool_calls": False}
+    for seed, choice in ((1, "required"), (2, "required"), (1, {"type": "function", "function": {"name": "alarm"}})):
+        whole = client.chat.completions.create(**asked, seed=seed, tool_choice=choice).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+        (call,) = whole.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        assert choice == "required" or call.function.name == "alarm"
+        chunks = list(client.chat.completions.create(**asked, seed=seed, tool_choice=choice, stream=True))
+        (streamed,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_the_anthropic_sdk_gets_the_chat_apis_answers_from_messages(llama_mesh: LocalMesh, tiny_models) -> None:
     """Anthropic's client (x-api-key) against /v1/messages: created and streamed, the chat API's answer to the same
     conversation, with Anthropic's stop reasons and usage; a stop sequence names itself; a bad request is its
@@ -376,3 +408,22 @@ def test_agents_can_dial_a_given_coordinator_address(tiny_models, tmp_path: Path
                      db=str(tmp_path / "registry.db"))
     with mesh:
         assert complete_ids(mesh, model_dir, prompt_ids, 16) == greedy_tokens(model_dir, prompt_ids, 16)
+
+
+def test_the_openai_clients_responses_are_the_chat_apis_answers(llama_mesh: LocalMesh, tiny_models) -> None:
+    """OpenAI's client against /v1/responses: created and streamed, the chat API's greedy answer to the same
+    conversation (the instructions its system message), with its usage and status."""
+    model = tiny_models["llama"].name
+    client = openai.OpenAI(base_url=f"{llama_mesh.url}/v1", api_key=llama_mesh.api_key, timeout=120)
+    asked = dict(model=model, instructions="Answer briefly.", input="Where do the layers live?", max_output_tokens=16,
+                 temperature=0)
+    response = client.responses.create(**asked)
+    chat = client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where do the layers live?"}])
+    assert response.output_text and response.output_text == chat.choices[0].message.content
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                           chat.usage.completion_tokens)
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(**asked, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].response.output_text == response.output_text and events[-1].response.status == response.status
