@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         RateLimitError,
         ServiceUnavailableError,
         Stream,
+        ToolCall,
         UnexpectedResponseError,
         Usage,
     )
@@ -42,7 +43,7 @@ __all__ = [
     "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "ConflictError", "EmbeddingsNotSupportedError",
     "Gpu", "InternalServerError", "Mesh", "MeshAPIError", "MeshConnectionError", "MeshError", "MeshTimeoutError",
     "Message", "Model", "NotFoundError", "PermissionDeniedError", "RateLimitError", "ServiceUnavailableError",
-    "Stream", "UnexpectedResponseError", "Usage",
+    "Stream", "ToolCall", "UnexpectedResponseError", "Usage",
 ]
 
 

@@ -163,11 +163,16 @@ class OpenAIApi:
             req = await parse_body(request, CompletionRequest)
             card, tokenizer = self._model(req.model)
             prompt_ids = _prompt_ids(tokenizer, req.prompt)
+            if req.max_tokens == 0 and not req.echo:
+                raise ApiError(400, "max_tokens 0 asks for the prompt alone, which only echo returns",
+                               param="max_tokens")
             echo = None if not req.echo else Echo(
-                req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids), tuple(prompt_ids))
+                req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids), tuple(prompt_ids),
+                only=req.max_tokens == 0)
             fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage, req.return_token_ids,
                                    _logprobs_shape(tokenizer, req.logprobs), echo)
-            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_tokens, fmt, arrival_s)
+            max_tokens = 1 if req.max_tokens == 0 else req.max_tokens      # the prompt's logprobs come with a token
+            return await self._run(request, req, card, tokenizer, prompt_ids, max_tokens, fmt, arrival_s)
         except Exception as e:
             return error_response(e)
 

@@ -24,6 +24,7 @@ class Echo:
 
     text: str
     token_ids: tuple[int, ...]
+    only: bool = False      # max_tokens 0: the prompt alone (the token the mesh draws to get there is no answer)
 
 
 class ResponseFormat:
@@ -134,11 +135,30 @@ class CompletionFormat(ResponseFormat):
                             index=index)]
 
     def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
+        if self.echo is not None and self.echo.only:
+            return [] if delta.finish_reason is None else [
+                self._chunk({"text": "", **self._ids(())}, FinishReason.LENGTH, index=index)]
         return [self._chunk({"text": delta.text, **self._ids(delta.token_ids)}, delta.finish_reason,
                             self._logprobs(delta.token_ids, delta.logprobs, index), index)]
 
+    def whole(self, choices: Sequence[tuple[str, str, TextStream]], usage: dict[str, Any]) -> dict[str, Any]:
+        return super().whole(choices, self._billed(usage))
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return super().usage_chunk(self._billed(usage))
+
+    def _billed(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The usage the client sees: with the prompt alone (max_tokens 0), no completion tokens."""
+        if self.echo is None or not self.echo.only:
+            return usage
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+
     def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
         prompt_ids, prompt_logprobs = self._echoed(run)
+        if self.echo is not None and self.echo.only:
+            return {"index": index, "text": self.echo.text, "logprobs": self._logprobs(prompt_ids, prompt_logprobs,
+                                                                                       index),
+                    "finish_reason": FinishReason.LENGTH, **self._ids(())}
         ids, logprobs = prompt_ids + tuple(run.token_ids), prompt_logprobs + tuple(run.logprobs)
         return {"index": index, "text": (self.echo.text if self.echo else "") + text,
                 "logprobs": self._logprobs(ids, logprobs, index), "finish_reason": finish_reason,

@@ -107,6 +107,7 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Any  # a string or a list of token ids; a list of several prompts is rejected
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)   # 0: with echo, the prompt alone
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

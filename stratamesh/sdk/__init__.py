@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stratamesh.sdk.async_client import AsyncMesh
-from stratamesh.sdk.calls import SamplingOptions
+from stratamesh.sdk.calls import ChatOptions, SamplingOptions
 from stratamesh.sdk.client import Mesh
 from stratamesh.sdk.errors import (
     AmbiguousModelError,
@@ -24,6 +24,7 @@ from stratamesh.sdk.errors import (
 )
 from stratamesh.sdk.results import (
     Agent,
+    ChatChoice,
     ChatChunk,
     ChatCompletion,
     Completion,
@@ -31,15 +32,18 @@ from stratamesh.sdk.results import (
     Gpu,
     Message,
     Model,
+    TextChoice,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from stratamesh.sdk.streams import AsyncStream, Stream
 
 __all__ = [
     "Agent", "AmbiguousModelError", "AsyncMesh", "AsyncStream", "AuthenticationError", "BadRequestError",
-    "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "ConflictError", "EmbeddingsNotSupportedError",
-    "Gpu", "InternalServerError", "Mesh", "MeshAPIError", "MeshConnectionError", "MeshError", "MeshTimeoutError",
-    "Message", "Model", "NotFoundError", "PermissionDeniedError", "RateLimitError", "ServiceUnavailableError",
-    "SamplingOptions", "Stream", "TokenLogprob", "UnexpectedResponseError", "Usage",
+    "ChatChoice", "ChatChunk", "ChatCompletion", "ChatOptions", "Completion", "CompletionChunk", "ConflictError",
+    "EmbeddingsNotSupportedError", "Gpu", "InternalServerError", "Mesh", "MeshAPIError", "MeshConnectionError",
+    "MeshError", "MeshTimeoutError", "Message", "Model", "NotFoundError", "PermissionDeniedError", "RateLimitError",
+    "SamplingOptions", "ServiceUnavailableError", "Stream", "TextChoice", "TokenLogprob", "ToolCall",
+    "UnexpectedResponseError", "Usage",
 ]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 import httpx
 
 from stratamesh.sdk import calls
-from stratamesh.sdk.calls import MessageLike, SamplingOptions
+from stratamesh.sdk.calls import ChatOptions, MessageLike, SamplingOptions
 from stratamesh.sdk.errors import MeshAPIError, error_from_response, transport_error
 from stratamesh.sdk.results import Agent, ChatChunk, ChatCompletion, Completion, CompletionChunk, Model
 from stratamesh.sdk.streams import AsyncStream
@@ -80,17 +80,17 @@ class AsyncMesh:
 
     @overload
     async def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: Literal[False] = False,
-             **sampling: Unpack[SamplingOptions]) -> ChatCompletion: ...
+                   **options: Unpack[ChatOptions]) -> ChatCompletion: ...
 
     @overload
     async def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: Literal[True],
-             **sampling: Unpack[SamplingOptions]) -> AsyncStream[ChatChunk]: ...
+                   **options: Unpack[ChatOptions]) -> AsyncStream[ChatChunk]: ...
 
     async def chat(self, messages: Sequence[MessageLike], *, model: str | None = None, stream: bool = False,
-             **sampling: Unpack[SamplingOptions]) -> ChatCompletion | AsyncStream[ChatChunk]:
-        """Answers a conversation: POST /v1/chat/completions, with sampling's settings (SamplingOptions); stream=True
-        gives a AsyncStream of chunks."""
-        body = calls.generation_body(await self._model(model), calls.sampling_json(sampling, chat=True), stream,
+                   **options: Unpack[ChatOptions]) -> ChatCompletion | AsyncStream[ChatChunk]:
+        """Answers a conversation: POST /v1/chat/completions, with options' settings (ChatOptions: SamplingOptions and
+        tools); stream=True gives an AsyncStream of chunks."""
+        body = calls.generation_body(await self._model(model), calls.sampling_json(options, chat=True), stream,
                                      messages=[calls.message_json(m) for m in messages])
         if stream:
             return await self._stream("/v1/chat/completions", body, calls.chat_chunk)

@@ -27,9 +27,9 @@ T = TypeVar("T")
 
 
 class SamplingOptions(TypedDict, total=False):
-    """The sampling settings generate() and chat() take, named and meant as in the API (OpenAI's, and vLLM's for
-    top_k, min_p, repetition_penalty and min_tokens); what is left out takes the API's default, but max_tokens
-    (64 here) and temperature (0 here: greedy)."""
+    """The settings generate() and chat() take, named and meant as in the API (OpenAI's, and vLLM's for top_k,
+    min_p, repetition_penalty, min_tokens and the guided_* constraints); what is left out takes the API's default,
+    but max_tokens (64 here) and temperature (0 here: greedy)."""
 
     max_tokens: int
     temperature: float
@@ -44,6 +44,20 @@ class SamplingOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]     # token id -> added to its logit
     min_tokens: int
     logprobs: int       # each generated token's log-probability, and this many likeliest tokens' with it
+    n: int              # answers to the prompt: the result's choices
+    response_format: Mapping[str, Any]      # {"type": "json_object"} or {"type": "json_schema", "json_schema": ...}
+    guided_json: Mapping[str, Any]          # a JSON schema the answer follows
+    guided_choice: Sequence[str]            # the answer is one of these
+    guided_regex: str
+    guided_grammar: str                     # a Lark grammar
+
+
+class ChatOptions(SamplingOptions, total=False):
+    """What chat() takes besides SamplingOptions: the functions the model may call (OpenAI's tools), and how."""
+
+    tools: Sequence[Mapping[str, Any]]      # {"type": "function", "function": {"name", "description", "parameters"}}
+    tool_choice: str | Mapping[str, Any]    # "none", "auto", "required" or {"type": "function", "function": ...}
+    parallel_tool_calls: bool
 
 
 SAMPLING_DEFAULTS: SamplingOptions = {"max_tokens": 64, "temperature": 0.0}
@@ -52,7 +66,7 @@ SAMPLING_DEFAULTS: SamplingOptions = {"max_tokens": 64, "temperature": 0.0}
 def sampling_json(options: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     """The API's fields of options (SamplingOptions) for /v1/completions, or /v1/chat/completions (chat: logprobs
     as logprobs + top_logprobs); a TypeError naming an option it does not know, as a call with it would."""
-    unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+    unknown = sorted(set(options) - set((ChatOptions if chat else SamplingOptions).__annotations__))
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
     body: dict[str, Any] = {**SAMPLING_DEFAULTS, **options}
@@ -64,6 +78,9 @@ def sampling_json(options: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         body["logit_bias"] = {str(token): bias for token, bias in body["logit_bias"].items()}
     if chat and "logprobs" in body:
         body.update(logprobs=True, top_logprobs=body.pop("logprobs"))
+    for name in ("tools", "guided_choice"):
+        if name in body:
+            body[name] = list(body[name])
     return body
 
 
@@ -89,7 +106,7 @@ def generation_body(model: str, sampling: Mapping[str, Any], stream: bool, **fie
 
 
 def message_json(message: MessageLike) -> dict[str, Any]:
-    """A Message or a {"role", "content"} mapping as the API takes it."""
+    """A Message or a {"role", "content"} mapping (with "tool_calls" or "tool_call_id", say) as the API takes it."""
     return message.as_json() if isinstance(message, Message) else dict(message)
 
 
@@ -175,4 +192,4 @@ def completion_chunk(event: dict[str, Any]) -> CompletionChunk | None:
 def chat_chunk(event: dict[str, Any]) -> ChatChunk | None:
     """The chunk of one chat event; None for one that carries nothing (such as the role-only first one)."""
     chunk = ChatChunk.from_json(event)
-    return chunk if chunk.content or chunk.finish_reason or chunk.usage else None
+    return chunk if chunk.content or chunk.tool_calls or chunk.finish_reason or chunk.usage else None

@@ -2,24 +2,57 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Agent", "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "Gpu", "Message", "Model",
-           "TokenLogprob", "Usage"]
+__all__ = ["Agent", "ChatChoice", "ChatChunk", "ChatCompletion", "Completion", "CompletionChunk", "Gpu", "Message",
+           "Model", "TextChoice", "TokenLogprob", "ToolCall", "Usage"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the model made; arguments is the JSON text it wrote (args: parsed)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def args(self) -> Any:
+        """The arguments, parsed (ValueError where the model's text is no JSON)."""
+        return json.loads(self.arguments)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    @classmethod
+    def all_of(cls, calls: Any) -> tuple[ToolCall, ...]:
+        """The API's tool_calls (a message's, or a chunk's deltas, each whole here)."""
+        return tuple(cls(c.get("id") or "", c["function"]["name"], c["function"].get("arguments") or "")
+                     for c in calls or ())
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One chat message."""
+    """One chat message; an assistant's may hold tool calls (answer them with {"role": "tool", "tool_call_id":
+    call.id, "content": ...} messages)."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
 
-    def as_json(self) -> dict[str, str]:
+    def as_json(self) -> dict[str, Any]:
         """The message as the API takes it."""
-        return {"role": self.role, "content": self.content}
+        if not self.tool_calls:
+            return {"role": self.role, "content": self.content}
+        return {"role": self.role, "content": self.content or None,
+                "tool_calls": [call.as_json() for call in self.tool_calls]}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Message:
+        return cls(body.get("role") or "assistant", body.get("content") or "", ToolCall.all_of(body.get("tool_calls")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +102,22 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class TextChoice:
+    """One of generate()'s answers (n > 1 gives several)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_json(cls, choice: Mapping[str, Any]) -> TextChoice:
+        return cls(choice["text"], choice.get("finish_reason"), TokenLogprob.of_completion(choice.get("logprobs")))
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole answer of generate(); logprobs where asked (logprobs=N)."""
+    """A whole answer of generate(): the first choice's text, finish reason and logprobs (where asked:
+    logprobs=N), and every choice (n=N)."""
 
     id: str
     model: str
@@ -78,12 +125,14 @@ class Completion:
     finish_reason: str | None
     usage: Usage | None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    choices: tuple[TextChoice, ...] = ()
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Completion:
-        choice = body["choices"][0]
-        return cls(body["id"], body["model"], choice["text"], choice.get("finish_reason"),
-                   Usage.from_json(body.get("usage")), TokenLogprob.of_completion(choice.get("logprobs")))
+        choices = tuple(TextChoice.from_json(c) for c in sorted(body["choices"], key=lambda c: c.get("index", 0)))
+        first = choices[0]
+        return cls(body["id"], body["model"], first.text, first.finish_reason, Usage.from_json(body.get("usage")),
+                   first.logprobs, choices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,37 +144,59 @@ class CompletionChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    index: int = 0      # the choice it belongs to (n > 1)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> CompletionChunk:
         choice = body["choices"][0] if body.get("choices") else {}
         return cls(choice.get("text") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")),
-                   TokenLogprob.of_completion(choice.get("logprobs")))
+                   TokenLogprob.of_completion(choice.get("logprobs")), choice.get("index") or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatChoice:
+    """One of chat()'s answers (n > 1 gives several)."""
+
+    message: Message
+    finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @classmethod
+    def from_json(cls, choice: Mapping[str, Any]) -> ChatChoice:
+        return cls(Message.from_json(choice["message"]), choice.get("finish_reason"),
+                   TokenLogprob.of_chat(choice.get("logprobs")))
 
 
 @dataclass(frozen=True, slots=True)
 class ChatCompletion:
-    """A whole answer of chat(); message is the assistant's reply, ready to append to the conversation."""
+    """A whole answer of chat(): the first choice's message (the assistant's reply, ready to append to the
+    conversation; its tool_calls where it called tools), finish reason and logprobs (where asked: logprobs=N), and
+    every choice (n=N)."""
 
     id: str
     model: str
     message: Message
     finish_reason: str | None
     usage: Usage | None
-    logprobs: tuple[TokenLogprob, ...] | None = None     # where asked (logprobs=N)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    choices: tuple[ChatChoice, ...] = ()
 
     @property
     def content(self) -> str:
         """The reply's text."""
         return self.message.content
 
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The functions the reply calls."""
+        return self.message.tool_calls
+
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ChatCompletion:
-        choice = body["choices"][0]
-        message = choice["message"]
-        return cls(body["id"], body["model"], Message(message.get("role") or "assistant", message.get("content") or ""),
-                   choice.get("finish_reason"), Usage.from_json(body.get("usage")),
-                   TokenLogprob.of_chat(choice.get("logprobs")))
+        choices = tuple(ChatChoice.from_json(c) for c in sorted(body["choices"], key=lambda c: c.get("index", 0)))
+        first = choices[0]
+        return cls(body["id"], body["model"], first.message, first.finish_reason, Usage.from_json(body.get("usage")),
+                   first.logprobs, choices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +207,16 @@ class ChatChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    index: int = 0      # the choice it belongs to (n > 1)
+    tool_calls: tuple[ToolCall, ...] = ()       # each whole, once the model has written it
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ChatChunk:
         choice = body["choices"][0] if body.get("choices") else {}
         delta = choice.get("delta") or {}
         return cls(delta.get("content") or "", choice.get("finish_reason"), Usage.from_json(body.get("usage")),
-                   TokenLogprob.of_chat(choice.get("logprobs")))
+                   TokenLogprob.of_chat(choice.get("logprobs")), choice.get("index") or 0,
+                   ToolCall.all_of(delta.get("tool_calls")))
 
 
 @dataclass(frozen=True, slots=True)

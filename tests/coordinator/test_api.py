@@ -542,3 +542,23 @@ async def test_tokenize_and_detokenize_as_vllm(client: httpx.AsyncClient, gen: F
                                ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
         resp = await client.post(path, json=asked)
         assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, resp.text
+
+
+async def test_echo_with_max_tokens_0_returns_the_prompt_alone(client: httpx.AsyncClient, gen: FakeServing) -> None:
+    for stream in (False, True):
+        resp = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "Hello there", "max_tokens": 0, "echo": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None, "return_token_ids": True})
+        if stream:
+            events = sse_events(resp)
+            chunks, (usage,) = [e for e in events if e["choices"]], [e["usage"] for e in events if e.get("usage")]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            body = resp.json()
+            (choice,), usage = body["choices"], body["usage"]
+            text = choice["text"]
+            assert choice["finish_reason"] == "length" and choice["token_ids"] == []
+        assert text == "Hello there" and usage["completion_tokens"] == 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] == len(gen.calls[-1][1])
+        assert gen.limits[-1][0] == 1           # the mesh draws one token, for the prompt's log-probabilities

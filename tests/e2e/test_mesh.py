@@ -133,6 +133,9 @@ def test_logprobs_and_echo_are_transformers_log_softmax(llama_mesh: LocalMesh, t
         assert sorted(lp.top_logprobs[i].values(), reverse=True)[:3] == pytest.approx(top, abs=1e-4)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert choice.text.startswith(PROMPT)      # echo: the prompt, then the completion
+    alone = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0    # the legacy API's max_tokens 0
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(prompt_ids)]
 
     messages = [{"role": "user", "content": "Where do the layers live?"}]
     asked = dict(model=model_dir.name, messages=messages, max_tokens=6, temperature=0, logprobs=True,

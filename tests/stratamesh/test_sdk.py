@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -122,6 +123,31 @@ def test_penalties_bias_and_logprobs_reach_the_server_and_come_back_typed(mesh: 
     assert [t.logprob for t in streamed] == [t.logprob for t in chat.logprobs]
     with pytest.raises(TypeError, match="'top_q'"):
         mesh.generate(PROMPT, top_q=0.5)
+
+
+def test_choices_structured_output_and_tool_calls_come_back_typed(mesh: Mesh) -> None:
+    both = mesh.generate(PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert len(both.choices) == 2 and both.text == both.choices[0].text and both.usage.completion_tokens == 12
+    streamed = {c.index for c in mesh.generate(PROMPT, max_tokens=4, n=2, stream=True) if c.text}
+    assert streamed == {0, 1}
+    picked = mesh.generate(PROMPT, max_tokens=8, guided_choice=["edge", "cloud"], temperature=1.0, seed=1)
+    assert picked.text in ("edge", "cloud")
+    as_json = mesh.chat(QUESTION, max_tokens=60, temperature=1.0, seed=1, response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+            "layers": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["layers"],
+            "additionalProperties": False}}})
+    assert 0 <= json.loads(as_json.content)["layers"] <= 99
+    tool = {"type": "function", "function": {"name": "where", "parameters": {"type": "object", "properties": {
+        "site": {"enum": ["edge", "cloud"]}}, "required": ["site"], "additionalProperties": False}}}
+    called = mesh.chat(QUESTION, max_tokens=60, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+    (call,) = called.tool_calls
+    assert called.finish_reason == "tool_calls" and call.name == "where" and call.args["site"] in ("edge", "cloud")
+    chunks = list(mesh.chat(QUESTION, max_tokens=60, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                            stream=True))
+    assert [(c.name, c.arguments) for chunk in chunks for c in chunk.tool_calls] == [(call.name, call.arguments)]
+    answered = [*QUESTION, called.message, {"role": "tool", "tool_call_id": call.id, "content": "edge"}]
+    followed = mesh.chat(answered, max_tokens=4, tools=[tool])      # the call and its result in the prompt
+    assert followed.usage.prompt_tokens > called.usage.prompt_tokens + len(call.arguments) // 4
 
 
 def test_messages_may_be_dataclasses(mesh: Mesh) -> None:
