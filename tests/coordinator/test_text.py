@@ -76,6 +76,34 @@ def test_chat_template_matches_transformers(model_dir: Path, hf_tokenizer,  # no
         assert tokenizer.encode_chat(chat, add_generation_prompt) == list(expected_ids)
 
 
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather of a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+TOOL_CHATS = [
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Weather in Paris, and the time?"},
+     {"role": "assistant", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+         {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "tool", "tool_call_id": "c2",
+                                                                  "content": "noon"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Let me see.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}]}],
+]
+
+
+def test_tools_render_as_transformers_renders_them(tiny_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf, tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_dir)), Tokenizer.from_dir(tiny_dir)
+    for chat in TOOL_CHATS:
+        expected = hf.apply_chat_template(chat, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        assert tokenizer.apply_chat_template(chat, True, None, TOOLS) == expected
+        assert '"name": "weather"' in expected and "<tools>" in expected      # the template shows them
+    assert tokenizer.apply_chat_template(CHATS[1], True, None, []) == hf.apply_chat_template(
+        CHATS[1], tools=None, tokenize=False, add_generation_prompt=True)      # no tools: the plain ChatML
+
+
 def test_template_raise_exception_is_invalid_input(bos_dir: Path) -> None:
     tokenizer = Tokenizer.from_dir(bos_dir)
     with pytest.raises(InvalidInput, match="unknown role robot"):

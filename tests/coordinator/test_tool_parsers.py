@@ -100,3 +100,30 @@ def test_the_grammar_of_a_format_takes_its_calls_and_the_parser_reads_them_back(
         assert matcher.consume_tokens(tiny_tokenizer.encode(text, add_special_tokens=False)) == valid, text
         assert (matcher.is_accepting() and not matcher.is_error()) == valid, text
     assert as_pairs(split_calls(f, two)[1]) == [("weather", {"city": "Oslo"})] * 2
+
+
+def test_a_marker_that_is_a_special_token_is_named_by_id_in_the_grammar(chatml_dir: Path) -> None:
+    """Mistral's [TOOL_CALLS] is one special token: the grammar asks for that token (the model's own way of opening
+    calls), and the text of it, kept in tool requests' output, parses back."""
+    import llguidance
+    import tokenizers
+
+    from stratamesh.coordinator.api.structured import _ll_tokenizer
+    from stratamesh.coordinator.api.tools import Tool, tool_use
+    from stratamesh.coordinator.text import TokenizerConfig
+
+    raw = tokenizers.Tokenizer.from_file(str(chatml_dir / "tokenizer.json"))
+    raw.add_special_tokens(["[TOOL_CALLS]"])
+    tokenizer = Tokenizer(raw, TokenizerConfig(chat_template="{{ '[TOOL_CALLS]' }}", eos_token_ids=frozenset({0})))
+    marker = tokenizer.token_to_id("[TOOL_CALLS]")
+    tools = [Tool.model_validate({"function": {"name": "now", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}}})]
+    use = tool_use(tools, "required", False, tokenizer, None)
+    assert use.fmt.name == "mistral" and f"<[{marker}]>" in use.grammar(tokenizer)
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer.tokenizer_json, tokenizer.vocab_size),
+                                   llguidance.LLMatcher.grammar_from_lark(use.grammar(tokenizer)))
+    body = '[{"name":"now","arguments":{"zone":"UTC"}}]'
+    assert matcher.consume_tokens([marker, *tokenizer.encode(body, add_special_tokens=False)])
+    assert matcher.is_accepting()
+    text = tokenizer.decode([marker, *tokenizer.encode(body, add_special_tokens=False)], skip_special_tokens=False)
+    assert as_pairs(split_calls(use.fmt, text)[1]) == [("now", {"zone": "UTC"})]
