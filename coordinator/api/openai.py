@@ -303,7 +303,7 @@ class OpenAIApi:
         stops = mesh_request.stops
         if cap and stops.max_tokens > cap:      # no max_tokens asked: the context's room, up to the cap
             mesh_request = dataclasses.replace(mesh_request, stops=dataclasses.replace(stops, max_tokens=cap))
-        keep_special = tools is not None and tools.parsed_format is not None and tools.fmt.special_start
+        keep_special = tools is not None and tools.keeps_special_tokens
         choices = Choices([self._launch(choice_request(mesh_request, i), tokenizer, arrival_s, keep_special)
                            for i in range(req.num_candidates)], req.n)
         try:

@@ -65,6 +65,11 @@ class ToolUse:
         """The format the output is parsed in for calls; None where calls are not parsed (tool_choice "none")."""
         return None if self.mode == ToolMode.NONE else self.fmt
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The output's text keeps special tokens: the calls parsed open with one (Llama 3's, Mistral's marker)."""
+        return self.parsed_format is not None and self.fmt.special_start
+
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as the chat template gets them."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
