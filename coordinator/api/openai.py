@@ -38,6 +38,7 @@ from stratamesh.coordinator.api.openai_responses import ResponsesFormat, Respons
 from stratamesh.coordinator.api.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from stratamesh.coordinator.api.sse import SSEResponse
 from stratamesh.coordinator.api.structured import grammar_of
+from stratamesh.coordinator.api.tool_parsers import ToolCallFormat
 from stratamesh.coordinator.api.tools import ToolUse, template_messages, tool_use
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.serving.origin import ModelCard
@@ -50,6 +51,7 @@ from stratamesh.fleet.sessions import SamplingParams
 log = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+DialectT = TypeVar("DialectT", MessagesRequest, ResponsesRequest)     # the other APIs served on the chat path
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
@@ -192,38 +194,34 @@ class OpenAIApi:
 
     async def messages(self, request: Request) -> Response:
         """POST /v1/messages: Anthropic's Messages API, on the chat path (coordinator/api/anthropic.py)."""
-        arrival_s = self._metrics.clock()
         try:
-            asked = await parse_body(request, MessagesRequest)
-            try:
-                req = asked.as_chat()
-            except ValidationError as e:
-                raise validation_error(e) from e
-            card, tokenizer = self._model(req.model)
-            prompt_ids, tools = self._chat_prompt(req, tokenizer)
-            fmt = MessagesFormat(f"msg_{uuid.uuid4().hex}", req.model, tools.parsed_format if tools else None)
-            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s,
-                                   tools)
+            return await self._on_chat_path(request, MessagesRequest, lambda asked, tools: MessagesFormat(
+                f"msg_{uuid.uuid4().hex}", asked.model, tools))
         except Exception as e:
             return anthropic.error_response(e)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: OpenAI's Responses API, on the chat path (coordinator/api/openai_responses.py)."""
-        arrival_s = self._metrics.clock()
         try:
-            asked = await parse_body(request, ResponsesRequest)
-            try:
-                req = asked.as_chat()
-            except ValidationError as e:
-                raise validation_error(e) from e
-            card, tokenizer = self._model(req.model)
-            prompt_ids, tools = self._chat_prompt(req, tokenizer)
-            fmt = ResponsesFormat(f"resp_{uuid.uuid4().hex}", req.model, asked.settings(),
-                                  tools.parsed_format if tools else None)
-            return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s,
-                                   tools)
+            return await self._on_chat_path(request, ResponsesRequest, lambda asked, tools: ResponsesFormat(
+                f"resp_{uuid.uuid4().hex}", asked.model, asked.settings(), tools))
         except Exception as e:
             return error_response(e)
+
+    async def _on_chat_path(self, request: Request, model: type[DialectT],
+                            shape: Callable[[DialectT, ToolCallFormat | None], ResponseFormat]) -> Response:
+        """A request of another API (its body parsed as model) run as the chat completion it asks for (as_chat), its
+        answer shaped by the format shape makes of it and of the tool-call format its output is parsed in."""
+        arrival_s = self._metrics.clock()
+        asked = await parse_body(request, model)
+        try:
+            req = asked.as_chat()
+        except ValidationError as e:
+            raise validation_error(e) from e
+        card, tokenizer = self._model(req.model)
+        prompt_ids, tools = self._chat_prompt(req, tokenizer)
+        fmt = shape(asked, tools.parsed_format if tools else None)
+        return await self._run(request, req, card, tokenizer, prompt_ids, req.max_new_tokens, fmt, arrival_s, tools)
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: vLLM's count and ids of a prompt, or of a chat as the model's template renders it."""
