@@ -187,6 +187,7 @@ class StageEngine:
         if old in self.sessions:       # (open() refused a session_id that is open already)
             del self.sessions[old]
             self.loops.pop(old, None)
+            self.grammars.close(old)    # its new id's matcher is built from the output it is given
         elif old in self.parked:
             self.parked.discard(old)
         else:
@@ -219,6 +220,7 @@ class StageEngine:
         if self.sessions.pop(session_id, None) is not None:
             self.loops.pop(session_id, None)
             self._left_ns.pop(session_id, None)
+            self.grammars.close(session_id)
             self.scheduler.close(session_id)
 
     def import_session(self, kv: SessionKv) -> None:
@@ -293,10 +295,11 @@ class StageEngine:
                      if c.sample and params[c.session_id].counts_output}
         targets = {c.session_id: self._prompt_targets(c) for c in batch.chunks
                    if params[c.session_id].prompt_logprobs is not None}
-        allowed = {session_id: self.grammars.allowed(session_id, params[session_id].grammar,
-                                                     histories[session_id].output)
-                   for session_id in histories if params[session_id].grammar}
-        return Picking(params, histories, {session_id: t for session_id, t in targets.items() if t}, allowed)
+        # the grammars compute their masks while the step runs; the pick waits for them
+        constrained = {session_id: (params[session_id].grammar, histories[session_id].output)
+                       for session_id in histories if params[session_id].grammar}
+        return Picking(params, histories, {session_id: t for session_id, t in targets.items() if t},
+                       self.grammars.start(constrained) if constrained else None)
 
     def _prompt_targets(self, chunk: ScheduledChunk) -> tuple[int, ...]:
         """The prompt tokens the chunk's rows predict (the row at position p predicts p + 1), up to the prompt's last
@@ -339,6 +342,9 @@ class StageEngine:
         for chunk in batch.chunks:
             if not chunk.sample or chunk.session_id not in self.sessions:     # (closed while the step ran)
                 continue
+            if chunk.session_id in output.refused:
+                self._refuse(chunk.session_id, output.refused[chunk.session_id], outbox)
+                continue
             event = replace(_event(chunk, output), logprobs=output.logprobs.get(chunk.session_id),
                             prompt_logprobs=tuple(self._prompt_logprobs.pop(chunk.session_id, ())))
             loop = self.loops.get(chunk.session_id)
@@ -353,6 +359,14 @@ class StageEngine:
             outbox.events.append((self.sessions[chunk.session_id].origin, event))
         for feed, chunks in feeds.items():
             outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
+
+    def _refuse(self, session_id: str, why: str, outbox: Outbox) -> None:
+        """Ends a session its grammar gave no token (the rest of its step goes on), telling its origin why."""
+        log.warning("session %s failed on %s: %s", session_id, self.assignment.assignment_id, why)
+        message = self.close(session_id, outbox)
+        if message is not None:
+            outbox.events.append((message.origin, TokenEvent(session_id, -1, error=why,
+                                                             error_stage=self.assignment.assignment_id)))
 
     def _forward_hidden(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         """The step's hidden rows to each session's next stage, one message per next stage, in the hop's codec: raw in

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from stratamesh.agent.engine.decode_graphs import DecodeGraphs, can_capture
+from stratamesh.agent.engine.grammars import PendingMasks, masked_logits
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk
 from stratamesh.agent.engine.memory import cpu_kv_bytes, gpu_kv_bytes, read_gpu_memory, step_workspace_bytes
 from stratamesh.agent.engine.tp_group import Collectives, RankGroup
@@ -39,18 +40,20 @@ class StepOutput:
     embeddings: Mapping[str, torch.Tensor] | None = None   # session id -> unit vector [hidden_size], float32
     logprobs: Mapping[str, Logprobs] = field(default_factory=dict)     # session id -> its sampled token's
     prompt_logprobs: Mapping[str, list[Logprobs]] = field(default_factory=dict)   # session id -> its chunk's
+    refused: Mapping[str, str] = field(default_factory=dict)   # session id -> why its grammar gave it no token
 
 
 @dataclass(frozen=True, slots=True)
 class Picking:
     """What the last stage needs of a step's sessions to pick their tokens: each session's sampling params; the
     history of those whose params count their output; and, for a session that asks for its prompt's
-    log-probabilities, the prompt tokens its chunk's first rows predict (the row at position p predicts p + 1)."""
+    log-probabilities, the prompt tokens its chunk's first rows predict (the row at position p predicts p + 1); and
+    the masks of the constrained sessions, as their grammars compute them beside the step (joined at the pick)."""
 
     params: Mapping[str, SamplingParams] = field(default_factory=dict)
     histories: Mapping[str, History] = field(default_factory=dict)
     prompt_targets: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    allowed: Mapping[str, torch.Tensor] = field(default_factory=dict)   # a constrained session's next tokens [vocab]
+    masks: PendingMasks | None = None
 
 
 class StageRunner:
@@ -244,6 +247,7 @@ class StageRunner:
         every_logits = model.logits(hidden[every]) if logits is None else logits[every]   # [rows, vocab]
         logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):]
         tokens = _pick(sampled, logits, picking) if rows else {}
+        refused = picking.masks.wait().refused if picking.masks is not None and rows else {}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:
             k = [picking.params[session_id].prompt_logprobs or 0 for session_id, _, _ in targets]
@@ -254,7 +258,7 @@ class StageRunner:
         logprobs = {} if not asked else dict(zip([sampled[i].session_id for i in asked], token_logprobs(
             logits[asked], [tokens[sampled[i].session_id] for i in asked],
             [picking.params[sampled[i].session_id].logprobs for i in asked]), strict=True))
-        return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, refused=refused)
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:
@@ -275,11 +279,12 @@ def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, picking: Picking) 
     """Each chunk's next token from its row of logits [num chunks, vocab], computed where the logits are (only the
     picked ids come back to the host): the rows whose params change their logits processed first (on a copy: the
     logits stay the model's; their histories: what their penalties count) and those of constrained sessions masked
-    to what their grammars allow, then the greedy ones by one argmax, the others by one sample_rows() keyed by
-    (seed, position), so that every device draws the same token."""
-    sampling = picking.params
+    to what their grammars allow (waiting here for the masks), then the greedy ones by one argmax, the others by one
+    sample_rows() keyed by (seed, position), so that every device draws the same token (a session its grammar
+    refused gets one too, which means nothing: StepMasks.refused)."""
+    sampling, masks = picking.params, picking.masks
     processed = [i for i, c in enumerate(chunks) if sampling[c.session_id].processes_logits]
-    constrained = [i for i, c in enumerate(chunks) if c.session_id in picking.allowed]
+    constrained = [i for i, c in enumerate(chunks) if masks is not None and c.session_id in masks.rows]
     if processed or constrained:
         logits = logits.float().clone()
     if processed:
@@ -287,8 +292,9 @@ def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, picking: Picking) 
         logits[processed] = processed_logits(logits[processed], [sampling[s] for s in ids],
                                              [picking.histories.get(s, NO_HISTORY) for s in ids])
     if constrained:     # structured output: the tokens its grammar does not allow cannot be picked
-        allowed = torch.stack([picking.allowed[chunks[i].session_id] for i in constrained]).to(logits.device)
-        logits[constrained] = logits[constrained].masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+        bitmask = masks.wait().bitmask[[masks.rows[chunks[i].session_id] for i in constrained]]
+        logits[constrained] = masked_logits(logits[constrained], bitmask.to(logits.device),
+                                            may_ban=any(sampling[chunks[i].session_id].min_tokens for i in constrained))
     greedy = [i for i, c in enumerate(chunks) if sampling[c.session_id].is_greedy]
     picks = logits[greedy].argmax(dim=-1).tolist() if greedy else []
     tokens = {chunks[i].session_id: token for i, token in zip(greedy, picks, strict=True)}

@@ -397,7 +397,10 @@ def _wrong_task(card: ModelCard) -> ApiError:
 
 def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_context: int,
                   max_tokens: int | None, request_id: str, tool_grammar: str = "") -> MeshRequest:
-    stop_ids = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else tokenizer.eos_token_ids)
+    grammar = grammar_of(req, tokenizer, tool_grammar)
+    # EOS stops a constrained generation even with ignore_eos: its grammar's end is the generation's
+    eos_ids = frozenset() if req.ignore_eos and not grammar else tokenizer.eos_token_ids
+    stop_ids = frozenset(req.stop_token_ids or ()) | eos_ids
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
@@ -406,7 +409,7 @@ def _mesh_request(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: Sequ
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias or {}, tokenizer.vocab_size), min_tokens=req.min_tokens,
         stop_token_ids=tuple(sorted(stop_ids)) if req.min_tokens else (), logprobs=req.num_logprobs,
-        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar_of(req, tokenizer, tool_grammar))
+        prompt_logprobs=req.num_prompt_logprobs, grammar=grammar)
     stops = Stops(_fit_context(len(prompt_ids), max_tokens, max_context), stop_ids, tuple(req.stop or ()))
     return MeshRequest(req.model, request_id, tuple(prompt_ids), params, stops)
 

@@ -14,7 +14,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,19 +32,29 @@ class StreamJob:
 
     hold_tokens > max_tokens holds the generation open: the request asks for hold_tokens, and the client ends the
     stream itself at max_tokens once the run is released (see run_streams), so it cannot end while a test still
-    needs it running. Greedy and seeded outputs are prefixes of each other, so its max_tokens are comparable."""
+    needs it running. Greedy and seeded outputs are prefixes of each other, so its max_tokens are comparable.
+
+    A constrained job (constraint: the body's structured-output fields, {"guided_regex": ...} say) ends where its
+    grammar ends, EOS and all, within max_tokens: it is never held, and its stream must end with finish_reason
+    "stop"."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
     hold_tokens: int = 0
+    constraint: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def held(self) -> bool:
+        """Whether the job is held open (hold_tokens, and no constraint)."""
+        return bool(self.hold_tokens) and not self.constraint
 
     def body(self, model: str) -> dict[str, Any]:
-        asked = max(self.hold_tokens, self.max_tokens)
-        body = {"model": model, "prompt": list(self.prompt_ids), "max_tokens": asked,
-                "ignore_eos": True, "temperature": self.temperature, "stream": True, "return_token_ids": True}
-        return body | ({"seed": self.seed} if self.seed is not None else {})
+        asked = max(self.hold_tokens, self.max_tokens) if self.held else self.max_tokens
+        body = {"model": model, "prompt": list(self.prompt_ids), "max_tokens": asked, "ignore_eos": not self.constraint,
+                "temperature": self.temperature, "stream": True, "return_token_ids": True}
+        return body | ({"seed": self.seed} if self.seed is not None else {}) | dict(self.constraint)
 
 
 @dataclass(slots=True)
@@ -53,6 +63,8 @@ class StreamOutcome:
 
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)   # every token's arrival, a held stream's past max_tokens too
+    text: str = ""              # every chunk's text (a held stream's past max_tokens too)
+    finish_reason: str = ""
     error: str = ""
     request_id: str = ""        # the response id: the request's id in the admin API
     end_s: float = 0.0          # when the stream ended (0 while it runs)
@@ -89,21 +101,27 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, job: StreamJob
                     ids, now = choice.get("token_ids") or (), time.monotonic()
                     outcome.tokens += ids
                     outcome.arrivals += [now] * len(ids)
+                    outcome.text += choice.get("text") or ""
+                    outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
                 if _released(job, outcome, release):
                     break       # leaving the block closes the response: the mesh ends the generation
     except (httpx.HTTPError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
-    if job.hold_tokens:
+    if job.held:
         del outcome.tokens[job.max_tokens:]
     outcome.end_s = time.monotonic()
-    if not outcome.error and len(outcome.tokens) != job.max_tokens:
+    if outcome.error:
+        return outcome
+    if job.constraint and outcome.finish_reason != "stop":
+        outcome.error = f"{len(outcome.tokens)} tokens, ended by {outcome.finish_reason or 'nothing'}, not its grammar"
+    elif not job.constraint and len(outcome.tokens) != job.max_tokens:
         outcome.error = f"{len(outcome.tokens)} tokens, asked for {job.max_tokens}"
     return outcome
 
 
 def _released(job: StreamJob, outcome: StreamOutcome, release: asyncio.Event | None) -> bool:
     """Whether a held job's stream may end now: released, with its max_tokens in."""
-    return bool(job.hold_tokens) and (release is None or release.is_set()) and len(outcome.tokens) >= job.max_tokens
+    return job.held and (release is None or release.is_set()) and len(outcome.tokens) >= job.max_tokens
 
 
 async def run_streams(url: str, model: str, jobs: Sequence[StreamJob],

@@ -230,7 +230,9 @@ async def test_the_generator_is_told_where_the_generation_ends(client: httpx.Asy
     await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 7,
                                                "stop_token_ids": [gen.story_ids[2]]})
     await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5, "ignore_eos": True})
-    assert gen.limits == [(7, frozenset({gen.story_ids[2]}) | eos), (5, frozenset())]
+    await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5, "ignore_eos": True,
+                                               "guided_choice": ["yes", "no"]})     # the grammar's end ends it
+    assert gen.limits == [(7, frozenset({gen.story_ids[2]}) | eos), (5, frozenset()), (5, eos)]
 
 
 @pytest.mark.parametrize("stop", ["lazy", ["never", "fox jumps"], ["Café 🙂 d"]])

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from stratamesh.bench.chaos import StreamOutcome, kill_stage_mid_stream, make_jobs, run_streams, wait_for_tokens
@@ -22,12 +25,20 @@ from .streams import held, settled_requests, which_diverged
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
+NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 32, "maxItems": 32}
+DASHED = r"[0-9]{4}(-[0-9]{4}){12}"
+# 65 and 64 characters, each a token of the tiny tokenizer (it merges no digit): about as long as the 64-token jobs
+CONSTRAINED = {1: {"guided_json": NUMBERS}, 3: {"guided_regex": DASHED}}
 
 
 def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """3 stages and a spare; 8 streams of 64 tokens (greedy and seeded); kill -9 the middle stage's agent."""
+    """3 stages and a spare; 8 streams of 64 tokens (greedy and seeded, two of those kept to a JSON schema and a
+    regex, of about as many tokens, which end with their grammars); kill -9 the middle stage's agent. The new last
+    stage rebuilds each grammar from the output the origin replays: the constrained streams stay valid."""
     model_dir = tiny_models["llama"]
     jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=3), model_dir)
+    for i, constraint in CONSTRAINED.items():       # seeded jobs (decisive() draws margins for greedy ones only)
+        jobs[i] = replace(jobs[i], max_tokens=100, constraint=constraint)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
@@ -35,6 +46,9 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # none repeated,
         model_dir, jobs, reference=run.reference, failover=run.outcomes)                            # none missing
+    jsonschema.validate(json.loads(run.outcomes[1].text), NUMBERS)
+    assert re.fullmatch(DASHED, run.outcomes[3].text), run.outcomes[3].text
+    assert all(len(run.outcomes[i].tokens) >= 60 for i in CONSTRAINED)     # about as long as the others
     assert len(run.routes_after) == 8 and all(run.killed_address not in r for r in run.routes_after)
     assert all(r["num_failovers"] >= 1 and r["state"] == "finished" for r in records)
     assert len(run.stalls) == 8
