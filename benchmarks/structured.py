@@ -1,10 +1,11 @@
 """Structured output's cost: output tokens/s of JSON-schema completions against the same completions unconstrained,
 at concurrency 1 and 32, on one local mesh; and the grammar's share of a step, in this process on the stage engine.
 
-    python benchmarks/structured.py [--rounds 5] [--quick]
+    python benchmarks/structured.py [--rounds 5] [--model small|medium] [--quick]
 
-One random-weight Llama (`stratamesh model tiny`'s: 6 layers, hidden 256, vocab 1024; a decode step of a few ms
-here), served by a 1-agent mesh. The same token-id prompts, sampled (temperature 1, a seed each), as
+One random-weight Llama (--model small, `stratamesh model tiny`'s: 6 layers, hidden 256, vocab 1024, a decode step
+of a few ms here, where the grammar weighs most; or medium: 12 layers of 768, ~100M parameters), served by a
+1-agent mesh. The same token-id prompts, sampled (temperature 1, a seed each), as
   (a) constrained: response_format json_schema (SCHEMA: an enum, bounded integers, a nested object, an array of
       24 to 32 items: about 100 tokens), each ending where its grammar ends;
   (b) unconstrained: ignore_eos, max_tokens the number of tokens (a) gave that request: the same work, unmasked.
@@ -54,6 +55,9 @@ SCHEMA = {"type": "object", "properties": {
                "maxItems": 32}},
     "required": ["tier", "layers", "link", "stages"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "box", "schema": SCHEMA, "strict": True}}
+MODELS = {"small": {},     # write_tiny_model's default: 6 layers of 256
+          "medium": {"num_layers": 12, "hidden_size": 768, "intermediate_size": 2048, "num_heads": 12,
+                     "num_kv_heads": 4}}
 CONCURRENCY = (1, 32)
 PROMPT_LEN = 32
 MAX_TOKENS = 256        # (a)'s limit: its grammar ends it long before
@@ -171,11 +175,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of (a) and (b); each cell is their median")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=list(MODELS), default="small",
+                        help="small: a step of a few ms, where the grammar weighs most; medium: ~100M parameters")
     parser.add_argument("--quick", action="store_true", help="a smaller model, one round, fewer requests")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    shape = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128} if args.quick else {}
+    shape = {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128} if args.quick else MODELS[args.model]
     model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama", **shape)
     rounds = 1 if args.quick else args.rounds
     sets = {c: constrained_jobs(model_dir, (2 if args.quick else 4) if c == 1 else c, args.seed + c)
