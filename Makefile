@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-busy test-fast
+.PHONY: up test test-busy test-fast test-bench
 
 # --no-compile: pip would byte-compile every module of every package (torch, transformers, onnx...), most of which
 # nothing here imports: 19 s -> 5 s for torch alone. A module is compiled when first imported instead, and its .pyc
@@ -47,13 +47,19 @@ XDIST := -n $(WORKERS) --dist worksteal
 # set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
 export PYTHONDONTWRITEBYTECODE :=
 
+# The suite leaves out the benchmarks' smoke runs that take tens of seconds each (marked bench: 660 s of a worker's
+# time, a quarter of the suite's, on a slow 2-core VM); `make test-bench` runs them.
 test: $(STAMP) $(BROWSER) $(NFT)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 $(XDIST)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
 
 # The suite as on a shared CI box: another process keeps one core busy all along (`.ci/run --busy`).
 test-busy: $(STAMP) $(BROWSER) $(NFT)
 	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
-	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 $(XDIST)
+	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
+
+# The benchmarks' heavy smoke runs (each benchmark once, tiny, printing its table).
+test-bench: $(STAMP) $(NFT)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m bench $(XDIST)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow" $(XDIST)
