@@ -56,7 +56,7 @@ class ToolUse:
 
     tools: tuple[Tool, ...]
     mode: ToolMode
-    fmt: ToolCallFormat
+    fmt: ToolCallFormat | None      # None only where nothing is parsed (tool_choice "none")
     name: str | None = None
     parallel: bool = True
 
@@ -68,7 +68,7 @@ class ToolUse:
     @property
     def keeps_special_tokens(self) -> bool:
         """The output's text keeps special tokens: the calls parsed open with one (Llama 3's, Mistral's marker)."""
-        return self.parsed_format is not None and self.fmt.special_start
+        return self.parsed_format is not None and self.parsed_format.special_start
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as the chat template gets them."""
@@ -76,7 +76,7 @@ class ToolUse:
 
     def grammar(self, tokenizer: Tokenizer) -> str:
         """The Lark grammar of the calls required ("" where the model is free)."""
-        if self.mode not in (ToolMode.REQUIRED, ToolMode.NAMED):
+        if self.mode not in (ToolMode.REQUIRED, ToolMode.NAMED) or self.fmt is None:
             return ""
         chosen = [t.function for t in self.tools if self.mode == ToolMode.REQUIRED or t.function.name == self.name]
         bodies = [self.fmt.call_schema(f.name, f.parameters or ANY_OBJECT) for f in chosen]
@@ -88,14 +88,15 @@ class ToolUse:
 def tool_use(tools: Sequence[Tool] | None, tool_choice: Any, parallel: bool | None, tokenizer: Tokenizer,
              parser: str | None) -> ToolUse | None:
     """What the request asks of its tools (None without tools); a 400 naming tool_choice where it names no tool
-    given, or tools where the model's template shows no format of calls and no --tool-call-parser was given."""
+    given, or tools where calls are to be parsed but the model's template shows no format of them and no
+    --tool-call-parser was given."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         return None
     mode, name = _mode(tool_choice, [t.function.name for t in tools])
     fmt = FORMATS[parser] if parser else format_of_template(tokenizer.config.chat_template)
-    if fmt is None:
+    if fmt is None and mode != ToolMode.NONE:
         raise ApiError(400, "this model's chat template shows no way to call tools (start the coordinator with "
                             f"--tool-call-parser, one of {', '.join(FORMATS)})", param="tools")
     return ToolUse(tuple(tools), mode, fmt, name, True if parallel is None else parallel)

@@ -179,6 +179,7 @@ class FailoverRun:
     drain_output: str = ""                                         # what `stratamesh drain` printed, and ...
     drain_exit: int | None = None                                  # ... its exit code
     killed_rank_pids: dict[int, list[int]] = field(default_factory=dict)   # the killed agent's ranks > 0, by rank
+    prefilled_before: list[float] = field(default_factory=list)   # each agent's prompt tokens prefilled, at the order
 
     @property
     def stalls(self) -> list[float]:
@@ -244,6 +245,7 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
     every stream has after_tokens tokens."""
     async def drain(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
         agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
+        run.prefilled_before = await asyncio.to_thread(prefilled, mesh)
         command = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -252,6 +254,21 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
         run.drain_exit = command.returncode
 
     return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, drain)
+
+
+def prefilled(mesh: LocalMesh) -> list[float]:
+    """Each agent's prompt tokens prefilled so far (its stratamesh:stage_prefill_tokens_total, 0 for one gone)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = []
+    for index in range(len(mesh.agent_metrics)):
+        try:
+            text = mesh.metrics_text(index)
+        except OSError:
+            text = ""
+        counts.append(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                          if s.name == "stratamesh:stage_prefill_tokens_total"))
+    return counts
 
 
 async def disturb_stage_mid_stream(

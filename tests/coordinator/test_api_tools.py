@@ -153,6 +153,8 @@ async def test_a_model_whose_template_shows_no_tool_format_refuses_tools_by_name
     resp = await client.post("/v1/chat/completions", json=chat(model="tiny"))
     err = error_of(resp, 400)
     assert err["param"] == "tools" and "--tool-call-parser" in err["message"] and not gen.calls
+    none = await client.post("/v1/chat/completions", json=chat(model="tiny", tool_choice="none", max_tokens=4))
+    assert none.status_code == 200 and none.json()["choices"][0]["finish_reason"] == "length"   # nothing to parse
 
 
 async def test_a_parser_given_at_start_serves_tools_of_a_model_whose_template_shows_none(

@@ -24,15 +24,13 @@ from stratamesh.agent.speed import ONNX_CACHE_NAME, box_fingerprint, default_cac
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.stages import StageSpec
 
+from .conftest import LONG_LEASE
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
 pytestmark = pytest.mark.slow
 
-# An agent exporting its ONNX layers holds the GIL for seconds, and its heartbeats can come later than the 2 s lease
-# on a loaded box: the coordinator then declares it dead mid-start (and, seen once in the suite, never got the mesh
-# ready after it came back: noted on issue 47's closing note). These tests are about runtimes and the planner.
-EXPORT_LEASE = ["--agent-lease", "10"]
+EXPORT_LEASE = LONG_LEASE     # an agent exporting its ONNX layers holds the GIL for seconds (conftest.py)
 
 EDGE, FAR = ["--site", "home"], ["--site", "lab", "--runtime", "onnxruntime"]
 # ONNX Runtime's speeds as the probe stores them (agent.speed: tests/agent/test_speed.py times the real probe)

@@ -22,6 +22,7 @@ from stratamesh.launcher import LocalMesh
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
 
+from .conftest import LONG_LEASE
 from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
@@ -72,8 +73,11 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
     mid-stream: its agent goes down with it, and the streams go on through a re-planned pipeline."""
     model_dir = tiny_models["llama"]
     jobs = decisive(make_jobs(6, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=7), model_dir)
+    # the lease: an agent loading a re-plan's 2-rank stage must not be declared dead for it (conftest.py); the killed
+    # group's agent is declared dead by its requests' GroupFailed, not by its lease
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, agent_args_by_index={i: CLOUD for i in (1, 2, 3)},
-                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"),
+                   coordinator_args=LONG_LEASE) as mesh:
         plan = active_plan(mesh)
         index, _ = tp_stages(plan)[0]
         run = asyncio.run(kill_rank_mid_stream(mesh, MODEL, held(jobs), stage=index, rank=1))
