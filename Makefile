@@ -47,8 +47,8 @@ XDIST := -n $(WORKERS) --dist worksteal
 # set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
 export PYTHONDONTWRITEBYTECODE :=
 
-# The suite leaves out the benchmarks' smoke runs that take tens of seconds each (marked bench: 660 s of a worker's
-# time, a quarter of the suite's, on a slow 2-core VM); `make test-bench` runs them.
+# The suite leaves out the benchmarks' smoke runs (marked bench: a script under benchmarks/, a `stratamesh bench`
+# command; 770 s of a worker's time, a third of the suite's, on a slow 2-core VM); `make test-bench` runs them.
 test: $(STAMP) $(BROWSER) $(NFT)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
 
@@ -57,7 +57,7 @@ test-busy: $(STAMP) $(BROWSER) $(NFT)
 	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
 	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
 
-# The benchmarks' heavy smoke runs (each benchmark once, tiny, printing its table).
+# The benchmarks' smoke runs (each benchmark once, tiny, printing its table).
 test-bench: $(STAMP) $(NFT)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m bench $(XDIST)
 

@@ -1,6 +1,6 @@
-"""Benchmarks stay runnable: each runs once, tiny, and must print its table. Those that take tens of seconds or
-more are marked bench: `make test-bench` runs them, `make test` (the suite) leaves them out, to answer within ten
-minutes on a slow box."""
+"""Benchmarks stay runnable: each runs once, tiny, and must print its table. Marked bench, as every smoke run of a
+benchmark (a script under benchmarks/, a `stratamesh bench` command): `make test-bench` runs them, `make test` leaves
+them out, so that the suite answers within ten minutes on a slow box."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.bench
 def test_decode_latency_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_latency.py"), "--tokens", "6",
                              "--rounds", "1", "--event-engine-too", "--asyncio-too"], capture_output=True, text=True,
@@ -32,7 +31,6 @@ def test_decode_latency_benchmark_prints_its_table() -> None:
     assert all(re.fullmatch(r"(\| +[\d.]+ ){3}\|", "|" + row.split("|", 3)[3]) for row in breakdown), breakdown
 
 
-@pytest.mark.bench
 def test_mesh_start_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mesh_start.py"), "--starts", "1",
                              "--agents", "1"], capture_output=True, text=True, timeout=300)
@@ -54,7 +52,6 @@ def test_stage_step_benchmark_prints_its_table() -> None:
     assert "decode step ratio stratamesh / transformers" in result.stdout
 
 
-@pytest.mark.bench
 def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ort_stage.py"), "--batches", "1", "3",
                              "--prompt-len", "16", "--layers", "2", "--hidden", "128", "--steps", "2", "--rounds", "2"],
@@ -65,7 +62,6 @@ def test_onnxruntime_stage_benchmark_prints_its_table(tmp_path) -> None:
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and "ratio = torch / onnxruntime" in result.stdout
 
 
-@pytest.mark.bench
 def test_onnx_export_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "onnx_export.py"), "--layers", "2",
                              "--hidden", "128", "--quantize", "int8"], capture_output=True, text=True, timeout=300)
@@ -74,7 +70,6 @@ def test_onnx_export_benchmark_prints_its_table() -> None:
         result.stdout
 
 
-@pytest.mark.bench
 def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
     """Its torch runtime (ONNX Runtime's four exports were most of its 105 s in a loaded suite; int8 ONNX Runtime
     stages are tested in tests/kernels/test_onnx_stage.py, and benchmarks/onnx_export.py's smoke run exports one)."""
@@ -95,7 +90,6 @@ def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
     assert len(int4_rows) == 4, out        # two shapes, two batches
 
 
-@pytest.mark.bench
 def test_tensor_parallel_benchmark_prints_its_table() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--layers", "2",
                              "--hidden", "256", "--batch", "2", "--prompt-len", "16", "--steps", "3"],
@@ -104,7 +98,6 @@ def test_tensor_parallel_benchmark_prints_its_table() -> None:
     assert "| TP=2 (gloo) |" in result.stdout and "speed-up TP=2 over TP=1" in result.stdout
 
 
-@pytest.mark.bench
 def test_trace_report_benchmark_prints_its_tables() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trace_report.py"), "--tokens", "4",
                              "--requests", "1"], capture_output=True, text=True, timeout=300)
@@ -126,7 +119,6 @@ def test_probe_report_prints_the_box() -> None:
     assert "| backend | dtype | matmul TFLOP/s | copy GB/s |" in result.stdout and "torch-cpu" in result.stdout
 
 
-@pytest.mark.bench
 def test_gpu_serving_benchmark_runs_quick_on_whatever_device_there_is() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_serving.py"), "--quick"],
                             capture_output=True, text=True, timeout=600)
@@ -153,7 +145,6 @@ def test_hop_floor_benchmark_prints_its_table() -> None:
                          r"[\d.]+x\)", result.stdout), result.stdout
 
 
-@pytest.mark.bench
 def test_wan_links_benchmark_prints_the_codec_each_link_carried_and_the_ratio() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wan_links.py"), "--quick",
                              "--profiles", "lan,wan-20mbit-80ms", "--reach", "direct,nat",
@@ -181,7 +172,6 @@ def test_wan_links_benchmark_prints_the_codec_each_link_carried_and_the_ratio() 
     assert re.search(r"\| int8 +\| +\d+ of 64 \| +[\d.]+ \|", out), out
 
 
-@pytest.mark.bench
 @pytest.mark.parametrize("flags", [[], ["--mtls"], ["--capable"]], ids=["insecure", "mtls", "capable"])
 def test_control_benchmark_welcomes_every_simulated_agent_and_prints_its_table(flags: list[str]) -> None:
     result = subprocess.run([sys.executable, "-m", "stratamesh.cli", "bench", "control", "--agents", "40",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # a benchmark's smoke run
 
 
 def test_bench_chaos_kills_an_agent_under_load_and_every_output_holds() -> None:

@@ -29,6 +29,7 @@ def test_the_table_shows_both_figures_their_ratio_and_the_verdict() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench     # a benchmark's smoke run: make test-bench
 def test_a_one_agent_mesh_is_predicted_and_measured(tiny_model: Callable[..., Path]) -> None:
     result = check_mesh(str(tiny_model()), 1, input_len=16, output_len=8, rounds=1)
     assert result.layout == "0-6" and result.concurrency >= 8

@@ -259,6 +259,7 @@ def test_api_key_comes_from_the_flag_else_the_environment(monkeypatch: pytest.Mo
 
 # ------------------------------------------------------------------ end to end
 @pytest.mark.slow
+@pytest.mark.bench     # a benchmark's smoke run: make test-bench
 def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
     from stratamesh.launcher import LocalMesh
 
