@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -88,11 +88,18 @@ def test_an_edge_site_behind_nat_serves_through_webrtc(netbed: Netbed, tiny_mode
         # through, nor a stage's stream
         key, cert = pki.create_ca(mesh.agent_ids[1], time.time())
         rogue = MeshTls(mesh.client_tls().ca_pem, cert, key)
-        for target, call in ((mesh.grpc_address, lambda ch: pb_grpc.ControlStub(ch).Connect(iter(()))),
+        for target, call in ((mesh.grpc_address, lambda ch: pb_grpc.ControlStub(ch).Connect(_no_requests())),
                              (address[middle], lambda ch: pb_grpc.StageStub(ch).Info(pb.StageInfoRequest()))):
             with pytest.raises(grpc.RpcError) as refused:
                 run_sync(target, rogue, call)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def _no_requests() -> AsyncIterator[pb.AgentMessage]:
+    """A request stream that sends nothing until the call ends: the answer decides (an ended request stream would
+    be written as the handshake fails, and gRPC then cancels the call locally instead of reporting the refusal)."""
+    await asyncio.Event().wait()
+    yield pb.AgentMessage()
 
 
 def run_sync(address: str, tls: MeshTls, call) -> None:  # noqa: ANN001
