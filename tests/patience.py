@@ -9,8 +9,10 @@ benchmarks, pytest-xdist's workers) use the same one. LocalMesh (stratamesh.laun
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Callable
 
 from stratamesh import launcher
 from stratamesh.launcher import PATIENCE_ENV as ENV
@@ -46,3 +48,13 @@ def patience() -> float:
 def patient(seconds: float) -> float:
     """A limit of seconds on the reference VM, as it stands here."""
     return seconds * patience()
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float = 10.0) -> None:
+    """Polls predicate until it holds (AssertionError once timeout_s, scaled by patience, passes): waits for a
+    state, not for a duration."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patient(timeout_s)
+    while not predicate():
+        assert loop.time() < deadline, "the state never came"
+        await asyncio.sleep(0.005)

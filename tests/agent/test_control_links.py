@@ -18,6 +18,7 @@ from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
+from tests.patience import eventually
 
 CAPS = Capabilities("box", "cpu", 2, 8 << 30, 8 << 30)
 
@@ -52,10 +53,7 @@ async def test_connected_agents_measure_each_other_and_the_coordinator_keeps_the
     address, registry = coordinator
     agents = [await start_agent(agent_id, address) for agent_id in ("a1", "a2")]
     try:
-        for _ in range(250):
-            if len(registry.links()) == 2:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: len(registry.links()) == 2)
         links = registry.links()
         assert [(r.agent_id, r.peer_agent_id) for r in links] == [("a1", "a2"), ("a2", "a1")]
         assert all(r.rtt_s > 0 and r.bandwidth_bytes_per_s > 0 and not r.error for r in links)

@@ -23,6 +23,7 @@ from stratamesh.fleet.tracing import traceparent
 from stratamesh.fleet.wire.channels import bind, make_channel, make_server
 from stratamesh.fleet.wire.stream import OutboundStream
 from stratamesh.kernels.models.decoder import load_stage
+from tests.patience import eventually
 
 
 class Origin(pb_grpc.OriginServicer):
@@ -88,14 +89,6 @@ async def serving(spec: StageSpec, assignment_id: str, agent_id: str):
         await service.close()
         await server.stop(grace=None)
         host.close()
-
-
-async def eventually(predicate, timeout_s: float = 10.0) -> None:
-    """Polls predicate until it holds (AssertionError after timeout_s): waits for a state, not for a duration."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "the state never came"
-        await asyncio.sleep(0.005)
 
 
 def send(stream: OutboundStream, message, to: str = "") -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from stratamesh.fleet.sessions import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepChunk
 from stratamesh.fleet.stages import Assignment, StageSpec
-from tests.agent.test_dataplane import eventually, greedy_reference, send, serving
+from tests.agent.test_dataplane import greedy_reference, send, serving
+from tests.patience import eventually
 
 
 def tiny_spec(tiny_model, start: int, end: int) -> StageSpec:

@@ -23,7 +23,8 @@ from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import make_channel
 from stratamesh.fleet.wire.stream import OutboundStream
-from tests.agent.test_dataplane import Origin, eventually, greedy_reference, send, serving
+from tests.agent.test_dataplane import Origin, greedy_reference, send, serving
+from tests.patience import eventually
 
 PROMPT = list(range(40, 63))        # 23 tokens: 5 full blocks of 4 and a partial one
 

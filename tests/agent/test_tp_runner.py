@@ -15,8 +15,9 @@ from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.sessions import StepChunk
 from stratamesh.fleet.stages import Assignment, StageSpec
 
-from tests.agent.test_dataplane import eventually, greedy_reference, send
+from tests.agent.test_dataplane import greedy_reference, send
 from tests.agent.test_kv_transfer import PROMPT, agent, import_kv
+from tests.patience import eventually
 
 PROMPTS = [[5, 17, 42, 99, 7], list(range(30, 52)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 

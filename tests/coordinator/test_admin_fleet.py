@@ -33,6 +33,7 @@ from stratamesh.sdk import AsyncMesh, calls
 from stratamesh.sdk.errors import UnexpectedResponseError
 from tests.coordinator.served import served
 from tests.coordinator.test_deployer import Agent, model_dir, ready_pair  # noqa: F401 (a fixture)
+from tests.patience import patient
 
 T0 = 1_700_000_000.0
 GiB = 1 << 30
@@ -259,7 +260,7 @@ async def test_the_stream_sends_a_snapshot_then_what_changed_and_a_new_connectio
             kind, first = await anext(events)
             assert kind == "snapshot" and sorted(a["agent_id"] for a in first["agents"]) == ["a1", "a2", "a3"]
             fleet.registry.set_agent_state("a3", "dead", fleet.now[0])
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + patient(20)
             async for kind, delta in events:
                 assert kind == "delta" and set(delta) >= BASE_KEYS, (kind, delta)
                 if [(a["agent_id"], a["state"]) for a in delta["agents"]] == [("a3", "dead")]:

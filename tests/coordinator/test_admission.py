@@ -17,6 +17,7 @@ from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import InvalidInput
 from tests.coordinator.served import served
 from tests.coordinator.test_api import FakeServing, chat_tokenizers  # noqa: F401 (a fixture)
+from tests.patience import eventually
 
 NOW = 1_800_000_000.0
 
@@ -36,13 +37,10 @@ def client(url: str, key: str) -> httpx.AsyncClient:
 
 
 async def settled(gate: Gate) -> bool:
-    """Whether every request has left the gate within a few seconds (the server sees a client leave a moment
-    after it closes its stream)."""
-    for _ in range(250):
-        if gate.in_flight == 0 and not gate.per_caller:
-            return True
-        await asyncio.sleep(0.02)
-    return False
+    """Whether every request has left the gate (the server sees a client leave a moment after it closes its
+    stream): waits for it, an AssertionError if it never comes."""
+    await eventually(lambda: gate.in_flight == 0 and not gate.per_caller)
+    return True
 
 
 BODY = {"model": "tiny", "prompt": "Once", "max_tokens": 40, "stream": True}

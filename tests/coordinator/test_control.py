@@ -16,6 +16,7 @@ from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_channel, make_server
+from tests.patience import eventually
 
 CAPS = Capabilities("box", "cpu", 2, 8 << 30, 8 << 30)
 
@@ -75,16 +76,10 @@ async def test_an_agent_is_welcomed_assigned_and_becomes_ready(coordinator) -> N
     assert not deployer.routes.is_ready("tiny")
     outbox.put_nowait(convert.stage_status_to_pb(StageStatus(assign.assign.assignment_id, "ready")))
     outbox.put_nowait(convert.heartbeat_to_pb(1, 0))
-    for _ in range(100):
-        if deployer.routes.is_ready("tiny"):
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: deployer.routes.is_ready("tiny"))
     assert [hop.address for _, hops in deployer.routes.hops(deployer.routes.ready_plans("tiny")) for hop in hops] == [
         "127.0.0.1:5555"]
     assert registry.agent("agent-1").state == "connected"
     await channel.close()
-    for _ in range(100):
-        if deployer.roster.num_agents == 0:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: deployer.roster.num_agents == 0)
     assert not deployer.routes.is_ready("tiny") and registry.agent("agent-1").state == "disconnected"

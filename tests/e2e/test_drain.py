@@ -17,6 +17,7 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
 from stratamesh.launcher import LocalMesh
+from tests.patience import patient
 
 from .reference import encode
 from .streams import HOLD_TOKENS, held, settled_requests, which_diverged
@@ -103,7 +104,7 @@ def test_a_coordinator_restarted_mid_drain_finishes_it(tiny_models: dict[str, Pa
         mesh.restart_coordinator()
         assert mesh.agents[middle].wait(timeout=180) == 0, "the drained agent exits by itself, cleanly"
         drain = httpx.get(f"{mesh.url}/admin/api/agents/{mesh.agent_ids[middle]}/drain", headers=mesh.headers).json()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while mesh.agent_ids[middle] in active_stages(mesh) or len(active_stages(mesh)) != 3:
             assert time.monotonic() < deadline, active_stages(mesh)
             time.sleep(0.2)

@@ -20,6 +20,7 @@ from stratamesh.bench.metrics import percentile
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
+from tests.patience import patient
 from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,7 @@ def test_a_coordinator_crash_cuts_its_streams_frees_the_stages_and_a_restart_ser
 
         cut = asyncio.run(run_streams(mesh.url, MODEL, jobs, during=crash, headers=mesh.headers))
         assert all(o.error and 8 <= len(o.tokens) < 400 for o in cut)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patient(10)
         while sum(left := asyncio.run(num_sessions(mesh))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert left == [0, 0, 0]

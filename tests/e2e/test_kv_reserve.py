@@ -11,6 +11,7 @@ import pytest
 
 from stratamesh.launcher import LocalMesh
 from stratamesh.kernels.tiny_model import write_tiny_model
+from tests.patience import patient
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def test_a_cpu_agent_allocates_the_kv_cache_its_plan_reserved(tmp_path: Path) ->
         # the sequences the plan's throughput counts on (8 a micro-batch), each of the whole context: 768 MiB a
         # micro-batch, past the agent's floor
         assert stage["kv_cache_bytes"] == plan["predicted"]["concurrency"] * CONTEXT * per_token > 512 << 20
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while time.monotonic() < deadline:      # the agent reports its stage's blocks with its next heartbeat
             (agent,) = httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers, timeout=30).json()["agents"]
             if agent["telemetry"] and agent["telemetry"]["stages"]:

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.launcher import LocalMesh
+from tests.patience import patient
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +117,7 @@ def test_every_agent_serves_metrics_with_per_stage_compute_and_per_hop_transfer(
 
 
 def test_heartbeat_telemetry_is_kept_per_agent(mesh, completion) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patient(10)
     while True:
         agents = httpx.get(f"{mesh.url}/admin/api/agents", timeout=10, headers=mesh.headers).json()["agents"]
         if all(a["telemetry"] and a["telemetry"]["stages"] for a in agents) or time.monotonic() > deadline:

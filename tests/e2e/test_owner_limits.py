@@ -17,6 +17,7 @@ from stratamesh.bench.chaos import FailoverRun, StreamOutcome, disturb_stage_mid
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.launcher import LocalMesh
+from tests.patience import patient
 
 from .streams import held, settled_requests, which_diverged
 
@@ -55,7 +56,7 @@ def test_an_agent_past_its_owners_limit_rests_mid_stream_and_serves_again_after_
             index = mesh.agent_index(run.killed_address)
             sensors[index].write_text(HOT)
             async with httpx.AsyncClient(headers=mesh.headers, timeout=10) as client:
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + patient(60)
                 while True:
                     drain = await client.get(f"{mesh.url}/admin/api/agents/{mesh.agent_ids[index]}/drain")
                     if drain.status_code == 200 and drain.json()["drain"]["state"] in ("drained", "failed"):

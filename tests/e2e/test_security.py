@@ -22,6 +22,7 @@ from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
+from tests.patience import patient
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +153,7 @@ def test_revoking_an_agent_cuts_it_off_and_its_stage_moves(tiny_models: dict[str
         assert mesh.agents[victim].wait(timeout=30) == EXIT_REFUSED, "the coordinator refuses it; it exits so"
         log = Path(tmp_path / "logs" / f"agent{victim}.log").read_text()
         assert "refuses this agent" in log and "revoked" in log
-        deadline = time.monotonic() + 60      # (LocalMesh.wait_ready would object to the exited agent)
+        deadline = time.monotonic() + patient(60)      # (LocalMesh.wait_ready would object to the exited agent)
         while mesh.health().get("status") != "ok" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert victim_address not in (stage_address(mesh, 0), stage_address(mesh, 1))

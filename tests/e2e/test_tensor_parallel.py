@@ -18,6 +18,7 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.metrics import percentile
 from stratamesh.launcher import LocalMesh
+from tests.patience import patient
 
 from .reference import greedy_tokens
 from .test_mesh import complete_ids
@@ -87,7 +88,7 @@ def test_a_dead_rank_takes_its_group_down_and_the_streams_finish_identically_on_
         agent_id, rank_pids = mesh.agent_ids[group_agent], run.killed_rank_pids
         exit_code = mesh.agents[group_agent].wait(timeout=30)
         records = settled_requests(mesh, 6)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patient(30)
         while time.monotonic() < deadline and agent_id in str(active_plan(mesh)["stages"]):
             time.sleep(0.2)
         new_plan = active_plan(mesh)

@@ -13,6 +13,7 @@ from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server
 from stratamesh.fleet.wire.stream import OutboundStream, StreamPool
+from tests.patience import eventually
 
 
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
@@ -52,11 +53,8 @@ async def test_outbound_stream_delivers_in_order_and_reports_a_dead_peer() -> No
     assert got == list(range(100))
     assert pool.get(f"127.0.0.1:{port}") is stream
     await server.stop(grace=None)
-    for _ in range(100):
-        if broken:
-            break
-        await asyncio.sleep(0.05)
-    assert broken and isinstance(broken[0], StageFailed)
+    await eventually(lambda: broken)
+    assert isinstance(broken[0], StageFailed)
     with pytest.raises(StageFailed):
         stream.send(pb.TokenBatch())
     await pool.close()
