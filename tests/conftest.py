@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +26,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 # agents started by tests (and their subprocesses) cache measured speeds here, not in ~/.cache: one folder for the
 # whole run, since pytest-xdist's workers inherit it from the controller, which imported this module first
-os.environ.setdefault("STRATAMESH_CACHE_DIR", tempfile.mkdtemp(prefix="stratamesh-test-cache-"))
+_OWN_CACHE_DIR = "" if "STRATAMESH_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="stratamesh-test-cache-")
+os.environ.setdefault("STRATAMESH_CACHE_DIR", _OWN_CACHE_DIR)
 # the agents of the suite's local meshes (LocalMesh, in tests and the benchmarks they run; not `stratamesh up`'s) are
 # forked from a fork server that imported torch once (stratamesh/forked.py): an agent's start then costs ~1 s of CPU, not ~3
 os.environ.setdefault(FORK_SERVER_ENV, "1")
 patience()  # measured once, in the controller: its workers and every process they start read it from the environment
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's cache folder goes with the run (ONNX exports: tens of MB a run), deleted by the process that made
+    it: the controller, once its workers are done (they inherit the folder, and made none)."""
+    if _OWN_CACHE_DIR:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_report_header() -> str:
