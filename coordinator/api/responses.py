@@ -134,8 +134,13 @@ class CompletionFormat(ResponseFormat):
         return [self._chunk({"text": self.echo.text}, logprobs=self._logprobs(*self._echoed(run), index),
                             index=index)]
 
+    @property
+    def _prompt_alone(self) -> bool:
+        """max_tokens 0 with echo: the answer is the prompt."""
+        return self.echo is not None and self.echo.only
+
     def pieces(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
-        if self.echo is not None and self.echo.only:
+        if self._prompt_alone:
             return [] if delta.finish_reason is None else [
                 self._chunk({"text": "", **self._ids(())}, FinishReason.LENGTH, index=index)]
         return [self._chunk({"text": delta.text, **self._ids(delta.token_ids)}, delta.finish_reason,
@@ -149,16 +154,15 @@ class CompletionFormat(ResponseFormat):
 
     def _billed(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The usage the client sees: with the prompt alone (max_tokens 0), no completion tokens."""
-        if self.echo is None or not self.echo.only:
+        if not self._prompt_alone:
             return usage
         return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def _choice(self, index: int, text: str, finish_reason: str, run: TextStream) -> dict[str, Any]:
         prompt_ids, prompt_logprobs = self._echoed(run)
-        if self.echo is not None and self.echo.only:
-            return {"index": index, "text": self.echo.text, "logprobs": self._logprobs(prompt_ids, prompt_logprobs,
-                                                                                       index),
-                    "finish_reason": FinishReason.LENGTH, **self._ids(())}
+        if self._prompt_alone:
+            return {"index": index, "text": self.echo.text, "logprobs": self._logprobs(
+                prompt_ids, prompt_logprobs, index), "finish_reason": FinishReason.LENGTH, **self._ids(())}
         ids, logprobs = prompt_ids + tuple(run.token_ids), prompt_logprobs + tuple(run.logprobs)
         return {"index": index, "text": (self.echo.text if self.echo else "") + text,
                 "logprobs": self._logprobs(ids, logprobs, index), "finish_reason": finish_reason,

@@ -20,6 +20,7 @@ from stratamesh.agent.engine.grammars import Grammars
 from stratamesh.fleet.sessions import SamplingParams
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.tiny_model import ENDOFTEXT, IM_END, train_tokenizer
+from tests.patience import patient
 
 from .test_stage_engine import (NUM_LAYERS, VOCAB, Mesh, generation, hf_greedy, hf_model, make_engine, random_prompt,
                                 start)
@@ -92,7 +93,7 @@ def test_a_steps_masks_are_computed_while_its_forward_pass_runs(model_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step's mask computation and forward pass meet at a barrier: masks computed before the forward on the
     step's thread, or only once the pick wants them, leave one of the two waiting alone until the barrier breaks."""
-    barrier = threading.Barrier(2, timeout=RENDEZVOUS_S)
+    barrier = threading.Barrier(2, timeout=patient(RENDEZVOUS_S))
     engine = make_engine(model_dir)
     forward_steps = engine.runner.forward_steps
 

@@ -4,6 +4,7 @@ choices become a grammar of the format, and bad tool requests are 400s naming th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -61,6 +62,7 @@ def calling(chat_tokenizers: tuple[Tokenizer, Tokenizer], caller_tokenizer: Toke
     return CallingServing(*chat_tokenizers, caller_tokenizer)
 
 
+@contextlib.asynccontextmanager
 async def app_client(serving: FakeServing, tool_call_parser: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=create_app(serving, tool_call_parser=tool_call_parser))
     async with httpx.AsyncClient(transport=transport, base_url="http://mesh") as c:
@@ -70,7 +72,7 @@ async def app_client(serving: FakeServing, tool_call_parser: str | None = None) 
 @pytest.fixture
 async def hermes_client(calling: CallingServing) -> AsyncIterator[httpx.AsyncClient]:
     """The app over calling, each model's tool calls in the format its template shows."""
-    async for c in app_client(calling):
+    async with app_client(calling) as c:
         yield c
 
 
@@ -159,7 +161,7 @@ async def test_a_model_whose_template_shows_no_tool_format_refuses_tools_by_name
 
 async def test_a_parser_given_at_start_serves_tools_of_a_model_whose_template_shows_none(
         calling: CallingServing) -> None:
-    async for c in app_client(calling, tool_call_parser="hermes"):
+    async with app_client(calling, tool_call_parser="hermes") as c:
         resp = await c.post("/v1/chat/completions", json=chat(model="tiny", tool_choice="required"))
         assert resp.status_code == 200, resp.text
         assert "<tool_call>" in calling.calls[-1][2].grammar

@@ -72,7 +72,7 @@ def test_text_before_a_call_streams_before_the_call_ends() -> None:
     assert text == "" and as_pairs(calls) == [("weather", {})]
 
 
-def test_the_format_is_the_one_the_template_shows(tmp_path: Path) -> None:
+def test_the_format_is_the_one_the_template_shows() -> None:
     assert format_of_template("... <tool_call>\\n{{ tool }}</tool_call> ...").name == "hermes"
     assert format_of_template("{{ '<|python_tag|>' }}").name == "llama3_json"
     assert format_of_template("{{ '[TOOL_CALLS]' + calls }}").name == "mistral"

@@ -30,7 +30,6 @@ from .test_mesh import complete_ids
 
 pytestmark = pytest.mark.slow
 
-EXPORT_LEASE = LONG_LEASE     # an agent exporting its ONNX layers holds the GIL for seconds (conftest.py)
 
 EDGE, FAR = ["--site", "home"], ["--site", "lab", "--runtime", "onnxruntime"]
 # ONNX Runtime's speeds as the probe stores them (agent.speed: tests/agent/test_speed.py times the real probe)
@@ -77,7 +76,7 @@ def test_a_torch_onnxruntime_torch_mesh_gives_the_tokens_of_transformers(tiny_mo
                                                                           tmp_path: Path, run_cache: Path) -> None:
     model_dir = tiny_models["llama"]
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={0: EDGE, 1: FAR, 2: EDGE},
-                   coordinator_args=["--first-site", "home", "--last-site", "home", *EXPORT_LEASE],
+                   coordinator_args=["--first-site", "home", "--last-site", "home", *LONG_LEASE],
                    extra_env={"STRATAMESH_CACHE_DIR": str(onnx_speeds_cache(tmp_path / "cache", MODEST, run_cache))},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
         plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
@@ -101,7 +100,7 @@ def test_the_planner_runs_an_auto_agents_stage_on_onnx_runtime_where_it_measured
     with LocalMesh(str(model_dir), num_agents=3, num_stages=3, agent_args_by_index={1: ["--runtime", "auto"]},
                    extra_env={"STRATAMESH_CACHE_DIR": str(cache)},
                    log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"),
-                   coordinator_args=EXPORT_LEASE) as mesh:
+                   coordinator_args=LONG_LEASE) as mesh:
         plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
         (plan,) = [p for p in plans if p["state"] == "active"]
         runs = {s["agent_id"]: s["runtime"] for s in plan["stages"]}
