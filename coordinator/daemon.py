@@ -62,7 +62,7 @@ class ModelRequest:
     model_id: str = ""
     num_stages: int = 1
     pins: SitePins = SitePins()
-    quantize: str = ""             # "int8": int8 weights (the operator's choice; never by default)
+    quantize: str = ""             # "int8" / "int4": quantized weights (the operator's choice; never by default)
     num_replicas: int = 1          # pipelines serving it side by side, each on agents of its own
 
     @property

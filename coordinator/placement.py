@@ -13,8 +13,8 @@ from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
-from stratamesh.fleet.stages import (AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec, served_context,
-                                     windowed)
+from stratamesh.fleet.stages import (AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, QUANTIZED_BYTES, StageSpec,
+                                     served_context, windowed)
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -379,10 +379,10 @@ def repair_stages(model_id: str, model_path: str, config: dict[str, Any], agents
 
 def smallest_stage_bytes(config: dict[str, Any], quantize: str = "") -> int:
     """The least memory any stage of the model needs: its smallest layer at the fewest bytes a parameter could take
-    (1 quantized to int8, else 2). An agent with less can hold no stage of it: planning need not weigh it."""
+    (quantized: QUANTIZED_BYTES, else 2). An agent with less can hold no stage of it: planning need not weigh it."""
     profile = profile_from_hf_config(config, dtype="bfloat16")
-    fewest = min(profile.layer_param_bytes(layer) for layer in range(profile.num_layers))
-    return fewest // 2 if quantize == "int8" else fewest
+    fewest = min(profile.layer_params)
+    return int(fewest * QUANTIZED_BYTES.get(quantize, 2))
 
 
 def _profile(model_id: str, config: dict[str, Any], quantize: str = "") -> ModelProfile:

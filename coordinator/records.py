@@ -31,7 +31,7 @@ class ModelRecord:
     created: float
     first_site: str = ""        # the site the first stage (it sees token ids) must run at; "" for any
     last_site: str = ""         # ... and the last stage (it produces them)
-    quantize: str = ""          # "int8": the operator chose int8 weights for it (StageSpec.quantize)
+    quantize: str = ""          # "int8" / "int4": the operator chose quantized weights for it (StageSpec.quantize)
     num_replicas: int = 1       # pipelines serving it side by side, each planned on agents of its own
     num_stages: int = 0         # the stages its plans were asked for (0: unknown, a model of an older registry)
 

@@ -136,7 +136,7 @@ def _m012_drain_rest(db: Database) -> None:
 
 
 def _m013_model_quantize(db: Database) -> None:
-    """The operator's choice of quantized weights for each model ("" or "int8"), and each stage's."""
+    """The operator's choice of quantized weights for each model ("", "int8" or "int4"), and each stage's."""
     db["models"].add_column("quantize", str, not_null_default="")
     db["stages"].add_column("quantize", str, not_null_default="")
 

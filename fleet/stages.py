@@ -27,7 +27,9 @@ AGENT_RUNTIMES = tuple(Runtime)       # what an agent's operator may choose (--r
 MAX_REPLICAS = 64               # pipelines one model may run side by side
 
 
-QUANTIZATIONS = ("int8",)             # weight-only quantization of a stage (kernels.ops.quant); "" is none
+QUANTIZATIONS = ("int8", "int4")     # weight-only quantization of a stage (kernels.ops.quant); "" is none
+# bytes a quantized weight takes, its scales counted: int8 one a row (negligible), int4 a float32 per 32 weights
+QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
 
 
 ORT_DTYPES = ("float32",)             # what ONNX Runtime stages compute in (its CPU kernels, here)
@@ -202,7 +204,7 @@ class StageSpec:
     kv_block_size: int = 16
     tp_degree: int = 1          # ranks of the tensor-parallel group serving it; 1 = one process
     runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
-    quantize: str = ""          # "int8": its projection matrices and LM head as int8 with per-row scales (torch or ORT)
+    quantize: str = ""          # "int8" / "int4": its matrices, LM head and embedding quantized (kernels.ops.quant)
     kv_cache_bytes: int = 0     # the KV cache its plan reserved for it, per rank; 0: the plan said nothing
 
     def __post_init__(self) -> None:
@@ -223,7 +225,7 @@ class StageSpec:
         if self.quantize and self.quantize not in QUANTIZATIONS:
             raise InvalidInput(f"stage quantize {self.quantize!r} is not one of {QUANTIZATIONS} (or none)")
         if self.quantize and self.tp_degree > 1:
-            raise InvalidInput("int8 weights are for single-process stages (tp_degree 1)")
+            raise InvalidInput("quantized weights are for single-process stages (tp_degree 1)")
         if not 0 <= self.kv_cache_bytes <= MAX_KV_CACHE_BYTES:
             raise InvalidInput(f"stage kv_cache_bytes must be in 0..{MAX_KV_CACHE_BYTES}, got {self.kv_cache_bytes}")
 

@@ -21,7 +21,7 @@ from stratamesh.fleet.boxes import Speed
 from stratamesh.fleet.sessions import wire_dtype
 from stratamesh.partitioner.fleet_snapshot import Device, FleetSnapshot, Link, shards
 from stratamesh.partitioner.plan import PlanRequest
-from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, ModelProfile
+from stratamesh.partitioner.profile import DTYPE_BYTES, TOKEN_ID_BYTES, WEIGHT_BYTES, ModelProfile
 
 TP_EFFICIENCY = 0.9        # of degree x the slowest rank's FLOP/s and bandwidth, after the shards' imbalance
 TP_MIN_BANDWIDTH = 20e9    # bytes/s: slower intra-node links are not worth sharding a layer over
@@ -39,7 +39,7 @@ class Unit:
     allreduce_s: float             # per layer per step (0 for one device)
     layer_overhead_s: float = 0.0  # per layer per step: the framework's cost beyond FLOPs and bytes
     token_overhead_s: float = 0.0  # per token of a step: the serving path's cost beyond the layers
-    weights: str = ""              # what its layers' matrices and LM head are stored in where not dtype: "int8"
+    weights: str = ""              # what its matrices, LM head and embedding are stored in where not dtype: "int8", "int4"
     # the device's other backends for the same dtype and weights (a CPU with torch and ONNX Runtime): a range is
     # priced at the fastest of the unit and these (StageTables.best)
     options: tuple[Unit, ...] = ()
@@ -146,7 +146,7 @@ class Rates(NamedTuple):
 
 
 def _rates(unit: Unit) -> Rates:
-    return Rates(DTYPE_BYTES[unit.weight_dtype], DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth,
+    return Rates(WEIGHT_BYTES[unit.weight_dtype], DTYPE_BYTES[unit.dtype], unit.speed.mem_bandwidth,
                  unit.speed.flops, unit.head_speed.mem_bandwidth, unit.head_speed.flops, unit.overhead_s,
                  unit.allreduce_s, unit.degree > 1, unit.layer_overhead_s, unit.token_overhead_s)
 
@@ -187,12 +187,13 @@ class StageTables:
     def memory_at(self, dtype: str, degree: int = 1, weights: str = "") -> np.ndarray:
         """Bytes [L+1, L+1] one rank of a degree-way group in dtype holds for [a, b): its share of the layers'
         weights and KV reserve, and the whole embedding (first stage) and final norm + LM head (last stage).
-        weights: the dtype the layers' matrices and the LM head are stored in where not dtype ("int8")."""
+        weights: what the layers' matrices, the LM head and the embedding are stored in where not dtype ("int8",
+        "int4": their bytes with their scales, fleet.stages.QUANTIZED_BYTES)."""
         key = (dtype, degree, weights)
         if key not in self._memory:
-            bpp, wbpp = DTYPE_BYTES[dtype], DTYPE_BYTES[weights or dtype]
+            bpp, wbpp = DTYPE_BYTES[dtype], WEIGHT_BYTES[weights or dtype]
             shared = wbpp * self.read_params + bpp * self._kv_reserve_values
-            self._memory[key] = np.ceil(shared / degree) + bpp * self._embed_values + wbpp * self._head_values
+            self._memory[key] = np.ceil(shared / degree + wbpp * (self._embed_values + self._head_values))
         return self._memory[key]
 
     def memory_of(self, unit: Unit) -> np.ndarray:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import layer_norms, layer_windows, model_task
+from stratamesh.fleet.stages import QUANTIZED_BYTES, layer_norms, layer_windows, model_task
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+WEIGHT_BYTES: dict[str, float] = {**DTYPE_BYTES, **QUANTIZED_BYTES}   # a weight's bytes in a dtype or quantized
 TOKEN_ID_BYTES = 8        # what the origin sends the first stage and the last stage returns, per token
 
 
@@ -38,7 +39,8 @@ class ModelProfile:
     head_params: int                              # final norm + LM head on the last stage (an embedding model: norm)
     head_flops_per_token: int
     tied_embeddings: bool = False                 # one matrix: a single stage holding both counts it once
-    # what the layers' matrices and the LM head are stored in where a device measured it, if not dtype: "int8"
+    # what the layers' matrices, the LM head and the embedding are stored in where a device measured it, if not
+    # dtype: "int8" or "int4"
     # (the operator's choice for the model; cost.single_unit)
     weights: str = ""
 

@@ -21,7 +21,7 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
-from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE
+from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE, QUANTIZATIONS
 from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES, TOOL_CALL_PARSERS
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
 from stratamesh.fleet.logs import configure_logging, set_process_fields
@@ -65,7 +65,8 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                     help="pipeline stages of the model (default: one per agent; fewer leaves spares)")
     up.add_argument("--model", help="a Hugging Face folder; default: the built-in demo model")
     up.add_argument("--http-port", type=int, default=8000)
-    up.add_argument("--quantize", choices=("int8",), default="", help="the model's weights in int8 (see coordinator)")
+    up.add_argument("--quantize", choices=QUANTIZATIONS, default="",
+                    help="the model's weights in int8 or int4 (see coordinator)")
     up.add_argument("--runtime", choices=AGENT_RUNTIMES, default="torch",
                     help="what computes the agents' stages (see agent)")
     up.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1,
@@ -106,9 +107,10 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                              help="data residency: --model's first stage (it sees token ids) runs at this site")
     coordinator.add_argument("--last-site", default="", metavar="SITE",
                              help="... and its last stage (it produces them)")
-    coordinator.add_argument("--quantize", choices=("int8",), default="",
-                             help="--model's weights in int8 (per output channel) on the single-process stages of "
-                                  "agents that measured them (a quarter of float32's memory)")
+    coordinator.add_argument("--quantize", choices=QUANTIZATIONS, default="",
+                             help="--model's matrices, LM head and embedding quantized on the single-process stages "
+                                  "of agents that measured the format: int8 (a scale per row: a quarter of "
+                                  "float32's memory) or int4 (a scale per 32 weights: about a sixth)")
     coordinator.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1, metavar="N",
                              help="pipelines serving --model side by side, each on agents of its own; a replica "
                                   "is planned once the agents the others leave can hold one")

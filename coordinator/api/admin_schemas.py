@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stratamesh.fleet.states import AgentState, DrainState, ModelState, PlanState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, StageLoad
-from stratamesh.fleet.stages import MAX_REPLICAS
+from stratamesh.fleet.stages import MAX_REPLICAS, QUANTIZATIONS
 
 MAX_STAGES = 64
 DEFAULT_AGENTS_PAGE = 100
@@ -37,8 +37,9 @@ class DeployModel(_Request):
     num_stages: int = Field(1, ge=1, le=MAX_STAGES)
     first_site: str | None = Field(None, max_length=128, description="the site the first stage must run at")
     last_site: str | None = Field(None, max_length=128, description="the site the last stage must run at")
-    quantize: Literal["", "int8"] = Field("", description='"int8": int8 weights (per output channel) on the '
-                                          "single-process stages of agents that measured them; never by default")
+    quantize: Literal[("", *QUANTIZATIONS)] = Field(  # type: ignore[valid-type]
+        "", description='"int8" or "int4": quantized weights (kernels.ops.quant) on the single-process stages of '
+                        "agents that measured them; never by default")
     num_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="pipelines serving it side by side, each on "
                               "agents of its own (planned once the agents the others leave can hold one)")
 
@@ -99,7 +100,7 @@ class StageView(BaseModel):
     device: str = "cpu"          # where it runs: "cpu" or "cuda:N" (a TP group's rank 0)
     dtype: str = "float32"       # what it computes in
     runtime: str = "torch"       # what computes its layers: "torch" or "onnxruntime"
-    quantize: str = ""           # "int8": its weights in int8
+    quantize: str = ""           # "int8" / "int4": its weights quantized
     kv_cache_bytes: int = Field(0, description="the KV cache its plan reserved for it, per rank: a CPU stage holds "
                                 "that (at least 0.5 GiB) unless its agent's --kv-cache-gib says otherwise, a GPU stage "
                                 "what its share of the GPU leaves; 0: a plan stored before plans said")
@@ -158,7 +159,7 @@ class ModelView(BaseModel):
     num_stages: int
     first_site: str
     last_site: str
-    quantize: str = ""           # the operator's choice: "" (as stored) or "int8"
+    quantize: str = ""           # the operator's choice: "" (as stored), "int8" or "int4"
     num_replicas: int = 1        # the operator's choice: pipelines serving it side by side
     ready_replicas: int = 0      # of them, those whose every stage is loaded
     created: float

@@ -67,7 +67,7 @@ class Plans:
                   quantize: str = "", num_replicas: int = 1) -> None:
         """Registers a model (or updates its path, site pins, quantization and replicas: a served one takes the
         first three at its next re-plan, fewer replicas at once) and asks for a plan of num_stages stages for each
-        of num_replicas replicas. quantize: "int8" for int8 weights (check_quantize)."""
+        of num_replicas replicas. quantize: "int8" or "int4" for quantized weights (check_quantize)."""
         config = check_model(path, num_stages)
         check_quantize(quantize)
         self._stage_bytes.pop(model_id, None)       # its config or quantization may be new

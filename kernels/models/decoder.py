@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -10,15 +11,17 @@ import torch.nn.functional as F
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.stages import StageSpec
+from stratamesh.fleet.states import Runtime
 from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
                                                   stage_tensor_names)
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.families import layer_class
-from stratamesh.kernels.models.families.llama import Step, weight
+from stratamesh.kernels.models.families.llama import MATRICES, Step, weight
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
-from stratamesh.kernels.ops.quant import SCALE_SUFFIX, linear, quantize_int8
+from stratamesh.kernels.ops.quant import (SCALE_SUFFIX, PackedInt4Weight, embedding, for_cpu_kernel, linear,
+                                          quantize_int4, quantize_int8, takes_int4)
 from stratamesh.kernels.ops.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -89,10 +92,32 @@ class StageModel:
         self._tensors = tensors
         layer = layer_class(self.config)
         self._layers = [layer.fuse(tensors, i) for i in range(spec.start_layer, spec.end_layer)]
-        self._embed = tensors.get(EMBED) if spec.is_first else None
+        self._embed = weight(tensors, EMBED) if spec.is_first else None
         self._final_norm = tensors.get(FINAL_NORM) if spec.is_last else None
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
         self._lm_head = weight(tensors, head) if spec.is_last and self.config.has_lm_head else None
+        if spec.quantize and spec.device == "cpu" and spec.runtime == Runtime.TORCH:
+            self._repack_for_cpu()       # (an ONNX Runtime stage repacks its head alone: OrtStageModel.from_model)
+
+    def _repack_for_cpu(self) -> None:
+        """Its 4-bit matrices in the torch CPU kernel's layout (quant.PackedInt4Weight), each stored once: the
+        tensors' entries of a repacked matrix stay as shapes alone (on the meta device: param_bytes counts them),
+        but for a head tied to the embedding, whose lookup reads the rows as stored (the repacked copy is counted
+        as a LM_HEAD entry of its own)."""
+        self._layers = [replace(layer, **{m: for_cpu_kernel(getattr(layer, m)) for m in MATRICES})
+                        for layer in self._layers]
+        head = self._lm_head
+        self._lm_head = None if head is None else for_cpu_kernel(head)
+        tied_head = isinstance(self._lm_head, PackedInt4Weight) and self.config.tie_word_embeddings
+        for name in [n for n, t in self._tensors.items() if t.dtype == torch.uint8 and n + SCALE_SUFFIX in self._tensors]:
+            if name == EMBED and self._embed is not None:      # the lookup's rows: kept as stored
+                if tied_head:
+                    self._tensors[LM_HEAD] = torch.empty_like(self._tensors[name], device="meta")
+                    self._tensors[LM_HEAD + SCALE_SUFFIX] = torch.empty_like(self._tensors[name + SCALE_SUFFIX],
+                                                                             device="meta")
+                continue
+            for key in (name, name + SCALE_SUFFIX):
+                self._tensors[key] = torch.empty_like(self._tensors[key], device="meta")
 
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
@@ -168,8 +193,8 @@ class StageModel:
 
     def _embed_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._embed is not None:
-            ids = inputs if inputs.device == self._embed.device else inputs.to(self._embed.device)
-            x = F.embedding(ids, self._embed)
+            ids = inputs if inputs.device == self._inv_freq.device else inputs.to(self._inv_freq.device)
+            x = embedding(ids, self._embed, self.dtype)
             if self.config.embed_scale is None:
                 return x
             return x * torch.tensor(self.config.embed_scale, device=x.device).to(x.dtype)   # (rounded as Gemma's)
@@ -222,7 +247,7 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
     config = config or read_config(spec.model_path)
     tensors = Checkpoint(spec.model_path).load(checked_tensor_names(spec, config), TORCH_DTYPES[spec.dtype],
                                                spec.device)
-    return StageModel(config, spec, quantize_tensors(tensors, config) if spec.quantize else tensors)
+    return StageModel(config, spec, quantize_tensors(tensors, config, spec.quantize) if spec.quantize else tensors)
 
 
 def checked_tensor_names(spec: StageSpec, config: ModelConfig) -> list[str]:
@@ -235,14 +260,21 @@ def checked_tensor_names(spec: StageSpec, config: ModelConfig) -> list[str]:
     return stage_tensor_names(config, spec.start_layer, spec.end_layer)
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The stage's tensors with its layers' projection matrices and its own LM head (not one tied to the
-    embedding) as int8, each with its per-row scales under name + SCALE_SUFFIX (kernels.ops.quant); norms, biases
-    and the embedding stay as they are. In place: each float matrix is dropped as soon as its int8 form exists."""
+def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, quantize: str = "int8"
+                     ) -> dict[str, torch.Tensor]:
+    """The stage's tensors with its layers' projection matrices, its LM head and its embedding in the format
+    quantize names (kernels.ops.quant: "int8", or "int4" where a matrix's rows are a multiple of its groups, int8
+    otherwise), each with its scales under name + SCALE_SUFFIX; norms and biases stay as they are. In place: each
+    float matrix is dropped as soon as its quantized form exists."""
     for name in list(tensors):
-        if name.endswith("_proj.weight") or (name == LM_HEAD and not config.tie_word_embeddings):
-            w = quantize_int8(tensors[name])
-            tensors[name], tensors[name + SCALE_SUFFIX] = w.q, w.scale
+        if name.endswith("_proj.weight") or name in (LM_HEAD, EMBED):
+            w = tensors[name]
+            if quantize == "int4" and takes_int4(w):
+                q4 = quantize_int4(w)
+                tensors[name], tensors[name + SCALE_SUFFIX] = q4.packed, q4.scale
+            else:
+                q8 = quantize_int8(w)
+                tensors[name], tensors[name + SCALE_SUFFIX] = q8.q, q8.scale
     return tensors
 
 
@@ -265,5 +297,8 @@ def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor], world_s
     top = {EMBED: (c.vocab_size, c.hidden_size), LM_HEAD: (c.vocab_size, c.hidden_size), FINAL_NORM: (c.hidden_size,)}
     for name, t in tensors.items():
         want = top.get(name) or expected.get(name.split(".", 3)[-1])
-        if want is not None and tuple(t.shape) != want:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config implies {want}")
+        shape = tuple(t.shape)
+        if t.dtype == torch.uint8 and name + SCALE_SUFFIX in tensors:    # 4-bit: two weights a byte
+            shape = (shape[0], 2 * shape[1])
+        if want is not None and shape != want:
+            raise CheckpointError(f"tensor {name!r} has shape {shape}, config implies {want}")

@@ -51,7 +51,7 @@ from stratamesh.kernels.models.families.llama import LlamaLayer
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
-from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin
@@ -102,24 +102,30 @@ class AttentionIndex:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockInt8Weight:
-    """An Int8Weight [out, in] as MatMulNBits takes it: packed [out, blocks, block] uint8 (q + 128, the last block
-    padded with zero weights: 128; block: _int8_block), scales [out * blocks] float32 (each row's scale once per
-    block)."""
+class NBitsWeight:
+    """A quantized matrix [out, in] as MatMulNBits takes it: packed [out, blocks, block * bits / 8] uint8 (unsigned,
+    its zero point 2^(bits - 1)), scales [out * blocks] float32. From an Int8Weight: q + 128 in blocks of
+    _int8_block (the last padded with zero weights), each row's scale once per block; from an Int4Weight: its bytes
+    and scales as they are (the same layout), its groups the blocks."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     in_features: int
+    bits: int
 
     @classmethod
-    def of(cls, w: Int8Weight) -> BlockInt8Weight:
+    def of(cls, w: Int8Weight | Int4Weight) -> NBitsWeight:
+        if isinstance(w, Int4Weight):
+            (out_features, in_features), group = w.shape, w.group
+            packed = w.packed.reshape(out_features, in_features // group, group // 2)
+            return cls(packed.contiguous(), w.scale.reshape(-1).float().contiguous(), in_features, 4)
         out_features, in_features = w.q.shape
         block = _int8_block(in_features)
         blocks = -(-in_features // block)
         packed = torch.full((out_features, blocks * block), MATMUL_NBITS_ZERO, dtype=torch.int16)
         packed[:, :in_features] = w.q.to(torch.int16) + MATMUL_NBITS_ZERO
         return cls(packed.to(torch.uint8).view(out_features, blocks, block).contiguous(),
-                   w.scale.float().repeat_interleave(blocks).contiguous(), in_features)
+                   w.scale.float().repeat_interleave(blocks).contiguous(), in_features, 8)
 
 
 def _int8_block(in_features: int) -> int:
@@ -127,25 +133,30 @@ def _int8_block(in_features: int) -> int:
     return min(INT8_BLOCK, max(16, 1 << (in_features - 1).bit_length()))
 
 
-@torch.library.custom_op("stratamesh::int8_block_linear", mutates_args=())
-def int8_block_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
-    """x [N, in] times a BlockInt8Weight's matrix, transposed -> [N, out]: what MatMulNBits computes (exported as
-    that node by _translate_int8_block_linear), here with the weight dequantized and float activations."""
-    out_features, blocks, block = packed.shape
-    q = packed.reshape(out_features, blocks * block)[:, :in_features].to(x.dtype) - MATMUL_NBITS_ZERO
-    return x @ (q * scales.view(out_features, blocks)[:, :1].to(x.dtype)).T
+@torch.library.custom_op("stratamesh::nbits_linear", mutates_args=())
+def nbits_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int,
+                 bits: int) -> torch.Tensor:
+    """x [N, in] times an NBitsWeight's matrix, transposed -> [N, out]: what MatMulNBits computes (exported as that
+    node by _translate_nbits_linear), here with the weight dequantized and float activations."""
+    out_features, blocks, _ = packed.shape
+    q = packed.reshape(out_features, -1)
+    if bits == 4:
+        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(out_features, -1)
+    q = q.reshape(out_features, blocks, -1).to(x.dtype) - 2 ** (bits - 1)
+    w = (q * scales.view(out_features, blocks, 1).to(x.dtype)).reshape(out_features, -1)[:, :in_features]
+    return x @ w.T
 
 
-@int8_block_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+@nbits_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-def _translate_int8_block_linear(x, packed, scales, in_features: int):   # (the exporter's symbolic values)
-    """int8_block_linear as ONNX Runtime's MatMulNBits node."""
-    out_features, _, block = packed.shape
-    return _matmul_nbits()(x, packed, scales, K=in_features, N=out_features, bits=8, block_size=block,
-                           accuracy_level=4)
+def _translate_nbits_linear(x, packed, scales, in_features: int, bits: int):   # (the exporter's symbolic values)
+    """nbits_linear as ONNX Runtime's MatMulNBits node."""
+    out_features, _, block_bytes = packed.shape
+    return _matmul_nbits()(x, packed, scales, K=in_features, N=out_features, bits=bits,
+                           block_size=block_bytes * 8 // bits, accuracy_level=4)
 
 
 @cache
@@ -165,11 +176,11 @@ def _matmul_nbits():
     return Op(Opset("com.microsoft", 1), "MatMulNBits", schema)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | BlockInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, for a float weight or a BlockInt8Weight."""
+def _linear(x: torch.Tensor, w: torch.Tensor | NBitsWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, for a float weight or an NBitsWeight."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    out = int8_block_linear(x, w.packed, w.scales, w.in_features)
+    out = nbits_linear(x, w.packed, w.scales, w.in_features, w.bits)
     return out if bias is None else out + bias
 
 
@@ -177,13 +188,13 @@ _WEIGHTS = ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_
 
 
 def layer_tensors(layer: LlamaLayer) -> dict[str, torch.Tensor]:
-    """A layer's weights as the exported graph takes them, by name: an int8 one as its BlockInt8Weight's packed and
+    """A layer's weights as the exported graph takes them, by name: a quantized one as its NBitsWeight's packed and
     scales tensors ("qkv_packed", "qkv_scales")."""
     out = {}
     for name in _WEIGHTS:
         tensor = getattr(layer, name)
-        if isinstance(tensor, Int8Weight):
-            w = BlockInt8Weight.of(tensor)
+        if isinstance(tensor, Int8Weight | Int4Weight):
+            w = NBitsWeight.of(tensor)
             out[f"{name}_packed"], out[f"{name}_scales"] = w.packed, w.scales
         elif tensor is not None:
             out[name] = tensor.detach().contiguous()
@@ -195,12 +206,12 @@ class _Layer(torch.nn.Module):
     the layer's KV pools and its weights (layer_tensors, in the order of `names`). Its weights are inputs, so that
     one trace serves every layer of a model of these shapes (onnx_compose.compose_layers)."""
 
-    def __init__(self, model: StageModel, names: Sequence[str], in_features: Mapping[str, int]) -> None:
+    def __init__(self, model: StageModel, names: Sequence[str], in_features: Mapping[str, tuple[int, int]]) -> None:
         super().__init__()
         c = model.config
         self.eps, self.heads, self.kv_heads, self.head_dim = c.rms_norm_eps, model.num_heads, model.num_kv_heads, \
             c.head_dim
-        self.names, self.in_features = tuple(names), dict(in_features)    # int8 weights' row lengths
+        self.names, self.in_features = tuple(names), dict(in_features)    # quantized weights' (row length, bits)
 
     def weights(self, tensors: Sequence[torch.Tensor]) -> LlamaLayer:
         """The layer's LlamaLayer from the graph's weight inputs."""
@@ -208,7 +219,7 @@ class _Layer(torch.nn.Module):
         own = {}
         for name in _WEIGHTS:
             if f"{name}_packed" in given:
-                own[name] = BlockInt8Weight(given[f"{name}_packed"], given[f"{name}_scales"], self.in_features[name])
+                own[name] = NBitsWeight(given[f"{name}_packed"], given[f"{name}_scales"], *self.in_features[name])
             elif name in given:
                 own[name] = given[name]
         return LlamaLayer(**own)
@@ -360,7 +371,7 @@ def trace_layers(model: StageModel, num_layers: int) -> torch.onnx.ONNXProgram:
         return torch.onnx.export(layers.eval(), example, dynamic_shapes=shapes, input_names=names,
                                  output_names=list(OUTPUTS), opset_version=OPSET, dynamo=True, optimize=True,
                                  verbose=False, custom_translation_table={
-                                     torch.ops.stratamesh.int8_block_linear.default: _translate_int8_block_linear})
+                                     torch.ops.stratamesh.nbits_linear.default: _translate_nbits_linear})
 
 
 class _Layers(torch.nn.Module):
@@ -385,10 +396,11 @@ class _Layers(torch.nn.Module):
         return x, torch.cat(new_k), torch.cat(new_v)
 
 
-def _in_features(model: StageModel) -> dict[str, int]:
-    """The row length of each of the first layer's int8 weights, by name."""
+def _in_features(model: StageModel) -> dict[str, tuple[int, int]]:
+    """The row length and bits of each of the first layer's quantized weights, by name."""
     first = model._layers[0]
-    return {name: getattr(first, name).q.shape[1] for name in _WEIGHTS if isinstance(getattr(first, name), Int8Weight)}
+    return {name: (w.shape[1], 4 if isinstance(w, Int4Weight) else 8) for name in _WEIGHTS
+            if isinstance(w := getattr(first, name), Int8Weight | Int4Weight)}
 
 
 def export_stages(specs: Sequence[StageSpec], cache_dir: str | Path) -> list[Path]:
@@ -501,10 +513,12 @@ class OrtStageModel(StageModel):
         are let go (ONNX Runtime holds its own)."""
         layers = OrtLayers(export_layers(model, cache_dir), model.spec.end_layer - model.spec.start_layer, threads)
         kept = {name: t for name, t in model.tensors.items()
-                if name in (EMBED, FINAL_NORM, LM_HEAD, LM_HEAD + SCALE_SUFFIX)}
+                if name.removesuffix(SCALE_SUFFIX) in (EMBED, FINAL_NORM, LM_HEAD)}
         ort_model = cls.__new__(cls)
         ort_model.__dict__.update(model.__dict__)
         ort_model._tensors, ort_model._layers, ort_model._ort = kept, [], layers
+        if model.spec.quantize:
+            ort_model._repack_for_cpu()      # the LM head, which torch computes
         return ort_model
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:

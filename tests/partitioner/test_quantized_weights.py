@@ -1,5 +1,6 @@
-"""int8 weights in the planner: a device that measured them holds the layers' matrices and the LM head in a byte
-a parameter and computes at its int8 speed; one that did not holds the model as before."""
+"""Quantized weights in the planner: a device that measured them holds the layers' matrices, the LM head and the
+embedding in a byte a parameter (int8) or 0.625 (int4, its scales counted) and computes at that format's speed; one
+that did not holds the model as before; of the backends that measured a format, the fastest computes it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ MODEL = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024, "in
 REQUEST = PlanRequest(context_len=256, concurrency=4)
 FLOAT32 = Speed("torch-cpu", "float32", 5e10, 2e10)
 INT8 = Speed("torch-cpu", "int8", 6e10, 2e10)
+INT4 = Speed("torch-cpu", "int4", 6e10, 2e10)
 
 
 def cpu(name: str, memory: int, *speeds: Speed) -> Device:
@@ -34,8 +36,29 @@ def test_a_stage_of_int8_weights_holds_a_quarter_of_the_layer_bytes() -> None:
     assert (whole.weights, int8.weights) == ("", "int8") and int8.dtype == "float32"
     kv = whole.kv_budget_bytes
     assert int8.kv_budget_bytes == kv, "the KV cache stays in the stage's dtype"
-    layers = sum(profile.layer_params) + profile.head_params
-    assert whole.memory_bytes - int8.memory_bytes == pytest.approx(3 * layers, rel=1e-3)
+    weights = sum(profile.layer_params) + profile.head_params + profile.embed_params
+    assert whole.memory_bytes - int8.memory_bytes == pytest.approx(3 * weights, rel=1e-3)
+
+
+def test_a_stage_of_int4_weights_holds_its_packed_bytes_and_scales() -> None:
+    profile = profile_from_hf_config(MODEL)
+    fleet = FleetSnapshot((cpu("a", 64 * GiB, FLOAT32, INT8, INT4),))
+    [whole] = evaluate(profile, fleet, REQUEST, [(("a",), 0, 8)]).stages
+    [int4] = evaluate(replace(profile, weights="int4"), fleet, REQUEST, [(("a",), 0, 8)]).stages
+    assert int4.weights == "int4" and int4.kv_budget_bytes == whole.kv_budget_bytes
+    weights = sum(profile.layer_params) + profile.head_params + profile.embed_params
+    assert whole.memory_bytes - int4.memory_bytes == pytest.approx((4 - 0.625) * weights, rel=1e-3)
+
+
+def test_of_the_backends_that_measured_int4_the_fastest_on_it_computes_it() -> None:
+    profile = replace(profile_from_hf_config(MODEL), weights="int4")
+    request = PlanRequest(context_len=16, concurrency=1)
+    ort = Speed("onnxruntime-cpu", "int4", 6e10, 1.5e10)       # (placement.py prices a decode step's bandwidth)
+    for torch_bandwidth, backend in ((1e10, "onnxruntime-cpu"), (2e10, "torch-cpu")):
+        torch_int4 = replace(INT4, mem_bandwidth=torch_bandwidth)
+        fleet = FleetSnapshot((cpu("a", 64 * GiB, FLOAT32, torch_int4, ort),))
+        [stage] = plan_pipeline(profile, fleet, request).pipelines[0].stages
+        assert (stage.weights, stage.backend) == ("int4", backend)
 
 
 def test_int8_weights_make_a_memory_bound_step_faster_by_the_bytes_they_save() -> None:

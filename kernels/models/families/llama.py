@@ -14,10 +14,11 @@ from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
-from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int8Weight, linear
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight, QuantizedWeight, linear
 from stratamesh.kernels.ops.rope import apply_rope
 
-Weight = torch.Tensor | Int8Weight      # a matrix [out, in] as the checkpoint has it, or its int8 form
+Weight = torch.Tensor | QuantizedWeight    # a matrix [out, in] as the checkpoint has it, or quantized
+MATRICES = ("qkv", "o", "gate_up", "down")     # a LlamaLayer's matrices (each maybe quantized)
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")   # Qwen3's and Gemma 3's per-head norms
 
 
@@ -136,18 +137,25 @@ class LlamaLayer:
 
 
 def weight(t: dict[str, torch.Tensor], name: str) -> Weight:
-    """The named matrix: an Int8Weight where the tensors hold its scales (quantize_tensors), else the tensor."""
-    scale = t.get(name + SCALE_SUFFIX)
-    return t[name] if scale is None else Int8Weight(t[name], scale)
+    """The named matrix: quantized where the tensors hold its scales (decoder.quantize_tensors: an Int4Weight if
+    it is packed in bytes, else an Int8Weight), else the tensor."""
+    return _weight(t[name], t.get(name + SCALE_SUFFIX))
+
+
+def _weight(matrix: torch.Tensor, scale: torch.Tensor | None) -> Weight:
+    if scale is None:
+        return matrix
+    return Int4Weight(matrix, scale) if matrix.dtype == torch.uint8 else Int8Weight(matrix, scale)
 
 
 def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
-    """_fuse of the named matrices, and of their scales where they are int8 (one name: that matrix, fused already)."""
+    """_fuse of the named matrices, and of their scales where they are quantized (one name: that matrix, fused
+    already)."""
     if len(names) == 1:
         return weight(t, names[0])
     if names[0] + SCALE_SUFFIX not in t:
         return _fuse(t, names)
-    return Int8Weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
+    return _weight(_fuse(t, names), _fuse(t, [name + SCALE_SUFFIX for name in names]))
 
 
 def _fuse(t: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
