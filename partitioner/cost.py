@@ -39,7 +39,7 @@ class Unit:
     allreduce_s: float             # per layer per step (0 for one device)
     layer_overhead_s: float = 0.0  # per layer per step: the framework's cost beyond FLOPs and bytes
     token_overhead_s: float = 0.0  # per token of a step: the serving path's cost beyond the layers
-    weights: str = ""              # what its matrices, LM head and embedding are stored in where not dtype: "int8", "int4"
+    weights: str = ""              # what its matrices, LM head and embedding are stored in where not dtype: int8/int4
     # the device's other backends for the same dtype and weights (a CPU with torch and ONNX Runtime): a range is
     # priced at the fastest of the unit and these (StageTables.best)
     options: tuple[Unit, ...] = ()

@@ -109,7 +109,8 @@ class StageModel:
         head = self._lm_head
         self._lm_head = None if head is None else for_cpu_kernel(head)
         tied_head = isinstance(self._lm_head, PackedInt4Weight) and self.config.tie_word_embeddings
-        for name in [n for n, t in self._tensors.items() if t.dtype == torch.uint8 and n + SCALE_SUFFIX in self._tensors]:
+        tensors = self._tensors
+        for name in [n for n, t in tensors.items() if t.dtype == torch.uint8 and n + SCALE_SUFFIX in tensors]:
             if name == EMBED and self._embed is not None:      # the lookup's rows: kept as stored
                 if tied_head:
                     self._tensors[LM_HEAD] = torch.empty_like(self._tensors[name], device="meta")
