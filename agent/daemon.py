@@ -180,7 +180,10 @@ def _telemetry(options: AgentOptions, host: StageHost, stages: _StageServer, met
                capabilities: Capabilities) -> Callable[[], Awaitable[Telemetry]]:
     """What each heartbeat carries: the stages' load and the box's, and, while its owner's limits rest the agent,
     why; the agent's /metrics follow it."""
-    sampler = TelemetrySampler(host, stages.service.inbox_depth, has_gpus=bool(capabilities.gpus))
+    observer = stages.service.observer
+    observer.read_bandwidth = read_bandwidth(capabilities)
+    sampler = TelemetrySampler(host, stages.service.inbox_depth, has_gpus=bool(capabilities.gpus),
+                               decode=observer.decode)
     watch = OwnerWatch(options.owner_limits, options.sensor_file) if options.owner_limits.any else None
 
     async def sample() -> Telemetry:
@@ -190,6 +193,11 @@ def _telemetry(options: AgentOptions, host: StageHost, stages: _StageServer, met
         metrics.load.update(telemetry, {a: stage_labels(e.assignment.stage) for a, e in host.engines.items()})
         return telemetry
     return sample
+
+
+def read_bandwidth(capabilities: Capabilities) -> float:
+    """The box's streaming read bandwidth, bytes/s, as its probe measured it (a CPU's mem_bandwidth); 0: unknown."""
+    return next((s.mem_bandwidth for s in capabilities.speeds if s.backend == "torch-cpu"), 0.0)
 
 
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:

@@ -114,6 +114,11 @@ class LoadCollector(Collector):
                      lambda s: s.prefix_query_tokens)
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s: s.prefix_hit_tokens)
+        yield family(GaugeMetricFamily, "stratamesh:stage_decode_step_seconds",
+                     "A stage's recent decode steps' time (a moving average).", lambda s: s.decode_step_s)
+        yield family(GaugeMetricFamily, "stratamesh:stage_decode_roofline",
+                     "A stage's recent decode steps' bandwidth roofline (weights and KV read at the box's streaming "
+                     "read bandwidth) over their time: 1 means at the memory's speed.", lambda s: s.decode_roofline)
         yield from _agent_gauges(snapshot.telemetry if snapshot else None)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client.metrics import MetricWrapperBase
@@ -32,15 +33,43 @@ class _StageMetrics(NamedTuple):
     preemptions: MetricWrapperBase
 
 
+DECODE_AVERAGE_WEIGHT = 0.1    # each decode step's share of a stage's moving averages of decode steps
+
+
+@dataclass(slots=True)
+class DecodeSpeed:
+    """A stage's recent decode steps: their seconds and their bandwidth roofline's fraction of those (the weights
+    and KV they read at the box's streaming read bandwidth over the time they took), as moving averages."""
+
+    step_s: float = 0.0
+    roofline: float = 0.0
+
+    def add(self, seconds: float, read_bytes: int, read_bandwidth: float) -> None:
+        fraction = read_bytes / read_bandwidth / seconds if read_bandwidth > 0 and seconds > 0 else 0.0
+        weight = DECODE_AVERAGE_WEIGHT if self.step_s else 1.0
+        self.step_s += weight * (seconds - self.step_s)
+        self.roofline += weight * (fraction - self.roofline)
+
+
+def decode_read_bytes(engine: StageEngine, batch: Batch) -> int:
+    """What a decode step reads: the stage's weights once, and each sequence's KV up to the token it decodes."""
+    model = engine.runner.model
+    context = sum(chunk.start_pos + chunk.num_tokens for chunk in batch.chunks)
+    return model.step_read_bytes + context * model.kv_bytes_per_token
+
+
 class StageObserver:
-    """Turns data-plane events into Prometheus observations and trace spans."""
+    """Turns data-plane events into Prometheus observations and trace spans, and keeps each stage's DecodeSpeed
+    (read_bandwidth: the box's streaming read, bytes/s, where the agent measured it)."""
 
     def __init__(self, agent_id: str, metrics: AgentMetrics | None = None, spans: SpanStore | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns):
+                 clock_ns: Callable[[], int] = time.time_ns, read_bandwidth: float = 0.0):
         self.agent_id = agent_id
         self.metrics = metrics or AgentMetrics()
         self.spans = spans or SpanStore(f"stratamesh-agent-{agent_id}")
         self.clock_ns = clock_ns
+        self.read_bandwidth = read_bandwidth
+        self.decode: dict[str, DecodeSpeed] = {}         # assignment id -> its decode steps' speed
         self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
@@ -57,6 +86,9 @@ class StageObserver:
         bound = self._bound(engine)
         num_tokens = sum(c.num_tokens for c in batch.chunks)
         bound.compute_s.observe((end_ns - start_ns) / 1e9)
+        if batch.chunks and all(c.is_decode for c in batch.chunks):
+            speed = self.decode.setdefault(engine.assignment.assignment_id, DecodeSpeed())
+            speed.add((end_ns - start_ns) / 1e9, decode_read_bytes(engine, batch), self.read_bandwidth)
         bound.batch_tokens.observe(num_tokens)
         bound.tokens.inc(num_tokens)
         bound.prefill_tokens.inc(sum(c.num_tokens for c in batch.chunks if not c.is_decode))

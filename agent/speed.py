@@ -26,12 +26,16 @@ log = logging.getLogger(__name__)
 
 CPU_MATMUL_N = 1024                 # fp32: 2 GFLOP a product; large enough for the BLAS to reach steady state
 CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
+CPU_READ_BYTES = 256 << 20          # a streaming read: larger than the last-level caches of the CPUs here
 # Large enough to keep an H100's tensor cores busy; fp32 runs at a fraction of their rate, so a smaller n.
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
 CUDA_COPY_MAX_BYTES = 1 << 30       # and at most 1/8 of free GPU memory (source and destination)
 DEFAULT_MAX_AGE_S = 7 * 86400.0
-MEASURES_VERSION = 6                # bumped when measure_speeds or measure_onnx_speeds measure more (2: CPU bfloat16,
-                                    # 3: overheads, 4: int8, 5: decode bandwidth, 6: ONNX Runtime's int8)
+MEASURES_VERSION = 7                # bumped when measure_speeds or measure_onnx_speeds measure more (2: CPU bfloat16,
+                                    # 3: overheads, 4: int8, 5: decode bandwidth, 6: ONNX Runtime's int8, 7: int4,
+                                    # a CPU's bandwidth as a streaming read)
+# The weight formats a CPU backend measures beside its float32 (StageSpec.quantize), and the bytes a weight takes
+CPU_FORMATS = ("int8", "int4")
 # The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
 # count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
 OVERHEAD_BATCH = 8
@@ -42,45 +46,62 @@ ONNX_CACHE_NAME = "speeds-onnxruntime.json"   # measured only for agents that ma
 
 
 def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> tuple[Speed, ...]:
-    """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), int8 weights on the CPU (dtype
-    "int8": float32 activations, StageSpec.quantize), and float32, bfloat16 and float16 on the first CUDA device if
-    there is one (and cuda: the agent uses its GPUs)."""
+    """float32 on the CPU (and bfloat16 where it computes it natively: cpu_bf16), quantized weights on the CPU (dtype
+    "int8" and "int4": float32 activations, StageSpec.quantize), and float32, bfloat16 and float16 on the first CUDA
+    device if there is one (and cuda: the agent uses its GPUs). A CPU's mem_bandwidth is a streaming read's
+    (measure_read_bandwidth: what a batch-1 product can read its weights at), a GPU's a large copy's; a CPU's
+    decode_bandwidth is what its batch-1 products read each format's weights at (kernels.ops.gemv)."""
+    from stratamesh.kernels.ops.gemv import gemv_bandwidth    # (imports the kernels)
+
+    read_bandwidth = measure_read_bandwidth(reps)
     cpu_dtypes = (torch.float32, torch.bfloat16) if cpu_bf16 else (torch.float32,)
-    speeds = [_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps) for dtype in cpu_dtypes]
-    speeds.append(_measure_int8(speeds[0], CPU_MATMUL_N, reps))
+    speeds = [replace(_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps),
+                      mem_bandwidth=read_bandwidth) for dtype in cpu_dtypes]
+    speeds += [_measure_quantized(speeds[0], quantize, CPU_MATMUL_N, reps) for quantize in CPU_FORMATS]
     if cuda and torch.cuda.is_available():
         free_bytes, _ = torch.cuda.mem_get_info()
         copy_bytes = min(CUDA_COPY_MAX_BYTES, free_bytes // 8)
         speeds += [_measure("torch-cuda", "cuda", dtype, n, copy_bytes, reps) for dtype, n in CUDA_MATMUL_N.items()]
         torch.cuda.empty_cache()   # hand the buffers back before stages load
-    cpu = measure_decode("cpu")
-    cpu_int8 = measure_decode("cpu", step_s=partial(_decode_step_s, quantize="int8"), bytes_per_param=1.0)
+    cpu = {quantize: {**measure_decode("cpu", step_s=partial(_decode_step_s, quantize=quantize)),
+                      "decode_bandwidth": gemv_bandwidth("torch-cpu", quantize)} for quantize in ("", *CPU_FORMATS)}
     cuda = measure_decode("cuda:0") if any(s.backend == "torch-cuda" for s in speeds) else {}
-    cuda.pop("decode_bandwidth", None)    # a GPU reads the probe's weights faster than its kernels launch: no figure
 
     def decode(s: Speed) -> dict[str, float]:
-        return cuda if s.backend == "torch-cuda" else cpu_int8 if s.dtype == "int8" else cpu
+        return cuda if s.backend == "torch-cuda" else cpu.get(s.dtype, cpu[""])
 
     return tuple(replace(s, **decode(s)) for s in speeds)
 
 
+def measure_read_bandwidth(reps: int = 3, num_bytes: int = CPU_READ_BYTES) -> float:
+    """Bytes/s this process reads memory at with its threads: a sum over a buffer larger than the caches (the
+    roofline of a batch-1 decode step, which reads every weight once)."""
+    buffer = torch.ones(num_bytes // 4)
+    seconds = _best_time(buffer.sum, "cpu", reps)
+    del buffer
+    return num_bytes / seconds
+
+
 def measure_onnx_speeds(torch_cpu: Speed) -> tuple[Speed, ...]:
-    """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with int8 weights (dtype "int8"): what a decode
-    step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports of the probe
-    models, made first in a temporary folder, one a core: about 16 s on 2 cores). Its large
-    matmul and copy are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
+    """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with quantized weights (dtype "int8", "int4"):
+    what a decode step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports
+    of the probe models, made first in a temporary folder, one a core: about 20 s on 2 cores). Its large matmul and
+    read are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
     (coordinator.placement.decode_rate), as they are here."""
     from stratamesh.kernels.models.onnx_stage import export_stages   # (imports the kernels)
+    from stratamesh.kernels.ops.gemv import gemv_bandwidth
 
     speeds = []
+    formats = (("float32", ""), *((q, q) for q in CPU_FORMATS))
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-onnx-") as exports:
         # every export the steps below load, made first, one a core (exporting is most of the time), the largest first
         export_stages([_probe_spec(exports, "cpu", shape, layers, quantize, "onnxruntime")
-                       for shape, layers in reversed(PROBE_STAGES) for quantize in ("", "int8")], exports)
-        for dtype, quantize, bytes_per_param in (("float32", "", 4.0), ("int8", "int8", 1.0)):
+                       for shape, layers in reversed(PROBE_STAGES) for _, quantize in formats], exports)
+        for dtype, quantize in formats:
             step_s = partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports, quantize=quantize)
-            decode = measure_decode("cpu", step_s=step_s, bytes_per_param=bytes_per_param)
-            speeds.append(replace(torch_cpu, backend="onnxruntime-cpu", dtype=dtype, **decode))
+            decode = measure_decode("cpu", step_s=step_s)
+            speeds.append(replace(torch_cpu, backend="onnxruntime-cpu", dtype=dtype, **decode,
+                                  decode_bandwidth=gemv_bandwidth("onnxruntime-cpu", quantize)))
     return tuple(speeds)
 
 
@@ -97,10 +118,6 @@ class _ProbeModel:
         attention = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim) + self.hidden * self.hidden
         return 2.0 * (attention + 3 * self.hidden * self.intermediate)
 
-    def weight_bytes(self, layers: int, bytes_per_param: float) -> float:
-        """Bytes of the matrices a decode step reads: the layers' and the LM head's."""
-        return bytes_per_param * (layers * self.layer_flops_per_token() / 2 + self.hidden * PROBE_VOCAB)
-
 
 # The framework's own cost shows in a model too narrow for its matmuls to count; the decode FLOP/s in one wide
 # enough for them to dominate (a 1B model's layers are wider still: this is a floor on what they reach).
@@ -109,17 +126,15 @@ WIDE = _ProbeModel(512, 1408, 8, 2)
 PROBE_STAGES = ((NARROW, 1), (NARROW, OVERHEAD_LAYERS), (WIDE, OVERHEAD_LAYERS))   # what measure_decode steps through
 
 
-def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS, step_s: Callable[..., float] | None = None,
-                   bytes_per_param: float = 4.0) -> dict[str, float]:
-    """What a decode step of the stage engine costs on device beyond the roofline of a large matmul and copy:
+def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS,
+                   step_s: Callable[..., float] | None = None) -> dict[str, float]:
+    """What a decode step of the stage engine costs on device beyond the roofline of a large matmul and read:
     - step_overhead_s and layer_overhead_s: the narrow model's step with 1 and OVERHEAD_LAYERS layers, split into a
       fixed part and a part per layer;
-    - decode_flops: the wide model's extra time per layer over the narrow one's, for its extra FLOPs;
-    - decode_bandwidth: the wide model's weight bytes over its step of one sequence, less the overheads (a step
-      that small reads its weights slower than a large copy does: matrix-vector products).
-    Steps are of OVERHEAD_BATCH sequences but for decode_bandwidth's; the probe models' weights take bytes_per_param
-    (float32's 4, int8's 1). step_s(device, shape, layers, steps, batch) times the steps (default: _decode_step_s,
-    the real engine's)."""
+    - decode_flops: the wide model's extra time per layer over the narrow one's, for its extra FLOPs.
+    Steps are of OVERHEAD_BATCH sequences. step_s(device, shape, layers, steps, batch) times the steps (default:
+    _decode_step_s, the real engine's). (The bytes/s a CPU's decode step reads its weights at is measured apart,
+    over more weights than the caches hold: kernels.ops.gemv.)"""
     step_s = step_s or _decode_step_s
     narrow = [step_s(device, NARROW, layers, steps, OVERHEAD_BATCH) for layers in (1, OVERHEAD_LAYERS)]
     per_layer = max(0.0, (narrow[1] - narrow[0]) / (OVERHEAD_LAYERS - 1))
@@ -127,10 +142,8 @@ def measure_decode(device: str = "cpu", steps: int = OVERHEAD_STEPS, step_s: Cal
     wide = step_s(device, WIDE, OVERHEAD_LAYERS, steps, OVERHEAD_BATCH)
     wide_per_layer = (wide - narrow[0] + per_layer) / OVERHEAD_LAYERS
     extra_flops = OVERHEAD_BATCH * (WIDE.layer_flops_per_token() - NARROW.layer_flops_per_token())
-    one_sequence = step_s(device, WIDE, OVERHEAD_LAYERS, steps, 1) - fixed - OVERHEAD_LAYERS * per_layer
     return {"step_overhead_s": fixed, "layer_overhead_s": per_layer,
-            "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7),
-            "decode_bandwidth": WIDE.weight_bytes(OVERHEAD_LAYERS, bytes_per_param) / max(one_sequence, 1e-7)}
+            "decode_flops": extra_flops / max(wide_per_layer - per_layer, 1e-7)}
 
 
 def _decode_step_s(device: str, shape: _ProbeModel, layers: int, steps: int, batch: int = OVERHEAD_BATCH,
@@ -181,13 +194,15 @@ def _probe_spec(folder: str | Path, device: str, shape: _ProbeModel, layers: int
                      runtime=runtime)
 
 
-def _measure_int8(float32: Speed, n: int, reps: int) -> Speed:
-    """A large matmul with int8 weights (float32 activations) on the CPU; its bytes/s are float32's copy's."""
-    from stratamesh.kernels.ops.quant import linear, quantize_int8   # (imports the kernels)
+def _measure_quantized(float32: Speed, quantize: str, n: int, reps: int) -> Speed:
+    """A large matmul with quantized weights (float32 activations) on the CPU, in the kernel a stage runs them in;
+    its bytes/s are float32's read's."""
+    from stratamesh.kernels.ops.quant import for_cpu_kernel, linear, quantize_int4, quantize_int8   # (the kernels)
 
-    a, b = torch.randn(n, n), quantize_int8(torch.randn(n, n))
+    quantized = quantize_int8 if quantize == "int8" else quantize_int4
+    a, b = torch.randn(n, n), for_cpu_kernel(quantized(torch.randn(n, n)))
     matmul_s = _best_time(lambda: linear(a, b), "cpu", reps)
-    return Speed("torch-cpu", "int8", 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
+    return Speed("torch-cpu", quantize, 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
 
 
 def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> Speed:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from stratamesh.agent.engine.scheduler import Scheduler
+from stratamesh.agent.observer import DecodeSpeed
 from stratamesh.agent.probe import RawGpu, parse_gpu, read_nvml
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.boxes import StageLoad, Telemetry
@@ -19,12 +20,12 @@ log = logging.getLogger(__name__)
 SERVING_WINDOW_TOKENS = 512
 
 
-def stage_load(assignment_id: str, scheduler: Scheduler) -> StageLoad:
-    """One stage's load as its scheduler and block manager see it."""
-    blocks = scheduler.block_manager
+def stage_load(assignment_id: str, scheduler: Scheduler, decode: DecodeSpeed | None = None) -> StageLoad:
+    """One stage's load as its scheduler and block manager see it, and its recent decode steps' speed."""
+    blocks, decode = scheduler.block_manager, decode or DecodeSpeed()
     return StageLoad(assignment_id, scheduler.num_running, scheduler.num_waiting,
                      blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                     blocks.num_prefix_queries_tokens, blocks.num_prefix_hit_tokens)
+                     blocks.num_prefix_queries_tokens, blocks.num_prefix_hit_tokens, decode.step_s, decode.roofline)
 
 
 def tokens_per_s(tokens_now: int, tokens_then: int, elapsed_s: float) -> float:
@@ -64,8 +65,11 @@ class TelemetrySampler:
     """Takes a Telemetry of the agent's stages and GPUs; each sample's rate covers the time since the last."""
 
     def __init__(self, host: StageHost, inbox_depth: Callable[[], int], has_gpus: bool,
-                 read_gpus: Callable[[], list[RawGpu]] = read_nvml, clock: Callable[[], float] = time.time):
+                 read_gpus: Callable[[], list[RawGpu]] = read_nvml, clock: Callable[[], float] = time.time,
+                 decode: Mapping[str, DecodeSpeed] | None = None):
+        """decode: each stage's decode speed by assignment id (StageObserver.decode)."""
         self._host = host
+        self._decode = decode if decode is not None else {}
         self._inbox_depth = inbox_depth
         self._has_gpus = has_gpus
         self._read_gpus = read_gpus
@@ -82,5 +86,6 @@ class TelemetrySampler:
         engines = list(self._host.engines.items())
         queued = sum(len(s.queue) for _, e in engines for s in e.scheduler.sessions.values())
         return Telemetry(now, self._inbox_depth() + queued, rate,
-                         tuple(stage_load(a, e.scheduler) for a, e in engines), tuple(parse_gpu(g) for g in gpus),
+                         tuple(stage_load(a, e.scheduler, self._decode.get(a)) for a, e in engines),
+                         tuple(parse_gpu(g) for g in gpus),
                          self._serving.update())

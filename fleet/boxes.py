@@ -26,14 +26,14 @@ class GpuInfo:
 
 @dataclass(frozen=True, slots=True)
 class Speed:
-    """What a box measured for one backend and dtype: a large matmul and a large copy, and what a decode step of
-    this code costs beyond its FLOPs and bytes (the framework: Python, op dispatch, kernel launches). The planner
+    """What a box measured for one backend and dtype: a large matmul and its memory's bandwidth, and what a decode step
+    of this code costs beyond its FLOPs and bytes (the framework: Python, op dispatch, kernel launches). The planner
     prices a device by the same fields (placement.py derives them from what its box measured)."""
 
     backend: str              # "torch-cuda", "torch-cpu", "onnxruntime-cpu"
     dtype: str
     flops: float              # FLOP/s of a large matmul
-    mem_bandwidth: float      # bytes/s of a large copy
+    mem_bandwidth: float      # bytes/s of a large copy (a GPU) or a streaming read (a CPU: agent.speed)
     step_overhead_s: float | None = None     # per step, whatever its layers; None: not measured apart (the device's)
     layer_overhead_s: float | None = None    # per layer of a step; None: likewise
     decode_flops: float = 0.0        # FLOP/s of the layers of a decode step (small matmuls); 0: not measured
@@ -93,6 +93,10 @@ class StageLoad:
     kv_blocks_total: int
     prefix_query_tokens: int = 0    # prompt tokens looked up in the prefix cache since the stage loaded
     prefix_hit_tokens: int = 0      # ... and found there
+    decode_step_s: float = 0.0      # its recent decode steps' seconds (a moving average); 0: none yet
+    # their bandwidth roofline over their time: the weights and KV they read at the box's streaming read, where
+    # the box measured one (a CPU's), over what they took (1: at the memory's speed); 0: not known
+    decode_roofline: float = 0.0
 
     @property
     def kv_usage(self) -> float:

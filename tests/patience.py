@@ -58,3 +58,12 @@ async def eventually(predicate: Callable[[], object], timeout_s: float = 10.0) -
     while not predicate():
         assert loop.time() < deadline, "the state never came"
         await asyncio.sleep(0.005)
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.1) -> None:
+    """eventually() for a test without an event loop: polls predicate until it holds (AssertionError once timeout_s,
+    scaled by patience, passes)."""
+    deadline = time.monotonic() + patient(timeout_s)
+    while not predicate():
+        assert time.monotonic() < deadline, "the state never came"
+        time.sleep(interval_s)

@@ -439,7 +439,8 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
         unix_s=t.unix_s, queue_depth=t.queue_depth, tokens_per_s=t.tokens_per_s,
         stages=[pb.StageLoad(assignment_id=s.assignment_id, num_running=s.num_running, num_waiting=s.num_waiting,
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
-                             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
+                             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+                             decode_step_s=s.decode_step_s, decode_roofline=s.decode_roofline)
                 for s in t.stages],
         gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting)
 
@@ -454,7 +455,10 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
                   s.prefix_hit_tokens)
         if min(counts) < 0 or s.kv_blocks_used > s.kv_blocks_total or s.prefix_hit_tokens > s.prefix_query_tokens:
             raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts}")
-        stages.append(StageLoad(s.assignment_id, *counts))
+        if not (0 <= s.decode_step_s < math.inf and 0 <= s.decode_roofline < math.inf):
+            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}]: decode_step_s and decode_roofline must be "
+                               "finite and >= 0")
+        stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
                      tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON])
 

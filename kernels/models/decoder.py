@@ -79,6 +79,22 @@ class StageModel:
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self._tensors)
 
+    @property
+    def step_read_bytes(self) -> int:
+        """The bytes of weights every step reads, whatever its tokens: all the stage holds but an embedding only
+        looked up (a row a token), unless its head is that matrix, read whole."""
+        head_reads_it = self._lm_head is not None and self.config.tie_word_embeddings and LM_HEAD not in self._tensors
+        looked_up = self._embed is not None and not head_reads_it
+        embedding = (EMBED, EMBED + SCALE_SUFFIX) if looked_up else ()
+        return self.param_bytes - sum(t.numel() * t.element_size() for name, t in self._tensors.items()
+                                      if name in embedding)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The K and V bytes one token of context holds in this stage's layers (a step reads them per sequence)."""
+        layers = self.spec.end_layer - self.spec.start_layer
+        return 2 * layers * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+
     def reshard(self, tensors: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Swaps in shards of its tensors that compute num_heads / num_kv_heads of the heads and a slice of the

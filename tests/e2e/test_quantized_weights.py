@@ -1,0 +1,56 @@
+"""A mesh serving a model whose operator chose quantized weights (`coordinator --quantize int8|int4`), as processes
+on loopback: every stage holds its weights in that format, the mesh's greedy tokens are those of the same model run
+in one process with the same weights (kernels.models.decoder.greedy_tokens), and the admin API shows what the
+agents measured of their box (its streaming read, each format's batch-1 products) and each stage's decode steps
+against their bandwidth roofline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stratamesh.bench.chaos import make_jobs
+from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.launcher import LocalMesh
+from stratamesh.fleet.stages import StageSpec
+from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
+
+from ..patience import wait_until
+from .test_mesh import complete_ids
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_one_process(
+        tiny_models: dict[str, Path], tmp_path: Path, quantize: str) -> None:
+    model_dir = tiny_models["llama"]
+    with LocalMesh(str(model_dir), num_agents=2, num_stages=2, coordinator_args=["--quantize", quantize],
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+        (model,) = httpx.get(f"{mesh.url}/admin/api/models", headers=mesh.headers).json()["models"]
+        assert model["quantize"] == quantize
+        (plan,) = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
+        assert [s["quantize"] for s in plan["stages"]] == [quantize, quantize]
+        num_layers = plan["stages"][-1]["end_layer"]
+        one_process = load_stage(StageSpec("m", str(model_dir), 0, num_layers, num_layers, quantize=quantize))
+        for seed, length in ((1, 12), (2, 40)):
+            prompt = make_jobs(1, regular_token_ids(model_dir), prompt_len=length, max_tokens=1, seed=seed)[0]
+            ids = list(prompt.prompt_ids)
+            assert complete_ids(mesh, model_dir, ids, 24) == greedy_tokens(one_process, ids, 24)
+
+        def agents() -> list[dict]:
+            return httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]
+
+        for agent in agents():      # what each measured: the box's streaming read, each format's batch-1 products
+            speeds = {s["dtype"]: s for s in agent["capabilities"]["speeds"] if s["backend"] == "torch-cpu"}
+            assert {"float32", "int8", "int4"} <= set(speeds)
+            assert all(s["mem_bandwidth"] > 0 and s["decode_bandwidth"] > 0 for s in speeds.values())
+
+        def decode_rooflines() -> list[float]:
+            return [s["decode_roofline"] for a in agents() if a["telemetry"] for s in a["telemetry"]["stages"]]
+
+        # each stage's decode steps against the roofline of the bytes they read, once a heartbeat carries them
+        wait_until(lambda: len(decode_rooflines()) == 2 and all(r > 0 for r in decode_rooflines()), 30)
+        assert all(r < 5 for r in decode_rooflines())
