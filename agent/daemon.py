@@ -21,6 +21,7 @@ from stratamesh.agent.credentials import NotEnrolled, default_state_dir, obtain_
 from stratamesh.agent.owner_limits import OwnerLimits, OwnerWatch
 from stratamesh.agent.dataplane import StageService
 from stratamesh.agent.metrics import AgentMetrics, stage_labels
+from stratamesh.agent.cpus import pin_process
 from stratamesh.agent.observer import StageObserver
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.engine.tp_group import GroupFailed
@@ -55,7 +56,9 @@ class AgentOptions:
     mesh: str = "default"
     interfaces: tuple[str, ...] = ("127.0.0.1",)
     agent_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    num_threads: int = 0                # torch intra-op threads; 0 leaves torch's default
+    num_threads: int = 0                # compute threads (torch's, ONNX Runtime's); 0: one a CPU of cpus, else torch's
+                                        # default
+    cpus: tuple[int, ...] = ()          # the CPUs every thread is pinned to (agent.cpus); (): not pinned
     discovery_timeout_s: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     site: str = ""                      # reported to the planner: where this box is
@@ -203,8 +206,10 @@ def read_bandwidth(capabilities: Capabilities) -> float:
 async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     """Runs the agent until stop is set."""
     keep_freed_memory()
-    if options.num_threads > 0:
-        torch.set_num_threads(options.num_threads)
+    if options.cpus:
+        pin_process(options.cpus)
+    if options.num_threads > 0 or options.cpus:
+        torch.set_num_threads(options.num_threads or len(options.cpus))
     # One browser finds the coordinator to enroll and then to connect: the second find answers from its cache at
     # once, where a second browser's query waited ~1.1 s (mDNS multicasts a record at most once a second).
     browser = discovery.Browser(interfaces=list(options.interfaces))

@@ -166,7 +166,11 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
     _add_insecure_argument(agent)
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")
-    agent.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    agent.add_argument("--threads", type=int, default=0,
+                       help="compute threads (0: one a CPU of --cpus, else torch's default)")
+    agent.add_argument("--cpus", type=_cpu_list, default=(), metavar="LIST",
+                       help="the CPUs it computes on, as in 0-3,6: every thread of the agent pinned to them (agents "
+                            "sharing a box each on cores of their own)")
     _add_engine_arguments(agent)
     agent.add_argument("--site", default="", help="where this box is (a building, a cloud region)")
     agent.add_argument("--tier", choices=("edge", "cloud"), default="edge")
@@ -465,6 +469,16 @@ def _duration(text: str) -> float:
     return seconds
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """An argparse type: a CPU list (agent --cpus)."""
+    from stratamesh.agent.cpus import parse_cpus
+
+    try:
+        return parse_cpus(text)
+    except InvalidInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _int_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an integer in low..high (--ranks, --replicas)."""
 
@@ -493,7 +507,8 @@ def _agent(args: argparse.Namespace) -> None:
     options = AgentOptions(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
         coordinator=args.coordinator, mesh=args.mesh,
-        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, site=args.site,
+        interfaces=tuple(args.interfaces or ["127.0.0.1"]), num_threads=args.threads, cpus=args.cpus,
+        site=args.site,
         tier=args.tier, remeasure=args.remeasure, num_ranks=args.ranks,
         dtype="" if args.dtype == "auto" else args.dtype, use_gpus=not args.no_gpu,
         runtime=args.runtime,
@@ -602,6 +617,7 @@ def _up(args: argparse.Namespace) -> None:
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],
+                     pin_cpus=True,       # agents as many as cores or fewer: each on cores of its own
                      fork_agents=False,   # each agent a process of its own, its command line in `ps`, a child of `up`
                      say=lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
     for sig in (signal.SIGINT, signal.SIGTERM):   # set them even if our parent made us ignore SIGINT

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from stratamesh import forked
+from stratamesh.agent.cpus import cpu_shares, format_cpus
 from stratamesh.fleet.errors import MeshError
 from stratamesh.forked import ForkedProcess
 from stratamesh.testbed.netbed import Host
@@ -93,7 +94,9 @@ class LocalMesh:
     state_dir: str | None = None        # registry, CA, agents' keys and bootstrap credentials, kept after stop();
                                         # None: the log folder, and stop() deletes the credentials there
     keep_logs: bool = True              # False: stop() deletes that folder (not a log_dir the caller gave)
-    threads_per_agent: int = 0
+    threads_per_agent: int = 0          # 0: the agent's share of this box's cores (or of pin_cpus's CPUs)
+    pin_cpus: bool = False              # each agent pinned to a share of its own of the CPUs this process may use,
+                                        # where there are as many as agents (agent.cpus.cpu_shares); `up` pins
     use_zeroconf: bool = True           # False: agents get the coordinator's address on the command line
     insecure: bool = False              # True: plaintext, no CA, no enrollment (development only)
     fork_agents: bool = field(default_factory=forked.wanted)   # the processes on loopback (agents, coordinator)
@@ -273,7 +276,9 @@ class LocalMesh:
             values[index] = value
 
     def _spawn_agent(self, index: int) -> Process:
-        threads = self.threads_per_agent or max(1, (os.cpu_count() or 1) // max(self.num_agents, 1))
+        cpus = sorted(os.sched_getaffinity(0))
+        threads = self.threads_per_agent or max(1, len(cpus) // max(self.num_agents, 1))
+        own = cpu_shares(cpus, self.num_agents)[index % self.num_agents] if self.pin_cpus else ()
         while len(self.agent_ids) <= index:
             self.agent_ids.append(f"{self.mesh}-a{len(self.agent_ids)}")
         # agents on this box share its GPU, if it has one, as they share its cores (callers' agent_args come last,
@@ -281,6 +286,8 @@ class LocalMesh:
         share = GPU_MEMORY_UTILIZATION / max(self.num_agents, 1)
         args = ["agent", "--mesh", self.mesh, "--name", f"agent{index}", "--agent-id", self.agent_ids[index],
                 "--threads", str(threads), "--gpu-memory-utilization", f"{share:.4f}"]
+        if own and len(own) < len(cpus) and index not in self.agent_hosts:   # (a test bed host has cores of its own)
+            args += ["--cpus", format_cpus(own)]
         host = self.agent_hosts.get(index)
         if host is not None:
             args += [*_on_host(host), *_site_of(host)]

@@ -70,24 +70,27 @@ def test_onnx_export_benchmark_prints_its_table() -> None:
         result.stdout
 
 
-def test_int8_weights_benchmark_prints_memory_quality_and_speed() -> None:
-    """Its torch runtime (ONNX Runtime's four exports were most of its 105 s in a loaded suite; int8 ONNX Runtime
-    stages are tested in tests/kernels/test_onnx_stage.py, and benchmarks/onnx_export.py's smoke run exports one)."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int8_weights.py"), "--prompts", "2",
-                             "--tokens", "8", "--batches", "1", "2", "--prompt-len", "8", "--steps", "2",
-                             "--rounds", "1", "--wide-hidden", "256", "--held-out-tokens", "512",
-                             "--runtimes", "torch"], capture_output=True, text=True, timeout=300)
+def test_edge_cpu_benchmark_prints_the_limit_decode_speeds_two_cores_targets_and_quality() -> None:
+    """Its quick run: a small edge model and the demo model, each runtime and format, no llama.cpp build."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "edge_cpu.py"), "--quick", "--steps", "3",
+                             "--context", "8", "--batches", "1", "2", "--threads", "1", "2"],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| [")] == [
-        "[0, 2)", "[2, 4)", "[4, 6)"], out
-    # torch's, torch's with float32 activations
-    assert len(re.findall(r"held-out perplexity: float32 [\d.]+, int8 [\d.]+", out)) == 2, out
-    assert len(re.findall(r"greedy agreement over 8 tokens on 2 prompts: \d/2 identical", out)) == 2, out
-    speed_rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
-    assert len(speed_rows) == 4, out       # batches 1 and 2, for each of the two models
-    int4_rows = [line for line in out.splitlines() if re.match(r"\| \d+ x \d+ \| [12] \|", line)]
-    assert len(int4_rows) == 4, out        # two shapes, two batches
+    assert re.search(r"^streaming read: [\d.]+ GB/s", out, re.MULTILINE), out
+    assert len(re.findall(r"^  (torch|onnxruntime) +float32 [\d.]+ \(\d+%\), int8 [\d.]+ \(\d+%\), int4", out,
+                          re.MULTILINE)) == 2, out
+    # two models x two batches x two runtimes x three formats, each with its roofline
+    rows = re.findall(r"^\| (edge|demo) \| [12] \| (torch|onnxruntime) \| (float32|int8|int4) \| [\d.]+ \| .* "
+                      r"\| \d+% \|$", out, re.MULTILINE)
+    assert len(rows) == 24, out
+    assert len(re.findall(r"^\| (edge|demo) \| [12] \| transformers \| float32 \|", out, re.MULTILINE)) == 4, out
+    assert len(re.findall(r"^\| (edge|demo) \| (torch|onnxruntime) \| int[48] \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$",
+                          out, re.MULTILINE)) == 8, out
+    assert "of its bandwidth roofline (target 60%)" in out, out
+    quality = re.findall(r"^\| (torch|onnxruntime) \| (float32|int8|int4) \| [\d.]+ \| [\d.]+ \| \d/2 \|$", out,
+                         re.MULTILINE)
+    assert len(quality) == 6, out
 
 
 def test_tensor_parallel_benchmark_prints_its_table() -> None:

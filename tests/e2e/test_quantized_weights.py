@@ -2,10 +2,11 @@
 on loopback: every stage holds its weights in that format, the mesh's greedy tokens are those of the same model run
 in one process with the same weights (kernels.models.decoder.greedy_tokens), and the admin API shows what the
 agents measured of their box (its streaming read, each format's batch-1 products) and each stage's decode steps
-against their bandwidth roofline."""
+against their bandwidth roofline; agents started as `stratamesh up` starts them each compute on cores of their own."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -23,12 +24,27 @@ from .test_mesh import complete_ids
 pytestmark = pytest.mark.slow
 
 
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets a process's threads may run on."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:      # a thread that ended meanwhile
+            continue
+    return out
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_one_process(
         tiny_models: dict[str, Path], tmp_path: Path, quantize: str) -> None:
     model_dir = tiny_models["llama"]
+    pinned = quantize == "int4" and len(os.sched_getaffinity(0)) >= 2     # as `stratamesh up` starts agents
     with LocalMesh(str(model_dir), num_agents=2, num_stages=2, coordinator_args=["--quantize", quantize],
-                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db")) as mesh:
+                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"), pin_cpus=pinned) as mesh:
+        if pinned:      # each agent on cores of its own, every thread of it
+            (first,), (second,) = (thread_cpus(agent.pid) for agent in mesh.agents)
+            assert first and second and not first & second
         (model,) = httpx.get(f"{mesh.url}/admin/api/models", headers=mesh.headers).json()["models"]
         assert model["quantize"] == quantize
         (plan,) = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
