@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from stage_step import decode_times, prefilled, transformers_times
 
 from stratamesh.agent.speed import measure_read_bandwidth
+from stratamesh.bench.llama_cpp import convert, quantize
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.state import cache_home
 from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
@@ -111,8 +111,7 @@ def llama_cpp_speeds(llama_dir: Path, path: Path, args: argparse.Namespace,
     for fmt, gguf_type in GGUF_OF.items():
         gguf = folder / f"{gguf_type}.gguf"
         if not gguf.exists():
-            subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(gguf), gguf_type], check=True,
-                           capture_output=True)
+            quantize(llama_dir, f32, gguf, gguf_type)
         bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(args.steps),
                                 "-t", str(threads), "-r", "3", "-o", "json"], check=True, capture_output=True,
                                text=True)
@@ -125,21 +124,6 @@ def llama_cpp_speeds(llama_dir: Path, path: Path, args: argparse.Namespace,
                                  text=True)
             out[fmt, batch] = float(json.loads(run.stdout.strip().splitlines()[-1])["speed_tg"])
     return out
-
-
-def convert(llama_dir: Path, path: Path, out: Path, outtype: str) -> None:
-    """llama.cpp's converter, told that the checkpoint has no SentencePiece model and that a BPE pre-tokenizer it
-    does not know is GPT-2's (the tiny models' tokenizers are byte-level BPE of their own, which its table of known
-    tokenizers cannot name)."""
-    program = ("import sys; sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]; import conversion.base as base\n"
-               "def no_sentencepiece(self): raise FileNotFoundError('no tokenizer.model')\n"
-               "base.TextModel._create_vocab_sentencepiece = no_sentencepiece\n"
-               "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-               "import convert_hf_to_gguf; convert_hf_to_gguf.main()")
-    done = subprocess.run([sys.executable, "-c", program, str(llama_dir), str(llama_dir / "gguf-py"), str(path),
-                           "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"llama.cpp's converter failed on {path}:\n{done.stderr[-2000:]}")
 
 
 def print_limit(formats: list[str], runtimes: list[str], quick: bool) -> float:

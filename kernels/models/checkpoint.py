@@ -7,14 +7,19 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.gguf_files import is_gguf
 from stratamesh.fleet.weights import canonical_name
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.families import layer_class
+
+if TYPE_CHECKING:
+    from stratamesh.kernels.models.gguf import GgufCheckpoint
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -120,3 +125,11 @@ def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
         if config.has_lm_head and head not in names:
             names.append(head)
     return names
+
+
+def open_checkpoint(path: str | Path, quantize: str = "") -> Checkpoint | GgufCheckpoint:
+    """A model's tensors by their Hugging Face names: a safetensors folder's, or a GGUF file's (quantize: the
+    stage's weight format, which a GGUF file's Q4_0 matrices are kept in where it is int4: kernels.models.gguf)."""
+    from stratamesh.kernels.models.gguf import GgufCheckpoint
+
+    return GgufCheckpoint(path, quantize) if is_gguf(path) else Checkpoint(path)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_ALIASES, ROPE_TYPES,
                                      attention_windows, layer_norms, model_task, served_context, text_model_config)
 
@@ -184,7 +185,10 @@ def _check_sizes(config: ModelConfig) -> ModelConfig:
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
-    """parse_config of model_dir/config.json, with eos ids merged from generation_config.json if present."""
+    """parse_config of model_dir/config.json, with eos ids merged from generation_config.json if present; or of
+    what a GGUF file says of its model, where model_dir names one (fleet.gguf_files)."""
+    if is_gguf(model_dir):
+        return parse_config(GgufModel(model_dir).config())
     model_dir = Path(model_dir)
     raw = text_model_config(_read_json(model_dir / "config.json"))     # a multimodal model's: its text model's
     gen_path = model_dir / "generation_config.json"

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.states import Runtime
-from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint,
-                                                  stage_tensor_names)
+from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD, open_checkpoint, stage_tensor_names
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.families import layer_class
 from stratamesh.kernels.models.families.llama import MATRICES, Step, weight
@@ -262,8 +261,8 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
     """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors (config: its
     config.json, if the caller read it already)."""
     config = config or read_config(spec.model_path)
-    tensors = Checkpoint(spec.model_path).load(checked_tensor_names(spec, config), TORCH_DTYPES[spec.dtype],
-                                               spec.device)
+    tensors = open_checkpoint(spec.model_path, spec.quantize).load(checked_tensor_names(spec, config),
+                                                                    TORCH_DTYPES[spec.dtype], spec.device)
     return StageModel(config, spec, quantize_tensors(tensors, config, spec.quantize) if spec.quantize else tensors)
 
 
@@ -282,9 +281,10 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, quan
     """The stage's tensors with its layers' projection matrices, its LM head and its embedding in the format
     quantize names (kernels.ops.quant: "int8", or "int4" where a matrix's rows are a multiple of its groups, int8
     otherwise), each with its scales under name + SCALE_SUFFIX; norms and biases stay as they are. In place: each
-    float matrix is dropped as soon as its quantized form exists."""
+    float matrix is dropped as soon as its quantized form exists; one read quantized already (a GGUF file's Q4_0
+    matrices: kernels.models.gguf) stays as it is."""
     for name in list(tensors):
-        if name.endswith("_proj.weight") or name in (LM_HEAD, EMBED):
+        if (name.endswith("_proj.weight") or name in (LM_HEAD, EMBED)) and name + SCALE_SUFFIX not in tensors:
             w = tensors[name]
             if quantize == "int4" and takes_int4(w):
                 q4 = quantize_int4(w)
