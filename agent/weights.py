@@ -16,6 +16,7 @@ import grpc
 
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.stages import StageSpec
+from stratamesh.fleet.gguf_files import is_gguf
 from stratamesh.fleet.weight_files import CONFIG_FILE, Mirror
 from stratamesh.fleet.weight_service import fetch_chunks
 from stratamesh.fleet.weights import WeightChunk, WeightManifest, WeightsProgress
@@ -94,7 +95,8 @@ class WeightFetcher:
         return self.root / re.sub(r"[^A-Za-z0-9_-]", "_", model_id)[:100] / revision[:16]
 
     def needs_fetch(self, spec: StageSpec) -> bool:
-        return self.mode == "always" or not (Path(spec.model_path) / CONFIG_FILE).is_file()
+        here = Path(spec.model_path) if is_gguf(spec.model_path) else Path(spec.model_path) / CONFIG_FILE
+        return self.mode == "always" or not here.is_file()
 
     async def localize(self, assignment_id: str, spec: StageSpec, coordinator: grpc.aio.Channel,
                        report: Callable[[WeightsProgress], None] = lambda p: None) -> StageSpec:
@@ -110,7 +112,9 @@ class WeightFetcher:
         label = f"{spec.model_id} [{spec.start_layer}, {spec.end_layer})"
         head_progress = _Progress(label, assignment_id, head.total_bytes, 0, lambda p: None, log_bar=False)
         await self._fetch(head, mirror, coordinator, head_progress)
-        config = await asyncio.to_thread(read_config, mirror.root)
+        # (a GGUF file's copy: the file, under its name, in the mirror)
+        local = mirror.root / Path(spec.model_path).name if is_gguf(spec.model_path) else mirror.root
+        config = await asyncio.to_thread(read_config, local)
         manifest = await self._manifest(control, spec.model_id,
                                         stage_tensor_names(config, spec.start_layer, spec.end_layer))
         if manifest.revision != head.revision:
@@ -125,7 +129,7 @@ class WeightFetcher:
                  "already on disk, %d corrupt chunk(s) fetched again, %.1f s", label, mirror.root,
                  done.fetched_bytes / 1e6, done.tensor_bytes / 1e6, done.total_bytes / 1e6, done.reused_bytes / 1e6,
                  done.num_corrupt, time.monotonic() - progress.started)
-        return replace(spec, model_path=str(mirror.root))
+        return replace(spec, model_path=str(local))
 
     async def _manifest(self, control: pb_grpc.ControlStub, model_id: str, names: Sequence[str]) -> WeightManifest:
         reply = await control.GetWeightManifest(

@@ -10,7 +10,6 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import uvicorn
@@ -45,6 +44,7 @@ from stratamesh.coordinator.weights import ModelWeights
 from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.states import DEFAULT_ROUTER_MODE
+from stratamesh.fleet.model_folder import default_model_id
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc
@@ -67,7 +67,7 @@ class ModelRequest:
 
     @property
     def served_id(self) -> str:
-        return self.model_id or Path(self.path).resolve().name
+        return self.model_id or default_model_id(self.path)
 
 
 @dataclass(frozen=True, slots=True)

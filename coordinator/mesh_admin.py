@@ -8,7 +8,6 @@ import asyncio
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from stratamesh.coordinator.control.deployer import Deployer
@@ -25,6 +24,7 @@ from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.model_folder import default_model_id
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.states import ModelState
 from stratamesh.fleet.boxes import Telemetry
@@ -133,7 +133,7 @@ class MeshAdmin:
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
                quantize: str = "", num_replicas: int = 1) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
-        served_id = model_id or Path(path).resolve().name
+        served_id = model_id or default_model_id(path)
         self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas)
         return self._model_json(self._registry.model(served_id), find_model(self._registry, served_id))
 

@@ -16,6 +16,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
 
+from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,9 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load tokenizer.json and the config files of a checkpoint folder."""
+        """Load tokenizer.json and the config files of a checkpoint folder (or what a GGUF file says of them)."""
+        if is_gguf(model_dir):
+            return cls.from_gguf(GgufModel(model_dir))
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise CheckpointError(f"{model_dir} has no tokenizer.json")
@@ -59,6 +62,17 @@ class Tokenizer:
             model_config=_read_json(model_dir / "config.json"),
             chat_template_file=template_file.read_text() if template_file.is_file() else None)
         return cls(tokenizer, config)
+
+    @classmethod
+    def from_gguf(cls, model: GgufModel) -> Tokenizer:
+        """A GGUF file's tokenizer, chat template and special tokens (its BOS and EOS by id)."""
+        tokenizer = tokenizers.Tokenizer.from_str(model.tokenizer_json())
+        config = model.config()
+        named = {"bos_token": config.get("bos_token_id"), "eos_token": (config.get("eos_token_id") or [None])[0]}
+        tokenizer_config = {name: tokenizer.id_to_token(i) for name, i in named.items() if i is not None}
+        return cls(tokenizer, parse_tokenizer_config(tokenizer, {**tokenizer_config,
+                                                                 "chat_template": model.chat_template()},
+                                                     generation_config={}, model_config=config))
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

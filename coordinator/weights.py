@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stratamesh.fleet.errors import ModelNotFound
-from stratamesh.fleet.weight_files import ModelFiles
+from stratamesh.fleet.weight_files import ModelFiles, files_root
 from stratamesh.fleet.weights import MAX_CHUNK_BYTES, WeightManifest
 
 
@@ -37,9 +37,10 @@ class ModelWeights:
         return await asyncio.to_thread(lambda: self._read(path).manifest(model_id, tensor_names, sources))
 
     def roots(self, model_id: str, revision: str) -> list[Path]:
-        """The folder the coordinator serves a model's chunks from (every chunk is checked against its hash)."""
+        """The folder the coordinator serves a model's chunks from (every chunk is checked against its hash): its
+        folder, or the one its GGUF file is in."""
         path = self._model_path(model_id)
-        return [Path(path)] if path is not None else []
+        return [files_root(path)] if path is not None else []
 
     def _read(self, path: str) -> ModelFiles:
         with self._lock:

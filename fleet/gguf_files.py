@@ -88,6 +88,12 @@ class GgufModel:
                 out[name] = tensor
         return out
 
+    def layout(self) -> tuple[int, dict[str, tuple[int, int]]]:
+        """(bytes of the file's header: metadata and tensor infos, each tensor's Hugging Face name -> its [start,
+        end) bytes in the file): what a stage's copy of the file needs (fleet.weight_files)."""
+        return int(self.reader.data_offset), {name: (int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+                                              for name, t in self.tensors.items()}
+
     def config(self) -> dict[str, Any]:
         """The model as a config.json dict would describe it (float32: its tensors are read into a stage's dtype)."""
         heads = int(self._hparam("attention.head_count"))

@@ -9,13 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
+from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.stages import check_model_config, text_model_config
 from stratamesh.fleet.weight_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE
 
 
 def check_model_folder(model_dir: str | Path) -> dict[str, Any]:
     """The folder's config.json as a dict; CheckpointError, one line naming the problem, unless a mesh can serve the
-    model in it (fleet.stages.check_model_config) and it holds safetensors weights and a tokenizer.json."""
+    model in it (fleet.stages.check_model_config) and it holds safetensors weights and a tokenizer.json. A GGUF
+    file is a model too: its config as fleet.gguf_files reads it, its tokenizer one it can read."""
+    if is_gguf(model_dir):
+        if not Path(model_dir).is_file():
+            raise CheckpointError(f"model file {model_dir} does not exist")
+        model = GgufModel(model_dir)
+        config = model.config()
+        check_model_config(config)
+        model.tokenizer_json()
+        return config
     folder = Path(model_dir)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
@@ -31,7 +41,9 @@ def check_model_folder(model_dir: str | Path) -> dict[str, Any]:
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     """A model folder's config.json as a dict, as the mesh reads it (a multimodal model's: its text model's,
     fleet.stages.text_model_config); CheckpointError, naming the file, where it is missing, unreadable or not a JSON
-    object."""
+    object. A GGUF file's: what it says of its model (fleet.gguf_files)."""
+    if is_gguf(model_dir):
+        return GgufModel(model_dir).config()
     path = Path(model_dir) / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
@@ -42,3 +54,10 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     return text_model_config(config)
+
+
+def default_model_id(path: str | Path) -> str:
+    """The name a model is served under unless its operator names it: its folder's name, or its GGUF file's
+    without the suffix."""
+    resolved = Path(path).resolve()
+    return resolved.stem if is_gguf(resolved) else resolved.name

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
+from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.weights import (MAX_CHUNK_BYTES, WeightChunk, WeightFile, WeightManifest, canonical_name,
                                       check_file_name)
 
@@ -87,25 +88,42 @@ def read_verified(roots: Sequence[Path], chunk: WeightChunk) -> bytes | None:
     return None
 
 
+def files_root(model_path: str | Path) -> Path:
+    """The folder a model's files are in, chunks naming them relative to it: the model's folder, or its GGUF
+    file's."""
+    return Path(model_path).parent if is_gguf(model_path) else Path(model_path)
+
+
 class ModelFiles:
-    """One model folder's layout: which file and byte range holds each tensor, read from its index and headers.
+    """One model folder's layout: which file and byte range holds each tensor, read from its index and headers. Or
+    one GGUF file's: its header (the model's config and tokenizer) and its tensors' bytes (fleet.gguf_files).
 
     Chunk hashes are computed when first asked for and kept while the files stay as they were."""
 
     def __init__(self, model_dir: str | Path, chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         """chunk_bytes: the grid chunks are cut at (at most MAX_CHUNK_BYTES)."""
         assert 0 < chunk_bytes <= MAX_CHUNK_BYTES, chunk_bytes
-        self.model_dir = Path(model_dir)
         self.chunk_bytes = chunk_bytes
-        # delivered whole: the config, the index, and the tokenizer (a last stage's grammars are over its tokens)
-        self._small = [name for name in (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE) if (self.model_dir / name).is_file()]
-        if CONFIG_FILE not in self._small:
-            raise CheckpointError(f"{self.model_dir} has no {CONFIG_FILE}")
         self._heads: dict[str, int] = {}                 # weight file -> bytes of its header
         self._tensors: dict[str, tuple[str, Range]] = {}     # canonical name -> (file, its bytes there)
-        for file in self._weight_files():
-            self._heads[file], ranges = read_header(self.model_dir / file)
-            self._tensors.update({canonical_name(name): (file, r) for name, r in ranges.items()})
+        self._headed: list[str] = []     # files whose header every manifest carries (a GGUF file's: the config)
+        self.model_dir = files_root(model_dir)
+        if is_gguf(model_dir):
+            self._small = []
+            file = Path(model_dir).name
+            check_file_name(file)
+            self._heads[file], ranges = GgufModel(model_dir).layout()
+            self._tensors = {name: (file, r) for name, r in ranges.items()}
+            self._headed = [file]
+        else:
+            # delivered whole: the config, the index, and the tokenizer (a last stage's grammars are over its tokens)
+            self._small = [name for name in (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE)
+                           if (self.model_dir / name).is_file()]
+            if CONFIG_FILE not in self._small:
+                raise CheckpointError(f"{self.model_dir} has no {CONFIG_FILE}")
+            for file in self._weight_files():
+                self._heads[file], ranges = read_header(self.model_dir / file)
+                self._tensors.update({canonical_name(name): (file, r) for name, r in ranges.items()})
         self._stats = self._stat()
         self._hashes: dict[tuple[str, int, int], bytes] = {}
         self.revision = self._revision()
@@ -153,18 +171,22 @@ class ModelFiles:
 
     def manifest(self, model_id: str, tensor_names: Iterable[str], sources: Sequence[str] = ()) -> WeightManifest:
         """The chunks holding config.json, the index, tokenizer.json, and the named tensors with their files' headers
-        (InvalidInput naming a tensor the checkpoint lacks)."""
-        wanted: dict[str, list[Range]] = {name: [(0, self._stats[name][0])] for name in self._small}
+        (InvalidInput naming a tensor the checkpoint lacks). A GGUF file's header, its config, is in every manifest,
+        in chunks of its own: those of the first manifest (of no tensor), whatever tensors a later one names."""
+        whole = {name: [(0, self._stats[name][0])] for name in self._small}
+        whole.update({file: [(0, self._heads[file])] for file in self._headed})
+        wanted: dict[str, list[Range]] = {}
         tensor_ranges = set()
         for name in dict.fromkeys(tensor_names):
             if name not in self._tensors:
                 raise InvalidInput(f"model {model_id} has no tensor {name!r}")
             file, r = self._tensors[name]
-            wanted.setdefault(file, [(0, self._heads[file])]).append(r)
+            wanted.setdefault(file, [] if file in self._headed else [(0, self._heads[file])]).append(r)
             tensor_ranges.add((file, r))
         chunks = [WeightChunk(file, start, end - start, self._hash(file, start, end))
-                  for file, ranges in wanted.items() for start, end in chunk_ranges(ranges, self.chunk_bytes)]
-        files = tuple(WeightFile(name, self._stats[name][0]) for name in wanted)
+                  for group in (whole, wanted) for file, ranges in group.items()
+                  for start, end in chunk_ranges(ranges, self.chunk_bytes)]
+        files = tuple(WeightFile(name, self._stats[name][0]) for name in dict.fromkeys([*whole, *wanted]))
         return WeightManifest(model_id, self.revision, files, tuple(chunks),
                               sum(end - start for _, (start, end) in tensor_ranges), tuple(sources))
 

@@ -598,6 +598,7 @@ def _bench_chaos(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
+    from stratamesh.fleet.model_folder import default_model_id
     from stratamesh.launcher import LocalMesh
     from stratamesh.fleet.state import up_folder
     from stratamesh.sdk.local import builtin_model_dir
@@ -625,7 +626,7 @@ def _up(args: argparse.Namespace) -> None:
     print(f"{state.describe()}\nstarting a coordinator and {args.agents} agents for {model_dir} ...", flush=True)
     try:
         mesh.start()
-        model_id = Path(model_dir).resolve().name
+        model_id = default_model_id(model_dir)
         print(f"\nstratamesh is up: {args.agents} agents serving '{model_id}'\n"
               f"  API     {mesh.url}/v1  (OpenAI-compatible)\n"
               f"  admin   {mesh.url}/admin/  (web UI)\n"

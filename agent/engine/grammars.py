@@ -28,6 +28,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
+from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.weight_files import TOKENIZER_FILE
 
@@ -192,9 +193,13 @@ class Grammars:
         """The model's tokenizer as llguidance reads it (from its folder, once)."""
         if self._tokenizer is None:
             path = self._model_dir / TOKENIZER_FILE
-            if not path.is_file():
+            if is_gguf(self._model_dir):        # (a GGUF file holds its tokenizer)
+                tokenizer_json = GgufModel(self._model_dir).tokenizer_json()
+            elif path.is_file():
+                tokenizer_json = path.read_text()
+            else:
                 raise InvalidInput(f"structured output needs the model's {TOKENIZER_FILE}, which {self._model_dir} "
                                    "lacks")
-            self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self._vocab_size,
+            self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self._vocab_size,
                                                      eos_token=self._eos or None)
         return self._tokenizer

@@ -6,7 +6,9 @@ batches a step's decodes share decide how a matrix product sums (torch's CPU pro
 below 32 rows). On the tiny models that moves a logit by up to ~7e-6 (a context recomputed after 16 of 48 tokens,
 6 streams: max 7.4e-6, median 2.9e-6; tests/kernels/test_recompute_drift.py). A step whose two best logits are
 closer than that may take the other token with nothing wrong, so chaos runs and the failover tests draw prompts
-whose every greedy step leads its runner-up by far more.
+whose every greedy step leads its runner-up by far more. Quantized weights are computed with bfloat16 or int8
+activations (kernels.ops.quant), whose rounding can turn such a difference into one of a step of theirs (2^-8): a
+quantized mesh's runs draw prompts of a larger margin, on the quantized model.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ MAX_DRAWS = 1000        # prompts drawn for one job before giving up on the mode
 
 
 def decisive(jobs: list[StreamJob], model_dir: str | Path, seed: int = 0,
-             min_margin: float = MIN_MARGIN) -> list[StreamJob]:
+             min_margin: float = MIN_MARGIN, quantize: str = "") -> list[StreamJob]:
     """The jobs, each greedy one's prompt drawn again (as long, from the regular vocabulary) until each of its
-    max_tokens greedy steps leads the runner-up logit by min_margin in a one-process run of the model (InvalidInput
-    after MAX_DRAWS prompts); sampled jobs as they are."""
-    stage = whole_model(model_dir)
+    max_tokens greedy steps leads the runner-up logit by min_margin in a one-process run of the model (its weights
+    quantized: StageSpec.quantize; InvalidInput after MAX_DRAWS prompts); sampled jobs as they are."""
+    stage = whole_model(model_dir, quantize)
     vocab, rng = regular_token_ids(model_dir), random.Random(seed)
     out = []
     for job in jobs:
@@ -50,10 +52,11 @@ def decisive(jobs: list[StreamJob], model_dir: str | Path, seed: int = 0,
     return out
 
 
-def whole_model(model_dir: str | Path) -> StageModel:
-    """The model in one stage, in this process (float32), as the one-process reference computes it."""
+def whole_model(model_dir: str | Path, quantize: str = "") -> StageModel:
+    """The model in one stage, in this process (float32, its weights quantized: StageSpec.quantize), as the
+    one-process reference computes it."""
     num_layers = read_config(model_dir).num_layers
-    return load_stage(StageSpec(Path(model_dir).name, str(model_dir), 0, num_layers, num_layers))
+    return load_stage(StageSpec(Path(model_dir).name, str(model_dir), 0, num_layers, num_layers, quantize=quantize))
 
 
 def smallest_margin(stage: StageModel, prompt_ids: tuple[int, ...], num_tokens: int) -> float:

@@ -26,7 +26,9 @@ from stratamesh.fleet.wire.channels import bind, make_channel, make_server
 from stratamesh.kernels.models.checkpoint import stage_tensor_names
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import load_stage
+from stratamesh.fleet.gguf_files import GgufModel
 from tests.fleet.test_weight_files import stored_bytes
+from tests.gguf_writer import write_gguf
 
 CHUNK = 256 * 1024
 
@@ -108,6 +110,24 @@ async def test_a_stage_fetched_from_the_coordinator_is_exactly_its_own_tensors(t
     assert same_tensors(local, spec)
     bars = [r.getMessage() for r in caplog.records if "[####" in r.getMessage()]
     assert bars and "100%" in bars[-1], "the log shows a progress bar up to the end"
+
+
+async def test_a_stage_of_a_gguf_file_fetches_its_header_and_its_own_tensors_only(tiny_model, tmp_path) -> None:
+    """A GGUF model is one file: its copy holds the header (the config and tokenizer) and the stage's tensors; the
+    rest of it is holes. The stage loads from the copy exactly what it loads from the file."""
+    gguf = write_gguf(tiny_model("qwen3", num_layers=6), tmp_path / "qwen3-q8.gguf", "Q8_0")
+    spec, reports = StageSpec("tiny", str(gguf), 2, 4, 6), []
+    async with Mesh(gguf) as mesh:
+        local = await WeightFetcher(tmp_path / "agent", "a1", "always").localize("as-1", spec, mesh.channel,
+                                                                              reports.append)
+    assert Path(local.model_path).name == gguf.name and Path(local.model_path).is_relative_to(tmp_path / "agent")
+    layout = GgufModel(gguf).layout()[1]
+    names = stage_tensor_names(read_config(gguf), 2, 4)
+    assert reports[-1].tensor_bytes == sum(end - start for name, (start, end) in layout.items() if name in names)
+    copy = Path(local.model_path).stat()
+    assert copy.st_size == gguf.stat().st_size and copy.st_blocks * 512 < gguf.stat().st_size / 2   # mostly holes
+    assert same_tensors(local, spec)
+    assert not WeightFetcher(tmp_path / "agent", "a1").needs_fetch(spec)     # a file here is read where it is
 
 
 async def test_a_local_folder_is_used_as_it_is_unless_told_to_fetch_always(tiny_model, tmp_path) -> None:

@@ -7,21 +7,28 @@ against their bandwidth roofline; agents started as `stratamesh up` starts them 
 from __future__ import annotations
 
 import os
+import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from stratamesh.bench.chaos import make_jobs
+from stratamesh.bench.chaos import kill_stage_mid_stream, make_jobs
+from stratamesh.bench.margins import decisive
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
 
 from ..patience import wait_until
+from .streams import held
 from .test_mesh import complete_ids
 
 pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+QUANTIZED_MARGIN = 0.05     # (stratamesh.bench.margins: what a quantized mesh's greedy steps must lead by)
 
 
 def thread_cpus(pid: int) -> set[frozenset[int]]:
@@ -38,10 +45,13 @@ def thread_cpus(pid: int) -> set[frozenset[int]]:
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_one_process(
         tiny_models: dict[str, Path], tmp_path: Path, quantize: str) -> None:
+    """int8: two agents started as `stratamesh up` starts them (pinned to cores of their own, where there are two);
+    int4: two stages and a spare, and a kill -9 of the last stage's agent mid-stream loses no token."""
     model_dir = tiny_models["llama"]
-    pinned = quantize == "int4" and len(os.sched_getaffinity(0)) >= 2     # as `stratamesh up` starts agents
-    with LocalMesh(str(model_dir), num_agents=2, num_stages=2, coordinator_args=["--quantize", quantize],
-                   log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"), pin_cpus=pinned) as mesh:
+    pinned = quantize == "int8" and len(os.sched_getaffinity(0)) >= 2
+    with LocalMesh(str(model_dir), num_agents=2 if quantize == "int8" else 3, num_stages=2,
+                   coordinator_args=["--quantize", quantize], log_dir=str(tmp_path / "logs"),
+                   db=str(tmp_path / "registry.db"), pin_cpus=pinned) as mesh:
         if pinned:      # each agent on cores of its own, every thread of it
             (first,), (second,) = (thread_cpus(agent.pid) for agent in mesh.agents)
             assert first and second and not first & second
@@ -55,18 +65,31 @@ def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_o
             prompt = make_jobs(1, regular_token_ids(model_dir), prompt_len=length, max_tokens=1, seed=seed)[0]
             ids = list(prompt.prompt_ids)
             assert complete_ids(mesh, model_dir, ids, 24) == greedy_tokens(one_process, ids, 24)
+        check_the_limit_is_shown(mesh)
+        if quantize == "int4":
+            jobs = [replace(job, temperature=0.0) for job in make_jobs(4, regular_token_ids(model_dir), prompt_len=16,
+                                                                       max_tokens=32, seed=5)]
+            jobs = held(decisive(jobs, model_dir, min_margin=QUANTIZED_MARGIN, quantize=quantize))
+            run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
+            assert [o.error for o in run.reference + run.outcomes if o.error] == []
+            assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]
+            assert all(run.killed_address not in r for r in run.routes_after)
 
-        def agents() -> list[dict]:
-            return httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]
 
-        for agent in agents():      # what each measured: the box's streaming read, each format's batch-1 products
-            speeds = {s["dtype"]: s for s in agent["capabilities"]["speeds"] if s["backend"] == "torch-cpu"}
-            assert {"float32", "int8", "int4"} <= set(speeds)
-            assert all(s["mem_bandwidth"] > 0 and s["decode_bandwidth"] > 0 for s in speeds.values())
+def check_the_limit_is_shown(mesh: LocalMesh) -> None:
+    """What each agent measured (the box's streaming read, each format's batch-1 products) and each stage's decode
+    steps against their roofline, in /admin/api/agents."""
+    def agents() -> list[dict]:
+        return httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]
 
-        def decode_rooflines() -> list[float]:
-            return [s["decode_roofline"] for a in agents() if a["telemetry"] for s in a["telemetry"]["stages"]]
+    for agent in agents():
+        speeds = {s["dtype"]: s for s in agent["capabilities"]["speeds"] if s["backend"] == "torch-cpu"}
+        assert {"float32", "int8", "int4"} <= set(speeds)
+        assert all(s["mem_bandwidth"] > 0 and s["decode_bandwidth"] > 0 for s in speeds.values())
 
-        # each stage's decode steps against the roofline of the bytes they read, once a heartbeat carries them
-        wait_until(lambda: len(decode_rooflines()) == 2 and all(r > 0 for r in decode_rooflines()), 30)
-        assert all(r < 5 for r in decode_rooflines())
+    def decode_rooflines() -> list[float]:
+        return [s["decode_roofline"] for a in agents() if a["telemetry"] for s in a["telemetry"]["stages"]]
+
+    # each stage's decode steps against the roofline of the bytes they read, once a heartbeat carries them
+    wait_until(lambda: len(decode_rooflines()) >= 2 and all(r > 0 for r in decode_rooflines()), 30)
+    assert all(r < 5 for r in decode_rooflines())
