@@ -43,7 +43,11 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"\s+(?!\S)|\s+")
 SPLITS = {"gpt-2": _GPT2_SPLIT, "default": _GPT2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
           "qwen2": _QWEN2_SPLIT}
-CONTROL, USER_DEFINED = 3, 4              # tokenizer.ggml.token_type values of special tokens
+CONTROL, USER_DEFINED = 3, 4
+# The weight format (StageSpec.quantize) nearest a GGUF block type: what its matrices are served in unless the
+# operator says otherwise (Q4_0 exactly; the other 2-5 bit types as int4, 6-8 bit ones as int8, requantized)
+FORMAT_OF_TYPE = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K"), "int4"),
+                  **dict.fromkeys(("Q6_K", "Q8_0"), "int8")}              # tokenizer.ggml.token_type values of special tokens
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -93,6 +97,12 @@ class GgufModel:
         end) bytes in the file): what a stage's copy of the file needs (fleet.weight_files)."""
         return int(self.reader.data_offset), {name: (int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
                                               for name, t in self.tensors.items()}
+
+    def stored_format(self) -> str:
+        """The weight format nearest the type most of its layers' matrices are stored in (FORMAT_OF_TYPE; "": a
+        float type)."""
+        types = [t.tensor_type.name for name, t in self.tensors.items() if name.endswith("_proj.weight")]
+        return FORMAT_OF_TYPE.get(max(set(types), key=types.count), "") if types else ""
 
     def config(self) -> dict[str, Any]:
         """The model as a config.json dict would describe it (float32: its tensors are read into a stage's dtype)."""

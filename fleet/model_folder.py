@@ -61,3 +61,9 @@ def default_model_id(path: str | Path) -> str:
     without the suffix."""
     resolved = Path(path).resolve()
     return resolved.stem if is_gguf(resolved) else resolved.name
+
+
+def stored_quantize(path: str | Path) -> str:
+    """The weight format a model is served in where its operator names none: a GGUF file's nearest its own blocks
+    (fleet.gguf_files.FORMAT_OF_TYPE: a Q4_0 file stays in 4 bits), else none (a folder's weights as stored)."""
+    return GgufModel(path).stored_format() if is_gguf(path) else ""

@@ -11,6 +11,7 @@ from pathlib import Path
 from stratamesh.coordinator.control.drains import Drains, Move
 from stratamesh.coordinator.control.sessions import Sessions
 from stratamesh.coordinator.control.models import check_model, check_quantize, find_model
+from stratamesh.fleet.model_folder import stored_quantize
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
@@ -67,9 +68,11 @@ class Plans:
                   quantize: str = "", num_replicas: int = 1) -> None:
         """Registers a model (or updates its path, site pins, quantization and replicas: a served one takes the
         first three at its next re-plan, fewer replicas at once) and asks for a plan of num_stages stages for each
-        of num_replicas replicas. quantize: "int8" or "int4" for quantized weights (check_quantize)."""
+        of num_replicas replicas. quantize: "int8" or "int4" for quantized weights (check_quantize); "": as stored
+        (a GGUF file's nearest format: fleet.model_folder.stored_quantize)."""
         config = check_model(path, num_stages)
         check_quantize(quantize)
+        quantize = quantize or stored_quantize(path)
         self._stage_bytes.pop(model_id, None)       # its config or quantization may be new
         self._least_stage_bytes = None
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],

@@ -24,9 +24,9 @@ def test_a_gguf_file_serves_in_three_stages_fetched_by_their_agents(tiny_models:
     gguf = write_gguf(tiny_models["qwen3"], tmp_path / "tiny-qwen3-q4_0.gguf", "Q4_0")
     weights_dirs = [tmp_path / f"weights{i}" for i in range(3)]
     with LocalMesh(str(gguf), num_agents=3, num_stages=3, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db"), coordinator_args=["--quantize", "int4"],
-                   agent_args=["--fetch-weights", "always"],
+                   db=str(tmp_path / "registry.db"), agent_args=["--fetch-weights", "always"],
                    agent_args_by_index={i: ["--weights-dir", str(d)] for i, d in enumerate(weights_dirs)}) as mesh:
+        # (no --quantize: a Q4_0 file is served in 4 bits, as stored)
         (plan,) = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
         assert [(s["quantize"], s["weights"]["done"]) for s in plan["stages"]] == [("int4", True)] * 3
         # each agent fetched its own layers' tensors of the file, and its header

@@ -118,6 +118,15 @@ def test_llama_cpps_own_conversion_gives_the_checkpoints_logits(checkpoints, tmp
     assert float((got - want).abs().max()) <= tolerance * float(want.max() - want.min())
 
 
+@pytest.mark.parametrize(("kind", "stored"), [("F16", ""), ("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_a_gguf_file_is_served_in_the_format_nearest_its_own(checkpoints, tmp_path: Path, kind: str,
+                                                             stored: str) -> None:
+    from stratamesh.fleet.model_folder import stored_quantize
+
+    assert stored_quantize(write_gguf(checkpoints["llama"], tmp_path / "m.gguf", kind)) == stored
+    assert stored_quantize(checkpoints["llama"]) == ""
+
+
 def test_a_stage_reads_only_its_own_tensors(checkpoints, tmp_path: Path) -> None:
     gguf = write_gguf(checkpoints["qwen3"], tmp_path / "m.gguf", "Q8_0")
     middle: StageModel = load_stage(StageSpec("m", str(gguf), 2, 4, 6))
