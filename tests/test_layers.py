@@ -25,7 +25,9 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     *((module, PURE, IO_AND_DEVICE) for module in PURE),
     ("stratamesh.fleet", ("stratamesh.fleet",), ("torch",)),
     ("stratamesh.partitioner", ("stratamesh.partitioner", *PURE), IO_AND_DEVICE),
-    ("stratamesh.kernels", ("stratamesh.kernels", *PURE), ("grpc", "zeroconf", "sqlite_utils")),
+    # (and the GGUF file reader: files, as kernels read safetensors, no network)
+    ("stratamesh.kernels", ("stratamesh.kernels", *PURE, "stratamesh.fleet.gguf_files"),
+     ("grpc", "zeroconf", "sqlite_utils")),
     ("stratamesh.agent.engine.scheduler", ("stratamesh.agent.engine", *PURE), IO_AND_DEVICE),
     ("stratamesh.agent.engine.block_manager", ("stratamesh.agent.engine", *PURE), IO_AND_DEVICE),
     ("stratamesh.agent", ("stratamesh.agent", "stratamesh.kernels", "stratamesh.fleet"), ()),

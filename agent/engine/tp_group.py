@@ -241,8 +241,9 @@ class RankGroup:
         for worker in self._workers:
             try:
                 worker.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:     # (a rank slow to stop on a busy box): killed, and reaped
                 worker.process.kill()
+                worker.process.wait()
             worker.conn.close()
 
     def _kill(self) -> None:

@@ -18,14 +18,16 @@ import torch.nn.functional as F
 from stratamesh.kernels.ops.quant import INT4_GROUP, INT8_MAX, Int4Weight, Int8Weight, PackedInt4Weight, linear
 
 GEMV_SHAPE = (4096, 4096)           # one matrix [out, in]: a 7B model's attention projection
+GEMV_BYTES = 128 << 20              # the weights a measurement reads: four times a large last-level cache
 ORT_INT8_BLOCK = 128                # (kernels.models.onnx_stage.INT8_BLOCK: the blocks an int8 stage exports)
 _FORMAT_BYTES = {"": 4.0, "int8": 1.0 + 4 / GEMV_SHAPE[1], "int4": 0.5 + 4 / INT4_GROUP}
 
 
-def gemv_bandwidth(backend: str, quantize: str = "", num_bytes: int = 128 << 20, reps: int = 3) -> float:
+def gemv_bandwidth(backend: str, quantize: str = "", num_bytes: int = 0, reps: int = 3) -> float:
     """Bytes/s that batch-1 products read weights in quantize's format ("" float32, "int8", "int4") at, in backend
-    ("torch-cpu" or "onnxruntime-cpu"): the fastest of reps passes over matrices of num_bytes in all, after one."""
-    count = max(1, round(num_bytes / (math.prod(GEMV_SHAPE) * _FORMAT_BYTES[quantize])))
+    ("torch-cpu" or "onnxruntime-cpu"): the fastest of reps passes over matrices of num_bytes (0: GEMV_BYTES) in all,
+    after one."""
+    count = max(1, round((num_bytes or GEMV_BYTES) / (math.prod(GEMV_SHAPE) * _FORMAT_BYTES[quantize])))
     product = _ort_products(quantize, count) if backend == "onnxruntime-cpu" else _torch_products(quantize, count)
     product()
     seconds = min(_timed(product) for _ in range(max(reps, 1)))

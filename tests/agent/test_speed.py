@@ -15,6 +15,7 @@ import torch
 from stratamesh.agent import speed as speed_module
 from stratamesh.agent.speed import (box_fingerprint, cached_speeds, default_cache_path, measure_read_bandwidth,
                                     measure_speeds)
+from stratamesh.kernels.ops import gemv
 from stratamesh.kernels.ops.gemv import gemv_bandwidth
 from stratamesh.fleet.boxes import GpuInfo, Speed
 
@@ -22,7 +23,9 @@ DAY_S = 86400.0
 T0 = 1.8e9
 
 
-def test_measures_cpu_float32_and_quantized_weights_matmul_read_and_batch_1_products() -> None:
+def test_measures_cpu_float32_and_quantized_weights_matmul_read_and_batch_1_products(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv, "GEMV_BYTES", 16 << 20)       # (the figures' form is checked, not their size)
     (cpu, int8, int4, *gpu) = measure_speeds(reps=1)
     assert (cpu.backend, cpu.dtype) == ("torch-cpu", "float32")
     assert 1e8 < cpu.flops < 1e14            # between a slow core and far beyond any CPU here
@@ -46,7 +49,8 @@ def test_batch_1_products_are_measured_in_each_backend_and_format(backend: str, 
     assert 1e8 < gemv_bandwidth(backend, quantize, num_bytes=16 << 20, reps=1) < 1e13
 
 
-def test_measures_cpu_bfloat16_where_the_cpu_computes_it_natively() -> None:
+def test_measures_cpu_bfloat16_where_the_cpu_computes_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv, "GEMV_BYTES", 16 << 20)
     speeds = {(s.backend, s.dtype): s for s in measure_speeds(reps=1, cpu_bf16=True)}
     assert {("torch-cpu", "float32"), ("torch-cpu", "bfloat16")} <= set(speeds)
     assert 1e8 < speeds["torch-cpu", "bfloat16"].flops < 1e15
@@ -218,6 +222,7 @@ def test_onnx_runtime_is_measured_through_its_own_stages(tmp_path: Path, monkeyp
 
     # a cache folder of its own: the test session's is shared by every xdist worker, whose agents write theirs there
     monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gemv, "GEMV_BYTES", 16 << 20)       # (the figures' form is checked, not their size)
     (tmp_path / "cache").mkdir()
     torch_cpu = Speed("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
     before = set(cache_home(os.environ).rglob("*"))
