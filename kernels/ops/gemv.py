@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stratamesh.kernels.ops.quant import INT4_GROUP, INT8_MAX, Int4Weight, Int8Weight, PackedInt4Weight, linear
+from stratamesh.kernels.ops.quant import INT4_GROUP, INT8_MAX, Int8Weight, PackedInt4Weight, linear
 
 GEMV_SHAPE = (4096, 4096)           # one matrix [out, in]: a 7B model's attention projection
 GEMV_BYTES = 128 << 20              # the weights a measurement reads: four times a large last-level cache
@@ -48,9 +48,10 @@ def _torch_products(quantize: str, count: int) -> Callable[[], object]:
         if quantize == "int8":
             weights.append(Int8Weight(torch.randint(-INT8_MAX, INT8_MAX + 1, GEMV_SHAPE, dtype=torch.int8),
                                       torch.rand(out_features) / 100))
-        elif quantize == "int4":
+        elif quantize == "int4":      # random bytes in the kernel's own layout: what it holds does not change its time
             packed = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8)
-            weights.append(PackedInt4Weight.of(Int4Weight(packed, torch.rand(out_features, in_features // INT4_GROUP))))
+            scales = torch.rand(in_features // INT4_GROUP, out_features, 2).to(torch.bfloat16)
+            weights.append(PackedInt4Weight(packed, scales, INT4_GROUP))
         else:
             weights.append(torch.randn(GEMV_SHAPE))
 

@@ -172,19 +172,19 @@ def test_an_agent_loads_an_int8_onnxruntime_stage_in_about_a_quarter_of_the_byte
 
 @pytest.mark.slow
 def test_quantized_weights_in_onnx_runtime_keep_the_demo_models_held_out_perplexity() -> None:
-    """Over the held-out chapter's first 3,000 of its ~9,900 tokens (benchmarks/edge_cpu.py measures all of them)."""
+    """Over the held-out chapter's first 2,000 of its ~9,900 tokens (benchmarks/edge_cpu.py measures all of them);
+    float32 in ONNX Runtime is torch's (test_a_torch_onnxruntime_torch_pipeline_equals_transformers)."""
     # the session's cache folder (tests/conftest.py), where the edge benchmark's smoke test exports the same stages;
     # what is not there yet is exported first, at once
     cache, n = os.environ["STRATAMESH_CACHE_DIR"], read_config(DEMO_DIR).num_layers
     export_stages([StageSpec("demo", str(DEMO_DIR), 0, n, n, quantize=q, runtime="onnxruntime")
-                   for q in ("", "int8", "int4")], cache)
+                   for q in ("int8", "int4")], cache)
     held_out = read_book().held_out
 
     def perplexity(**kwargs) -> float:
-        return served_perplexity(DEMO_DIR, held_out, max_tokens=3000, **kwargs)
+        return served_perplexity(DEMO_DIR, held_out, max_tokens=2000, **kwargs)
 
     float32 = perplexity()
-    assert perplexity(onnx_cache=cache) == pytest.approx(float32, abs=1e-3)
     assert perplexity(quantize="int8", onnx_cache=cache) == pytest.approx(float32, rel=0.01)
     assert perplexity(quantize="int4", onnx_cache=cache) == pytest.approx(float32, rel=0.05)
 
