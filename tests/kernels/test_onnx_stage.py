@@ -171,21 +171,21 @@ def test_an_agent_loads_an_int8_onnxruntime_stage_in_about_a_quarter_of_the_byte
 
 
 @pytest.mark.slow
-def test_quantized_weights_in_onnx_runtime_keep_the_demo_models_held_out_perplexity() -> None:
-    """Over the held-out chapter's first 2,000 of its ~9,900 tokens (benchmarks/edge_cpu.py measures all of them);
-    float32 in ONNX Runtime is torch's (test_a_torch_onnxruntime_torch_pipeline_equals_transformers)."""
+def test_int4_in_onnx_runtime_keeps_the_demo_models_held_out_perplexity() -> None:
+    """int4, over the held-out chapter's first 2,000 of its ~9,900 tokens (benchmarks/edge_cpu.py measures every
+    format over all of them; float32 in ONNX Runtime is torch's: test_a_torch_onnxruntime_torch_pipeline_equals_
+    transformers; int8 is as near float32 as torch's int8: test_a_quantized_onnxruntime_stage_is_about_as_near_...).
+    One export, in this process: a pool's processes beside a busy suite's took most of a minute."""
     # the session's cache folder (tests/conftest.py), where the edge benchmark's smoke test exports the same stages;
     # what is not there yet is exported first, at once
     cache, n = os.environ["STRATAMESH_CACHE_DIR"], read_config(DEMO_DIR).num_layers
-    export_stages([StageSpec("demo", str(DEMO_DIR), 0, n, n, quantize=q, runtime="onnxruntime")
-                   for q in ("int8", "int4")], cache)
+    export_stages([StageSpec("demo", str(DEMO_DIR), 0, n, n, quantize="int4", runtime="onnxruntime")], cache)
     held_out = read_book().held_out
 
     def perplexity(**kwargs) -> float:
         return served_perplexity(DEMO_DIR, held_out, max_tokens=2000, **kwargs)
 
     float32 = perplexity()
-    assert perplexity(quantize="int8", onnx_cache=cache) == pytest.approx(float32, rel=0.01)
     assert perplexity(quantize="int4", onnx_cache=cache) == pytest.approx(float32, rel=0.05)
 
 
