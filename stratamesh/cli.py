@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -680,9 +679,10 @@ def _db_flag(registry: str) -> str:
 
 def _example_call(url: str, model_dir: str, model_id: str, api_key: str = "") -> str:
     """A curl command that uses the model: a completion, or an embedding for an embedding model."""
+    from stratamesh.fleet.model_folder import read_config_json
     from stratamesh.fleet.stages import model_task
 
-    config = json.loads(Path(model_dir, "config.json").read_text())
+    config = read_config_json(model_dir)       # (a folder's config.json, or what a GGUF file says)
     endpoint, body = (("embeddings", '"input": ["The mesh", "Edge boxes"]') if model_task(config) == "embed"
                       else ("completions", '"prompt": "I went to", "max_tokens": 16, "temperature": 0'))
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""

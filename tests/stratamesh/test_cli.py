@@ -230,3 +230,11 @@ def test_up_shows_a_call_the_model_serves(tmp_path: Path, architecture: str, end
     assert f"http://127.0.0.1:8000{endpoint}" in call and field in call and '"model": "m"' in call
     assert "Authorization: Bearer sk-sm-0a1b2c3d-secret" in call
     assert "Authorization" not in _example_call("http://127.0.0.1:8000", str(tmp_path), "m")   # --insecure
+
+
+def test_up_shows_a_call_a_gguf_model_serves(tiny_model, tmp_path: Path) -> None:
+    from stratamesh.cli import _example_call
+    from tests.gguf_writer import write_gguf
+
+    gguf = write_gguf(tiny_model("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    assert '"prompt"' in _example_call("http://127.0.0.1:8000", str(gguf), "tiny")
