@@ -41,15 +41,12 @@ def samples(url: str) -> dict[str, float]:
 
 def test_draining_the_middle_agent_moves_its_sessions_with_their_kv(tiny_models: dict[str, Path],
                                                                      tmp_path: Path) -> None:
-    """3 stages and a spare, their weights in int4 (a quantized mesh moves sessions as a float32 one does: the KV
-    stays in the stages' dtype); 8 streams of 128 tokens (greedy and seeded); drain the middle stage's agent."""
+    """3 stages and a spare; 8 streams of 128 tokens (greedy and seeded); drain the middle stage's agent."""
     model_dir = tiny_models["llama"]
     # held open: every stream still runs when `stratamesh drain` returns, however busy the box
     jobs = held(decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=128, seed=11), model_dir))
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db"), coordinator_args=["--quantize", "int4"]) as mesh:
-        (plan,) = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
-        assert [s["quantize"] for s in plan["stages"]] == ["int4"] * 3
+                   db=str(tmp_path / "registry.db")) as mesh:
         run = asyncio.run(drain_stage_mid_stream(mesh, MODEL, jobs, stage=1))
         records = settled_requests(mesh, 8)
         drained = mesh.agent_index(run.killed_address)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.bench.chaos import kill_stage_mid_stream, make_jobs
+from stratamesh.bench.chaos import drain_stage_mid_stream, kill_stage_mid_stream, make_jobs
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.launcher import LocalMesh
@@ -22,7 +22,7 @@ from stratamesh.fleet.stages import StageSpec
 from stratamesh.kernels.models.decoder import greedy_tokens, load_stage
 
 from ..patience import wait_until
-from .streams import held
+from .streams import held, settled_requests
 from .test_mesh import complete_ids
 
 pytestmark = pytest.mark.slow
@@ -46,10 +46,12 @@ def thread_cpus(pid: int) -> set[frozenset[int]]:
 def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_one_process(
         tiny_models: dict[str, Path], tmp_path: Path, quantize: str) -> None:
     """int8: two agents started as `stratamesh up` starts them (pinned to cores of their own, where there are two);
-    int4: two stages and a spare, and a kill -9 of the last stage's agent mid-stream loses no token."""
+    int4: two stages and two spares: a drain of the last stage's agent moves its sessions with their KV (nothing
+    recomputed), then a kill -9 of the first stage's loses no token, each run's greedy streams (prompts decisive on
+    the quantized model) those of an undisturbed run."""
     model_dir = tiny_models["llama"]
     pinned = quantize == "int8" and len(os.sched_getaffinity(0)) >= 2
-    with LocalMesh(str(model_dir), num_agents=2 if quantize == "int8" else 3, num_stages=2,
+    with LocalMesh(str(model_dir), num_agents=2 if quantize == "int8" else 4, num_stages=2,
                    coordinator_args=["--quantize", quantize], log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db"), pin_cpus=pinned) as mesh:
         if pinned:      # each agent on cores of its own, every thread of it
@@ -70,10 +72,15 @@ def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_o
             jobs = [replace(job, temperature=0.0) for job in make_jobs(4, regular_token_ids(model_dir), prompt_len=16,
                                                                        max_tokens=32, seed=5)]
             jobs = held(decisive(jobs, model_dir, min_margin=QUANTIZED_MARGIN, quantize=quantize))
-            run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=1))
-            assert [o.error for o in run.reference + run.outcomes if o.error] == []
-            assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]
-            assert all(run.killed_address not in r for r in run.routes_after)
+            drained = asyncio.run(drain_stage_mid_stream(mesh, MODEL, jobs, stage=1))
+            assert drained.drain_exit == 0, drained.drain_output
+            moves = [(r["num_moves"], r["num_replayed_tokens"]) for r in settled_requests(mesh, len(jobs))]
+            assert moves == [(1, 0)] * len(jobs)        # each moved once with its KV, nothing computed again
+            killed = asyncio.run(kill_stage_mid_stream(mesh, MODEL, jobs, stage=0))
+            for run in (drained, killed):
+                assert [o.error for o in run.reference + run.outcomes if o.error] == []
+                assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference]
+                assert all(run.killed_address not in r for r in run.routes_after)
 
 
 def check_the_limit_is_shown(mesh: LocalMesh) -> None:
