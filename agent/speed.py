@@ -85,24 +85,27 @@ def measure_read_bandwidth(reps: int = 3, num_bytes: int = CPU_READ_BYTES) -> fl
 def measure_onnx_speeds(torch_cpu: Speed) -> tuple[Speed, ...]:
     """ONNX Runtime's CPU provider ("onnxruntime-cpu") in float32 and with quantized weights (dtype "int8", "int4"):
     what a decode step of the real engine costs with ONNX Runtime computing the layers (measure_decode over exports
-    of the probe models, made first in a temporary folder, one a core: about 20 s on 2 cores). Its large matmul and
-    read are torch_cpu's: the planner prices decode steps at the decode rates where they are lower
-    (coordinator.placement.decode_rate), as they are here."""
+    of the probe models, made first in a temporary folder, one a core: about 16 s on 2 cores), in float32 and the
+    first quantized format (the others are the same MatMulNBits graph at other bits: they take its step costs), and
+    the bytes/s each format's batch-1 products read (kernels.ops.gemv). Its large matmul and read are torch_cpu's:
+    the planner prices decode steps at the decode rates where they are lower (coordinator.placement.decode_rate), as
+    they are here."""
     from stratamesh.kernels.models.onnx_stage import export_stages   # (imports the kernels)
     from stratamesh.kernels.ops.gemv import gemv_bandwidth
 
-    speeds = []
-    formats = (("float32", ""), *((q, q) for q in CPU_FORMATS))
+    stepped = ("", *CPU_FORMATS[:1])       # the formats whose steps are timed
+    decode: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="stratamesh-probe-onnx-") as exports:
         # every export the steps below load, made first, one a core (exporting is most of the time), the largest first
         export_stages([_probe_spec(exports, "cpu", shape, layers, quantize, "onnxruntime")
-                       for shape, layers in reversed(PROBE_STAGES) for _, quantize in formats], exports)
-        for dtype, quantize in formats:
+                       for shape, layers in reversed(PROBE_STAGES) for quantize in stepped], exports)
+        for quantize in stepped:
             step_s = partial(_decode_step_s, runtime="onnxruntime", onnx_cache=exports, quantize=quantize)
-            decode = measure_decode("cpu", step_s=step_s)
-            speeds.append(replace(torch_cpu, backend="onnxruntime-cpu", dtype=dtype, **decode,
-                                  decode_bandwidth=gemv_bandwidth("onnxruntime-cpu", quantize)))
-    return tuple(speeds)
+            decode[quantize] = measure_decode("cpu", step_s=step_s)
+    return tuple(replace(torch_cpu, backend="onnxruntime-cpu", dtype=quantize or "float32",
+                         **decode.get(quantize, decode[stepped[-1]]),
+                         decode_bandwidth=gemv_bandwidth("onnxruntime-cpu", quantize))
+                 for quantize in ("", *CPU_FORMATS))
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,14 +223,15 @@ def test_onnx_runtime_is_measured_through_its_own_stages(tmp_path: Path, monkeyp
     # a cache folder of its own: the test session's is shared by every xdist worker, whose agents write theirs there
     monkeypatch.setenv("STRATAMESH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gemv, "GEMV_BYTES", 16 << 20)       # (the figures' form is checked, not their size)
-    monkeypatch.setattr(speed_module, "CPU_FORMATS", ("int4",))     # (int8's exports and steps are the same code)
     (tmp_path / "cache").mkdir()
     torch_cpu = Speed("torch-cpu", "float32", 1e11, 2e10, 1e-4, 1e-5, 5e10, 1e10)
     before = set(cache_home(os.environ).rglob("*"))
-    ort, int4 = measure_onnx_speeds(torch_cpu)
+    ort, int8, int4 = measure_onnx_speeds(torch_cpu)
     assert (ort.backend, ort.dtype, ort.flops, ort.mem_bandwidth) == ("onnxruntime-cpu", "float32", 1e11, 2e10)
     assert ort.decode_flops > 0 and ort.decode_bandwidth > 0 and 0 <= ort.step_overhead_s < 1
-    # quantized weights (StageSpec.quantize) in its MatMulNBits
-    assert (int4.backend, int4.dtype) == ("onnxruntime-cpu", "int4") and int4.decode_flops > 0
-    assert int4.decode_bandwidth > 0 and 0 <= int4.step_overhead_s < 1
+    # quantized weights (StageSpec.quantize) in its MatMulNBits: int8's steps timed, int4 taking their costs
+    for quantized, name in ((int8, "int8"), (int4, "int4")):
+        assert (quantized.backend, quantized.dtype) == ("onnxruntime-cpu", name) and quantized.decode_flops > 0
+        assert quantized.decode_bandwidth > 0 and 0 <= quantized.step_overhead_s < 1
+    assert int4.step_overhead_s == int8.step_overhead_s
     assert set(cache_home(os.environ).rglob("*")) == before

@@ -46,12 +46,13 @@ def thread_cpus(pid: int) -> set[frozenset[int]]:
 def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_one_process(
         tiny_models: dict[str, Path], tmp_path: Path, quantize: str) -> None:
     """int8: two agents started as `stratamesh up` starts them (pinned to cores of their own, where there are two);
-    int4: two stages and two spares: a drain of the last stage's agent moves its sessions with their KV (nothing
-    recomputed), then a kill -9 of the first stage's loses no token, each run's greedy streams (prompts decisive on
-    the quantized model) those of an undisturbed run."""
+    int4: three stages and two spares: a drain of the middle stage's agent moves its sessions with their KV
+    (nothing recomputed), then a kill -9 of the first stage's loses no token, each run's greedy streams (prompts
+    decisive on the quantized model) those of an undisturbed run."""
     model_dir = tiny_models["llama"]
     pinned = quantize == "int8" and len(os.sched_getaffinity(0)) >= 2
-    with LocalMesh(str(model_dir), num_agents=2 if quantize == "int8" else 4, num_stages=2,
+    stages = 2 if quantize == "int8" else 3
+    with LocalMesh(str(model_dir), num_agents=2 if quantize == "int8" else 5, num_stages=stages,
                    coordinator_args=["--quantize", quantize], log_dir=str(tmp_path / "logs"),
                    db=str(tmp_path / "registry.db"), pin_cpus=pinned) as mesh:
         if pinned:      # each agent on cores of its own, every thread of it
@@ -60,7 +61,7 @@ def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_o
         (model,) = httpx.get(f"{mesh.url}/admin/api/models", headers=mesh.headers).json()["models"]
         assert model["quantize"] == quantize
         (plan,) = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
-        assert [s["quantize"] for s in plan["stages"]] == [quantize, quantize]
+        assert [s["quantize"] for s in plan["stages"]] == [quantize] * stages
         num_layers = plan["stages"][-1]["end_layer"]
         one_process = load_stage(StageSpec("m", str(model_dir), 0, num_layers, num_layers, quantize=quantize))
         for seed, length in ((1, 12), (2, 40)):
