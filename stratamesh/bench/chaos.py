@@ -179,7 +179,9 @@ class FailoverRun:
     drain_output: str = ""                                         # what `stratamesh drain` printed, and ...
     drain_exit: int | None = None                                  # ... its exit code
     killed_rank_pids: dict[int, list[int]] = field(default_factory=dict)   # the killed agent's ranks > 0, by rank
-    prefilled_before: list[float] = field(default_factory=list)   # each agent's prompt tokens prefilled, at the order
+    # the coordinator's /metrics page and each agent's at the drain order (a late agent's plan switch may have moved
+    # sessions before it: what the drain moved is what the counters gained since)
+    metrics_before: dict[str, str] = field(default_factory=dict)
 
     @property
     def stalls(self) -> list[float]:
@@ -245,7 +247,7 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
     every stream has after_tokens tokens."""
     async def drain(run: FailoverRun, outcomes: list[StreamOutcome]) -> None:
         agent_id = mesh.agent_ids[mesh.agent_index(run.killed_address)]
-        run.prefilled_before = await asyncio.to_thread(prefilled, mesh)
+        run.metrics_before = await asyncio.to_thread(metrics_pages, mesh)
         command = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "stratamesh.cli", "drain", agent_id, "--url", mesh.url,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -256,19 +258,18 @@ async def drain_stage_mid_stream(mesh: LocalMesh, model: str, jobs: Sequence[Str
     return await disturb_stage_mid_stream(mesh.url, mesh.headers, model, jobs, stage, after_tokens, drain)
 
 
-def prefilled(mesh: LocalMesh) -> list[float]:
-    """Each agent's prompt tokens prefilled so far (its stratamesh:stage_prefill_tokens_total, 0 for one gone)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def metrics_pages(mesh: LocalMesh) -> dict[str, str]:
+    """The coordinator's /metrics page ("coordinator") and each agent's (by its metrics address; "" for one gone)."""
+    import urllib.request
 
-    counts = []
-    for index in range(len(mesh.agent_metrics)):
+    with urllib.request.urlopen(f"{mesh.url}/metrics", timeout=10) as response:
+        pages = {"coordinator": response.read().decode()}
+    for index, address in enumerate(mesh.agent_metrics):
         try:
-            text = mesh.metrics_text(index)
+            pages[address] = mesh.metrics_text(index)
         except OSError:
-            text = ""
-        counts.append(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                          if s.name == "stratamesh:stage_prefill_tokens_total"))
-    return counts
+            pages[address] = ""
+    return pages
 
 
 async def disturb_stage_mid_stream(

@@ -68,7 +68,7 @@ def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_o
             prompt = make_jobs(1, regular_token_ids(model_dir), prompt_len=length, max_tokens=1, seed=seed)[0]
             ids = list(prompt.prompt_ids)
             assert complete_ids(mesh, model_dir, ids, 24) == greedy_tokens(one_process, ids, 24)
-        check_the_limit_is_shown(mesh)
+        check_the_limit_is_shown(mesh, stages)
         if quantize == "int4":
             jobs = [replace(job, temperature=0.0) for job in make_jobs(4, regular_token_ids(model_dir), prompt_len=16,
                                                                        max_tokens=32, seed=5)]
@@ -84,9 +84,10 @@ def test_a_mesh_of_quantized_stages_gives_the_tokens_of_the_quantized_model_in_o
                 assert all(run.killed_address not in r for r in run.routes_after)
 
 
-def check_the_limit_is_shown(mesh: LocalMesh) -> None:
-    """What each agent measured (the box's streaming read, each format's batch-1 products) and each stage's decode
-    steps against their roofline, in /admin/api/agents."""
+def check_the_limit_is_shown(mesh: LocalMesh, stages: int) -> None:
+    """What each agent measured (the box's streaming read, each format's batch-1 products) and the decode steps of
+    each of the plan's stages against their roofline, in /admin/api/agents (a spare may hold a standby plan's stage,
+    which decodes nothing: 0)."""
     def agents() -> list[dict]:
         return httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()["agents"]
 
@@ -99,5 +100,5 @@ def check_the_limit_is_shown(mesh: LocalMesh) -> None:
         return [s["decode_roofline"] for a in agents() if a["telemetry"] for s in a["telemetry"]["stages"]]
 
     # each stage's decode steps against the roofline of the bytes they read, once a heartbeat carries them
-    wait_until(lambda: len(decode_rooflines()) >= 2 and all(r > 0 for r in decode_rooflines()), 30)
+    wait_until(lambda: sum(r > 0 for r in decode_rooflines()) >= stages, 30)
     assert all(r < 5 for r in decode_rooflines())
