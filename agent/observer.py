@@ -51,13 +51,6 @@ class DecodeSpeed:
         self.roofline += weight * (fraction - self.roofline)
 
 
-def decode_read_bytes(engine: StageEngine, batch: Batch) -> int:
-    """What a decode step reads: the stage's weights once, and each sequence's KV up to the token it decodes."""
-    model = engine.runner.model
-    context = sum(chunk.start_pos + chunk.num_tokens for chunk in batch.chunks)
-    return model.step_read_bytes + context * model.kv_bytes_per_token
-
-
 class StageObserver:
     """Turns data-plane events into Prometheus observations and trace spans, and keeps each stage's DecodeSpeed
     (read_bandwidth: the box's streaming read, bytes/s, where the agent measured it)."""
@@ -88,7 +81,8 @@ class StageObserver:
         bound.compute_s.observe((end_ns - start_ns) / 1e9)
         if batch.chunks and all(c.is_decode for c in batch.chunks):
             speed = self.decode.setdefault(engine.assignment.assignment_id, DecodeSpeed())
-            speed.add((end_ns - start_ns) / 1e9, decode_read_bytes(engine, batch), self.read_bandwidth)
+            context = sum(chunk.start_pos + chunk.num_tokens for chunk in batch.chunks)   # the tokens attended over
+            speed.add((end_ns - start_ns) / 1e9, engine.runner.model.decode_read_bytes(context), self.read_bandwidth)
         bound.batch_tokens.observe(num_tokens)
         bound.tokens.inc(num_tokens)
         bound.prefill_tokens.inc(sum(c.num_tokens for c in batch.chunks if not c.is_decode))

@@ -25,7 +25,6 @@ from stratamesh.fleet.stages import StageSpec
 log = logging.getLogger(__name__)
 
 CPU_MATMUL_N = 1024                 # fp32: 2 GFLOP a product; large enough for the BLAS to reach steady state
-CPU_COPY_BYTES = 64 << 20           # larger than any last-level cache here
 CPU_READ_BYTES = 256 << 20          # a streaming read: larger than the last-level caches of the CPUs here
 # Large enough to keep an H100's tensor cores busy; fp32 runs at a fraction of their rate, so a smaller n.
 CUDA_MATMUL_N = {torch.float32: 4096, torch.bfloat16: 8192, torch.float16: 8192}
@@ -34,7 +33,7 @@ DEFAULT_MAX_AGE_S = 7 * 86400.0
 MEASURES_VERSION = 7                # bumped when measure_speeds or measure_onnx_speeds measure more (2: CPU bfloat16,
                                     # 3: overheads, 4: int8, 5: decode bandwidth, 6: ONNX Runtime's int8, 7: int4,
                                     # a CPU's bandwidth as a streaming read)
-# The weight formats a CPU backend measures beside its float32 (StageSpec.quantize), and the bytes a weight takes
+# The weight formats a CPU backend measures beside its float32 (StageSpec.quantize)
 CPU_FORMATS = ("int8", "int4")
 # The overhead probe: decode steps of OVERHEAD_BATCH sequences through a model too small for its FLOPs or bytes to
 # count, with 1 and OVERHEAD_LAYERS layers; what a step costs then is the framework's own cost.
@@ -55,8 +54,7 @@ def measure_speeds(reps: int = 3, cpu_bf16: bool = False, cuda: bool = True) -> 
 
     read_bandwidth = measure_read_bandwidth(reps)
     cpu_dtypes = (torch.float32, torch.bfloat16) if cpu_bf16 else (torch.float32,)
-    speeds = [replace(_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, CPU_COPY_BYTES, reps),
-                      mem_bandwidth=read_bandwidth) for dtype in cpu_dtypes]
+    speeds = [_measure("torch-cpu", "cpu", dtype, CPU_MATMUL_N, 0, reps, read_bandwidth) for dtype in cpu_dtypes]
     speeds += [_measure_quantized(speeds[0], quantize, CPU_MATMUL_N, reps) for quantize in CPU_FORMATS]
     if cuda and torch.cuda.is_available():
         free_bytes, _ = torch.cuda.mem_get_info()
@@ -208,15 +206,19 @@ def _measure_quantized(float32: Speed, quantize: str, n: int, reps: int) -> Spee
     return Speed("torch-cpu", quantize, 2 * n ** 3 / matmul_s, float32.mem_bandwidth)
 
 
-def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int) -> Speed:
+def _measure(backend: str, device: str, dtype: torch.dtype, n: int, copy_bytes: int, reps: int,
+             mem_bandwidth: float = 0.0) -> Speed:
+    """A large matmul in dtype, and a large copy's bytes/s unless the caller measured the memory otherwise
+    (mem_bandwidth: a CPU's streaming read)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    src = torch.rand(copy_bytes // a.element_size(), device=device, dtype=dtype)   # rand: faster than randn
-    dst = torch.empty_like(src)
     matmul_s = _best_time(lambda: torch.mm(a, b), device, reps)
-    copy_s = _best_time(lambda: dst.copy_(src), device, reps)
-    moved_bytes = 2 * src.numel() * src.element_size()   # read the source, write the destination
-    return Speed(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, moved_bytes / copy_s)
+    if not mem_bandwidth:
+        src = torch.rand(copy_bytes // a.element_size(), device=device, dtype=dtype)   # rand: faster than randn
+        dst = torch.empty_like(src)
+        copy_s = _best_time(lambda: dst.copy_(src), device, reps)
+        mem_bandwidth = 2 * src.numel() * src.element_size() / copy_s   # read the source, write the destination
+    return Speed(backend, str(dtype).removeprefix("torch."), 2 * n ** 3 / matmul_s, mem_bandwidth)
 
 
 def _best_time(work: Callable[[], object], device: str, reps: int) -> float:

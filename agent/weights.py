@@ -16,8 +16,7 @@ import grpc
 
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.stages import StageSpec
-from stratamesh.fleet.gguf_files import is_gguf
-from stratamesh.fleet.weight_files import CONFIG_FILE, Mirror
+from stratamesh.fleet.weight_files import Mirror, config_path, model_path_in
 from stratamesh.fleet.weight_service import fetch_chunks
 from stratamesh.fleet.weights import WeightChunk, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert
@@ -95,8 +94,7 @@ class WeightFetcher:
         return self.root / re.sub(r"[^A-Za-z0-9_-]", "_", model_id)[:100] / revision[:16]
 
     def needs_fetch(self, spec: StageSpec) -> bool:
-        here = Path(spec.model_path) if is_gguf(spec.model_path) else Path(spec.model_path) / CONFIG_FILE
-        return self.mode == "always" or not here.is_file()
+        return self.mode == "always" or not config_path(spec.model_path).is_file()
 
     async def localize(self, assignment_id: str, spec: StageSpec, coordinator: grpc.aio.Channel,
                        report: Callable[[WeightsProgress], None] = lambda p: None) -> StageSpec:
@@ -112,8 +110,7 @@ class WeightFetcher:
         label = f"{spec.model_id} [{spec.start_layer}, {spec.end_layer})"
         head_progress = _Progress(label, assignment_id, head.total_bytes, 0, lambda p: None, log_bar=False)
         await self._fetch(head, mirror, coordinator, head_progress)
-        # (a GGUF file's copy: the file, under its name, in the mirror)
-        local = mirror.root / Path(spec.model_path).name if is_gguf(spec.model_path) else mirror.root
+        local = model_path_in(mirror.root, spec.model_path)
         config = await asyncio.to_thread(read_config, local)
         manifest = await self._manifest(control, spec.model_id,
                                         stage_tensor_names(config, spec.start_layer, spec.end_layer))

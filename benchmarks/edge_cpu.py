@@ -62,7 +62,6 @@ class Row:
     batch: int
     runtime: str
     fmt: str
-    threads: int
     step_s: float
     roofline: float          # bytes read at the streaming read over the step
 
@@ -92,11 +91,9 @@ def decode_row(name: str, path: Path, runtime: str, fmt: str, batch: int, args: 
     engine, _ = prefilled(spec(path, fmt, runtime), batch, args.context)
     decode_times(engine, batch, args.context, 2)                     # warm-up: first-call setup is not speed
     step_s = statistics.median(decode_times(engine, batch, args.context + 2, args.steps, first_step=2))
-    model = engine.runner.model
-    context = batch * (args.context + 2 + args.steps // 2)
-    read = model.step_read_bytes + context * model.kv_bytes_per_token
+    read = engine.runner.model.decode_read_bytes(batch * (args.context + 2 + args.steps // 2))   # (the median step's)
     engine.runner.close()
-    return Row(name, batch, runtime, fmt, threads, step_s, read / read_bw / step_s)
+    return Row(name, batch, runtime, fmt, step_s, read / read_bw / step_s)
 
 
 def llama_cpp_speeds(llama_dir: Path, path: Path, args: argparse.Namespace,

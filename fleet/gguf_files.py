@@ -43,11 +43,11 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"\s+(?!\S)|\s+")
 SPLITS = {"gpt-2": _GPT2_SPLIT, "default": _GPT2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
           "qwen2": _QWEN2_SPLIT}
-CONTROL, USER_DEFINED = 3, 4
+CONTROL, USER_DEFINED = 3, 4             # tokenizer.ggml.token_type values of special tokens
 # The weight format (StageSpec.quantize) nearest a GGUF block type: what its matrices are served in unless the
 # operator says otherwise (Q4_0 exactly; the other 2-5 bit types as int4, 6-8 bit ones as int8, requantized)
 FORMAT_OF_TYPE = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K"), "int4"),
-                  **dict.fromkeys(("Q6_K", "Q8_0"), "int8")}              # tokenizer.ggml.token_type values of special tokens
+                  **dict.fromkeys(("Q6_K", "Q8_0"), "int8")}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -106,6 +106,10 @@ class GgufModel:
 
     def config(self) -> dict[str, Any]:
         """The model as a config.json dict would describe it (float32: its tensors are read into a stage's dtype)."""
+        return dict(self._config)
+
+    @cached_property
+    def _config(self) -> dict[str, Any]:
         heads = int(self._hparam("attention.head_count"))
         hidden = int(self._hparam("embedding_length"))
         config = {
@@ -162,7 +166,7 @@ class GgufModel:
         matrices, each head's rows interleaved by llama.cpp's converter."""
         if self.arch not in PERMUTED_QK or not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             return None
-        config = self.config()
+        config = self._config
         heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
         rows = int(self.tensors[name].shape[-1])
         return permutation_of_rows(rows, heads)

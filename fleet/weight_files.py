@@ -94,6 +94,16 @@ def files_root(model_path: str | Path) -> Path:
     return Path(model_path).parent if is_gguf(model_path) else Path(model_path)
 
 
+def model_path_in(root: str | Path, model_path: str | Path) -> Path:
+    """files_root's inverse: the model's path in a folder holding its files (a copy of them)."""
+    return Path(root) / Path(model_path).name if is_gguf(model_path) else Path(root)
+
+
+def config_path(model_path: str | Path) -> Path:
+    """The file whose presence says a model is on this disk: its folder's config.json, or its GGUF file."""
+    return Path(model_path) if is_gguf(model_path) else Path(model_path) / CONFIG_FILE
+
+
 class ModelFiles:
     """One model folder's layout: which file and byte range holds each tensor, read from its index and headers. Or
     one GGUF file's: its header (the model's config and tokenizer) and its tensors' bytes (fleet.gguf_files).

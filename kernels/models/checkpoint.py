@@ -127,6 +127,12 @@ def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
     return names
 
 
+def quantizable(name: str) -> bool:
+    """Whether a stage with quantized weights (StageSpec.quantize) holds the named tensor quantized: a projection
+    matrix, the LM head or the embedding (norms and biases stay as they are)."""
+    return name.endswith("_proj.weight") or name in (LM_HEAD, EMBED)
+
+
 def open_checkpoint(path: str | Path, quantize: str = "") -> Checkpoint | GgufCheckpoint:
     """A model's tensors by their Hugging Face names: a safetensors folder's, or a GGUF file's (quantize: the
     stage's weight format, which a GGUF file's Q4_0 matrices are kept in where it is int4: kernels.models.gguf)."""

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.stages import StageSpec
 from stratamesh.fleet.states import Runtime
-from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD, open_checkpoint, stage_tensor_names
+from stratamesh.kernels.models.checkpoint import (EMBED, FINAL_NORM, LM_HEAD, open_checkpoint, quantizable,
+                                                  stage_tensor_names)
 from stratamesh.kernels.models.config import ModelConfig, read_config
 from stratamesh.kernels.models.families import layer_class
 from stratamesh.kernels.models.families.llama import MATRICES, Step, weight
@@ -94,6 +95,11 @@ class StageModel:
         layers = self.spec.end_layer - self.spec.start_layer
         return 2 * layers * self.num_kv_heads * self.config.head_dim * self.dtype.itemsize
 
+    def decode_read_bytes(self, context_tokens: int) -> int:
+        """What a decode step reads from memory: the stage's weights once, and the KV of the context its sequences
+        attend over (context_tokens, all of them together)."""
+        return self.step_read_bytes + context_tokens * self.kv_bytes_per_token
+
     def reshard(self, tensors: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Swaps in shards of its tensors that compute num_heads / num_kv_heads of the heads and a slice of the
@@ -126,14 +132,12 @@ class StageModel:
         tied_head = isinstance(self._lm_head, PackedInt4Weight) and self.config.tie_word_embeddings
         tensors = self._tensors
         for name in [n for n, t in tensors.items() if t.dtype == torch.uint8 and n + SCALE_SUFFIX in tensors]:
-            if name == EMBED and self._embed is not None:      # the lookup's rows: kept as stored
-                if tied_head:
-                    self._tensors[LM_HEAD] = torch.empty_like(self._tensors[name], device="meta")
-                    self._tensors[LM_HEAD + SCALE_SUFFIX] = torch.empty_like(self._tensors[name + SCALE_SUFFIX],
-                                                                             device="meta")
-                continue
-            for key in (name, name + SCALE_SUFFIX):
-                self._tensors[key] = torch.empty_like(self._tensors[key], device="meta")
+            for suffix in ("", SCALE_SUFFIX):
+                shape_only = torch.empty_like(tensors[name + suffix], device="meta")
+                if name != EMBED or self._embed is None:
+                    tensors[name + suffix] = shape_only
+                elif tied_head:                     # the lookup's rows kept as stored, the head's tiles beside them
+                    tensors[LM_HEAD + suffix] = shape_only
 
     def new_cache(self, chunk_tokens: int = 256) -> KVCache:
         c = self.config
@@ -284,7 +288,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, quan
     float matrix is dropped as soon as its quantized form exists; one read quantized already (a GGUF file's Q4_0
     matrices: kernels.models.gguf) stays as it is."""
     for name in list(tensors):
-        if (name.endswith("_proj.weight") or name in (LM_HEAD, EMBED)) and name + SCALE_SUFFIX not in tensors:
+        if quantizable(name) and name + SCALE_SUFFIX not in tensors:
             w = tensors[name]
             if quantize == "int4" and takes_int4(w):
                 q4 = quantize_int4(w)

@@ -19,7 +19,8 @@ import torch
 
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.gguf_files import GgufModel
-from stratamesh.kernels.ops.quant import INT4_GROUP, SCALE_SUFFIX, TORCH_INT4_ROWS
+from stratamesh.kernels.models.checkpoint import quantizable
+from stratamesh.kernels.ops.quant import INT4_GROUP, SCALE_SUFFIX, pack_int4, takes_int4
 
 Q4_0_BLOCK_BYTES = 2 + INT4_GROUP // 2           # a float16 scale, then 32 weights in 16 bytes
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
@@ -64,11 +65,10 @@ class GgufCheckpoint:
         return out
 
     def _repacks(self, name: str, tensor) -> bool:  # noqa: ANN001 (a gguf ReaderTensor)
-        """Whether a tensor goes to the stage as the int4 format's bytes: a Q4_0 matrix of an int4 stage whose shape
-        the int4 kernels take (quant.takes_int4)."""
-        return (self.quantize == "int4" and tensor.tensor_type.name == "Q4_0" and len(tensor.shape) == 2
-                and int(tensor.shape[0]) % INT4_GROUP == 0 and int(tensor.shape[1]) % TORCH_INT4_ROWS == 0
-                and (name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")))
+        """Whether a tensor goes to the stage as the int4 format's bytes: a Q4_0 matrix an int4 stage quantizes
+        (checkpoint.quantizable) of a shape the int4 kernels take (quant.takes_int4)."""
+        return (self.quantize == "int4" and tensor.tensor_type.name == "Q4_0" and quantizable(name)
+                and takes_int4([int(d) for d in reversed(tensor.shape)]))       # (GGML lists columns first)
 
 
 def _as_float32(tensor) -> np.ndarray:  # noqa: ANN001 (a gguf ReaderTensor)
@@ -94,7 +94,6 @@ def q4_0_as_int4(blocks: np.ndarray, in_features: int) -> tuple[torch.Tensor, to
     weights in the low nibbles of its 16 bytes and the next 16 in the high ones."""
     rows = blocks.reshape(blocks.shape[0], in_features // INT4_GROUP, Q4_0_BLOCK_BYTES)
     scale = rows[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = rows[..., 2:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)             # [out, blocks, 32]: weights in order
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(blocks.shape[0], in_features // 2)
-    return torch.from_numpy(packed), torch.from_numpy(scale)
+    nibbles = torch.from_numpy(np.ascontiguousarray(rows[..., 2:]))
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)             # [out, blocks, 32]: the weights in order
+    return pack_int4(q).reshape(blocks.shape[0], in_features // 2), torch.from_numpy(scale)

@@ -51,7 +51,7 @@ from stratamesh.kernels.models.families.llama import LlamaLayer
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
 from stratamesh.kernels.ops.norm import rms_norm
-from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight, unpack_int4
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.rope import apply_rope, rope_cos_sin
@@ -118,14 +118,14 @@ class NBitsWeight:
         if isinstance(w, Int4Weight):
             (out_features, in_features), group = w.shape, w.group
             packed = w.packed.reshape(out_features, in_features // group, group // 2)
-            return cls(packed.contiguous(), w.scale.reshape(-1).float().contiguous(), in_features, 4)
+            return cls(packed.contiguous(), w.scale.reshape(-1).float().contiguous(), in_features, w.BITS)
         out_features, in_features = w.q.shape
         block = _int8_block(in_features)
         blocks = -(-in_features // block)
         packed = torch.full((out_features, blocks * block), MATMUL_NBITS_ZERO, dtype=torch.int16)
         packed[:, :in_features] = w.q.to(torch.int16) + MATMUL_NBITS_ZERO
         return cls(packed.to(torch.uint8).view(out_features, blocks, block).contiguous(),
-                   w.scale.float().repeat_interleave(blocks).contiguous(), in_features, 8)
+                   w.scale.float().repeat_interleave(blocks).contiguous(), in_features, w.BITS)
 
 
 def _int8_block(in_features: int) -> int:
@@ -141,7 +141,7 @@ def nbits_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in
     out_features, blocks, _ = packed.shape
     q = packed.reshape(out_features, -1)
     if bits == 4:
-        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(out_features, -1)
+        q = unpack_int4(q)
     q = q.reshape(out_features, blocks, -1).to(x.dtype) - 2 ** (bits - 1)
     w = (q * scales.view(out_features, blocks, 1).to(x.dtype)).reshape(out_features, -1)[:, :in_features]
     return x @ w.T
@@ -399,7 +399,7 @@ class _Layers(torch.nn.Module):
 def _in_features(model: StageModel) -> dict[str, tuple[int, int]]:
     """The row length and bits of each of the first layer's quantized weights, by name."""
     first = model._layers[0]
-    return {name: (w.shape[1], 4 if isinstance(w, Int4Weight) else 8) for name in _WEIGHTS
+    return {name: (w.shape[1], w.BITS) for name in _WEIGHTS
             if isinstance(w := getattr(first, name), Int8Weight | Int4Weight)}
 
 

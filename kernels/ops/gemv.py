@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stratamesh.fleet.stages import QUANTIZED_BYTES
 from stratamesh.kernels.ops.quant import INT4_GROUP, INT8_MAX, Int8Weight, PackedInt4Weight, linear
 
 GEMV_SHAPE = (4096, 4096)           # one matrix [out, in]: a 7B model's attention projection
 GEMV_BYTES = 128 << 20              # the weights a measurement reads: four times a large last-level cache
-ORT_INT8_BLOCK = 128                # (kernels.models.onnx_stage.INT8_BLOCK: the blocks an int8 stage exports)
-_FORMAT_BYTES = {"": 4.0, "int8": 1.0 + 4 / GEMV_SHAPE[1], "int4": 0.5 + 4 / INT4_GROUP}
+_FORMAT_BYTES = {"": 4.0, **QUANTIZED_BYTES}      # a weight's bytes in each format, its scales counted
 
 
 def gemv_bandwidth(backend: str, quantize: str = "", num_bytes: int = 0, reps: int = 3) -> float:
@@ -67,12 +67,14 @@ def _ort_products(quantize: str, count: int) -> Callable[[], object]:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
+    from stratamesh.kernels.models.onnx_stage import INT8_BLOCK     # (the blocks an int8 stage exports)
+
     out_features, in_features = GEMV_SHAPE
     rng = np.random.default_rng(0)
     nodes, initializers, outputs = [], [], []
     for i in range(count):
         if quantize:
-            bits, block = (8, ORT_INT8_BLOCK) if quantize == "int8" else (4, INT4_GROUP)
+            bits, block = (8, INT8_BLOCK) if quantize == "int8" else (4, INT4_GROUP)
             blocks = in_features // block
             packed = rng.integers(0, 256, (out_features, blocks, block * bits // 8), dtype=np.uint8)
             scales = (rng.random(out_features * blocks, dtype=np.float32) / 100)

@@ -18,10 +18,11 @@ the weight into the activations' dtype instead."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ TORCH_INT4_ROWS = 16               # the torch int4 kernel's tiles: a matrix it 
 class Int8Weight:
     """w ~= q * scale[:, None]: q [out, in] int8, scale [out] float32."""
 
+    BITS: ClassVar[int] = 8
     q: torch.Tensor
     scale: torch.Tensor
     kernel_scale: torch.Tensor = field(init=False, repr=False)   # scale in bfloat16, as the CPU kernel takes it
@@ -64,6 +66,7 @@ class Int4Weight:
     """w ~= (q - 8) * scale per group of INT4_GROUP along a row: packed [out, in / 2] uint8 (the even element of
     each pair in the low nibble), scale [out, in / group] float32."""
 
+    BITS: ClassVar[int] = 4
     packed: torch.Tensor
     scale: torch.Tensor
 
@@ -77,7 +80,7 @@ class Int4Weight:
 
     def unpacked(self) -> torch.Tensor:
         """q [out, in] uint8 in [0, 15]."""
-        return _unpack(self.packed)
+        return unpack_int4(self.packed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize4(self.packed, self.scale, dtype)
@@ -130,22 +133,28 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
     scale = groups.abs().amax(dim=2) / INT4_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (torch.round(groups / scale[..., None]).clamp_(-INT4_ZERO, INT4_MAX) + INT4_ZERO).to(torch.uint8)
-    q = q.reshape(out_features, in_features)
-    return Int4Weight((q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale.contiguous())
+    return Int4Weight(pack_int4(q.reshape(out_features, in_features)), scale.contiguous())
 
 
-def takes_int4(w: torch.Tensor) -> bool:
-    """Whether a matrix [out, in] is stored in 4 bits: its rows a multiple of INT4_GROUP, and its rows as many as
-    the torch CPU kernel's tiles take (every such matrix is repacked for it: for_cpu_kernel)."""
-    return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % TORCH_INT4_ROWS == 0
+def takes_int4(w: torch.Tensor | Sequence[int]) -> bool:
+    """Whether a matrix [out, in] (or its shape) is stored in 4 bits: its rows a multiple of INT4_GROUP, and its rows
+    as many as the torch CPU kernel's tiles take (every such matrix is repacked for it: for_cpu_kernel)."""
+    shape = tuple(w.shape) if isinstance(w, torch.Tensor) else tuple(w)
+    return len(shape) == 2 and shape[1] % INT4_GROUP == 0 and shape[0] % TORCH_INT4_ROWS == 0
 
 
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., n] (uint8 in [0, 15]) two a byte [..., n / 2], the even one in the low nibble."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [..., n / 2] uint8 -> the values [..., n]."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _dequantize4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    q = _unpack(packed).to(dtype) - INT4_ZERO
+    q = unpack_int4(packed).to(dtype) - INT4_ZERO
     groups = q.reshape(*scale.shape, -1)
     return (groups * scale.to(dtype)[..., None]).reshape(q.shape)
 
