@@ -10,7 +10,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import grpc
@@ -35,6 +35,7 @@ from stratamesh.fleet.links import LinkService
 from stratamesh.fleet.state import cache_home
 from stratamesh.fleet.tracing import SpanStore, span_store
 from stratamesh.fleet.boxes import Capabilities, Telemetry
+from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc
@@ -218,6 +219,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
     except BaseException:
         await browser.close()
         raise
+    if options.runtime == Runtime.ONNXRUNTIME:    # its stages' sessions take the threads torch has (see below)
+        options = replace(options, engine=replace(options.engine, onnx_threads=torch.get_num_threads()))
     group_failures: list[str] = []
     host = StageHost(options.engine, _on_group_failure(stop, group_failures))
     metrics = AgentMetrics()
@@ -234,6 +237,11 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         metrics_address = f"{options.advertise_host or options.host}:{metrics_port}"
     capabilities = probe(options.site, options.tier, remeasure=options.remeasure, num_ranks=options.num_ranks,
                          dtype=options.dtype, use_gpus=options.use_gpus, runtime=options.runtime)
+    if options.runtime == Runtime.ONNXRUNTIME:
+        # Every stage here runs in ONNX Runtime, on options.engine.onnx_threads: torch computes what is between its
+        # runs (embedding lookups, sampling), on one thread: on more, its idle OpenMP workers spun through the
+        # sessions' runs and slowed decode steps ~10%.
+        torch.set_num_threads(1)
     identity = Identity(options.agent_id, options.name, stages.address, options.mesh, capabilities, metrics_address)
     control_client = ControlClient(identity, host, partial(_find_coordinator, options, browser),
                                    telemetry=_telemetry(options, host, stages, metrics, capabilities),

@@ -88,7 +88,7 @@ class StageHost:
             runner = await in_own_thread(functools.partial(
                 StageRunner.load, spec, config.kv_cache_bytes, self._group_failed,
                 config.gpu_memory_utilization, config.max_batch_tokens,
-                config.max_batch_seqs if config.cuda_graphs else 0))
+                config.max_batch_seqs if config.cuda_graphs else 0, onnx_threads=config.onnx_threads))
         engine = self.engines[assignment.assignment_id] = StageEngine(assignment, runner, self.config)
         return engine
 

@@ -87,12 +87,16 @@ def spec(path: Path, fmt: str, runtime: str) -> StageSpec:
 
 def decode_row(name: str, path: Path, runtime: str, fmt: str, batch: int, args: argparse.Namespace,
                read_bw: float, threads: int) -> Row:
-    torch.set_num_threads(threads)
-    engine, _ = prefilled(spec(path, fmt, runtime), batch, args.context)
+    """The stage's decode step as an agent with `threads` threads runs it: an ONNX Runtime stage's sessions on them,
+    torch's glue on one (agent.daemon)."""
+    onnx = runtime == "onnxruntime"
+    engine, _ = prefilled(spec(path, fmt, runtime), batch, args.context, onnx_threads=threads if onnx else 0)
+    torch.set_num_threads(1 if onnx else threads)
     decode_times(engine, batch, args.context, 2)                     # warm-up: first-call setup is not speed
     step_s = statistics.median(decode_times(engine, batch, args.context + 2, args.steps, first_step=2))
     read = engine.runner.model.decode_read_bytes(batch * (args.context + 2 + args.steps // 2))   # (the median step's)
     engine.runner.close()
+    torch.set_num_threads(threads)
     return Row(name, batch, runtime, fmt, step_s, read / read_bw / step_s)
 
 

@@ -36,9 +36,10 @@ def stratamesh_times(model_dir: Path, layers: int, batch: int, prompt_len: int, 
     return prefill_s, statistics.median(decode_times(engine, batch, prompt_len, steps))
 
 
-def prefilled(spec: StageSpec, batch: int, prompt_len: int) -> tuple[StageEngine, float]:
-    """A stage engine of spec with sessions s0..s{batch-1} prefilled with prompt_len tokens; the prefill's seconds."""
-    engine = StageEngine(Assignment("a", spec), StageRunner.load(spec, 512 << 20),
+def prefilled(spec: StageSpec, batch: int, prompt_len: int, onnx_threads: int = 0) -> tuple[StageEngine, float]:
+    """A stage engine of spec with sessions s0..s{batch-1} prefilled with prompt_len tokens; the prefill's seconds
+    (onnx_threads: an ONNX Runtime stage's threads, 0: torch's)."""
+    engine = StageEngine(Assignment("a", spec), StageRunner.load(spec, 512 << 20, onnx_threads=onnx_threads),
                          EngineConfig(max_batch_tokens=batch * prompt_len, enable_prefix_cache=False))
     prompt = tuple(range(1, prompt_len + 1))
     for i in range(batch):

@@ -36,6 +36,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_batch_seqs: int = 64
     enable_prefix_cache: bool = True
+    onnx_threads: int = 0                   # an ONNX Runtime stage's threads; 0: torch's
     # The first stage waits up to this long for the tokens of a step's other sessions, so that decodes
     # arriving one message per session from the origin still run as one batch.
     coalesce_s: float = 0.004

@@ -78,7 +78,7 @@ class StageRunner:
     @classmethod
     def load(cls, spec: StageSpec, kv_cache_bytes: int, on_group_failure: Callable[[str], None] | None = None,
              gpu_memory_utilization: float = 0.9, max_batch_tokens: int = 512, graph_batch: int = 0,
-             onnx_cache: str | Path | None = None) -> StageRunner:
+             onnx_cache: str | Path | None = None, onnx_threads: int = 0) -> StageRunner:
         """Loads the stage's own tensors and its paged KV cache (per rank, for a TP stage, whose other ranks it
         launches; on_group_failure hears, from any thread, that the group went down).
 
@@ -87,12 +87,12 @@ class StageRunner:
         (agent.engine.memory). graph_batch > 0: a GPU stage's decode steps of up to that many sessions run as CUDA
         graphs (agent.engine.decode_graphs). A stage whose runtime is onnxruntime runs its layers in ONNX Runtime
         (kernels.models.onnx_stage), from an export kept in onnx_cache (default: the cache folder,
-        fleet.state.cache_home)."""
+        fleet.state.cache_home), on onnx_threads threads (0: torch's)."""
         config = read_config(spec.model_path)
         check_tp(config, spec.tp_degree)
         kv_cache_bytes = cpu_kv_bytes(spec.kv_cache_bytes, kv_cache_bytes)
         if spec.runtime == Runtime.ONNXRUNTIME:
-            model = load_runtime_stage(spec, onnx_cache or cache_home(os.environ), config)
+            model = load_runtime_stage(spec, onnx_cache or cache_home(os.environ), config, onnx_threads)
             return cls._loaded(model, _num_blocks(spec, config, kv_cache_bytes), None)
         if spec.device.startswith("cuda"):
             return cls._load_on_gpu(spec, config, on_group_failure, gpu_memory_utilization, max_batch_tokens,

@@ -118,7 +118,7 @@ class StageModel:
         head = EMBED if self.config.tie_word_embeddings else LM_HEAD
         self._lm_head = weight(tensors, head) if spec.is_last and self.config.has_lm_head else None
         if spec.quantize and spec.device == "cpu" and spec.runtime == Runtime.TORCH:
-            self._repack_for_cpu()       # (an ONNX Runtime stage repacks its head alone: OrtStageModel.from_model)
+            self._repack_for_cpu()       # (an ONNX Runtime stage computes its head in its runtime: export_head)
 
     def _repack_for_cpu(self) -> None:
         """Its 4-bit matrices in the torch CPU kernel's layout (quant.PackedInt4Weight), each stored once: the

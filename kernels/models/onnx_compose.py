@@ -57,7 +57,8 @@ def compose_layers(template: onnx.ModelProto, shared: Sequence[str], layers: Seq
                 info.name = renamed(info.name)
                 value_info.append(info)
             for w in weights:
-                initializers.append(_external(names[w], tensors[w[len(WEIGHT_PREFIX):]], data, f"{path.name}.data"))
+                array = tensors[w[len(WEIGHT_PREFIX):]]
+                initializers.append(external_tensor(names[w], array, data, f"{path.name}.data"))
             hidden = renamed("hidden_out")
             new_k.append(renamed("new_k"))
             new_v.append(renamed("new_v"))
@@ -77,7 +78,7 @@ def compose_layers(template: onnx.ModelProto, shared: Sequence[str], layers: Seq
     return model
 
 
-def _external(name: str, array: np.ndarray, data, location: str) -> TensorProto:
+def external_tensor(name: str, array: np.ndarray, data, location: str) -> TensorProto:
     """A tensor whose bytes are appended to the open data file (at an offset aligned to 64 bytes)."""
     array = np.ascontiguousarray(array)
     offset = -data.tell() % 64

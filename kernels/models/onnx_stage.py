@@ -7,9 +7,11 @@ hidden states out, with attention over the stage's paged KV cache:
   input the graph reads in place (bound without a copy); it gathers the slots of each sequence's cached prefix.
 - The step's own K and V are outputs [layers, N, KV, D] that the engine writes into their slots after the run:
   ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
-The embedding, the final norm and the LM head stay in torch (a gather and one matmul). The exporter traces one
-layer, its weights inputs (layer_template: seconds, once per model shapes and weights), and a stage's graph is
-copies of it chained, each bound to its own layer's weights (onnx_compose). Exports are cached per (checkpoint,
+A last stage's final norm and LM head are a graph and a session of their own (export_head: the head reads as many
+bytes as two or three layers, and MLAS reads them near the memory's speed, twice as fast as torch's float32 matmul
+here); the embedding's lookup stays in torch. The exporter traces one layer, its weights inputs (layer_template:
+seconds, once per model shapes and weights), and a stage's graph is copies of it chained, each bound to its own
+layer's weights (onnx_compose). Exports are cached per (checkpoint,
 layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again, and
 the export it replaces (a copy of the stage's weights) is deleted.
 
@@ -44,13 +46,12 @@ import torch.nn.functional as F
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.stages import ONNX_MODEL_TYPES, ORT_DTYPES, StageSpec
-from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM, LM_HEAD
+from stratamesh.kernels.models.checkpoint import EMBED, FINAL_NORM
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.models.families.llama import LlamaLayer
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
-from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight, unpack_int4
 from stratamesh.kernels.ops.kv_cache import KVCache
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
@@ -184,6 +185,13 @@ def _linear(x: torch.Tensor, w: torch.Tensor | NBitsWeight, bias: torch.Tensor |
     return out if bias is None else out + bias
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.ops.norm.rms_norm of float32 x, written as the pattern ONNX Runtime fuses into one
+    SimplifiedLayerNormalization node: a division by the root (the exporter writes torch's rsqrt as a Sqrt and a
+    Reciprocal, which it does not fuse: seven nodes a norm, a fifth of a layer's)."""
+    return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
 _WEIGHTS = ("input_norm", "post_attn_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias")
 
 
@@ -234,7 +242,7 @@ class _Layer(torch.nn.Module):
         blocked = ~torch.cat([past_mask, new_mask], dim=-1)[:, None, None]     # [B, 1, 1, T, P + T]
         cos, sin = cos[:, None], sin[:, None]
         x = hidden
-        h = rms_norm(x, layer.input_norm, self.eps)
+        h = _rms_norm(x, layer.input_norm, self.eps)
         qkv = _linear(h, layer.qkv, layer.qkv_bias).view(-1, heads + 2 * kv_heads, dim)
         qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
@@ -247,7 +255,7 @@ class _Layer(torch.nn.Module):
         out = weights @ values.permute(0, 2, 1, 3)[:, :, None]                        # [B, KV, G, T, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)[unpad]
         x = x + _linear(out, layer.o, layer.o_bias)
-        x = x + swiglu(rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down, _linear)
+        x = x + swiglu(_rms_norm(x, layer.post_attn_norm, self.eps), layer.gate_up, layer.down, _linear)
         return x, k[None], v[None]                 # new K and V: [1, N, KV, D], concatenated over the layers
 
 
@@ -282,9 +290,10 @@ def _stage_name(spec: StageSpec) -> str:
 def _delete_replaced(path: Path, spec: StageSpec) -> None:
     """Deletes the exports the one at path replaces: of the same stage of the same checkpoint folder, with another
     key (older checkpoint files, another torch, older code). Each holds a copy of the stage's weights."""
-    export = re.compile(re.escape(_stage_name(spec)) + rf"-[0-9a-f]{{{EXPORT_KEY_LEN}}}\.onnx(\.data)?")
+    export = re.compile(re.escape(_stage_name(spec)) + rf"-[0-9a-f]{{{EXPORT_KEY_LEN}}}(\.head)?\.onnx(\.data)?")
+    current = {name for export_of in (path, head_path(path)) for name in (export_of.name, f"{export_of.name}.data")}
     for old in path.parent.iterdir():
-        if export.fullmatch(old.name) and old.name not in (path.name, f"{path.name}.data"):
+        if export.fullmatch(old.name) and old.name not in current:
             old.unlink(missing_ok=True)
             log.info("deleted %s: replaced by %s", old, path.name)
 
@@ -293,7 +302,7 @@ def _delete_replaced(path: Path, spec: StageSpec) -> None:
 def _code_key() -> str:
     """A digest of the code a graph is traced and composed from: an upgrade that changes it exports again."""
     files = [Path(__file__), Path(__file__).with_name("onnx_compose.py"),
-             *(Path(inspect.getsourcefile(op)) for op in (rms_norm, apply_rope, swiglu))]
+             *(Path(inspect.getsourcefile(op)) for op in (apply_rope, swiglu))]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
@@ -320,6 +329,55 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
              model.spec.model_id, path)
     _delete_replaced(path, model.spec)
+    return path
+
+
+def head_path(layers_path: Path) -> Path:
+    """Where the export of a last stage's final norm and LM head lives: beside its layers' (export_path)."""
+    return layers_path.with_name(layers_path.name.removesuffix(".onnx") + ".head.onnx")
+
+
+def export_head(model: StageModel, cache_dir: str | Path) -> Path:
+    """The model's final norm and LM head as an ONNX file (weights beside it), made once and cached beside its
+    layers' export: hidden [T, hidden] -> logits [T, vocab] float32, the norm one SimplifiedLayerNormalization, the
+    head a MatMul (float32, stored transposed) or a MatMulNBits (quantized, as the layers' products). Built node by
+    node (nothing to trace): milliseconds but for writing the weights."""
+    path = head_path(export_path(model, cache_dir))
+    if path.exists():
+        return path
+    import onnx
+    from onnx import TensorProto, helper
+
+    from stratamesh.kernels.models.onnx_compose import external_tensor
+
+    check_exportable(model)
+    c, head = model.config, model._lm_head
+    if head is None:
+        raise InvalidInput(f"stage [{model.spec.start_layer}, {model.spec.end_layer}) has no LM head")
+    weights = {"final_norm": model._final_norm.float().numpy()}
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["hidden", "final_norm"], ["normed"], axis=-1,
+                              epsilon=c.rms_norm_eps)]
+    if isinstance(head, torch.Tensor):
+        weights["head"] = head.float().T.contiguous().numpy()                   # [hidden, vocab]: MatMul's B
+        nodes.append(helper.make_node("MatMul", ["normed", "head"], ["logits"]))
+    else:
+        w = NBitsWeight.of(head)
+        weights["head_packed"], weights["head_scales"] = w.packed.numpy(), w.scales.numpy()
+        nodes.append(helper.make_node("MatMulNBits", ["normed", "head_packed", "head_scales"], ["logits"],
+                                      domain="com.microsoft", K=w.in_features, N=c.vocab_size, bits=w.bits,
+                                      block_size=w.packed.shape[2] * 8 // w.bits, accuracy_level=4))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        with open(Path(tmp, f"{path.name}.data"), "wb") as data:
+            initializers = [external_tensor(name, array, data, f"{path.name}.data") for name, array in weights.items()]
+        graph = helper.make_graph(
+            nodes, "head", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["tokens", c.hidden_size])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["tokens", c.vocab_size])], initializers)
+        onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                                 helper.make_opsetid("com.microsoft", 1)]),
+                        str(Path(tmp, path.name)))
+        Path(tmp, f"{path.name}.data").replace(f"{path}.data")
+        Path(tmp, path.name).replace(path)
     return path
 
 
@@ -423,7 +481,10 @@ def export_stages(specs: Sequence[StageSpec], cache_dir: str | Path) -> list[Pat
 
 
 def _export_stage(spec: StageSpec, cache_dir: str | Path) -> Path:
-    return export_layers(load_stage(spec), cache_dir)
+    model = load_stage(spec)
+    if model._lm_head is not None:
+        export_head(model, cache_dir)
+    return export_layers(model, cache_dir)
 
 
 def check_exportable(model: StageModel) -> None:
@@ -440,27 +501,19 @@ def check_exportable(model: StageModel) -> None:
         raise InvalidInput("ONNX Runtime stages do not serve sliding-window attention yet")
 
 
-def load_runtime_stage(spec: StageSpec, onnx_cache: str | Path, config: ModelConfig | None = None) -> StageModel:
-    """The stage spec names as its runtime computes it: load_stage's, with its layers in ONNX Runtime (from an export
-    kept in onnx_cache) where spec.runtime is onnxruntime."""
+def load_runtime_stage(spec: StageSpec, onnx_cache: str | Path, config: ModelConfig | None = None,
+                       threads: int = 0) -> StageModel:
+    """The stage spec names as its runtime computes it: load_stage's, with its layers and head in ONNX Runtime (from
+    exports kept in onnx_cache, on `threads` threads, 0: torch's) where spec.runtime is onnxruntime."""
     model = load_stage(spec, config)
-    return OrtStageModel.from_model(model, onnx_cache) if spec.runtime == Runtime.ONNXRUNTIME else model
+    return OrtStageModel.from_model(model, onnx_cache, threads) if spec.runtime == Runtime.ONNXRUNTIME else model
 
 
 class OrtLayers:
     """An InferenceSession of an exported stage, run over torch tensors bound in place (inputs and outputs)."""
 
     def __init__(self, path: Path, num_layers: int, threads: int = 0) -> None:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or torch.get_num_threads()
-        options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # its threads sleep between runs rather than spin: torch computes the rest of the step (embedding, RoPE
-        # tables, LM head) on the same cores, and spinning threads of both stretched steps tenfold on 2 cores
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.session = _session(path, threads)
         self.num_layers = num_layers
         self.weight_bytes = _initializer_bytes(path)
         self._names = _input_names(num_layers)
@@ -483,6 +536,38 @@ class OrtLayers:
         return outputs
 
 
+class OrtHead:
+    """An InferenceSession of a last stage's final norm and LM head (export_head)."""
+
+    def __init__(self, path: Path, threads: int = 0) -> None:
+        self.session = _session(path, threads)
+        self.weight_bytes = _initializer_bytes(path)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] float32 -> logits [T, vocab] float32."""
+        binding = self.session.io_binding()
+        hidden = hidden.contiguous()
+        logits = torch.empty(hidden.shape[0], self.session.get_outputs()[0].shape[1], dtype=torch.float32)
+        _bind(binding.bind_input, "hidden", hidden)
+        _bind(binding.bind_output, "logits", logits)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+
+def _session(path: Path, threads: int = 0):
+    """An ONNX Runtime CPU session of the graph at path, on `threads` threads (0: torch's)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # its threads sleep between runs rather than spin: torch computes the rest of the step (embedding, RoPE
+    # tables, sampling) on the same cores, and spinning threads of both stretched steps tenfold on 2 cores
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 def _initializer_bytes(path: Path) -> int:
     """The bytes of the export's initializers (its weights, the most of them stored beside it as external data)."""
     import onnx
@@ -497,29 +582,36 @@ def _bind(bind, name: str, tensor: torch.Tensor) -> None:
 
 
 class OrtStageModel(StageModel):
-    """A StageModel whose layers ONNX Runtime computes (embedding, final norm and LM head stay in torch); it serves
+    """A StageModel whose layers and LM head ONNX Runtime computes (the embedding's lookup stays in torch); it serves
     the paged attention of a stage runner (PagedBatch) only."""
 
     paged_only = True
 
     @property
     def param_bytes(self) -> int:
-        """The torch tensors' (embedding, LM head) and ONNX Runtime's weights."""
-        return super().param_bytes + self._ort.weight_bytes
+        """The torch tensors' (embedding, final norm) and ONNX Runtime's weights (layers, LM head)."""
+        return super().param_bytes + self._ort.weight_bytes + (self._head.weight_bytes if self._head else 0)
 
     @classmethod
     def from_model(cls, model: StageModel, cache_dir: str | Path, threads: int = 0) -> OrtStageModel:
-        """Exports (or finds the export of) model's layers and takes its other tensors; the torch layer weights
-        are let go (ONNX Runtime holds its own)."""
+        """Exports (or finds the exports of) model's layers and LM head and takes its other tensors; the torch
+        weights of its layers and head are let go (ONNX Runtime holds its own)."""
         layers = OrtLayers(export_layers(model, cache_dir), model.spec.end_layer - model.spec.start_layer, threads)
-        kept = {name: t for name, t in model.tensors.items()
-                if name.removesuffix(SCALE_SUFFIX) in (EMBED, FINAL_NORM, LM_HEAD)}
+        head = None if model._lm_head is None else OrtHead(export_head(model, cache_dir), threads)
+        kept = {name: t for name, t in model.tensors.items() if name == FINAL_NORM
+                or (model.spec.is_first and name.removesuffix(SCALE_SUFFIX) == EMBED)}
         ort_model = cls.__new__(cls)
         ort_model.__dict__.update(model.__dict__)
-        ort_model._tensors, ort_model._layers, ort_model._ort = kept, [], layers
-        if model.spec.quantize:
-            ort_model._repack_for_cpu()      # the LM head, which torch computes
+        ort_model._tensors, ort_model._layers, ort_model._ort, ort_model._head = kept, [], layers, head
+        ort_model._lm_head = None
         return ort_model
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """StageModel.logits, in ONNX Runtime."""
+        if self._head is None:
+            return super().logits(hidden)       # (InvalidInput: no head)
+        return self._head.run(hidden.to(self.dtype))
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config

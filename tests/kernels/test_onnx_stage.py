@@ -3,11 +3,12 @@ against Hugging Face transformers, the export cache, and what ONNX Runtime stage
 
 Tolerance: the ONNX Runtime stage computes in float32 like the torch stages, with its own kernels (MLAS matmuls, its
 own softmax); their sums differ from torch's only in rounding, so logits stay within 1e-4 and greedy tokens are
-identical.
+identical. A last stage's final norm and LM head run in ONNX Runtime too (a graph of their own).
 
 int8 weights (StageSpec.quantize) are torch's own, exactly, in ONNX Runtime's MatMulNBits, which rounds each block of
 128 activations to int8 as well: its stage is held to being about as near the float32 stage as torch's int8 stage
-with float32 activations is, and to the demo model's held-out perplexity.
+with float32 activations is, and to the demo model's held-out perplexity. A quantized head's logits are held within
+3% of their largest value of the float32 product of its weights as stored (what the int8 activations cost).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import torch.nn.functional as F
 from onnx import numpy_helper
 from transformers import AutoModelForCausalLM
 
@@ -31,8 +33,11 @@ from stratamesh.kernels.demo_model import DEMO_DIR, read_book, served_perplexity
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import load_stage
 from stratamesh.kernels.models import onnx_stage
-from stratamesh.kernels.models.onnx_stage import (AttentionIndex, NBitsWeight, OrtStageModel, export_layers,
-                                                  export_path, export_stages, layer_tensors, load_runtime_stage)
+from stratamesh.kernels.models.checkpoint import EMBED
+from stratamesh.kernels.models.onnx_stage import (AttentionIndex, NBitsWeight, OrtStageModel, export_head,
+                                                  export_layers, export_path, export_stages, head_path, layer_tensors,
+                                                  load_runtime_stage)
+from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.paged_attention import SeqSlice
 from stratamesh.kernels.ops.quant import exact_products
 
@@ -144,6 +149,35 @@ def test_a_quantized_export_holds_torchs_weights_in_matmul_nbits(model_dir: Path
                 assert torch.equal(packed.scales, w.scale.reshape(-1))
 
 
+@pytest.mark.parametrize("quantize, tied", [("", False), ("", True), ("int8", False), ("int4", True)])
+def test_a_last_onnxruntime_stage_computes_its_final_norm_and_lm_head_in_onnxruntime(
+        tiny_model, model_dir: Path, cache_dir: Path, quantize: str, tied: bool) -> None:
+    """tied: one stage of a model whose head is its embedding, looked up in torch and multiplied in ONNX Runtime."""
+    folder, start = (tiny_model("llama", num_layers=6, tie_word_embeddings=True), 0) if tied else (model_dir, 4)
+    spec = StageSpec("m", str(folder), start, 6, 6, quantize=quantize, runtime="onnxruntime")
+    stored = load_stage(spec)           # (for the ONNX Runtime runtime: quantized matrices as stored, not repacked)
+    stage = load_runtime_stage(spec, cache_dir)
+    head_graph = onnx.load(str(head_path(export_path(stored, cache_dir))), load_external_data=False).graph
+    assert [n.op_type for n in head_graph.node] == ["SimplifiedLayerNormalization",
+                                                    "MatMulNBits" if quantize else "MatMul"]
+    assert set(stage.tensors) == ({EMBED, f"{EMBED}_scale"} if tied and quantize else {EMBED} if tied else set()) | {
+        "model.norm.weight"}                        # torch keeps what it looks up, and the norm (for pooling)
+    hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)) * 3
+    head = stored._lm_head
+    expected = F.linear(rms_norm(hidden, stored._final_norm, stored.config.rms_norm_eps),
+                        head if not quantize else head.dequantize())
+    logits = stage.logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == expected.shape
+    if not quantize:
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)      # (a tied head's logits are large)
+        torch.testing.assert_close(logits, load_stage(replace(spec, runtime="torch")).logits(hidden), atol=1e-4,
+                                   rtol=1e-5)
+    else:
+        assert 0 < (logits - expected).abs().max() < 0.03 * expected.abs().max()
+    # a step reads the layers, the head (in ONNX Runtime) and the norm once, and no embedding (a lookup)
+    assert stage.step_read_bytes == stage._ort.weight_bytes + stage._head.weight_bytes + 256 * 4
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_a_quantized_onnxruntime_stage_is_about_as_near_float32_as_the_torch_one(model_dir: Path, cache_dir: Path,
                                                                                quantize: str) -> None:
@@ -203,8 +237,9 @@ def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_change
         tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model("llama", num_layers=2, seed=7)
     model = load_stage(StageSpec("m", str(model_dir), 0, 2, 2))
-    path = export_layers(model, tmp_path)
+    path, head = export_layers(model, tmp_path), export_head(model, tmp_path)
     assert path == export_path(model, tmp_path) and path.exists() and Path(f"{path}.data").exists()
+    assert head == head_path(path) and head.exists() and Path(f"{head}.data").exists()
     made = path.stat().st_mtime_ns
     assert export_layers(model, tmp_path).stat().st_mtime_ns == made       # found, not exported again
     # exports that stay: another stage of the checkpoint, and the same stage of a copy of it elsewhere
@@ -215,7 +250,8 @@ def test_an_export_is_made_once_and_again_when_the_checkpoint_or_the_code_change
     os.utime(weights, ns=(made, weights.stat().st_mtime_ns + 1_000_000_000))
     changed = export_layers(model, tmp_path)
     assert changed != path and changed.exists()                           # a changed checkpoint: a new key ...
-    assert not path.exists() and not Path(f"{path}.data").exists()        # ... and the export it replaces is gone
+    assert not [p for p in (path, head) for p in (p, Path(f"{p}.data")) if p.exists()]   # ... the exports it
+    # replaces (layers and head) are gone
     assert all(p.exists() and Path(f"{p}.data").exists() for p in (other_stage, of_copy))
     monkeypatch.setattr(onnx_stage, "_code_key", lambda: "an upgrade")
     assert export_path(model, tmp_path) != changed                         # changed code (an upgrade): a new key
