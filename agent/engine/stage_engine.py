@@ -36,7 +36,9 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_batch_seqs: int = 64
     enable_prefix_cache: bool = True
-    onnx_threads: int = 0                   # an ONNX Runtime stage's threads; 0: torch's
+    # An ONNX Runtime stage's threads, which spin through its runs: an agent whose stages all run in ONNX Runtime
+    # gives them its threads and torch one (agent.daemon); 0: torch's threads, sleeping when idle.
+    onnx_threads: int = 0
     # The first stage waits up to this long for the tokens of a step's other sessions, so that decodes
     # arriving one message per session from the origin still run as one batch.
     coalesce_s: float = 0.004
