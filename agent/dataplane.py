@@ -361,6 +361,7 @@ class StageService(pb_grpc.StageServicer):
             outbox = Outbox()
             if output is not None or not batch.chunks:
                 engine.postprocess(batch, output, outbox)
+                self.observer.verified(engine, batch)
             self._send(outbox, sent_ns=end_ns)
             ran = ran or bool(batch.chunks)
         return ran

@@ -55,6 +55,13 @@ class AgentMetrics:
                                 ("direction",), registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sessions preempted for want of KV blocks.",
                                    STAGE_LABELS, registry=r)
+        # vLLM's speculative decoding counters (a last stage's verifications; vllm: appends _total)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Decode steps that carried drafted tokens.",
+                                   STAGE_LABELS, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.",
+                                         STAGE_LABELS, registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Drafted tokens the model agreed with (kept).", STAGE_LABELS, registry=r)
         self.sent_bytes = Counter("stratamesh:hop_transfer_bytes", "Bytes this agent sent to the next hop.",
                                   ("peer",), registry=r)
         self.sent_messages = Counter("stratamesh:hop_messages", "Messages this agent sent to the next hop.",

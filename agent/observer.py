@@ -31,6 +31,9 @@ class _StageMetrics(NamedTuple):
     tokens: MetricWrapperBase
     prefill_tokens: MetricWrapperBase
     preemptions: MetricWrapperBase
+    spec_drafts: MetricWrapperBase
+    spec_draft_tokens: MetricWrapperBase
+    spec_accepted_tokens: MetricWrapperBase
 
 
 DECODE_AVERAGE_WEIGHT = 0.1    # each decode step's share of a stage's moving averages of decode steps
@@ -64,6 +67,7 @@ class StageObserver:
         self.read_bandwidth = read_bandwidth
         self.decode: dict[str, DecodeSpeed] = {}         # assignment id -> its decode steps' speed
         self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
+        self._spec_seen: dict[str, tuple[int, int, int]] = {}   # assignment id -> its speculation counts exported
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
         """A chunk reached this stage; sent_ns is when the previous hop finished it (0: unknown)."""
@@ -97,6 +101,20 @@ class StageObserver:
                 self._span(engine, "queue", chunk.session_id, item.step, item.arrived_ns, start_ns, {})
             self._span(engine, "compute", chunk.session_id, item.step, start_ns, end_ns,
                        {"stratamesh.batch_tokens": str(num_tokens), "stratamesh.batch_seqs": str(len(batch.chunks))})
+
+    def verified(self, engine: StageEngine, batch: Batch) -> None:
+        """A last stage's step verified the drafted tokens its chunks carried: the counters catch up with the
+        engine's (StageEngine.speculation, counted as its step's tokens were delivered)."""
+        if not engine.is_last or not any(chunk.item.num_draft for chunk in batch.chunks):
+            return
+        bound, counts = self._bound(engine), engine.speculation
+        seen = self._spec_seen.get(engine.assignment.assignment_id, (0, 0, 0))
+        now = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens)
+        for counter, before, after in zip((bound.spec_drafts, bound.spec_draft_tokens, bound.spec_accepted_tokens),
+                                          seen, now, strict=True):
+            if after > before:
+                counter.inc(after - before)
+        self._spec_seen[engine.assignment.assignment_id] = now
 
     def preempted(self, engine: StageEngine, num_sessions: int) -> None:
         if num_sessions:
@@ -140,5 +158,6 @@ class StageObserver:
             m = self.metrics
             children = self._children[key] = _StageMetrics(*(
                 family.labels(*labels) for family in (m.compute_s, m.queue_s, m.hop_s, m.batch_tokens, m.tokens,
-                                                      m.prefill_tokens, m.preemptions)))
+                                                      m.prefill_tokens, m.preemptions, m.spec_drafts,
+                                                      m.spec_draft_tokens, m.spec_accepted_tokens)))
         return children

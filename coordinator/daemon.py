@@ -45,6 +45,7 @@ from stratamesh.fleet import discovery
 from stratamesh.fleet.tracing import span_store
 from stratamesh.fleet.states import DEFAULT_ROUTER_MODE
 from stratamesh.fleet.model_folder import default_model_id
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.weight_service import WeightsService
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire import rtc
@@ -95,6 +96,7 @@ class CoordinatorOptions:
     codec_policy: str = "auto"           # what activations cross links in: --wire-codec (partitioner/wire_codec.py)
     route_wait_s: float = ROUTE_WAIT_S   # how long a request waits for its model to load or recover (--route-wait)
     tool_call_parser: str | None = None  # how models write tool calls (--tool-call-parser); None: their templates'
+    speculation: Speculation | None = None   # speculative decoding of greedy generations (--speculative-config)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -255,7 +257,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     deployer = _deployer(options, registry, sessions)
     requests = RequestLog(spans, options.trace_sample_rate)
     router = Router(deployer.routes, options.router_mode, options.disaggregation)
-    origin = Origin(f"{advertise_host}:{grpc_port}", deployer, router, sessions, requests, options.route_wait_s)
+    origin = Origin(f"{advertise_host}:{grpc_port}", deployer, router, sessions, requests, options.route_wait_s,
+                    options.speculation)
     _collect(metrics, registry, deployer, requests)
     weights = ModelWeights(deployer.model_path, deployer.weight_sources)
     control = ControlService(deployer, options.mesh, options.heartbeat_interval_s, weights)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.stages import DTYPES
 
 HOP_CODECS = ("", *DTYPES, "int8")
 MAX_LOGPROBS = 20       # the likeliest tokens a pick may return with it (OpenAI's limit)
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16     # drafted tokens a step may verify
+MAX_PROMPT_LOOKUP = 32          # the longest n-gram the ngram proposer matches
 
 
 def wire_dtype(sender: str, receiver: str) -> str:
@@ -76,6 +80,14 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def verifiable(self) -> bool:
+        """Whether drafted tokens can be verified for it exactly: greedy, its pick the argmax of the model's logits
+        alone (no bias, ban or penalty, no grammar), and no log-probabilities asked for (speculative decoding
+        serves such generations; the others decode a token a step)."""
+        return (self.is_greedy and not self.processes_logits and not self.counts_output and self.logprobs is None
+                and self.prompt_logprobs is None)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether its logits change before the pick: a bias, a ban or a penalty."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
@@ -86,6 +98,48 @@ class SamplingParams:
         """Whether its pick depends on the tokens before it (the stage must pass them: kernels.ops.sampler.History)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.grammar)
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """Speculative decoding, as vLLM's speculative_config says it: each decode step of a generation carries up to
+    num_speculative_tokens drafted tokens that its last stage verifies at once, keeping those the model agrees with
+    (so a trip around the pipeline yields up to num_speculative_tokens + 1 tokens, the output unchanged). method
+    "ngram" drafts by prompt lookup (agent.engine.proposers): the tokens that followed the latest earlier occurrence
+    of the longest n-gram, of prompt_lookup_min to prompt_lookup_max tokens, that ends the session's tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidInput(f"speculative method {self.method!r} is not one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidInput(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                               f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise InvalidInput(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= "
+                               f"{MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> Speculation:
+        """From vLLM's speculative_config keys (method, num_speculative_tokens, prompt_lookup_min and _max: either
+        alone sets both, neither gives 5); InvalidInput names what is wrong."""
+        if not isinstance(config, dict):
+            raise InvalidInput("a speculative config is a JSON object")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        if unknown := sorted(set(config) - set(known)):
+            raise InvalidInput(f"speculative config keys {unknown} are not among {list(known)}")
+        if "method" not in config or "num_speculative_tokens" not in config:
+            raise InvalidInput("a speculative config names its method and num_speculative_tokens")
+        values = {key: config[key] for key in known[1:] if config.get(key) is not None}
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in values.values()):
+            raise InvalidInput("num_speculative_tokens, prompt_lookup_min and prompt_lookup_max are integers")
+        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        low, high = low or high or 5, high or low or 5
+        return cls(str(config["method"]), values["num_speculative_tokens"], low, high)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +190,9 @@ class SessionOpen:
     # Where the generation's output starts in prompt_token_ids (a replay sends the output so far after the prompt):
     # what its penalties and min_tokens count from; 0: after all of prompt_token_ids
     output_start: int = 0
+    # The decode loop's steps carry drafted tokens its last stage verifies (None: a token a step); only for sampling
+    # that is SamplingParams.verifiable
+    speculation: Speculation | None = None
 
     @property
     def output_position(self) -> int:
@@ -160,6 +217,9 @@ class StepChunk:
     sample: bool = False
     trace_id: str = ""          # 32 hex digits; "" when the request is not traced
     sent_unix_ns: int = 0       # when the origin sent it (0 on chunks inside a StepBatch)
+    # Its last num_draft token ids are drafted, not sampled (speculative decoding): the last stage verifies them,
+    # and every stage forgets those it rejects when the session's next step starts before their end.
+    num_draft: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE, QUANTIZATIONS
 from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES, TOOL_CALL_PARSERS
 from stratamesh.partitioner.wire_codec import WIRE_CODECS
@@ -73,6 +76,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                          "agents / replicas")
     up.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE, help="see coordinator")
     up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="see coordinator")
+    up.add_argument("--speculative-config", type=_speculative_config, help="see coordinator")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -122,6 +126,11 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                              help="how the models write tool calls, for the chat API to parse them (default: the "
                                   "format each model's chat template shows: <tool_call> blocks are hermes, "
                                   "<|python_tag|> llama3_json, [TOOL_CALLS] mistral)")
+    coordinator.add_argument("--speculative-config", type=_speculative_config,
+                             help="speculative decoding of greedy generations, as vLLM's JSON: "
+                                  '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
+                                  "(ngram: prompt lookup over the prompt and the output so far); each decode step "
+                                  "carries the drafts, which the last stage verifies at once")
     coordinator.add_argument("--wire-codec", choices=WIRE_CODECS, default="auto",
                              help="how activations cross each link between stages: the most exact codec whose "
                                   "transfer stays within a quarter of the sending stage's step, from the links' "
@@ -211,6 +220,14 @@ def _add_admission_limits(coordinator: argparse.ArgumentParser) -> None:
                              help="longest prompt taken (0: the model's context)")
     coordinator.add_argument("--max-tokens", type=int, default=0, metavar="N",
                              help="largest max_tokens taken, and the default (0: the context's room)")
+
+
+def _speculative_config(text: str) -> Speculation:
+    """--speculative-config: vLLM's JSON (fleet.sessions.Speculation.of says what it takes)."""
+    try:
+        return Speculation.of(json.loads(text))
+    except (ValueError, InvalidInput) as e:       # (a JSONDecodeError is a ValueError)
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _add_disaggregation(coordinator: argparse.ArgumentParser) -> None:
@@ -419,7 +436,7 @@ def _coordinator(args: argparse.Namespace) -> None:
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens),
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, speculation=args.speculative_config)
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 
@@ -614,6 +631,8 @@ def _up(args: argparse.Namespace) -> None:
     coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
     coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
+    if args.speculative_config:
+        coordinator_args += ["--speculative-config", json.dumps(asdict(args.speculative_config))]
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],

@@ -76,7 +76,15 @@ class Scheduler:
         session = self.sessions.get(session_id)
         if session is None:
             return None
-        prompt, n = list(prompt_token_ids), session.num_computed
+        prompt = list(prompt_token_ids)
+        if session.drafted_from is not None and not session.queue:   # its drafts: those the prompt keeps stay
+            kept = next((i for i, (a, b) in enumerate(zip(prompt, session.token_ids)) if a != b),
+                        min(len(prompt), len(session.token_ids)))
+            position = min(kept, len(prompt) - 1, session.num_computed)
+            if position >= session.drafted_from:
+                self._forget_drafts(session, position)
+                session.drafted_from = None
+        n = session.num_computed
         if new_id in self.sessions or session.queue or len(prompt) <= n or prompt[:n] != session.token_ids[:n]:
             self.close(session_id)
             return None
@@ -114,8 +122,12 @@ class Scheduler:
         return session
 
     def add(self, item: WorkItem) -> None:
-        """Queues a chunk after checking it continues its session exactly where the last one ended."""
+        """Queues a chunk after checking it continues its session exactly where the last one ended, or (after
+        drafted tokens) where the last stage's verification of them ended: the rejected ones are forgotten."""
         session = self._live(item.session_id)
+        if session.drafted_from is not None and session.drafted_from <= item.start_pos < (session.next_pos or 0):
+            self._forget_drafts(session, item.start_pos)
+        session.drafted_from = item.draft_start if item.num_draft else None
         self._check_start(session, item)
         new_ids = self._new_token_ids(session, item)
         if session.next_pos is None and item.start_pos < session.num_computed:
@@ -127,6 +139,17 @@ class Scheduler:
         session.queue.append(item)
         session.arrivals.append(self._num_arrived)
         self._num_arrived += 1
+
+    def _forget_drafts(self, session: Session, position: int) -> None:
+        """Forgets the session's tokens from position on: drafted ones the last stage rejected (their KV, computed,
+        is overwritten by the next tokens'; the blocks past them go back)."""
+        if session.queue:
+            raise InvalidInput(f"session {session.session_id!r}: a chunk at {position} came while its drafted tokens "
+                               "were still queued")
+        del session.token_ids[position:]
+        session.num_computed = min(session.num_computed, position)
+        session.next_pos = position
+        self.block_manager.truncate(session.session_id, position)
 
     @staticmethod
     def _check_start(session: Session, item: WorkItem) -> None:
@@ -206,6 +229,8 @@ class Scheduler:
                     continue    # this micro-batch is full: the rest go in the next step
                 decodes_left -= 1
             n = min(len(item.token_ids) - session.offset, budget)
+            if item.num_draft and n < len(item.token_ids):
+                continue    # drafted tokens are verified in one step: next step, whole
             if self._reserve(session, item.start_pos + session.offset + n, chunks):
                 chunks.append(self._chunk(session, n))
                 budget -= n
@@ -287,7 +312,9 @@ class Scheduler:
             if session is None or not session.queue or session.queue[0] is not chunk.item:
                 continue    # closed (or preempted) while the pass ran
             session.num_computed = chunk.start_pos + chunk.num_tokens
-            self.block_manager.commit(session.session_id, session.token_ids, session.num_computed)
+            verified = session.num_computed if session.drafted_from is None else min(session.num_computed,
+                                                                                     session.drafted_from)
+            self.block_manager.commit(session.session_id, session.token_ids, verified)
             session.offset = chunk.end
             if session.offset == len(chunk.item.token_ids):
                 session.queue.popleft()

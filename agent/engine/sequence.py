@@ -18,6 +18,12 @@ class WorkItem:
     payload: object = None      # the upstream hidden states; only the runner looks inside
     arrived_ns: int = 0         # when the chunk reached this stage (Unix ns; 0 when nobody said)
     trace_id: str = ""          # the request's trace, if it is traced
+    num_draft: int = 0          # its last num_draft tokens are drafted, for the last stage to verify
+
+    @property
+    def draft_start(self) -> int:
+        """The position of its first drafted token (end_pos when it has none)."""
+        return self.end_pos - self.num_draft
 
     @property
     def end_pos(self) -> int:
@@ -37,6 +43,10 @@ class Session:
     queue: deque[WorkItem] = field(default_factory=deque)
     arrivals: deque[int] = field(default_factory=deque)   # global arrival number of each queued item
     offset: int = 0                 # tokens of queue[0] already computed (a split prefill)
+    # Where its unverified drafted tokens start (speculative decoding), None when it has none: the next item may
+    # start anywhere from here to next_pos, and the positions from there on are forgotten; the prefix cache takes
+    # only the blocks before it.
+    drafted_from: int | None = None
 
     def is_decode(self, item: WorkItem) -> bool:
         """Whether the item extends past the prompt (so it may preempt others to get a block)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -12,12 +12,13 @@ import torch
 from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.grammars import Grammars
 from stratamesh.agent.engine.micro_batches import MicroBatches
+from stratamesh.agent.engine.proposers import ngram_draft
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.kv import KvLayout
-from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk,
-                                       StepChunks, TokenEvent, wire_dtype)
+from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, Speculation, StepBatch,
+                                       StepChunk, StepChunks, TokenEvent, wire_dtype)
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
@@ -67,18 +68,47 @@ class DecodeLoop:
     tokens_left: int | None             # tokens it may still sample; None: no limit
     stop_token_ids: frozenset[int]
     held: bool = False                  # the origin asked for a hold: the next token is the last one fed nowhere
+    speculation: Speculation | None = None      # each step it feeds carries tokens drafted so
 
     @classmethod
     def of(cls, message: SessionOpen) -> DecodeLoop | None:
         if message.feed is None:
             return None
-        return cls(message.feed, message.max_new_tokens or None, frozenset(message.stop_token_ids))
+        return cls(message.feed, message.max_new_tokens or None, frozenset(message.stop_token_ids),
+                   speculation=message.speculation)
+
+    def draft(self, tokens: Sequence[int], most: int) -> tuple[int, ...]:
+        """The tokens to draft after tokens (the session's so far), at most `most` (and none that the loop would not
+        go on to sample)."""
+        spec = self.speculation
+        if spec is None or self.held:
+            return ()
+        most = min(most, spec.num_speculative_tokens, (self.tokens_left or most + 1) - 1)
+        if most <= 0:
+            return ()
+        return ngram_draft(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, most)
 
     def sampled(self, token: int) -> bool:
         """Counts a sampled token; whether the loop goes on with it (the loop is over otherwise)."""
         if self.tokens_left is not None:
             self.tokens_left -= 1
         return not (self.held or self.tokens_left == 0 or token in self.stop_token_ids)
+
+
+@dataclass(slots=True)
+class SpeculationCounts:
+    """A last stage's speculative decoding so far (vLLM's spec_decode counters): steps that carried drafted tokens,
+    the tokens drafted, and those the model agreed with."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def counted(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += num_accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +140,7 @@ class StageEngine:
         self.grammars = Grammars(assignment.stage.model_path, config.vocab_size, config.eos_token_ids)
         self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
         self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
+        self.speculation = SpeculationCounts()   # last stage: what its verifications of drafted tokens kept
 
     @property
     def is_first(self) -> bool:
@@ -127,6 +158,8 @@ class StageEngine:
         if self.is_last != (not message.route):
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
+        if message.speculation is not None and not message.sampling.verifiable:
+            raise InvalidInput("open.speculation is for greedy sampling whose pick is the argmax alone")
         if not 0 <= message.output_start <= len(message.prompt_token_ids):
             raise InvalidInput(f"open.output_start {message.output_start} lies outside its "
                                f"{len(message.prompt_token_ids)} prompt_token_ids")
@@ -155,7 +188,7 @@ class StageEngine:
         if not self.is_first and rows is None:
             raise InvalidInput("chunk without hidden states on a stage after the first")
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
-                                    chunk.step, rows, arrived_ns, chunk.trace_id))
+                                    chunk.step, rows, arrived_ns, chunk.trace_id, chunk.num_draft))
         left = self._left_ns.pop(chunk.session_id, None) if self.is_first else None
         if left is not None and arrived_ns > left[1]:       # its token came back around the pipeline
             self.micro_batching.returned(left[0], (arrived_ns - left[1]) / 1e9)
@@ -215,8 +248,12 @@ class StageEngine:
             raise InvalidInput(f"session_id {session_id!r} is not open on {self.assignment.assignment_id}")
         session = self.scheduler.quiet(session_id)
         table = self.scheduler.block_manager.block_table(session_id)
-        return SessionKv(session_id, tuple(session.token_ids), session.prompt_len, session.num_computed,
-                         self.runner.read_kv(table, session.num_computed))
+        tokens, num_computed = session.token_ids, session.num_computed
+        if session.drafted_from is not None:    # verified positions only: drafts past them may have been rejected
+            num_computed = min(num_computed, session.drafted_from)      # (their next step, which says, never came)
+            tokens = tokens[:num_computed]
+        return SessionKv(session_id, tuple(tokens), session.prompt_len, num_computed,
+                         self.runner.read_kv(table, num_computed))
 
     def drop(self, session_id: str) -> None:
         """Forgets a session that moved away; unlike close(), nothing is sent on."""
@@ -350,16 +387,33 @@ class StageEngine:
                 continue
             event = replace(_event(chunk, output), logprobs=output.logprobs.get(chunk.session_id),
                             prompt_logprobs=tuple(self._prompt_logprobs.pop(chunk.session_id, ())))
+            origin = self.sessions[chunk.session_id].origin
+            accepted = output.accepted.get(chunk.session_id, ())    # drafted tokens the model agreed with, in order
             loop = self.loops.get(chunk.session_id)
-            if loop is not None and loop.sampled(event.token_id):
-                position = chunk.start_pos + chunk.num_tokens          # of the token just sampled
+            if loop is None:
+                outbox.events.extend((origin, replace(event, token_id=t)) for t in (*accepted, event.token_id))
+                continue
+            # each token the loop samples goes to the origin, up to the one that ends it (those after are dropped)
+            tokens = (*accepted, event.token_id)
+            going_on = True
+            for i, token in enumerate(tokens):
+                going_on = loop.sampled(token)
+                if not going_on:                                        # over: its last token, or held
+                    del self.loops[chunk.session_id]
+                    outbox.events.append((origin, replace(event, token_id=token, held=loop.held)))
+                    break
+                outbox.events.append((origin, replace(event, token_id=token) if i < len(tokens) - 1 else event))
+            if going_on:
+                # the next step starts at the token just sampled, after the accepted drafts (the rejected ones'
+                # positions are rewritten: each stage forgets them as this step reaches it)
+                position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)
+                session = self.scheduler.sessions.get(chunk.session_id)
+                drafts = () if session is None else loop.draft([*session.token_ids[:position], event.token_id],
+                                                               self.scheduler.max_batch_tokens - 1)
                 feeds.setdefault(loop.feed, []).append(StepChunk(
-                    chunk.session_id, chunk.item.step + 1, position, (event.token_id,), True, chunk.item.trace_id,
-                    sent_ns))
-            elif loop is not None:                                      # over: its last token, or held
-                event = replace(event, held=loop.held)
-                del self.loops[chunk.session_id]
-            outbox.events.append((self.sessions[chunk.session_id].origin, event))
+                    chunk.session_id, chunk.item.step + 1, position, (event.token_id, *drafts), True,
+                    chunk.item.trace_id, sent_ns, len(drafts)))
+            self.speculation.counted(chunk.item.num_draft, len(accepted))
         for feed, chunks in feeds.items():
             outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
 
@@ -385,7 +439,8 @@ class StageEngine:
                 continue
             chunks, rows = groups.setdefault(session.route[0], ([], []))
             chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
-                                    chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id))
+                                    chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id,
+                                    num_draft=chunk.item.num_draft))
             rows.append(output.hidden[row:row + length])
             row += length
         for hop, (chunks, rows) in groups.items():

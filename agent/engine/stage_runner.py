@@ -41,6 +41,9 @@ class StepOutput:
     logprobs: Mapping[str, Logprobs] = field(default_factory=dict)     # session id -> its sampled token's
     prompt_logprobs: Mapping[str, list[Logprobs]] = field(default_factory=dict)   # session id -> its chunk's
     refused: Mapping[str, str] = field(default_factory=dict)   # session id -> why its grammar gave it no token
+    # session id -> the drafted tokens its step carried that the model agreed with, in order (the sampled token,
+    # in tokens, comes after them)
+    accepted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,20 +236,26 @@ class StageRunner:
         """What the last stage makes of the chunks that asked for it, from the step's hidden rows or (a graph's)
         logits of every row: sampled tokens, or pooled embeddings; and the log-probabilities asked for."""
         model = self.model
-        rows = [s.q_start + s.q_len - 1 for s, c in zip(seqs, batch.chunks, strict=True) if c.sample]
-        sampled = [c for c in batch.chunks if c.sample]
+        pairs = list(zip(seqs, batch.chunks, strict=True))
+        rows = [s.q_start + s.q_len - 1 for s, c in pairs if c.sample and not c.item.num_draft]
+        sampled = [c for c in batch.chunks if c.sample and not c.item.num_draft]
         if not model.config.has_lm_head:    # an embedding model: the prompt's last token, pooled
             vectors = model.pool(hidden[rows]) if rows else []     # [num sampled, hidden]
             return StepOutput(embeddings={c.session_id: vectors[i] for i, c in enumerate(sampled)})
         # the rows whose logits give prompt tokens' log-probabilities: (session, row, the token it predicts)
-        targets = [(c.session_id, s.q_start + i, token) for s, c in zip(seqs, batch.chunks, strict=True)
+        targets = [(c.session_id, s.q_start + i, token) for s, c in pairs
                    for i, token in enumerate(picking.prompt_targets.get(c.session_id, ()))]
-        every = rows + [row for _, row, _ in targets]
+        # a chunk with drafted tokens: the rows of its last sampled token and of each draft, whose picks verify them
+        drafted = [c for c in batch.chunks if c.sample and c.item.num_draft]
+        verified = [row for s, c in pairs if c.sample and c.item.num_draft
+                    for row in range(s.q_start + s.q_len - 1 - c.item.num_draft, s.q_start + s.q_len)]
+        every = rows + [row for _, row, _ in targets] + verified
         if not every:
             return StepOutput(tokens={})
         every_logits = model.logits(hidden[every]) if logits is None else logits[every]   # [rows, vocab]
-        logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):]
+        logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):len(every) - len(verified)]
         tokens = _pick(sampled, logits, picking) if rows else {}
+        accepted = _verify(drafted, every_logits[len(every) - len(verified):], tokens) if drafted else {}
         refused = picking.masks.wait().refused if picking.masks is not None and rows else {}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:
@@ -258,7 +267,8 @@ class StageRunner:
         logprobs = {} if not asked else dict(zip([sampled[i].session_id for i in asked], token_logprobs(
             logits[asked], [tokens[sampled[i].session_id] for i in asked],
             [picking.params[sampled[i].session_id].logprobs for i in asked]), strict=True))
-        return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, refused=refused)
+        return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, refused=refused,
+                          accepted=accepted)
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:
@@ -273,6 +283,21 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
     return max(2, PagedKVCache.blocks_for_bytes(kv_bytes, spec.end_layer - spec.start_layer, spec.kv_block_size,
                                                 config.num_kv_heads // spec.tp_degree, config.head_dim,
                                                 TORCH_DTYPES[spec.dtype]))
+
+
+def _verify(chunks: list[ScheduledChunk], logits: torch.Tensor, tokens: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Greedy verification of each chunk's drafted tokens (its sampling is SamplingParams.verifiable: the pick is the
+    argmax) from the logits of its last num_draft + 1 rows, in chunk order: the drafts up to the first the model
+    picks otherwise are accepted (returned by session), and its pick there (or after the last draft) goes in
+    tokens. The output is the one decoding a token a step gives."""
+    picks, accepted, row = logits.argmax(dim=-1).tolist(), {}, 0
+    for chunk in chunks:
+        drafts = chunk.item.token_ids[-chunk.item.num_draft:]
+        mine = picks[row:row + len(drafts) + 1]
+        row += len(drafts) + 1
+        kept = next((i for i, (draft, pick) in enumerate(zip(drafts, mine)) if draft != pick), len(drafts))
+        accepted[chunk.session_id], tokens[chunk.session_id] = tuple(drafts[:kept]), mine[kept]
+    return accepted
 
 
 def _pick(chunks: list[ScheduledChunk], logits: torch.Tensor, picking: Picking) -> dict[str, int]:

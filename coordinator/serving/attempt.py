@@ -16,7 +16,7 @@ from stratamesh.coordinator.serving.request import Stops
 from stratamesh.coordinator.serving.sessions import Session, SessionTable
 from stratamesh.fleet.errors import StageFailed
 from stratamesh.fleet.tracing import new_span_id, traceparent
-from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, StepChunk, TokenEvent
+from stratamesh.fleet.sessions import Hop, SamplingParams, SessionOpen, Speculation, StepChunk, TokenEvent
 from stratamesh.fleet.wire.channels import CHUNK_BYTES
 
 # Prefill is sent in chunks of at most this many tokens (and under CHUNK_BYTES of activations).
@@ -41,6 +41,7 @@ class Run:
     chunk: int
     span_id: str = field(default_factory=new_span_id)   # the request's root span: every stage's spans hang under it
     cached_tokens: int = 0      # prompt tokens the stages' prefix caches served (the first attempt's)
+    speculation: Speculation | None = None      # its decode steps carry drafted tokens (a verifiable sampling's)
 
     def next_session_id(self) -> str:
         """The session of the next attempt: a new one per attempt, as the stages may still hold the last one."""
@@ -153,7 +154,8 @@ class Attempt:
             traceparent(record.trace_id, run.span_id) if record.trace_id else "", prompt_token_ids=token_ids,
             max_cached_tokens=len(token_ids) - 1 if cacheable else 0, resume_from=self._resume_from,
             feed=_feed(self._route[0]) if self._decode else None, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids, output_start=self._output_start))
+            stop_token_ids=stop_ids, output_start=self._output_start,
+            speculation=run.speculation if self._decode else None))
         cached = 0
         if cacheable:
             answer = await run.sessions.next_event(session, opened=True)

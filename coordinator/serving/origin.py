@@ -21,7 +21,7 @@ from stratamesh.coordinator.text import Tokenizer
 from stratamesh.fleet.errors import ModelNotReady
 from stratamesh.fleet.logs import trace_id_var
 from stratamesh.fleet.states import ModelState
-from stratamesh.fleet.sessions import Hop, SamplingParams
+from stratamesh.fleet.sessions import Hop, SamplingParams, Speculation
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
 ROUTE_WAIT_S = 30.0
@@ -44,8 +44,11 @@ class Origin:
     while its model loads or recovers."""
 
     def __init__(self, address: str, deployer: Deployer, router: Router, sessions: SessionTable, log: RequestLog,
-                 route_wait_s: float = ROUTE_WAIT_S) -> None:
+                 route_wait_s: float = ROUTE_WAIT_S, speculation: Speculation | None = None) -> None:
+        """speculation: the generations whose sampling is verifiable (greedy, the argmax alone) decode speculatively
+        so (fleet.sessions.Speculation); None: a token a step."""
         self.address = address
+        self.speculation = speculation
         self.sessions = sessions
         self.log = log
         self._deployer = deployer
@@ -102,7 +105,7 @@ class Origin:
 
     def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int) -> Run:
         return Run(self.sessions, self.log, self.address, self.log.begin(request_id, len(prompt_ids)), params,
-                   chunk_tokens(hidden_size))
+                   chunk_tokens(hidden_size), speculation=self.speculation if params.verifiable else None)
 
     async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
         """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers

@@ -17,8 +17,8 @@ from stratamesh.fleet.control_messages import (AgentMessage, ControlMessage, Coo
                                                RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
 from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
 from stratamesh.fleet.sessions import (HOP_CODECS, MAX_LOGPROBS, Hop, Logprobs, SamplingParams, SessionClose,
-                                       SessionHold, SessionOpen, StageMessage, StepBatch, StepChunk, StepChunks,
-                                       TensorBlob, TokenEvent)
+                                       SessionHold, SessionOpen, Speculation, StageMessage, StepBatch, StepChunk,
+                                       StepChunks, TensorBlob, TokenEvent)
 from stratamesh.fleet.stages import (AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, StageSpec,
                                      StageStatus)
 from stratamesh.fleet.tracing import Span
@@ -191,7 +191,7 @@ def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 feed_address=message.feed.address if message.feed else "",
                 feed_assignment=message.feed.assignment_id if message.feed else "",
                 max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids),
-                output_start=message.output_start))
+                output_start=message.output_start, speculation=_speculation_to_pb(message.speculation)))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepChunks():
@@ -272,10 +272,27 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     route = tuple(Hop(*hop) for hop in zip(msg.route, msg.route_assignments, msg.route_dtypes or empty,
                                           msg.route_codecs or empty, msg.route_agents or empty,
                                           msg.route_nats or empty, strict=True))
-    return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin,
-                       sampling_from_pb(msg.sampling), msg.traceparent, tuple(msg.prompt_token_ids),
-                       msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg), msg.max_new_tokens,
-                       tuple(msg.stop_token_ids), msg.output_start)
+    sampling = sampling_from_pb(msg.sampling)
+    speculation = _speculation_from_pb(msg.speculation) if msg.HasField("speculation") else None
+    if speculation is not None and not sampling.verifiable:
+        raise InvalidInput("open.speculation is for greedy sampling whose pick is the argmax alone (no penalties, "
+                           "bias, grammar or logprobs)")
+    return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling, msg.traceparent,
+                       tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg),
+                       msg.max_new_tokens, tuple(msg.stop_token_ids), msg.output_start, speculation)
+
+
+def _speculation_to_pb(speculation: Speculation | None) -> pb.Speculation | None:
+    if speculation is None:
+        return None
+    return pb.Speculation(method=speculation.method, num_speculative_tokens=speculation.num_speculative_tokens,
+                          prompt_lookup_min=speculation.prompt_lookup_min,
+                          prompt_lookup_max=speculation.prompt_lookup_max)
+
+
+def _speculation_from_pb(msg: pb.Speculation) -> Speculation:
+    """InvalidInput (from Speculation's checks) names what is wrong."""
+    return Speculation(msg.method, msg.num_speculative_tokens, msg.prompt_lookup_min, msg.prompt_lookup_max)
 
 
 def _if_any(values: list[str]) -> list[str]:
@@ -296,7 +313,7 @@ def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
     return pb.StepChunk(session_id=chunk.session_id, step=chunk.step, start_pos=chunk.start_pos,
                         token_ids=list(chunk.token_ids), sample=chunk.sample, trace_id=chunk.trace_id,
-                        sent_unix_ns=chunk.sent_unix_ns)
+                        sent_unix_ns=chunk.sent_unix_ns, num_draft=chunk.num_draft)
 
 
 def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
@@ -309,8 +326,10 @@ def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
         raise InvalidInput("chunk.trace_id must be 32 lowercase hex digits or empty")
     if msg.sent_unix_ns < 0:
         raise InvalidInput("chunk.sent_unix_ns must be >= 0")
+    if not 0 <= msg.num_draft < len(msg.token_ids) or (msg.num_draft and not msg.sample):
+        raise InvalidInput("chunk.num_draft must be in [0, len(token_ids)) and only on a chunk that samples")
     return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), msg.sample,
-                     msg.trace_id, msg.sent_unix_ns)
+                     msg.trace_id, msg.sent_unix_ns, msg.num_draft)
 
 
 def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:

@@ -4,11 +4,16 @@ generation's limits or a hold; the origin only receives tokens (over real gRPC, 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from stratamesh.fleet.sessions import Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, StepChunk
+from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, Speculation,
+                                       StepChunk)
 from stratamesh.fleet.stages import Assignment, StageSpec
 from tests.agent.test_dataplane import greedy_reference, send, serving
 from tests.patience import eventually
@@ -20,11 +25,12 @@ def tiny_spec(tiny_model, start: int, end: int) -> StageSpec:
 
 
 def start(stream, session_id: str, first: Hop, origin_address: str, prompt: list[int], route: tuple[Hop, ...] = (),
-          max_new_tokens: int = 0, stop_token_ids: tuple[int, ...] = ()) -> None:
+          max_new_tokens: int = 0, stop_token_ids: tuple[int, ...] = (),
+          speculation: Speculation | None = None) -> None:
     """Opens a generation whose last stage feeds first, and sends its whole prompt as one chunk."""
     send(stream, SessionOpen(session_id, first.assignment_id, route, origin_address, SamplingParams(),
                              prompt_token_ids=tuple(prompt), feed=first, max_new_tokens=max_new_tokens,
-                             stop_token_ids=stop_token_ids))
+                             stop_token_ids=stop_token_ids, speculation=speculation))
     send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True), to=first.assignment_id)
 
 
@@ -37,6 +43,15 @@ async def tokens_of(origin, session_id: str, count: int) -> list:
         if not event.opened:
             events.append(event)
     return events
+
+
+async def held_after(stream, origin, session_id: str, count: int) -> list[int]:
+    """The session's tokens up to the one marked held, after a hold sent once it has count tokens."""
+    events = await tokens_of(origin, session_id, count)
+    send(stream, SessionHold(session_id))
+    while not events[-1].held:
+        events += await tokens_of(origin, session_id, 1)
+    return [e.token_id for e in events]
 
 
 @pytest.fixture
@@ -80,12 +95,7 @@ async def test_a_hold_stops_the_loop_at_the_next_token_which_comes_marked_held(o
     spec, host, origin, address, stream = one_stage
     prompt = [8, 6, 7, 5, 3, 0, 9]
     start(stream, "g", Hop(address, "a0"), address, prompt)   # no limit: only the hold stops it
-    before = await tokens_of(origin, "g", 3)
-    send(stream, SessionHold("g"))
-    events = [*before]
-    while not events[-1].held:
-        events += await tokens_of(origin, "g", 1)
-    tokens = [e.token_id for e in events]
+    tokens = await held_after(stream, origin, "g", 3)
     assert tokens == greedy_reference(spec, prompt, len(tokens))
     engine = host.engine("a0")
     await eventually(lambda: not engine.scheduler.has_work)
@@ -145,3 +155,91 @@ async def test_two_stages_of_one_pipeline_on_one_agent_each_get_their_own_steps(
         for session_id in prompts:
             send(stream, SessionClose(session_id), to="a0")
         await eventually(lambda: host.num_sessions == 0)
+
+
+async def test_a_speculating_ring_gives_the_tokens_of_one_a_step_in_fewer_trips(tiny_model) -> None:
+    """ngram drafts ride each step the last stage feeds; it keeps those the model agrees with, and the stages forget
+    the rest: the tokens are greedy decoding's, one a step, but a trip yields several."""
+    whole = tiny_spec(tiny_model, 0, 2)
+    ngram = Speculation("ngram", 4, 1, 3)
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(serving(tiny_spec(tiny_model, 0, 1), "a0", "first"))
+        last = await stack.enter_async_context(serving(tiny_spec(tiny_model, 1, 2), "a1", "last"))
+        first_host, _, origin, first_address, stream = first
+        last_host, _, _, last_address, _ = last
+        # the second prompt repeats itself: drafted from, the model continues it (a tiny random model's greedy
+        # output also falls into loops, which the lookup then finds in its own output)
+        prompts = {"g1": [5, 17, 42, 99, 7], "g2": [3, 9, 27, 81, 3, 9, 27, 81, 3, 9]}
+        for session_id, prompt in prompts.items():
+            start(stream, session_id, Hop(first_address, "a0"), first_address, prompt,
+                  route=(Hop(last_address, "a1", "float32"),), max_new_tokens=24, speculation=ngram)
+        results = await asyncio.gather(*(tokens_of(origin, s, 24) for s in prompts))
+        for (session_id, prompt), events in zip(prompts.items(), results, strict=True):
+            assert [e.token_id for e in events] == greedy_reference(whole, prompt, 24), session_id
+        last_engine = last_host.engine("a1")
+        await eventually(lambda: not last_engine.loops)
+        counts = last_engine.speculation
+        assert counts.num_drafts > 0 and 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
+        # every stage holds exactly the KV of the tokens kept (the 24th is fed nowhere): none of a rejected draft
+        for host, assignment_id in ((first_host, "a0"), (last_host, "a1")):
+            sessions = host.engine(assignment_id).scheduler.sessions
+            for session_id, prompt in prompts.items():
+                session = sessions[session_id]
+                kept = len(prompt) + 23
+                assert session.num_computed >= kept and session.token_ids[:kept] == (
+                    prompt + [e.token_id for e in results[list(prompts).index(session_id)]][:23])
+
+
+def says_zero(tiny_model, tmp_path: Path) -> StageSpec:
+    """The tiny model with its final norm zero: every logit is 0, so its greedy pick is token 0, always."""
+    folder = Path(shutil.copytree(tiny_spec(tiny_model, 0, 2).model_path, tmp_path / "says-zero"))
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return StageSpec("m", str(folder), 0, 2, 2, kv_block_size=4)
+
+
+async def test_drafts_the_model_agrees_with_come_several_a_trip_and_never_past_the_generations_end(
+        tiny_model, tmp_path: Path) -> None:
+    """A model whose final norm is zero has every logit 0: its greedy pick is token 0, always. Its prompt of zeros
+    gives the lookup a draft of four 0s at every step, all kept: after the prompt's token, one trip yields 5 tokens,
+    and the next drafts only the 3 that max_new_tokens leaves before its 10th, which ends the loop unfed."""
+    spec = says_zero(tiny_model, tmp_path)
+    async with serving(spec, "a0", "agent-under-test") as (host, _, origin, address, stream):
+        prompt = [0] * 8
+        start(stream, "g", Hop(address, "a0"), address, prompt, max_new_tokens=10,
+              speculation=Speculation("ngram", 4, 1, 2))
+        events = await tokens_of(origin, "g", 10)
+        assert [e.token_id for e in events] == greedy_reference(spec, prompt, 10) == [0] * 10
+        engine = host.engine("a0")
+        await eventually(lambda: not engine.scheduler.has_work and "g" not in engine.loops)
+        counts = engine.speculation
+        assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (2, 7, 7)
+        assert engine.scheduler.sessions["g"].num_computed == len(prompt) + 9     # the 10th token was not fed
+        assert origin.queue("g").empty()
+
+
+async def test_a_speculating_session_held_exports_and_resumes_with_its_verified_tokens_only(
+        tiny_model, tmp_path: Path) -> None:
+    """A hold ends the loop at the next token, a kept draft here (the model that says 0 keeps every draft of 0s), and
+    drops the rest; the stage still holds the KV of every drafted position of the last step (no next step came to
+    say which were kept). Its export carries the positions before those drafts, and an open resuming it with the
+    origin's tokens keeps what those confirm."""
+    spec = says_zero(tiny_model, tmp_path)
+    async with serving(spec, "a0", "agent-under-test") as (host, _, origin, address, stream):
+        prompt = [0] * 8
+        start(stream, "g", Hop(address, "a0"), address, prompt, speculation=Speculation("ngram", 4, 1, 3))
+        tokens = await held_after(stream, origin, "g", 2)
+        assert tokens == greedy_reference(spec, prompt, len(tokens))
+        engine = host.engine("a0")
+        await eventually(lambda: not engine.scheduler.has_work)
+        session = engine.scheduler.sessions["g"]
+        assert session.drafted_from is not None and session.num_computed > len(prompt) + len(tokens) - 1
+        exported = engine.export_session("g")
+        verified = session.drafted_from
+        assert exported.num_computed == verified <= len(prompt) + len(tokens) - 1
+        assert list(exported.token_ids) == (prompt + tokens)[:verified]
+        # the origin resumes it (as a move does) with its prompt and every token it got
+        resumed = engine.scheduler.resume("g", "g2", prompt + tokens, len(prompt + tokens))
+        assert resumed == len(prompt) + len(tokens) - 1          # all but the last token's KV, none of a draft
+        assert engine.scheduler.sessions["g2"].token_ids[:resumed] == (prompt + tokens)[:resumed]

@@ -433,3 +433,48 @@ def test_quiet_refuses_a_session_with_work_queued() -> None:
     s.add(item("a", 0, [1, 2, 3]))
     with pytest.raises(InvalidInput, match="work queued"):
         s.quiet("a")
+
+
+def drafted(sid: str, start: int, tokens: list[int], num_draft: int) -> WorkItem:
+    """A decode step whose last num_draft tokens are drafted (speculative decoding)."""
+    return WorkItem(sid, start, tuple(tokens), True, step=0, payload=None, num_draft=num_draft)
+
+
+def test_a_step_after_drafts_may_start_where_their_verification_ended_and_the_rejected_are_forgotten() -> None:
+    s = make(num_blocks=8)
+    prefilled(s, "a", list(range(1, 7)))                   # 6 tokens: positions 0..5
+    s.add(drafted("a", 6, [50, 51, 52, 53, 54], 4))        # a token, then 4 drafts at 7..10
+    (chunk,) = step(s).chunks
+    assert (chunk.start_pos, chunk.num_tokens) == (6, 5)   # all at once
+    session = s.sessions["a"]
+    assert session.num_computed == 11 and session.drafted_from == 7
+    # the prefix cache holds the verified blocks only: 6..7 was not verified yet, so block 1 (4..7) is not cached
+    assert len(s.block_manager.hashes["a"]) == 1
+    s.add(item("a", 9, [60]))                              # two drafts kept (51, 52), 53 and 54 rejected
+    assert session.token_ids == [1, 2, 3, 4, 5, 6, 50, 51, 52, 60] and session.num_computed == 9
+    assert session.drafted_from is None and len(s.block_manager.tables["a"]) == 3    # 0..11 -> 0..9
+    (chunk,) = step(s).chunks
+    assert (chunk.start_pos, chunk.num_tokens) == (9, 1) and len(s.block_manager.hashes["a"]) == 2   # 4..7 now
+
+
+def test_a_step_may_not_start_inside_verified_tokens_nor_rewind_without_drafts() -> None:
+    s = make()
+    prefilled(s, "a", list(range(1, 7)))
+    s.add(drafted("a", 6, [50, 51, 52], 2))
+    step(s)
+    with pytest.raises(InvalidInput, match="start_pos 6 of session 'a', expected 9"):
+        s.add(item("a", 6, [70]))                          # before the drafts: those tokens were verified
+    s.add(item("a", 9, [60]))                              # every draft kept
+    step(s)
+    with pytest.raises(InvalidInput, match="expected 10"):
+        s.add(item("a", 9, [61]))                          # no drafts to take back now
+
+
+def test_drafted_tokens_are_never_split_across_steps() -> None:
+    s = make(max_batch_tokens=3)
+    prefilled(s, "a", [1, 2, 3])
+    prefilled(s, "b", [4, 5, 6])
+    s.add(item("b", 3, [7]))
+    s.add(drafted("a", 3, [8, 9, 10], 2))
+    assert spans(step(s)) == [("b", 3, 1, True)]          # a's three tokens do not fit beside b's: they wait
+    assert spans(step(s)) == [("a", 3, 3, True)]

@@ -13,8 +13,8 @@ from stratamesh.fleet.boxes import Capabilities, GpuInfo, Peer, Registration, Sp
 from stratamesh.fleet.control_messages import (Heartbeat, KvEventReport, LinkMeasurement, LinkReport, ProbeLinks,
                                                Release, RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
 from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvLayout, KvPiece
-from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionOpen, StepBatch, StepChunk,
-                                       TensorBlob, TokenEvent)
+from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionOpen, Speculation, StepBatch,
+                                       StepChunk, TensorBlob, TokenEvent)
 from stratamesh.fleet.stages import Assignment, StageSpec, StageStatus
 from stratamesh.fleet.weights import WeightChunk, WeightFile, WeightManifest, WeightsProgress
 from stratamesh.fleet.wire import convert
@@ -42,7 +42,10 @@ STAGE_MESSAGES = [
                              Hop("192.168.1.3:5000", "a3", agent_id="edge-2", nat="203.0.113.9")), "o:1",
                 SamplingParams(), feed=Hop("192.168.1.2:5000", "a1", agent_id="edge-1", nat="203.0.113.9"),
                 max_new_tokens=8),
+    SessionOpen("s1", "a1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6), feed=Hop("10.0.0.1:5000", "a1"),
+                speculation=Speculation("ngram", 4, 2, 3)),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
+    StepChunk("s1", 4, 9, (7, 8, 9), True, num_draft=2),
     StepChunk("s1", 0, 0, (1, 2, 3), True, TRACE_ID, sent_unix_ns=1_700_000_000_123_456_789),
     StepBatch((StepChunk("s1", 3, 17, (4, 5), sample=True, trace_id=TRACE_ID), StepChunk("s2", 0, 0, (9,))),
               TensorBlob("float32", (3, 4), bytes(48)), sent_unix_ns=1_700_000_000_000_000_001),
@@ -201,6 +204,16 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
         logit_bias=[pb.LogitBias(token_id=3, bias=1e9)]))), "logit_bias"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1",
                                          sampling=pb.SamplingParams(min_p=2))), "min_p"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1, 2], sample=True, num_draft=2)), "num_draft"),
+    (pb.StageMessage(chunk=pb.StepChunk(session_id="s", token_ids=[1, 2], num_draft=1)), "num_draft"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", speculation=pb.Speculation(
+        method="eagle", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))), "method"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", speculation=pb.Speculation(
+        method="ngram", num_speculative_tokens=0, prompt_lookup_min=1, prompt_lookup_max=1))), "num_speculative"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", sampling=pb.SamplingParams(temperature=0.7),
+                                         speculation=pb.Speculation(method="ngram", num_speculative_tokens=2,
+                                                                    prompt_lookup_min=1, prompt_lookup_max=1))),
+     "speculation is for greedy"),
 ])
 def test_bad_stage_messages_name_the_field(message: pb.StageMessage, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):
