@@ -13,14 +13,17 @@ import httpx
 import jsonschema
 import pytest
 
-from stratamesh.bench.chaos import StreamOutcome, kill_stage_mid_stream, make_jobs, run_streams, wait_for_tokens
+from stratamesh.bench.chaos import (StreamOutcome, kill_stage_mid_stream, make_jobs, metrics_pages, run_streams,
+                                    wait_for_tokens)
 from stratamesh.bench.datasets import regular_token_ids
-from stratamesh.bench.margins import decisive
+from stratamesh.bench.margins import MIN_MARGIN, decisive, smallest_margin, whole_model
 from stratamesh.bench.metrics import percentile
+from stratamesh.kernels.models.decoder import greedy_tokens
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from tests.patience import patient
+from tests.e2e.test_drain import samples
 from .streams import held, settled_requests, which_diverged
 
 pytestmark = pytest.mark.slow
@@ -30,23 +33,41 @@ NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum"
 DASHED = r"[0-9]{4}(-[0-9]{4}){12}"
 # 65 and 64 characters, each a token of the tiny tokenizer (it merges no digit): about as long as the 64-token jobs
 CONSTRAINED = {1: {"guided_json": NUMBERS}, 3: {"guided_regex": DASHED}}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
 def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """3 stages and a spare; 8 streams of 64 tokens (greedy and seeded, two of those kept to a JSON schema and a
     regex, of about as many tokens, which end with their grammars); kill -9 the middle stage's agent. The new last
-    stage rebuilds each grammar from the output the origin replays: the constrained streams stay valid."""
+    stage rebuilds each grammar from the output the origin replays: the constrained streams stay valid.
+
+    The mesh decodes speculatively (ngram, --speculative-config): the greedy streams carry drafted tokens (one's
+    prompt a span said twice, drafted from at once), the sampled ones decode a token a step; every greedy stream,
+    killed or not, is the model's greedy decoding a token a step in one process."""
     model_dir = tiny_models["llama"]
-    jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=20, max_tokens=64, seed=3), model_dir)
+    vocab, stage = regular_token_ids(model_dir), whole_model(model_dir)
+    jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=64, seed=3), model_dir)
     for i, constraint in CONSTRAINED.items():       # seeded jobs (decisive() draws margins for greedy ones only)
         jobs[i] = replace(jobs[i], max_tokens=100, constraint=constraint)
+    repeated = (replace(job, prompt_ids=job.prompt_ids[:10] * 2)     # as decisive as the others
+                for job in make_jobs(40, vocab, prompt_len=20, max_tokens=64, seed=8) if job.temperature == 0)
+    jobs[0] = next(job for job in repeated if smallest_margin(stage, job.prompt_ids, job.max_tokens) >= MIN_MARGIN)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db")) as mesh:
+                   db=str(tmp_path / "registry.db"), coordinator_args=["--speculative-config", json.dumps(NGRAM)]
+                   ) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
         records = settled_requests(mesh, 8)
+        pages = [page for page in metrics_pages(mesh).values() if page]
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # none repeated,
         model_dir, jobs, reference=run.reference, failover=run.outcomes)                            # none missing
+    greedy = [i for i, job in enumerate(jobs) if job.temperature == 0]
+    assert [run.outcomes[i].tokens for i in greedy] == [
+        greedy_tokens(stage, list(jobs[i].prompt_ids), jobs[i].max_tokens) for i in greedy]
+    spec = [samples("", page) for page in pages]
+    drafts, accepted = (sum(c.get(f"vllm:spec_decode_num_{name}_total", 0.0) for c in spec)
+                        for name in ("drafts", "accepted_tokens"))
+    assert drafts > 0 and accepted > 0, (drafts, accepted)
     jsonschema.validate(json.loads(run.outcomes[1].text), NUMBERS)
     assert re.fullmatch(DASHED, run.outcomes[3].text), run.outcomes[3].text
     assert all(len(run.outcomes[i].tokens) >= 60 for i in CONSTRAINED)     # about as long as the others
