@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -134,27 +134,28 @@ class Grammars:
     def _masks(self, jobs: list[tuple[str, str, list[int]]]) -> StepMasks:
         """The masks of jobs (session id, grammar, output so far), a row each, in order."""
         started = time.perf_counter()
-        # numpy, not torch, on this thread: a torch op here could start an OpenMP pool beside the forward's
-        bitmask = np.full(llguidance.torch.get_bitmask_shape(len(jobs), self._vocab_size), -1, dtype=np.int32)
+        # numpy, not torch, on this thread: a torch op here could start an OpenMP pool beside the forward's (and
+        # llguidance.numpy, not llguidance.torch, whose torch.compile'd helpers import dynamo and inductor: ~2 s of
+        # every agent's start)
+        bitmask = np.full(llguidance.numpy.get_bitmask_shape(len(jobs), self._vocab_size), -1, dtype=np.int32)
         matchers, refused = [], {}
         for row, (session_id, grammar, output) in enumerate(jobs):
             try:
                 matchers.append((self._state(session_id, grammar, output).matcher, row))
             except InvalidInput as exc:
                 refused[session_id] = str(exc)
-        rows = torch.from_numpy(bitmask)     # (shares bitmask's memory)
         if self._executor is not None and len(matchers) > 1:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, rows)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         else:
             for matcher, row in matchers:
-                llguidance.torch.fill_next_token_bitmask(matcher, rows, row)
+                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
         for row in np.flatnonzero(~bitmask.any(axis=1)).tolist():
             session_id = jobs[row][0]
             refused[session_id] = f"session {session_id}'s grammar allows no next token"
             bitmask[row] = -1
             self._sessions.pop(session_id, None)
         self.times.compute_s += time.perf_counter() - started
-        return StepMasks(rows, refused)
+        return StepMasks(torch.from_numpy(bitmask), refused)     # (sharing bitmask's memory)
 
     def _state(self, session_id: str, grammar: str, output: list[int]) -> _Matched:
         """The session's matcher after output; InvalidInput where output left its grammar, went on past its end, or

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import llguidance
+import llguidance.numpy
 import llguidance.torch
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_a_steps_masks_are_computed_while_its_forward_pass_runs(model_dir: Path,
 
     monkeypatch.setattr(engine.runner, "forward_steps", meeting_forward)
     for name in ("fill_next_token_bitmask", "fill_next_token_bitmask_par"):    # one mask a step: one of the two
-        monkeypatch.setattr(llguidance.torch, name, meeting(getattr(llguidance.torch, name)))
+        monkeypatch.setattr(llguidance.numpy, name, meeting(getattr(llguidance.numpy, name)))
     mesh = Mesh(engine)
     start(mesh, replace(generation("s", random_prompt(52, 9), max_new_tokens=MAX_TOKENS, stop_token_ids=eos),
                         sampling=SamplingParams(temperature=1.0, seed=4, grammar=GRAMMAR)))
