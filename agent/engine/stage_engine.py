@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,14 @@ class Outbox:
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
 
+# How many tokens a speculating session drafts: each more only while it is likely enough to be kept, by the session's
+# recent acceptance a (the n-th drafted token is kept with probability about a^n); none on a busy last stage, where a
+# wider step costs more than the trips it saves.
+ACCEPTANCE_DECAY = 0.9      # each step, the weight left to what the steps before said of a session's drafts
+DRAFT_WORTH = 0.25          # the n-th token is drafted while a^n is at least this
+BUSY_DECODES = 8            # a last stage decoding more sessions than this drafts none
+
+
 @dataclass(slots=True)
 class DecodeLoop:
     """A generation's decode loop as its last stage runs it: each sampled token goes on to the first stage (feed)
@@ -69,6 +78,8 @@ class DecodeLoop:
     stop_token_ids: frozenset[int]
     held: bool = False                  # the origin asked for a hold: the next token is the last one fed nowhere
     speculation: Speculation | None = None      # each step it feeds carries tokens drafted so
+    kept: float = 0.0           # drafted tokens kept, and steps whose drafts were not all kept, decayed by
+    missed: float = 0.0         # ACCEPTANCE_DECAY a step
 
     @classmethod
     def of(cls, message: SessionOpen) -> DecodeLoop | None:
@@ -77,13 +88,27 @@ class DecodeLoop:
         return cls(message.feed, message.max_new_tokens or None, frozenset(message.stop_token_ids),
                    speculation=message.speculation)
 
+    def verified(self, num_draft: int, num_kept: int) -> None:
+        """Its last step carried num_draft drafted tokens, of which num_kept were kept."""
+        self.kept, self.missed = self.kept * ACCEPTANCE_DECAY, self.missed * ACCEPTANCE_DECAY
+        if num_draft:
+            self.kept += num_kept
+            self.missed += num_kept < num_draft
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a drafted token is kept, given the one before it was: its recent drafts' (a prior of 3 in
+        4 while they say little; steps without drafts let it drift back there, so a session tries again)."""
+        return (self.kept + 3) / (self.kept + self.missed + 4)
+
     def draft(self, tokens: Sequence[int], most: int) -> tuple[int, ...]:
-        """The tokens to draft after tokens (the session's so far), at most `most` (and none that the loop would not
-        go on to sample)."""
+        """The tokens to draft after tokens (the session's so far): at most `most`, num_speculative_tokens, as many
+        as its acceptance makes worth it, and none that the loop would not go on to sample."""
         spec = self.speculation
         if spec is None or self.held:
             return ()
-        most = min(most, spec.num_speculative_tokens, (self.tokens_left or most + 1) - 1)
+        worth = math.floor(math.log(DRAFT_WORTH) / math.log(self.acceptance))
+        most = min(most, spec.num_speculative_tokens, worth, (self.tokens_left or most + 1) - 1)
         if most <= 0:
             return ()
         return ngram_draft(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, most)
@@ -407,9 +432,11 @@ class StageEngine:
                 # the next step starts at the token just sampled, after the accepted drafts (the rejected ones'
                 # positions are rewritten: each stage forgets them as this step reaches it)
                 position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)
+                loop.verified(chunk.item.num_draft, len(accepted))
                 session = self.scheduler.sessions.get(chunk.session_id)
-                drafts = () if session is None else loop.draft([*session.token_ids[:position], event.token_id],
-                                                               self.scheduler.max_batch_tokens - 1)
+                busy = self.scheduler.num_decoding > BUSY_DECODES
+                drafts = () if session is None or busy else loop.draft(
+                    [*session.token_ids[:position], event.token_id], self.scheduler.max_batch_tokens - 1)
                 feeds.setdefault(loop.feed, []).append(StepChunk(
                     chunk.session_id, chunk.item.step + 1, position, (event.token_id, *drafts), True,
                     chunk.item.trace_id, sent_ns, len(drafts)))

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, Speculation,
                                        StepChunk)
+from stratamesh.agent.engine.stage_engine import DecodeLoop
 from stratamesh.fleet.stages import Assignment, StageSpec
 from tests.agent.test_dataplane import greedy_reference, send, serving
 from tests.patience import eventually
@@ -243,3 +244,23 @@ async def test_a_speculating_session_held_exports_and_resumes_with_its_verified_
         resumed = engine.scheduler.resume("g", "g2", prompt + tokens, len(prompt + tokens))
         assert resumed == len(prompt) + len(tokens) - 1          # all but the last token's KV, none of a draft
         assert engine.scheduler.sessions["g2"].token_ids[:resumed] == (prompt + tokens)[:resumed]
+
+
+def test_a_session_drafts_as_many_tokens_as_its_acceptance_makes_worth_it_and_tries_again_later() -> None:
+    loop = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
+    repeating = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1]     # the lookup could draft 9 tokens
+    assert len(loop.draft(repeating, 64)) == 4             # a prior acceptance of 3 in 4: 0.75^4 >= 1/4 > 0.75^5
+    for _ in range(6):
+        loop.verified(4, 0)                                # rejected at once, step after step: fewer ...
+    assert len(loop.draft(repeating, 64)) == 1
+    for _ in range(14):
+        loop.verified(1, 0)
+    assert loop.draft(repeating, 64) == ()                 # ... and none
+    for _ in range(30):
+        loop.verified(0, 0)                                # steps without drafts: what they said fades
+    assert len(loop.draft(repeating, 64)) >= 3
+    for _ in range(30):
+        loop.verified(8, 8)                                # every draft kept: as many as allowed
+    assert len(loop.draft(repeating, 64)) == 8 and len(loop.draft(repeating, 5)) == 5
+    limited = DecodeLoop(Hop("a:1", "a0"), 3, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
+    assert len(limited.draft(repeating, 64)) == 2          # the 3rd token it may sample ends the loop: not drafted
