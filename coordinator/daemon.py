@@ -96,7 +96,7 @@ class CoordinatorOptions:
     codec_policy: str = "auto"           # what activations cross links in: --wire-codec (partitioner/wire_codec.py)
     route_wait_s: float = ROUTE_WAIT_S   # how long a request waits for its model to load or recover (--route-wait)
     tool_call_parser: str | None = None  # how models write tool calls (--tool-call-parser); None: their templates'
-    speculation: Speculation | None = None   # speculative decoding of greedy generations (--speculative-config)
+    speculation: Speculation | None = None   # speculative decoding of generations (--speculative-config)
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.

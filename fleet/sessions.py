@@ -81,10 +81,11 @@ class SamplingParams:
 
     @property
     def verifiable(self) -> bool:
-        """Whether drafted tokens can be verified for it exactly: greedy, its pick the argmax of the model's logits
-        alone (no bias, ban or penalty, no grammar), and no log-probabilities asked for (speculative decoding
-        serves such generations; the others decode a token a step)."""
-        return (self.is_greedy and not self.processes_logits and not self.counts_output and self.logprobs is None
+        """Whether drafted tokens can be verified for it exactly: its pick depends on the model's logits alone (no
+        bias, ban or penalty, no grammar), greedy (the argmax) or sampled (rejection sampling), and no
+        log-probabilities are asked for (speculative decoding serves such generations; the others decode a token a
+        step)."""
+        return (not self.processes_logits and not self.counts_output and self.logprobs is None
                 and self.prompt_logprobs is None)
 
     @property

@@ -127,7 +127,7 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
                                   "format each model's chat template shows: <tool_call> blocks are hermes, "
                                   "<|python_tag|> llama3_json, [TOOL_CALLS] mistral)")
     coordinator.add_argument("--speculative-config", type=_speculative_config,
-                             help="speculative decoding of greedy generations, as vLLM's JSON: "
+                             help="speculative decoding, as vLLM's JSON: "
                                   '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' '
                                   "(ngram: prompt lookup over the prompt and the output so far); each decode step "
                                   "carries the drafts, which the last stage verifies at once")

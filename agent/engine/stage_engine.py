@@ -184,7 +184,7 @@ class StageEngine:
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
         if message.speculation is not None and not message.sampling.verifiable:
-            raise InvalidInput("open.speculation is for greedy sampling whose pick is the argmax alone")
+            raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone")
         if not 0 <= message.output_start <= len(message.prompt_token_ids):
             raise InvalidInput(f"open.output_start {message.output_start} lies outside its "
                                f"{len(message.prompt_token_ids)} prompt_token_ids")

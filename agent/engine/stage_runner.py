@@ -255,7 +255,8 @@ class StageRunner:
         every_logits = model.logits(hidden[every]) if logits is None else logits[every]   # [rows, vocab]
         logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):len(every) - len(verified)]
         tokens = _pick(sampled, logits, picking) if rows else {}
-        accepted = _verify(drafted, every_logits[len(every) - len(verified):], tokens) if drafted else {}
+        accepted = _verify(drafted, every_logits[len(every) - len(verified):], picking.params, tokens) if drafted \
+            else {}
         refused = picking.masks.wait().refused if picking.masks is not None and rows else {}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:
@@ -285,18 +286,28 @@ def _num_blocks(spec: StageSpec, config: ModelConfig, kv_bytes: int) -> int:
                                                 TORCH_DTYPES[spec.dtype]))
 
 
-def _verify(chunks: list[ScheduledChunk], logits: torch.Tensor, tokens: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Greedy verification of each chunk's drafted tokens (its sampling is SamplingParams.verifiable: the pick is the
-    argmax) from the logits of its last num_draft + 1 rows, in chunk order: the drafts up to the first the model
-    picks otherwise are accepted (returned by session), and its pick there (or after the last draft) goes in
-    tokens. The output is the one decoding a token a step gives."""
-    picks, accepted, row = logits.argmax(dim=-1).tolist(), {}, 0
+def _verify(chunks: list[ScheduledChunk], logits: torch.Tensor, params: Mapping[str, SamplingParams],
+            tokens: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Verification of each chunk's drafted tokens (its sampling is SamplingParams.verifiable: the pick depends on
+    the model's logits alone) from the logits of its last num_draft + 1 rows, in chunk order: each row's pick as a
+    step of one token would pick it there (the argmax; or a sampled one's draw keyed by its seed and that
+    position), the drafts kept up to the first that differs from its row's pick, and that pick (or the last row's)
+    after them; returns the kept drafts by session, the picks go in tokens. So the output is exactly decoding's a
+    token a step: a sampled draft is kept with its row's probability of it, and where it is not, the token comes
+    from that row's distribution without it (the maximal coupling: rejection sampling with one draw)."""
+    accepted, row = {}, 0
     for chunk in chunks:
         drafts = chunk.item.token_ids[-chunk.item.num_draft:]
-        mine = picks[row:row + len(drafts) + 1]
+        rows = logits[row:row + len(drafts) + 1]
         row += len(drafts) + 1
-        kept = next((i for i, (draft, pick) in enumerate(zip(drafts, mine)) if draft != pick), len(drafts))
-        accepted[chunk.session_id], tokens[chunk.session_id] = tuple(drafts[:kept]), mine[kept]
+        sampling = params[chunk.session_id]
+        if sampling.is_greedy:
+            picks = rows.argmax(dim=-1).tolist()
+        else:
+            first = chunk.start_pos + chunk.num_tokens - len(drafts)        # the first draft's position
+            picks = sample_rows(rows, [sampling] * len(rows), list(range(first, first + len(rows))))
+        kept = next((i for i, (draft, pick) in enumerate(zip(drafts, picks)) if draft != pick), len(drafts))
+        accepted[chunk.session_id], tokens[chunk.session_id] = tuple(drafts[:kept]), picks[kept]
     return accepted
 
 

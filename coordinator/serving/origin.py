@@ -45,8 +45,8 @@ class Origin:
 
     def __init__(self, address: str, deployer: Deployer, router: Router, sessions: SessionTable, log: RequestLog,
                  route_wait_s: float = ROUTE_WAIT_S, speculation: Speculation | None = None) -> None:
-        """speculation: the generations whose sampling is verifiable (greedy, the argmax alone) decode speculatively
-        so (fleet.sessions.Speculation); None: a token a step."""
+        """speculation: the generations whose sampling is verifiable (the pick depends on the logits alone) decode
+        speculatively so (fleet.sessions.Speculation); None: a token a step."""
         self.address = address
         self.speculation = speculation
         self.sessions = sessions

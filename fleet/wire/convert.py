@@ -275,7 +275,7 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     sampling = sampling_from_pb(msg.sampling)
     speculation = _speculation_from_pb(msg.speculation) if msg.HasField("speculation") else None
     if speculation is not None and not sampling.verifiable:
-        raise InvalidInput("open.speculation is for greedy sampling whose pick is the argmax alone (no penalties, "
+        raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone (no penalties, "
                            "bias, grammar or logprobs)")
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling, msg.traceparent,
                        tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg),

@@ -27,9 +27,9 @@ def tiny_spec(tiny_model, start: int, end: int) -> StageSpec:
 
 def start(stream, session_id: str, first: Hop, origin_address: str, prompt: list[int], route: tuple[Hop, ...] = (),
           max_new_tokens: int = 0, stop_token_ids: tuple[int, ...] = (),
-          speculation: Speculation | None = None) -> None:
+          speculation: Speculation | None = None, sampling: SamplingParams = SamplingParams()) -> None:
     """Opens a generation whose last stage feeds first, and sends its whole prompt as one chunk."""
-    send(stream, SessionOpen(session_id, first.assignment_id, route, origin_address, SamplingParams(),
+    send(stream, SessionOpen(session_id, first.assignment_id, route, origin_address, sampling,
                              prompt_token_ids=tuple(prompt), feed=first, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids, speculation=speculation))
     send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True), to=first.assignment_id)
@@ -264,3 +264,21 @@ def test_a_session_drafts_as_many_tokens_as_its_acceptance_makes_worth_it_and_tr
     assert len(loop.draft(repeating, 64)) == 8 and len(loop.draft(repeating, 5)) == 5
     limited = DecodeLoop(Hop("a:1", "a0"), 3, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
     assert len(limited.draft(repeating, 64)) == 2          # the 3rd token it may sample ends the loop: not drafted
+
+
+async def test_a_sampled_speculating_session_draws_the_tokens_of_one_a_step_for_its_seed(one_stage) -> None:
+    """Each verified row picks as a step of one token would pick there (its draw keyed by the seed and the
+    position), and a draft is kept only where it is that pick: with speculation or without, the same tokens."""
+    spec, host, origin, address, stream = one_stage
+    prompt = [3, 9, 27, 81, 3, 9, 27, 81, 3, 9]
+    runs = {}
+    for session_id, speculation in (("plain", None), ("drafted", Speculation("ngram", 4, 1, 3))):
+        for seed in (1, 2, 3):
+            start(stream, f"{session_id}{seed}", Hop(address, "a0"), address, prompt, max_new_tokens=24,
+                  speculation=speculation, sampling=SamplingParams(temperature=0.6, seed=seed))
+            runs[session_id, seed] = [e.token_id for e in await tokens_of(origin, f"{session_id}{seed}", 24)]
+    for seed in (1, 2, 3):
+        assert runs["drafted", seed] == runs["plain", seed], seed
+    assert len({tuple(tokens) for tokens in runs.values()}) > 1       # guards it: the seeds draw differently
+    counts = host.engine("a0").speculation
+    assert counts.num_accepted_tokens > 0 and counts.num_accepted_tokens < counts.num_draft_tokens

@@ -41,9 +41,9 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
     regex, of about as many tokens, which end with their grammars); kill -9 the middle stage's agent. The new last
     stage rebuilds each grammar from the output the origin replays: the constrained streams stay valid.
 
-    The mesh decodes speculatively (ngram, --speculative-config): the greedy streams carry drafted tokens (one's
-    prompt a span said twice, drafted from at once), the sampled ones decode a token a step; every greedy stream,
-    killed or not, is the model's greedy decoding a token a step in one process."""
+    The mesh decodes speculatively (ngram, --speculative-config): the greedy and seeded streams carry drafted tokens
+    (one's prompt a span said twice, drafted from at once), the constrained ones decode a token a step; every greedy
+    stream, killed or not, is the model's greedy decoding a token a step in one process."""
     model_dir = tiny_models["llama"]
     vocab, stage = regular_token_ids(model_dir), whole_model(model_dir)
     jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=64, seed=3), model_dir)

@@ -210,10 +210,10 @@ def test_an_unknown_gpu_reading_is_unset_on_the_wire() -> None:
         method="eagle", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))), "method"),
     (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", speculation=pb.Speculation(
         method="ngram", num_speculative_tokens=0, prompt_lookup_min=1, prompt_lookup_max=1))), "num_speculative"),
-    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", sampling=pb.SamplingParams(temperature=0.7),
-                                         speculation=pb.Speculation(method="ngram", num_speculative_tokens=2,
-                                                                    prompt_lookup_min=1, prompt_lookup_max=1))),
-     "speculation is for greedy"),
+    (pb.StageMessage(open=pb.SessionOpen(session_id="s", origin="o:1", sampling=pb.SamplingParams(
+        temperature=0.7, repetition_penalty=1.2), speculation=pb.Speculation(
+        method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))),
+     "logits alone"),
 ])
 def test_bad_stage_messages_name_the_field(message: pb.StageMessage, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):
