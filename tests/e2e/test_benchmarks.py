@@ -188,3 +188,16 @@ def test_control_benchmark_welcomes_every_simulated_agent_and_prints_its_table(f
                                                                 # every API request under that load answered
     # boxes too small for a stage cost no plan; 40 that could hold one are weighed in a burst or two, not 40 times
     assert int(cells[7]) <= (5 if "--capable" in flags else 0), result.stdout
+
+
+def test_speculative_benchmark_prints_both_meshes_the_acceptance_and_the_targets() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--quick"],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode == 77:
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| lan ")]
+    assert [row[2] for row in rows[:2]] == ["grounded", "random"] and len(rows) == 3, out
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x") for row in rows[:2]), out
+    assert re.search(r"concurrency 16 with drafts [\d.]+x \(at least 0\.95x\): (met|NOT met)", out), out
