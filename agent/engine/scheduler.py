@@ -125,11 +125,12 @@ class Scheduler:
         """Queues a chunk after checking it continues its session exactly where the last one ended, or (after
         drafted tokens) where the last stage's verification of them ended: the rejected ones are forgotten."""
         session = self._live(item.session_id)
-        if session.drafted_from is not None and session.drafted_from <= item.start_pos < (session.next_pos or 0):
+        if (item.token_ids and session.drafted_from is not None
+                and session.drafted_from <= item.start_pos < (session.next_pos or 0)):
             self._forget_drafts(session, item.start_pos)
-        session.drafted_from = item.draft_start if item.num_draft else None
         self._check_start(session, item)
         new_ids = self._new_token_ids(session, item)
+        session.drafted_from = item.draft_start if item.num_draft else None
         if session.next_pos is None and item.start_pos < session.num_computed:
             # The origin settled on fewer cached tokens than this stage pinned: another stage had less.
             self.block_manager.truncate(item.session_id, item.start_pos)

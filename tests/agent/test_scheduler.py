@@ -478,3 +478,17 @@ def test_drafted_tokens_are_never_split_across_steps() -> None:
     s.add(drafted("a", 3, [8, 9, 10], 2))
     assert spans(step(s)) == [("b", 3, 1, True)]          # a's three tokens do not fit beside b's: they wait
     assert spans(step(s)) == [("a", 3, 3, True)]
+
+
+def test_a_refused_chunk_after_drafts_leaves_the_session_as_it_was() -> None:
+    s = make()
+    prefilled(s, "a", list(range(1, 7)))
+    s.add(drafted("a", 6, [50, 51, 52], 2))
+    step(s)
+    session = s.sessions["a"]
+    state = (list(session.token_ids), session.num_computed, session.next_pos, session.drafted_from)
+    with pytest.raises(InvalidInput, match="empty"):
+        s.add(item("a", 7, []))
+    assert (list(session.token_ids), session.num_computed, session.next_pos, session.drafted_from) == state
+    s.add(item("a", 8, [60]))                              # the first draft kept, the second rejected
+    assert session.token_ids == [1, 2, 3, 4, 5, 6, 50, 51, 60] and session.drafted_from is None
