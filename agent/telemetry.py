@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from stratamesh.agent.engine.scheduler import Scheduler
+from stratamesh.agent.engine.stage_engine import SpeculationCounts
 from stratamesh.agent.observer import DecodeSpeed
 from stratamesh.agent.probe import RawGpu, parse_gpu, read_nvml
 from stratamesh.agent.stages import StageHost
@@ -20,12 +21,15 @@ log = logging.getLogger(__name__)
 SERVING_WINDOW_TOKENS = 512
 
 
-def stage_load(assignment_id: str, scheduler: Scheduler, decode: DecodeSpeed | None = None) -> StageLoad:
-    """One stage's load as its scheduler and block manager see it, and its recent decode steps' speed."""
-    blocks, decode = scheduler.block_manager, decode or DecodeSpeed()
+def stage_load(assignment_id: str, scheduler: Scheduler, decode: DecodeSpeed | None = None,
+               speculation: SpeculationCounts | None = None) -> StageLoad:
+    """One stage's load as its scheduler and block manager see it, its recent decode steps' speed, and (a last
+    stage) what its verifications of drafted tokens kept."""
+    blocks, decode, spec = scheduler.block_manager, decode or DecodeSpeed(), speculation or SpeculationCounts()
     return StageLoad(assignment_id, scheduler.num_running, scheduler.num_waiting,
                      blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
-                     blocks.num_prefix_queries_tokens, blocks.num_prefix_hit_tokens, decode.step_s, decode.roofline)
+                     blocks.num_prefix_queries_tokens, blocks.num_prefix_hit_tokens, decode.step_s, decode.roofline,
+                     spec.num_draft_tokens, spec.num_accepted_tokens)
 
 
 def tokens_per_s(tokens_now: int, tokens_then: int, elapsed_s: float) -> float:
@@ -86,6 +90,6 @@ class TelemetrySampler:
         engines = list(self._host.engines.items())
         queued = sum(len(s.queue) for _, e in engines for s in e.scheduler.sessions.values())
         return Telemetry(now, self._inbox_depth() + queued, rate,
-                         tuple(stage_load(a, e.scheduler, self._decode.get(a)) for a, e in engines),
+                         tuple(stage_load(a, e.scheduler, self._decode.get(a), e.speculation) for a, e in engines),
                          tuple(parse_gpu(g) for g in gpus),
                          self._serving.update())

@@ -151,8 +151,17 @@ class MeshAdmin:
                 "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
                 "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
-                "created": model.created,
+                "created": model.created, "speculation": self._speculation(model_id),
                 "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
+
+    def _speculation(self, model_id: str) -> dict[str, Any]:
+        """What the last stages of the model's live plans kept of the tokens drafted for them (speculative decoding),
+        since they loaded, as their agents' newest heartbeats say; acceptance_rate None before any draft."""
+        ids = {s.assignment_id for plan in self._registry.live_plans(model_id) for s in plan.stages}
+        loads = [s for t in self._planner().roster.telemetry.values() for s in t.stages if s.assignment_id in ids]
+        drafted, kept = sum(s.spec_draft_tokens for s in loads), sum(s.spec_accepted_tokens for s in loads)
+        return {"draft_tokens": drafted, "accepted_tokens": kept,
+                "acceptance_rate": kept / drafted if drafted else None}
 
     def _planner(self) -> Deployer:
         if self._deployer is None:

@@ -97,6 +97,8 @@ class StageLoad:
     # their bandwidth roofline over their time: the weights and KV they read at the box's streaming read, where
     # the box measured one (a CPU's), over what they took (1: at the memory's speed); 0: not known
     decode_roofline: float = 0.0
+    spec_draft_tokens: int = 0      # a last stage's drafted tokens verified since it loaded (speculative decoding)
+    spec_accepted_tokens: int = 0   # ... and kept
 
     @property
     def kv_usage(self) -> float:

@@ -150,6 +150,13 @@ class LoadErrorView(BaseModel):
     at: float
 
 
+class SpeculationView(BaseModel):
+    """What the model's serving last stages kept of the tokens drafted for them since they loaded."""
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None     # accepted / drafted; None before any draft
+
+
 class ModelView(BaseModel):
     model_id: str
     path: str
@@ -163,6 +170,7 @@ class ModelView(BaseModel):
     num_replicas: int = 1        # the operator's choice: pipelines serving it side by side
     ready_replicas: int = 0      # of them, those whose every stage is loaded
     created: float
+    speculation: SpeculationView = SpeculationView()    # speculative decoding (--speculative-config)
     load_errors: list[LoadErrorView] = []    # the stages of its plans that an agent could not load, and why
 
 

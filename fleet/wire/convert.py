@@ -459,7 +459,8 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
         stages=[pb.StageLoad(assignment_id=s.assignment_id, num_running=s.num_running, num_waiting=s.num_waiting,
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-                             decode_step_s=s.decode_step_s, decode_roofline=s.decode_roofline)
+                             decode_step_s=s.decode_step_s, decode_roofline=s.decode_roofline,
+                             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
                 for s in t.stages],
         gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting)
 
@@ -472,12 +473,14 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
     for s in msg.stages:
         counts = (s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.prefix_query_tokens,
                   s.prefix_hit_tokens)
-        if min(counts) < 0 or s.kv_blocks_used > s.kv_blocks_total or s.prefix_hit_tokens > s.prefix_query_tokens:
-            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts}")
+        spec = (s.spec_draft_tokens, s.spec_accepted_tokens)
+        if (min(counts + spec) < 0 or s.kv_blocks_used > s.kv_blocks_total
+                or s.prefix_hit_tokens > s.prefix_query_tokens or s.spec_accepted_tokens > s.spec_draft_tokens):
+            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts + spec}")
         if not (0 <= s.decode_step_s < math.inf and 0 <= s.decode_roofline < math.inf):
             raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}]: decode_step_s and decode_roofline must be "
                                "finite and >= 0")
-        stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline))
+        stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline, *spec))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
                      tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON])
 

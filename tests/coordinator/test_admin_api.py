@@ -77,7 +77,8 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert deployed.json()["model"] | {"created": 0} == {
             "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
             "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
-            "ready_replicas": 0, "created": 0, "load_errors": []}
+            "ready_replicas": 0, "created": 0, "load_errors": [],
+            "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None}}
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"

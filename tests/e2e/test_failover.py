@@ -22,7 +22,7 @@ from stratamesh.kernels.models.decoder import greedy_tokens
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
-from tests.patience import patient
+from tests.patience import patient, wait_until
 from tests.e2e.test_drain import samples
 from .streams import held, settled_requests, which_diverged
 
@@ -58,7 +58,15 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
         records = settled_requests(mesh, 8)
         pages = [page for page in metrics_pages(mesh).values() if page]
+
+        def speculation() -> dict:      # the admin API's, from the serving last stage's newest heartbeat
+            return httpx.get(f"{mesh.url}/admin/api/models", headers=mesh.headers).json()["models"][0]["speculation"]
+
+        wait_until(lambda: speculation()["draft_tokens"] > 0, timeout_s=30)
+        seen = speculation()
     assert [o.error for o in run.reference + run.outcomes if o.error] == []
+    assert 0 <= seen["accepted_tokens"] <= seen["draft_tokens"] and seen["acceptance_rate"] == pytest.approx(
+        seen["accepted_tokens"] / seen["draft_tokens"])
     assert [o.tokens for o in run.outcomes] == [r.tokens for r in run.reference], which_diverged(   # none repeated,
         model_dir, jobs, reference=run.reference, failover=run.outcomes)                            # none missing
     greedy = [i for i, job in enumerate(jobs) if job.temperature == 0]
