@@ -121,7 +121,7 @@ export class ModelsTable {
     const signature = JSON.stringify([this.actions.canOperate, models]);
     if (signature === this.signature) return;
     this.signature = signature;
-    const empty = el("tr", { class: "empty-row" }, el("td", { colspan: 7,
+    const empty = el("tr", { class: "empty-row" }, el("td", { colspan: 8,
       text: this.actions.canOperate ? "No model deployed yet: use the form below." : "No model deployed yet." }));
     this.tbody.replaceChildren(...(models.length ? models.map((m) => this.row(m)) : [empty]));
   }
@@ -141,11 +141,18 @@ export class ModelsTable {
       el("td", { class: "small" }, m.plans.map((p) => el("div", {},
         el("span", { class: `badge ${stateClass(p.state)}`, text: p.state }),
         el("span", { class: "mono muted", text: ` ${p.plan_id}` })))),
+      el("td", { class: "small", "data-testid": "model-speculation", text: draftsKept(m.speculation) }),
       el("td", { class: "actions" }, this.actions.canOperate ? el("button", { class: "btn small", type: "button",
         "data-testid": "replan-button", "data-model-id": m.model_id,
         title: "weigh the serving plan against the best plan for the agents now",
         onclick: () => this.actions.replan(m.model_id) }, "Re-plan") : null));
   }
+}
+
+/** "60% of 800 drafted": what the model's last stages kept of the tokens drafted for them; "–" before any. */
+function draftsKept(speculation) {
+  if (!speculation || !speculation.draft_tokens) return "–";
+  return `${Math.round(100 * speculation.acceptance_rate)}% of ${speculation.draft_tokens} drafted`;
 }
 
 /** Models from /models, or from the plans alone when the coordinator sends no model list. */

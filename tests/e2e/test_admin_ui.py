@@ -287,6 +287,7 @@ def fixture_snapshot(now: float) -> dict:
     models = [{"model_id": m, "path": f"/models/{m}", "num_layers": n, "max_context": 8192, "state": "ready",
                "num_stages": k, "first_site": "lab" if m == "llama-8b" else None, "last_site": None,
                "created": now - 900} for m, n, k in (("llama-8b", 32, 4), ("qwen-0.5b", 24, 1))]
+    models[0]["speculation"] = {"draft_tokens": 800, "accepted_tokens": 480, "acceptance_rate": 0.6}
     models[1]["load_errors"] = [{"model_id": "qwen-0.5b", "assignment_id": "q-s0", "agent_id": "s2", "at": now - 3,
                                  "error": f"CheckpointError: checkpoint has no tensor {EVIL}"}]   # a stage's failure
     events = [{"id": 2, "ts": now - 5, "kind": "agent_dead", "agent_id": "e3", "detail": EVIL},
@@ -405,6 +406,11 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(failed).to_have_text(f"s2 could not load its stage: CheckpointError: checkpoint has no tensor {EVIL}")
         expect(page.locator('[data-testid="model-row"][data-model-id="llama-8b"] [data-testid="load-error"]')
                ).to_have_count(0)
+        # speculative decoding: what the model's last stages kept of the tokens drafted for them
+        expect(page.locator('[data-testid="model-row"][data-model-id="llama-8b"] [data-testid="model-speculation"]')
+               ).to_have_text("60% of 800 drafted")
+        expect(page.locator('[data-testid="model-row"][data-model-id="qwen-0.5b"] [data-testid="model-speculation"]')
+               ).to_have_text("–")
         expect(page.get_by_test_id("stage-link-codec").filter(has_text="← int8")).to_have_count(1)
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
