@@ -25,8 +25,9 @@ def _latency_rows(name: str, header: str, stats: LatencyStats) -> list[str]:
             _row(f"P99 {name} (ms):", stats.p99_ms)]
 
 
-def format_report(metrics: BenchMetrics, options: ServeOptions) -> str:
-    """The human-readable table, in vLLM's layout and wording."""
+def format_report(metrics: BenchMetrics, options: ServeOptions, drafts: tuple[int, int] | None = None) -> str:
+    """The human-readable table, in vLLM's layout and wording; drafts: (drafted, kept) tokens of speculative
+    decoding during the run, where the server said."""
     rows = [f"{' Serving Benchmark Result ':=^50}", _row("Successful requests:", metrics.completed),
             _row("Failed requests:", metrics.failed)]
     if options.max_concurrency is not None:
@@ -45,13 +46,18 @@ def format_report(metrics: BenchMetrics, options: ServeOptions) -> str:
              _row("Total Token throughput (tok/s):", metrics.total_token_throughput)]
     for attr, name, header in _LATENCIES:
         rows += _latency_rows(name, header, getattr(metrics, attr))
+    if drafts is not None and drafts[0]:
+        rows += [f"{'Speculative Decoding':-^50}", _row("Acceptance rate (%):", 100.0 * drafts[1] / drafts[0]),
+                 _row("Draft tokens:", drafts[0]), _row("Accepted tokens:", drafts[1])]
     rows.append("=" * 50)
     rows += [f"error: {error}" for error in metrics.errors[:5]]
     return "\n".join(rows)
 
 
-def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[RequestRecord] = ()) -> str:
-    """The machine-readable result: settings, metrics and, as vLLM's result file, per-request lists (s)."""
+def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[RequestRecord] = (),
+                drafts: tuple[int, int] | None = None) -> str:
+    """The machine-readable result: settings, metrics, speculative decoding's drafted and kept tokens where the
+    server said (None otherwise) and, as vLLM's result file, per-request lists (s)."""
     settings = {"model": options.model, "dataset": options.dataset, "num_prompts": options.num_prompts,
                 "request_rate": None if math.isinf(options.request_rate) else options.request_rate,
                 "max_concurrency": options.max_concurrency, "input_len": options.input_len,
@@ -61,5 +67,7 @@ def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[
     per_request = {"input_lens": [r.prompt_len for r in records], "output_lens": [r.output_tokens for r in records],
                    "ttfts": [r.ttft_s for r in records], "e2els": [r.latency_s for r in records],
                    "itls": [list(r.itl_s) for r in records], "successes": [r.success for r in records]}
-    return json.dumps({**settings, **metrics.to_dict(), **per_request}, indent=2)
+    spec = {"spec_decode_draft_tokens": drafts and drafts[0], "spec_decode_accepted_tokens": drafts and drafts[1],
+            "spec_decode_acceptance_rate": drafts[1] / drafts[0] if drafts and drafts[0] else None}
+    return json.dumps({**settings, **metrics.to_dict(), **spec, **per_request}, indent=2)
 

@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -168,14 +169,49 @@ def build_requests(options: ServeOptions) -> tuple[list[BenchRequest], list[Benc
     return warmup, measured
 
 
-def bench_serve(options: ServeOptions) -> tuple[BenchMetrics, list[RequestRecord]]:
-    """Runs the warm-up, then the measured requests; (metrics, each measured request's record)."""
+def speculation_counts(url: str, api_key: str, model: str) -> tuple[int, int] | None:
+    """(drafted, kept) tokens of the model's speculative decoding so far, as GET /admin/api/models says (an
+    operator's key); None where this key may not read it."""
+    try:
+        response = httpx.get(f"{url}/admin/api/models", headers=auth_headers(api_key), timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    for m in response.json().get("models", []):
+        if m.get("model_id") == model:
+            spec = m.get("speculation") or {}
+            return int(spec.get("draft_tokens", 0)), int(spec.get("accepted_tokens", 0))
+    return None
+
+
+def settled_speculation_counts(url: str, api_key: str, model: str, reads: int = 5) -> tuple[int, int] | None:
+    """speculation_counts once two reads a second apart agree (they come with the agents' heartbeats), or after
+    `reads` reads."""
+    last = speculation_counts(url, api_key, model)
+    for _ in range(reads - 1):
+        if last is None:
+            return None
+        time.sleep(1.0)
+        now = speculation_counts(url, api_key, model)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def bench_serve(options: ServeOptions, measuring: Callable[[], None] | None = None
+                ) -> tuple[BenchMetrics, list[RequestRecord]]:
+    """Runs the warm-up, then (measuring() called between) the measured requests; (metrics, each measured request's
+    record)."""
     if not options.model:
         options = replace(options, model=first_model(options.url, options.api_key))
     warmup, measured = build_requests(options)
     if warmup:
         asyncio.run(run_requests(options.url, options.model, warmup, math.inf, options.max_concurrency,
                                  options.seed, options.timeout_s, options.api_key))
+    if measuring is not None:
+        measuring()
     records, duration_s = asyncio.run(run_requests(
         options.url, options.model, measured, options.request_rate, options.max_concurrency, options.seed,
         options.timeout_s, options.api_key))
@@ -187,7 +223,12 @@ def main(options: ServeOptions, as_json: bool) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)   # it logs every request at info
     if not options.model:
         options = replace(options, model=first_model(options.url, options.api_key))
-    metrics, records = bench_serve(options)
-    print(format_json(metrics, options, records) if as_json else format_report(metrics, options), flush=True)
+    before: list[tuple[int, int] | None] = []
+    metrics, records = bench_serve(options, lambda: before.append(
+        settled_speculation_counts(options.url, options.api_key, options.model)))
+    after = settled_speculation_counts(options.url, options.api_key, options.model) if before[0] else None
+    drafts = None if after is None else (after[0] - before[0][0], after[1] - before[0][1])
+    print(format_json(metrics, options, records, drafts) if as_json else format_report(metrics, options, drafts),
+          flush=True)
     if metrics.completed == 0:
         raise SystemExit(1)

@@ -126,6 +126,12 @@ def test_json_result_names_metrics_like_vllm() -> None:
     table = format_report(m, options)
     assert "Maximum request concurrency:             2" in table
     assert "Request goodput (req/s):" in table and "Median TTFT (ms):                        100.00" in table
+    assert result["spec_decode_draft_tokens"] is None and "Speculative Decoding" not in table
+    # speculative decoding's section, as vLLM prints it, where the server said what was drafted and kept
+    drafted = json.loads(format_json(m, options, drafts=(40, 10)))
+    assert (drafted["spec_decode_draft_tokens"], drafted["spec_decode_accepted_tokens"]) == (40, 10)
+    assert drafted["spec_decode_acceptance_rate"] == pytest.approx(0.25)
+    assert "Acceptance rate (%):                     25.00" in format_report(m, options, (40, 10))
 
 
 # ------------------------------------------------------------------ stream parsing
@@ -264,8 +270,9 @@ def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
     from stratamesh.launcher import LocalMesh
 
     folder = tiny_model("llama", num_layers=2, hidden_size=64, intermediate_size=128)
-    with LocalMesh(str(folder), num_agents=2, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db")) as mesh:
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    with LocalMesh(str(folder), num_agents=2, log_dir=str(tmp_path / "logs"), db=str(tmp_path / "registry.db"),
+                   coordinator_args=["--speculative-config", ngram]) as mesh:
         result = subprocess.run(
             [sys.executable, "-m", "stratamesh.cli", "bench", "serve", "--url", mesh.url, "--api-key", mesh.api_key,
              "--tokenizer", str(folder), "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "12",
@@ -279,3 +286,6 @@ def test_bench_serve_against_a_real_mesh(tiny_model, tmp_path: Path) -> None:
         assert data["total_cached_tokens"] >= 0
         assert data["successes"] == [True] * 6 and data["output_lens"] == [5] * 6
         assert all(0 < ttft < e2el for ttft, e2el in zip(data["ttfts"], data["e2els"], strict=True))
+        # the mesh speculates (its greedy requests carry drafts): the run's drafted and kept tokens, from the admin API
+        drafted, kept = data["spec_decode_draft_tokens"], data["spec_decode_accepted_tokens"]
+        assert drafted is None or 0 <= kept <= drafted
