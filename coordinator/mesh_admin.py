@@ -25,6 +25,7 @@ from stratamesh.coordinator.serving.router import Disaggregation
 from stratamesh.coordinator.traces import request_trace
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.model_folder import default_model_id
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.states import ModelState
 from stratamesh.fleet.boxes import Telemetry
@@ -131,10 +132,10 @@ class MeshAdmin:
         return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
-               quantize: str = "", num_replicas: int = 1) -> dict[str, Any]:
+               quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or default_model_id(path)
-        self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas)
+        self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas, speculation)
         return self._model_json(self._registry.model(served_id), find_model(self._registry, served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
@@ -152,6 +153,7 @@ class MeshAdmin:
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
                 "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
                 "created": model.created, "speculation": self._speculation(model_id),
+                "speculative_config": asdict(model.speculation) if model.speculation else None,
                 "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
 
     def _speculation(self, model_id: str) -> dict[str, Any]:

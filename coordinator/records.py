@@ -7,6 +7,7 @@ from typing import Any
 
 from stratamesh.fleet.states import DrainState
 from stratamesh.fleet.boxes import Capabilities
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import StageSpec
 
 
@@ -34,6 +35,7 @@ class ModelRecord:
     quantize: str = ""          # "int8" / "int4": the operator chose quantized weights for it (StageSpec.quantize)
     num_replicas: int = 1       # pipelines serving it side by side, each planned on agents of its own
     num_stages: int = 0         # the stages its plans were asked for (0: unknown, a model of an older registry)
+    speculation: Speculation | None = None      # its speculative decoding; None: the coordinator's default
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
@@ -22,6 +23,7 @@ from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecor
 from stratamesh.fleet.states import PlanState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import MAX_REPLICAS, StageSpec
 
 __all__ = ["AgentRecord", "EventRecord", "ModelRecord", "PlanRecord", "Registry", "StageRecord"]
@@ -159,6 +161,12 @@ def _m016_stage_kv_cache_bytes(db: Database) -> None:
     db["stages"].add_column("kv_cache_bytes", int, not_null_default=0)
 
 
+def _m017_model_speculation(db: Database) -> None:
+    """Each model's speculative decoding, the operator's (fleet.sessions.Speculation as JSON; "": the coordinator's
+    default)."""
+    db["models"].add_column("speculation_json", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
@@ -166,7 +174,7 @@ MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
                                      _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages,
-                                     _m016_stage_kv_cache_bytes)
+                                     _m016_stage_kv_cache_bytes, _m017_model_speculation)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -207,7 +215,13 @@ def _agent(row: dict[str, Any]) -> AgentRecord:
 
 
 def _model(row: dict[str, Any]) -> ModelRecord:
-    return ModelRecord(config=json.loads(row.pop("config_json")), **row)
+    speculation = row.pop("speculation_json", "")
+    return ModelRecord(config=json.loads(row.pop("config_json")), **row,
+                       speculation=Speculation(**json.loads(speculation)) if speculation else None)
+
+
+def _speculation_json(speculation: Speculation | None) -> str:
+    return json.dumps(asdict(speculation), sort_keys=True) if speculation is not None else ""
 
 
 def _plan(row: dict[str, Any], stages: list[StageRecord]) -> PlanRecord:
@@ -353,9 +367,9 @@ class Registry:
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
-                  num_replicas: int = 1, num_stages: int = 0) -> None:
-        """Add a model, or update its path, config, site pins, quantization, replicas and the stages its plans are
-        asked for if it exists (keeping created)."""
+                  num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None) -> None:
+        """Add a model, or update its path, config, site pins, quantization, replicas, the stages its plans are
+        asked for and its speculative decoding if it exists (keeping created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
         if not 1 <= num_replicas <= MAX_REPLICAS:
@@ -366,7 +380,8 @@ class Registry:
                                            "config_json": json.dumps(config, sort_keys=True),
                                            "first_site": first_site, "last_site": last_site,
                                            "quantize": quantize, "num_replicas": num_replicas,
-                                           "num_stages": num_stages})
+                                           "num_stages": num_stages,
+                                           "speculation_json": _speculation_json(speculation)})
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""

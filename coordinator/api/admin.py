@@ -19,6 +19,7 @@ from stratamesh.coordinator.api.sse import SSEResponse, sse_event
 from stratamesh.coordinator.fleet_view import AgentQuery, FleetView, fleet_delta
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
+from stratamesh.fleet.sessions import Speculation
 
 SNAPSHOT_EVERY_S = 1.0      # how often /admin/api/stream sends what changed
 STATS_INTERVAL_S = 1.0      # the stats' resolution (LiveStats keeps one bucket per second)
@@ -33,7 +34,8 @@ class Admin(Protocol):
 
     def models(self) -> list[dict[str, Any]]: ...
 
-    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins) -> dict[str, Any]: ...
+    def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins, quantize: str = "",
+               num_replicas: int = 1, speculation: Speculation | None = None) -> dict[str, Any]: ...
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]: ...
 
@@ -107,9 +109,13 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
     async def deploy(body: schemas.DeployModel) -> Any:
         """Deploys a Hugging Face folder; it loads as soon as enough agents can take its stages."""
         try:
+            speculation = Speculation.of(body.speculative_config) if body.speculative_config is not None else None
+        except InvalidInput as exc:
+            return error_response(ApiError(400, str(exc), param="speculative_config", code="bad_speculative_config"))
+        try:
             return {"model": admin.deploy(body.path, body.model_id, body.num_stages,
                                           SitePins(body.first_site or "", body.last_site or ""), body.quantize,
-                                          body.num_replicas)}
+                                          body.num_replicas, speculation)}
         except (CheckpointError, InvalidInput) as exc:
             return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
 

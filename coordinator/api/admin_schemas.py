@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +42,10 @@ class DeployModel(_Request):
                         "agents that measured them; never by default")
     num_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="pipelines serving it side by side, each on "
                               "agents of its own (planned once the agents the others leave can hold one)")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='its speculative decoding, as vLLM\'s speculative_config: {"method": "ngram", '
+                          '"num_speculative_tokens": 4, "prompt_lookup_max": 3}; default: the coordinator\'s '
+                          "(--speculative-config)")
 
 
 class Replan(_Request):
@@ -171,6 +175,7 @@ class ModelView(BaseModel):
     ready_replicas: int = 0      # of them, those whose every stage is loaded
     created: float
     speculation: SpeculationView = SpeculationView()    # speculative decoding (--speculative-config)
+    speculative_config: dict[str, Any] | None = None    # the model's own (None: the coordinator's default)
     load_errors: list[LoadErrorView] = []    # the stages of its plans that an agent could not load, and why
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from stratamesh.coordinator.registry_store import PlanStore
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, ModelNotFound
 from stratamesh.fleet.model_folder import read_config_json
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import QUANTIZATIONS, check_model_config, model_task, served_context
 from stratamesh.partitioner.profile import profile_from_hf_config
 
@@ -22,6 +23,7 @@ class ModelInfo:
     max_context: int
     created: int
     task: str = "generate"      # or "embed": fleet.stages.model_task of its config
+    speculation: Speculation | None = None      # its speculative decoding (None: the coordinator's default)
 
 
 def read_model_config(path: str) -> dict:
@@ -52,7 +54,7 @@ def check_quantize(quantize: str) -> None:
 def model_infos(registry: PlanStore) -> list[ModelInfo]:
     """Every registered model."""
     return [ModelInfo(m.model_id, m.path, m.num_layers, m.config["hidden_size"],
-                      served_context(m.config), int(m.created), model_task(m.config))
+                      served_context(m.config), int(m.created), model_task(m.config), m.speculation)
             for m in registry.models()]
 
 

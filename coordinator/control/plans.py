@@ -12,6 +12,7 @@ from stratamesh.coordinator.control.drains import Drains, Move
 from stratamesh.coordinator.control.sessions import Sessions
 from stratamesh.coordinator.control.models import check_model, check_quantize, find_model
 from stratamesh.fleet.model_folder import stored_quantize
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
@@ -65,11 +66,12 @@ class Plans:
 
     # ------------------------------------------------------------ models
     def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
-                  quantize: str = "", num_replicas: int = 1) -> None:
-        """Registers a model (or updates its path, site pins, quantization and replicas: a served one takes the
-        first three at its next re-plan, fewer replicas at once) and asks for a plan of num_stages stages for each
-        of num_replicas replicas. quantize: "int8" or "int4" for quantized weights (check_quantize); "": as stored
-        (a GGUF file's nearest format: fleet.model_folder.stored_quantize)."""
+                  quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None) -> None:
+        """Registers a model (or updates its path, site pins, quantization, replicas and speculative decoding: a
+        served one takes the first three at its next re-plan, fewer replicas and its speculation at once) and asks
+        for a plan of num_stages stages for each of num_replicas replicas. quantize: "int8" or "int4" for quantized
+        weights (check_quantize); "": as stored (a GGUF file's nearest format: fleet.model_folder.stored_quantize).
+        speculation: its generations' (None: the coordinator's default)."""
         config = check_model(path, num_stages)
         check_quantize(quantize)
         quantize = quantize or stored_quantize(path)
@@ -77,7 +79,7 @@ class Plans:
         self._least_stage_bytes = None
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
                                  config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize,
-                                 num_replicas=num_replicas, num_stages=num_stages)
+                                 num_replicas=num_replicas, num_stages=num_stages, speculation=speculation)
         self._registry.drop_replicas(model_id, keep=num_replicas)
         if self._registry.active_plan(model_id) is None:
             self._pending[model_id] = num_stages

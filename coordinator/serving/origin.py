@@ -46,7 +46,8 @@ class Origin:
     def __init__(self, address: str, deployer: Deployer, router: Router, sessions: SessionTable, log: RequestLog,
                  route_wait_s: float = ROUTE_WAIT_S, speculation: Speculation | None = None) -> None:
         """speculation: the generations whose sampling is verifiable (the pick depends on the logits alone) decode
-        speculatively so (fleet.sessions.Speculation); None: a token a step."""
+        speculatively so (fleet.sessions.Speculation), where their model has none of its own; None: a token a
+        step."""
         self.address = address
         self.speculation = speculation
         self.sessions = sessions
@@ -73,7 +74,8 @@ class Origin:
         """The request's generation: iterate it for token ids, aclose() it to stop (it stops by itself as its stops
         say). The rest of this request's log records carry its trace id."""
         model = find_model(self._deployer.registry, request.model_id)
-        run = self._run(request.request_id, request.prompt_ids, request.params, model.hidden_size)
+        run = self._run(request.request_id, request.prompt_ids, request.params, model.hidden_size,
+                        model.speculation or self.speculation)
         trace_id_var.set(run.record.trace_id)
         return Generation(run, partial(self.route, request.model_id), request.prompt_ids, request.stops,
                           partial(self._prefill_route, request.model_id), self._deployer.report_unreachable)
@@ -103,9 +105,12 @@ class Origin:
             return ModelState.READY
         return ModelState.RECOVERING if routes.accepts(model_id) else ModelState.STARTING
 
-    def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int) -> Run:
+    def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int,
+             speculation: Speculation | None = None) -> Run:
+        """A request's run: its generation speculates so (its model's, or the coordinator's) where its sampling is
+        verifiable."""
         return Run(self.sessions, self.log, self.address, self.log.begin(request_id, len(prompt_ids)), params,
-                   chunk_tokens(hidden_size), speculation=self.speculation if params.verifiable else None)
+                   chunk_tokens(hidden_size), speculation=speculation if params.verifiable else None)
 
     async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
         """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers

@@ -19,6 +19,8 @@ from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.coordinator.control.models import find_model
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import StageStatus
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
 
@@ -78,7 +80,8 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
             "model_id": "m2", "path": str(model_dir.resolve()), "num_layers": 6, "max_context": 128,
             "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
             "ready_replicas": 0, "created": 0, "load_errors": [],
-            "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None}}
+            "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None},
+            "speculative_config": None}
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"
@@ -185,3 +188,23 @@ async def test_the_ui_is_served_as_static_files(mesh) -> None:
             assert asset.status_code == 200 and "javascript" in asset.headers["content-type"], name
             assert asset.headers["cache-control"] == "no-cache"
         assert (await client.get("/admin/static/../admin.py")).status_code == 404
+
+
+async def test_a_model_deployed_with_its_own_speculative_config_keeps_it_and_a_bad_one_is_refused(
+        mesh, model_dir: Path) -> None:
+    registry, *_, app = mesh
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    async with await client_of(app) as client:
+        deployed = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "s",
+                                                                "speculative_config": ngram})
+        assert deployed.status_code == 202
+        assert deployed.json()["model"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 2}
+        assert registry.model("s").speculation == Speculation("ngram", 3, 2, 2)
+        assert find_model(registry, "s").speculation == Speculation("ngram", 3, 2, 2)    # what the origin reads
+        refused = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "t",
+                                                               "speculative_config": {"method": "eagle"}})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "bad_speculative_config"
+        assert "num_speculative_tokens" in refused.json()["error"]["message"] and registry.model("t") is None
+        plain = {m["model_id"]: m for m in (await client.get("/admin/api/models")).json()["models"]}["m"]
+        assert plain["speculative_config"] is None

@@ -13,6 +13,7 @@ from stratamesh.coordinator.registry import (
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
+from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import StageSpec
 
 T0 = 1_700_000_000.0
@@ -355,4 +356,17 @@ def test_a_models_quantization_and_its_stages_round_trip_across_a_restart(tmp_pa
     assert [s.spec for s in again.active_plan("m").stages] == specs
     again.add_model("m", "/models/m", 4, {}, now=T0 + 1)      # deployed again without it: as stored
     assert again.model("m").quantize == ""
+    again.close()
+
+
+def test_a_models_speculative_decoding_round_trips_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.db")
+    reg = Registry(path)
+    reg.add_model("m", "/models/m", 4, {}, now=T0, speculation=Speculation("ngram", 3, 2, 4))
+    reg.add_model("plain", "/models/plain", 4, {}, now=T0)
+    reg.close()
+    again = Registry(path)
+    assert again.model("m").speculation == Speculation("ngram", 3, 2, 4) and again.model("plain").speculation is None
+    again.add_model("m", "/models/m", 4, {}, now=T0 + 1)      # deployed again without it: the coordinator's
+    assert again.model("m").speculation is None
     again.close()
