@@ -239,8 +239,8 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
                          dtype=options.dtype, use_gpus=options.use_gpus, runtime=options.runtime)
     if options.runtime == Runtime.ONNXRUNTIME:
         # Every stage here runs in ONNX Runtime, on options.engine.onnx_threads: torch computes what is between its
-        # runs (embedding lookups, sampling), on one thread: on more, its idle OpenMP workers spun through the
-        # sessions' runs and slowed decode steps ~10%.
+        # runs (embedding lookups, sampling), on one thread: on more, its idle OpenMP workers spin through the
+        # sessions' runs, on the cores the sessions need.
         torch.set_num_threads(1)
     identity = Identity(options.agent_id, options.name, stages.address, options.mesh, capabilities, metrics_address)
     control_client = ControlClient(identity, host, partial(_find_coordinator, options, browser),

@@ -106,7 +106,7 @@ class Speculation:
     """Speculative decoding, as vLLM's speculative_config says it: each decode step of a generation carries up to
     num_speculative_tokens drafted tokens that its last stage verifies at once, keeping those the model agrees with
     (so a trip around the pipeline yields up to num_speculative_tokens + 1 tokens, the output unchanged). method
-    "ngram" drafts by prompt lookup (agent.engine.proposers): the tokens that followed the latest earlier occurrence
+    "ngram" drafts by prompt lookup (agent.engine.proposers): the tokens that followed the first earlier occurrence
     of the longest n-gram, of prompt_lookup_min to prompt_lookup_max tokens, that ends the session's tokens."""
 
     method: str
@@ -194,6 +194,11 @@ class SessionOpen:
     # The decode loop's steps carry drafted tokens its last stage verifies (None: a token a step); only for sampling
     # that is SamplingParams.verifiable
     speculation: Speculation | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculation is not None and not self.sampling.verifiable:
+            raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone (no "
+                               "penalties, bias, grammar or logprobs)")
 
     @property
     def output_position(self) -> int:

@@ -135,8 +135,8 @@ class Grammars:
         """The masks of jobs (session id, grammar, output so far), a row each, in order."""
         started = time.perf_counter()
         # numpy, not torch, on this thread: a torch op here could start an OpenMP pool beside the forward's (and
-        # llguidance.numpy, not llguidance.torch, whose torch.compile'd helpers import dynamo and inductor: ~2 s of
-        # every agent's start)
+        # llguidance.numpy, not llguidance.torch, whose torch.compile'd helpers import dynamo and inductor at every
+        # agent's start: `python -X importtime -c "import stratamesh.agent.daemon"` shows what that costs)
         bitmask = np.full(llguidance.numpy.get_bitmask_shape(len(jobs), self._vocab_size), -1, dtype=np.int32)
         matchers, refused = [], {}
         for row, (session_id, grammar, output) in enumerate(jobs):

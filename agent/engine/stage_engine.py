@@ -183,8 +183,6 @@ class StageEngine:
         if self.is_last != (not message.route):
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")
-        if message.speculation is not None and not message.sampling.verifiable:
-            raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone")
         if not 0 <= message.output_start <= len(message.prompt_token_ids):
             raise InvalidInput(f"open.output_start {message.output_start} lies outside its "
                                f"{len(message.prompt_token_ids)} prompt_token_ids")
@@ -414,21 +412,18 @@ class StageEngine:
                             prompt_logprobs=tuple(self._prompt_logprobs.pop(chunk.session_id, ())))
             origin = self.sessions[chunk.session_id].origin
             accepted = output.accepted.get(chunk.session_id, ())    # drafted tokens the model agreed with, in order
-            loop = self.loops.get(chunk.session_id)
+            tokens, loop = (*accepted, event.token_id), self.loops.get(chunk.session_id)
             if loop is None:
-                outbox.events.extend((origin, replace(event, token_id=t)) for t in (*accepted, event.token_id))
+                outbox.events.extend((origin, replace(event, token_id=t)) for t in tokens)
                 continue
             # each token the loop samples goes to the origin, up to the one that ends it (those after are dropped)
-            tokens = (*accepted, event.token_id)
-            going_on = True
-            for i, token in enumerate(tokens):
-                going_on = loop.sampled(token)
-                if not going_on:                                        # over: its last token, or held
+            for token in tokens:
+                if not loop.sampled(token):                             # over: its last token, or held
                     del self.loops[chunk.session_id]
                     outbox.events.append((origin, replace(event, token_id=token, held=loop.held)))
                     break
-                outbox.events.append((origin, replace(event, token_id=token) if i < len(tokens) - 1 else event))
-            if going_on:
+                outbox.events.append((origin, replace(event, token_id=token)))
+            else:
                 # the next step starts at the token just sampled, after the accepted drafts (the rejected ones'
                 # positions are rewritten: each stage forgets them as this step reaches it)
                 position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)

@@ -246,17 +246,16 @@ class StageRunner:
         targets = [(c.session_id, s.q_start + i, token) for s, c in pairs
                    for i, token in enumerate(picking.prompt_targets.get(c.session_id, ()))]
         # a chunk with drafted tokens: the rows of its last sampled token and of each draft, whose picks verify them
-        drafted = [c for c in batch.chunks if c.sample and c.item.num_draft]
-        verified = [row for s, c in pairs if c.sample and c.item.num_draft
-                    for row in range(s.q_start + s.q_len - 1 - c.item.num_draft, s.q_start + s.q_len)]
+        drafted = [(s, c) for s, c in pairs if c.sample and c.item.num_draft]
+        verified = [row for s, c in drafted for row in range(s.q_start + s.q_len - 1 - c.item.num_draft,
+                                                             s.q_start + s.q_len)]
         every = rows + [row for _, row, _ in targets] + verified
         if not every:
             return StepOutput(tokens={})
         every_logits = model.logits(hidden[every]) if logits is None else logits[every]   # [rows, vocab]
         logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):len(every) - len(verified)]
         tokens = _pick(sampled, logits, picking) if rows else {}
-        accepted = _verify(drafted, every_logits[len(every) - len(verified):], picking.params, tokens) if drafted \
-            else {}
+        accepted = _verify([c for _, c in drafted], every_logits[len(every) - len(verified):], picking.params, tokens)
         refused = picking.masks.wait().refused if picking.masks is not None and rows else {}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:

@@ -272,14 +272,11 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     route = tuple(Hop(*hop) for hop in zip(msg.route, msg.route_assignments, msg.route_dtypes or empty,
                                           msg.route_codecs or empty, msg.route_agents or empty,
                                           msg.route_nats or empty, strict=True))
-    sampling = sampling_from_pb(msg.sampling)
     speculation = _speculation_from_pb(msg.speculation) if msg.HasField("speculation") else None
-    if speculation is not None and not sampling.verifiable:
-        raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone (no penalties, "
-                           "bias, grammar or logprobs)")
-    return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling, msg.traceparent,
-                       tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from, _feed_from_pb(msg),
-                       msg.max_new_tokens, tuple(msg.stop_token_ids), msg.output_start, speculation)
+    return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling_from_pb(msg.sampling),
+                       msg.traceparent, tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from,
+                       _feed_from_pb(msg), msg.max_new_tokens, tuple(msg.stop_token_ids), msg.output_start,
+                       speculation)
 
 
 def _speculation_to_pb(speculation: Speculation | None) -> pb.Speculation | None:

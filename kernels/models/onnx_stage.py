@@ -8,8 +8,8 @@ hidden states out, with attention over the stage's paged KV cache:
 - The step's own K and V are outputs [layers, N, KV, D] that the engine writes into their slots after the run:
   ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
 A last stage's final norm and LM head are a graph and a session of their own (export_head: the head reads as many
-bytes as two or three layers, and MLAS reads them near the memory's speed, twice as fast as torch's float32 matmul
-here); the embedding's lookup stays in torch. The exporter traces one layer, its weights inputs (layer_template:
+bytes as two or three layers, and MLAS reads weights faster than torch's float32 matmul: benchmarks/edge_cpu.py's
+table of products); the embedding's lookup stays in torch. The exporter traces one layer, its weights inputs (layer_template:
 seconds, once per model shapes and weights), and a stage's graph is copies of it chained, each bound to its own
 layer's weights (onnx_compose). Exports are cached per (checkpoint,
 layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again, and
@@ -33,8 +33,9 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -322,10 +323,8 @@ def export_layers(model: StageModel, cache_dir: str | Path) -> Path:
     if len({tuple((name, t.shape, t.dtype) for name, t in layer.items()) for layer in layers}) > 1:
         raise InvalidInput("ONNX Runtime stages serve layers of one shape: this stage's layers differ")
     template = onnx.load(str(layer_template(model, cache_dir)))
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:   # the .onnx names its .data: save both by their names
-        compose_layers(template, _INPUTS[1:], layers, Path(tmp, path.name))
-        Path(tmp, f"{path.name}.data").replace(f"{path}.data")
-        Path(tmp, path.name).replace(path)    # last: an export whose .onnx exists is whole
+    with _written(path) as draft:
+        compose_layers(template, _INPUTS[1:], layers, draft)
     log.info("exported layers [%d, %d) of %s to %s", model.spec.start_layer, model.spec.end_layer,
              model.spec.model_id, path)
     _delete_replaced(path, model.spec)
@@ -367,18 +366,27 @@ def export_head(model: StageModel, cache_dir: str | Path) -> Path:
                                       domain="com.microsoft", K=w.in_features, N=c.vocab_size, bits=w.bits,
                                       block_size=w.packed.shape[2] * 8 // w.bits, accuracy_level=4))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        with open(Path(tmp, f"{path.name}.data"), "wb") as data:
+    with _written(path) as draft:
+        with open(f"{draft}.data", "wb") as data:
             initializers = [external_tensor(name, array, data, f"{path.name}.data") for name, array in weights.items()]
         graph = helper.make_graph(
             nodes, "head", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["tokens", c.hidden_size])],
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["tokens", c.vocab_size])], initializers)
         onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                                 helper.make_opsetid("com.microsoft", 1)]),
-                        str(Path(tmp, path.name)))
-        Path(tmp, f"{path.name}.data").replace(f"{path}.data")
-        Path(tmp, path.name).replace(path)
+                                                                 helper.make_opsetid("com.microsoft", 1)]), str(draft))
     return path
+
+
+@contextmanager
+def _written(path: Path) -> Iterator[Path]:
+    """Where to write an export (its .onnx, and its weights in .data beside it under the same name), in a temporary
+    folder beside path; both are moved into place as the block ends, the .onnx last: an export whose .onnx exists
+    is whole."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        draft = Path(tmp, path.name)
+        yield draft
+        Path(f"{draft}.data").replace(f"{path}.data")
+        draft.replace(path)
 
 
 def layer_template(model: StageModel, cache_dir: str | Path) -> Path:
@@ -542,12 +550,13 @@ class OrtHead:
     def __init__(self, path: Path, threads: int = 0) -> None:
         self.session = _session(path, threads)
         self.weight_bytes = _initializer_bytes(path)
+        self.vocab_size = self.session.get_outputs()[0].shape[1]
 
     def run(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] float32 -> logits [T, vocab] float32."""
         binding = self.session.io_binding()
         hidden = hidden.contiguous()
-        logits = torch.empty(hidden.shape[0], self.session.get_outputs()[0].shape[1], dtype=torch.float32)
+        logits = torch.empty(hidden.shape[0], self.vocab_size, dtype=torch.float32)
         _bind(binding.bind_input, "hidden", hidden)
         _bind(binding.bind_output, "logits", logits)
         self.session.run_with_iobinding(binding)
@@ -557,7 +566,7 @@ class OrtHead:
 def _session(path: Path, threads: int = 0):
     """An ONNX Runtime CPU session of the graph at path. threads > 0: the threads its process gave ONNX Runtime,
     torch computing on one (an agent whose stages all run in ONNX Runtime: agent.daemon); they spin through a run,
-    waiting for its next node's work, and stop at its end (12% faster steps of a 200M model here than sleeping).
+    waiting for its next node's work, and stop at its end (sleeping, they wake for each node).
     0: torch's threads, which torch's OpenMP workers share: the session's sleep whenever idle (spinning threads of
     both stretched steps tenfold on 2 cores)."""
     import onnxruntime as ort
