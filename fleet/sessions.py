@@ -12,7 +12,7 @@ from stratamesh.fleet.stages import DTYPES
 
 HOP_CODECS = ("", *DTYPES, "int8")
 MAX_LOGPROBS = 20       # the likeliest tokens a pick may return with it (OpenAI's limit)
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16     # drafted tokens a step may verify
 MAX_PROMPT_LOOKUP = 32          # the longest n-gram the ngram proposer matches
 
@@ -107,16 +107,21 @@ class Speculation:
     num_speculative_tokens drafted tokens that its last stage verifies at once, keeping those the model agrees with
     (so a trip around the pipeline yields up to num_speculative_tokens + 1 tokens, the output unchanged). method
     "ngram" drafts by prompt lookup (agent.engine.proposers): the tokens that followed the first earlier occurrence
-    of the longest n-gram, of prompt_lookup_min to prompt_lookup_max tokens, that ends the session's tokens."""
+    of the longest n-gram, of prompt_lookup_min to prompt_lookup_max tokens, that ends the session's tokens;
+    "draft_model" has the model in the folder `model` (sharing the target's tokenizer) guess them, where the
+    generation's decode loop runs (agent.engine.draft_model)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str = ""             # draft_model: the draft's Hugging Face folder, as the agents see it
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise InvalidInput(f"speculative method {self.method!r} is not one of {SPECULATIVE_METHODS}")
+        if (self.method == "draft_model") != bool(self.model):
+            raise InvalidInput("a draft_model speculative config names its draft's folder as its model (and only it)")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidInput(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
                                f"{self.num_speculative_tokens}")
@@ -127,20 +132,22 @@ class Speculation:
     @classmethod
     def of(cls, config: dict[str, Any]) -> Speculation:
         """From vLLM's speculative_config keys (method, num_speculative_tokens, prompt_lookup_min and _max: either
-        alone sets both, neither gives 5); InvalidInput names what is wrong."""
+        alone sets both, neither gives 5; model, draft_model's folder); InvalidInput names what is wrong."""
         if not isinstance(config, dict):
             raise InvalidInput("a speculative config is a JSON object")
-        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
         if unknown := sorted(set(config) - set(known)):
             raise InvalidInput(f"speculative config keys {unknown} are not among {list(known)}")
         if "method" not in config or "num_speculative_tokens" not in config:
             raise InvalidInput("a speculative config names its method and num_speculative_tokens")
-        values = {key: config[key] for key in known[1:] if config.get(key) is not None}
+        values = {key: config[key] for key in known[1:4] if config.get(key) is not None}
         if any(not isinstance(v, int) or isinstance(v, bool) for v in values.values()):
             raise InvalidInput("num_speculative_tokens, prompt_lookup_min and prompt_lookup_max are integers")
         low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
         low, high = low or high or 5, high or low or 5
-        return cls(str(config["method"]), values["num_speculative_tokens"], low, high)
+        if not isinstance(model := config.get("model") or "", str):
+            raise InvalidInput("a speculative config's model is a folder's path")
+        return cls(str(config["method"]), values["num_speculative_tokens"], low, high, model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,12 @@ carries it for its tests, without Gutenberg's header and licence. Chapters I to 
 train it; chapter XI is held out, and the perplexity on it is the model's figure of merit. Its shape is that of
 `stratamesh model tiny`'s random-weight Llama (6 layers of 256, a 1024-token byte-level BPE), so a mesh is as
 fast serving either; the weights are stored in float16 (8 MB). `stratamesh model train-demo` retrains it; the
-shipped copy is DEMO_DIR."""
+shipped copy is DEMO_DIR.
+
+Its draft (DRAFT_DIR; `stratamesh model train-demo --draft` retrains it) is the same kind of model with fewer layers
+and the demo's own tokenizer, trained on the same text to predict what the demo model predicts (distillation: the
+KL divergence from the demo's next-token distribution): speculative decoding's draft_model proposer runs it to
+guess the demo's next tokens (agent.engine.draft_model)."""
 
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ BOOK = DATA / "botchan.txt"
 DEMO_DIR = DATA / "demo-llama"      # the shipped model (what `stratamesh up` serves by default)
 DEMO_SHAPE = {"num_layers": 6, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
               "vocab_size": 1024}
+DRAFT_DIR = DATA / "demo-llama-draft"       # the demo model's draft (speculative decoding's draft_model)
+DRAFT_SHAPE = dict(DEMO_SHAPE, num_layers=2)
 STORED_DTYPE = torch.float16
 _SENTENCE_END = re.compile(r'(?:(?<=[.!?])|(?<=[.!?]"))\s+(?=["A-Z])')   # the spaces after a sentence
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)*")
@@ -93,6 +100,9 @@ class TrainSettings:
         return self.lr * warm * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
 
+DRAFT_SETTINGS = TrainSettings(steps=1000)     # distillation does not overfit the book as the demo's own loss would
+
+
 @dataclass(frozen=True, slots=True)
 class TrainReport:
     """What a training run produced: where, how long, and how well it predicts the held-out chapter."""
@@ -109,13 +119,38 @@ class TrainReport:
 def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
                log: Callable[[str], None] = lambda line: None) -> TrainReport:
     """Train the demo model on the book's training chapters and write it to out_dir as a Hugging Face folder."""
+    tokenizer = train_tokenizer(DEMO_SHAPE["vocab_size"], [read_book().train])
+    return _train_model(out_dir, DEMO_SHAPE, tokenizer, None, settings, log)
+
+
+def train_draft(out_dir: str | Path, target_dir: str | Path = DEMO_DIR, settings: TrainSettings = DRAFT_SETTINGS,
+                log: Callable[[str], None] = lambda line: None) -> TrainReport:
+    """Train a draft of the model in target_dir (a demo model: the book's, with its tokenizer) on the same text, to
+    predict the target's next-token distributions, and write it to out_dir (DRAFT_SHAPE: the demo's layers, fewer)."""
+    tokenizer = Tokenizer.from_file(str(Path(target_dir, "tokenizer.json")))
+    return _train_model(out_dir, DRAFT_SHAPE, tokenizer, _teacher(target_dir), settings, log)
+
+
+def _teacher(model_dir: str | Path) -> TrainableDecoder:
+    """The model in model_dir as a frozen TrainableDecoder in float32 (what a draft learns to predict)."""
+    from safetensors.torch import load_file
+
+    teacher = TrainableDecoder(read_config(model_dir))
+    weights = load_file(str(Path(model_dir, "model.safetensors")))
+    teacher.load_state_dict({name: t.float() for name, t in weights.items()})
+    return teacher.eval().requires_grad_(False)
+
+
+def _train_model(out_dir: str | Path, shape: dict[str, int], tokenizer: Tokenizer, teacher: TrainableDecoder | None,
+                 settings: TrainSettings, log: Callable[[str], None]) -> TrainReport:
+    """Trains a Llama of shape on the book's training chapters (its text and conversations; against the teacher's
+    next-token distributions where one is given, the text's next tokens otherwise) and writes it to out_dir."""
     torch.manual_seed(settings.seed)
     book = read_book()
-    tokenizer = train_tokenizer(DEMO_SHAPE["vocab_size"], [book.train])
     config = _config("llama", max_pos=2048, tie=False, rope_scaling=None, rope_spelling="classic",
-                     sliding_window=None, num_layers=DEMO_SHAPE["num_layers"], hidden=DEMO_SHAPE["hidden_size"],
-                     intermediate=DEMO_SHAPE["intermediate_size"], num_heads=DEMO_SHAPE["num_heads"],
-                     num_kv_heads=DEMO_SHAPE["num_kv_heads"], vocab_size=DEMO_SHAPE["vocab_size"])
+                     sliding_window=None, num_layers=shape["num_layers"], hidden=shape["hidden_size"],
+                     intermediate=shape["intermediate_size"], num_heads=shape["num_heads"],
+                     num_kv_heads=shape["num_kv_heads"], vocab_size=shape["vocab_size"])
     started = time.perf_counter()
     # Gradients on, whatever the thread's mode (an agent's data plane turns inference mode on for its thread);
     # every tensor autograd sees is made in here.
@@ -126,7 +161,7 @@ def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
         num_params = sum(p.numel() for p in model.parameters())
         log(f"{len(train_ids)} training tokens, {len(tokenizer.encode(book.held_out).ids)} held out; "
             f"{num_params / 1e6:.2f} M parameters")
-        loss = _train(model, (train_ids, chat_ids), settings, log)
+        loss = _train(model, (train_ids, chat_ids), settings, log, teacher)
     seconds = time.perf_counter() - started
     weights = {name: t.to(STORED_DTYPE) for name, t in model.checkpoint_tensors().items()}
     out = write_checkpoint(out_dir, dict(config, dtype=str(STORED_DTYPE).removeprefix("torch.")), weights, tokenizer)
@@ -137,7 +172,7 @@ def train_demo(out_dir: str | Path, settings: TrainSettings = TrainSettings(),
 
 
 def _train(model: TrainableDecoder, streams: tuple[torch.Tensor, torch.Tensor], s: TrainSettings,
-           log: Callable[[str], None]) -> float:
+           log: Callable[[str], None], teacher: TrainableDecoder | None) -> float:
     """Runs s.steps optimizer steps over windows of the book's running text and of its conversations (a
     chat_fraction of the rows); returns the last step's loss."""
     matrices = [p for p in model.parameters() if p.dim() == 2]
@@ -147,21 +182,27 @@ def _train(model: TrainableDecoder, streams: tuple[torch.Tensor, torch.Tensor], 
     g = torch.Generator().manual_seed(s.seed)
     loss = float("nan")
     for step in range(s.steps):
-        loss = _step(model, optimizer, streams, s, step, g)
+        loss = _step(model, optimizer, streams, s, step, g, teacher)
         if step % 100 == 0 or step == s.steps - 1:
             log(f"step {step:5d}  loss {loss:.3f}  lr {s.lr_at(step):.2e}")
     return loss
 
 
 def _step(model: TrainableDecoder, optimizer: torch.optim.Optimizer, streams: tuple[torch.Tensor, torch.Tensor],
-          s: TrainSettings, step: int, g: torch.Generator) -> float:
-    """One optimizer step on a batch of windows; returns its loss."""
+          s: TrainSettings, step: int, g: torch.Generator, teacher: TrainableDecoder | None) -> float:
+    """One optimizer step on a batch of windows; returns its loss: the cross-entropy of the windows' next tokens, or
+    (a teacher given) the KL divergence of the model's next-token distributions from the teacher's."""
     for group in optimizer.param_groups:
         group["lr"] = s.lr_at(step)
     window = torch.stack([_window(streams[int(torch.rand(1, generator=g)) < s.chat_fraction], s.seq_len, g)
                           for _ in range(s.batch)])                                      # [B, T + 1]
     logits = model(window[:, :-1])                                                     # [B, T, vocab]
-    loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+    if teacher is None:
+        loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+    else:
+        with torch.no_grad():
+            target = F.log_softmax(teacher(window[:, :-1]).flatten(0, 1), dim=-1)
+        loss = F.kl_div(F.log_softmax(logits.flatten(0, 1), dim=-1), target, reduction="batchmean", log_target=True)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -208,3 +249,19 @@ def served_perplexity(model_dir: str | Path, text: str, seq_len: int = 128, quan
         return stage.logits(hidden)[None]
 
     return held_out_perplexity(logits_of, ids, seq_len)
+
+
+def greedy_agreement(draft_dir: str | Path, target_dir: str | Path, text: str, seq_len: int = 128,
+                     max_tokens: int = 4096) -> float:
+    """The share of text's positions (its first max_tokens tokens, in windows of seq_len) where the draft's most
+    likely next token is the target's: how often a greedy draft token would be kept."""
+    tokenizer = Tokenizer.from_file(str(Path(target_dir, "tokenizer.json")))
+    ids = torch.tensor(tokenizer.encode(text).ids[:max_tokens])
+    draft, target = _teacher(draft_dir), _teacher(target_dir)
+    agree = count = 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, seq_len):
+            window = ids[start:start + seq_len][None]
+            agree += int((draft(window).argmax(-1) == target(window).argmax(-1)).sum())
+            count += window.shape[1]
+    return agree / count

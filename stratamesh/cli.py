@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stratamesh.bench.options import add_serve_arguments
 from stratamesh.drain_command import add_drain_arguments, run_drain
@@ -76,7 +76,9 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                          "agents / replicas")
     up.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE, help="see coordinator")
     up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="see coordinator")
-    up.add_argument("--speculative-config", type=_speculative_config, help="see coordinator")
+    up.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+                    help="see coordinator; a draft_model config naming no model drafts the built-in demo model with "
+                         "its built-in draft")
     up.add_argument("--fresh", action="store_true",
                     help="start a new mesh (new CA, keys and login); the old one's folder is moved aside")
     _add_insecure_argument(up)
@@ -222,6 +224,16 @@ def _add_admission_limits(coordinator: argparse.ArgumentParser) -> None:
                              help="largest max_tokens taken, and the default (0: the context's room)")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+    return value
+
+
 def _speculative_config(text: str) -> Speculation:
     """--speculative-config: vLLM's JSON (fleet.sessions.Speculation.of says what it takes)."""
     try:
@@ -330,6 +342,9 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
     train_demo.add_argument("--out", required=True)
     train_demo.add_argument("--steps", type=int, help="optimizer steps (default: as the shipped model was trained)")
     train_demo.add_argument("--seed", type=int, default=0)
+    train_demo.add_argument("--draft", nargs="?", const=True, default=None, metavar="TARGET",
+                            help="train the demo model's draft instead (speculative decoding's draft_model), of the "
+                                 "demo model in TARGET (default: the built-in one)")
     train_demo.set_defaults(func=_model_train_demo)
 
 
@@ -566,10 +581,15 @@ def _model_tiny(args: argparse.Namespace) -> None:
 def _model_train_demo(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    from stratamesh.kernels.demo_model import TrainSettings, train_demo
+    from stratamesh.kernels.demo_model import DEMO_DIR, DRAFT_SETTINGS, TrainSettings, train_demo, train_draft
 
-    settings = replace(TrainSettings(), seed=args.seed, **({"steps": args.steps} if args.steps else {}))
-    report = train_demo(args.out, settings, log=print)
+    defaults = DRAFT_SETTINGS if args.draft else TrainSettings()
+    settings = replace(defaults, seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    if args.draft:
+        target = DEMO_DIR if args.draft is True else args.draft
+        report = train_draft(args.out, target, settings, log=print)
+    else:
+        report = train_demo(args.out, settings, log=print)
     print(f"{report.out_dir}: {report.num_params / 1e6:.2f} M parameters, {report.weights_bytes / 1e6:.1f} MB of "
           f"weights, held-out perplexity {report.held_out_perplexity:.2f} ({report.seconds:.0f} s of training)")
 
@@ -613,6 +633,19 @@ def _bench_chaos(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _up_speculation(config: dict[str, Any], model: str | None) -> Speculation:
+    """up's --speculative-config: a draft_model one naming no model drafts the built-in demo model (model None)
+    with the built-in draft."""
+    from stratamesh.sdk.local import builtin_draft_dir
+
+    if config.get("method") == "draft_model" and not config.get("model") and model is None:
+        config = dict(config, model=builtin_draft_dir())
+    try:
+        return Speculation.of(config)
+    except InvalidInput as e:
+        sys.exit(f"stratamesh up: --speculative-config: {e}")
+
+
 def _up(args: argparse.Namespace) -> None:
     from stratamesh.fleet.model_folder import default_model_id
     from stratamesh.launcher import LocalMesh
@@ -632,7 +665,8 @@ def _up(args: argparse.Namespace) -> None:
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
     coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     if args.speculative_config:
-        coordinator_args += ["--speculative-config", json.dumps(asdict(args.speculative_config))]
+        speculation = _up_speculation(args.speculative_config, args.model)
+        coordinator_args += ["--speculative-config", json.dumps(asdict(speculation))]
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],

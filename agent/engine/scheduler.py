@@ -141,6 +141,15 @@ class Scheduler:
         session.arrivals.append(self._num_arrived)
         self._num_arrived += 1
 
+    def rewind(self, session_id: str, position: int) -> None:
+        """Forgets a session's tokens from position on (it has no work queued): the next item starts there."""
+        session = self._live(session_id)
+        if not 0 <= position <= len(session.token_ids):
+            raise InvalidInput(f"session {session_id!r}: cannot rewind to {position} of its {len(session.token_ids)} "
+                               "tokens")
+        self._forget_drafts(session, position)
+        session.drafted_from = None
+
     def _forget_drafts(self, session: Session, position: int) -> None:
         """Forgets the session's tokens from position on: drafted ones the last stage rejected (their KV, computed,
         is overwritten by the next tokens'; the blocks past them go back)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -13,7 +13,7 @@ import torch
 from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.grammars import Grammars
 from stratamesh.agent.engine.micro_batches import MicroBatches
-from stratamesh.agent.engine.proposers import ngram_draft
+from stratamesh.agent.engine.proposers import Proposers
 from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, WorkItem
 from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
@@ -60,12 +60,44 @@ class Outbox:
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
 
-# How many tokens a speculating session drafts: each more only while it is likely enough to be kept, by the session's
-# recent acceptance a (the n-th drafted token is kept with probability about a^n); none on a busy last stage, where a
-# wider step costs more than the trips it saves.
+# How many tokens a speculating session drafts: by the session's recent acceptance a (the n-th drafted token is kept
+# with probability about a^n), as many as give the most tokens a second once its cycles say what a drafted token
+# costs, each more only while it is likely enough to be kept before; none on a busy last stage, where a wider step
+# costs more than the trips it saves.
 ACCEPTANCE_DECAY = 0.9      # each step, the weight left to what the steps before said of a session's drafts
 DRAFT_WORTH = 0.25          # the n-th token is drafted while a^n is at least this
 BUSY_DECODES = 8            # a last stage decoding more sessions than this drafts none
+CYCLE_DECAY = 0.95          # each cycle, the weight left to the cycles before in a session's CycleFit
+MIN_DRAFT_SPREAD = 0.5      # a CycleFit says what a drafted token costs once its counts vary this much (variance)
+
+
+@dataclass(slots=True)
+class CycleFit:
+    """A session's decode cycles (from one of its chunks reaching the last stage to the next one: the last stage's
+    step, the drafting, and the trip around the ring) as base + per_token x the drafted tokens the next one carries,
+    by least squares over its recent cycles (decayed by CYCLE_DECAY a cycle)."""
+
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+
+    def add(self, num_draft: int, seconds: float) -> None:
+        d = CYCLE_DECAY
+        self.weight, self.sum_x, self.sum_y = self.weight * d + 1, self.sum_x * d + num_draft, self.sum_y * d + seconds
+        self.sum_xx, self.sum_xy = self.sum_xx * d + num_draft ** 2, self.sum_xy * d + num_draft * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(base seconds, seconds a drafted token adds); None until the drafted counts varied enough to tell."""
+        if self.weight < 2:
+            return None
+        mean_x, mean_y = self.sum_x / self.weight, self.sum_y / self.weight
+        spread = self.sum_xx / self.weight - mean_x ** 2
+        if spread < MIN_DRAFT_SPREAD:
+            return None
+        per_token = max(0.0, (self.sum_xy / self.weight - mean_x * mean_y) / spread)
+        return max(mean_y - per_token * mean_x, 1e-6), per_token
 
 
 @dataclass(slots=True)
@@ -80,6 +112,8 @@ class DecodeLoop:
     speculation: Speculation | None = None      # each step it feeds carries tokens drafted so
     kept: float = 0.0           # drafted tokens kept, and steps whose drafts were not all kept, decayed by
     missed: float = 0.0         # ACCEPTANCE_DECAY a step
+    cycles: CycleFit = field(default_factory=CycleFit)
+    last_arrival_ns: int = 0    # when its last decode chunk reached this stage (0: none yet)
 
     @classmethod
     def of(cls, message: SessionOpen) -> DecodeLoop | None:
@@ -95,23 +129,34 @@ class DecodeLoop:
             self.kept += num_kept
             self.missed += num_kept < num_draft
 
+    def arrived(self, arrived_ns: int, num_draft: int) -> None:
+        """A decode chunk of it, carrying num_draft drafted tokens, reached this stage at arrived_ns: a cycle ended."""
+        if self.last_arrival_ns and arrived_ns > self.last_arrival_ns:
+            self.cycles.add(num_draft, (arrived_ns - self.last_arrival_ns) / 1e9)
+        self.last_arrival_ns = arrived_ns
+
     @property
     def acceptance(self) -> float:
         """The chance that a drafted token is kept, given the one before it was: its recent drafts' (a prior of 3 in
         4 while they say little; steps without drafts let it drift back there, so a session tries again)."""
         return (self.kept + 3) / (self.kept + self.missed + 4)
 
-    def draft(self, tokens: Sequence[int], most: int) -> tuple[int, ...]:
-        """The tokens to draft after tokens (the session's so far): at most `most`, num_speculative_tokens, as many
-        as its acceptance makes worth it, and none that the loop would not go on to sample."""
+    def num_to_draft(self, most: int) -> int:
+        """How many tokens to draft next: at most `most` and num_speculative_tokens, and none that the loop would
+        not go on to sample; where its cycles tell what a drafted token costs, the count that gives the most tokens
+        a second (the kept tokens expected, plus one, over the cycle's time), else as many as its acceptance makes
+        worth it (DRAFT_WORTH)."""
         spec = self.speculation
         if spec is None or self.held:
-            return ()
-        worth = math.floor(math.log(DRAFT_WORTH) / math.log(self.acceptance))
-        most = min(most, spec.num_speculative_tokens, worth, (self.tokens_left or most + 1) - 1)
+            return 0
+        a = self.acceptance
+        most = min(most, spec.num_speculative_tokens, (self.tokens_left or most + 1) - 1)
         if most <= 0:
-            return ()
-        return ngram_draft(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, most)
+            return 0
+        if (line := self.cycles.line()) is None:
+            return min(most, math.floor(math.log(DRAFT_WORTH) / math.log(a)))
+        base, per_token = line
+        return max(range(most + 1), key=lambda n: (1 - a ** (n + 1)) / (1 - a) / (base + per_token * n))
 
     def sampled(self, token: int) -> bool:
         """Counts a sampled token; whether the loop goes on with it (the loop is over otherwise)."""
@@ -166,6 +211,9 @@ class StageEngine:
         self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
         self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
         self.speculation = SpeculationCounts()   # last stage: what its verifications of drafted tokens kept
+        stage = assignment.stage
+        self.proposers = Proposers(stage.model_path, config.vocab_size, stage.device,   # last stage: drafts
+                                   stage.dtype if stage.device != "cpu" else "float32")
 
     @property
     def is_first(self) -> bool:
@@ -186,6 +234,8 @@ class StageEngine:
         if not 0 <= message.output_start <= len(message.prompt_token_ids):
             raise InvalidInput(f"open.output_start {message.output_start} lies outside its "
                                f"{len(message.prompt_token_ids)} prompt_token_ids")
+        if self.is_last and message.feed is not None and message.speculation is not None:
+            self.proposers.open(message.session_id, message.speculation)    # (its draft model loaded, if new)
         cached = self._resume(message) if message.resume_from else None
         if cached is None:
             cached = self.scheduler.open(message.session_id, list(message.prompt_token_ids),
@@ -222,6 +272,7 @@ class StageEngine:
         if message is None:
             return None
         self.loops.pop(session_id, None)
+        self.proposers.close(session_id)
         self._left_ns.pop(session_id, None)
         self._prompt_logprobs.pop(session_id, None)
         self.grammars.close(session_id)
@@ -246,6 +297,7 @@ class StageEngine:
         if old in self.sessions:       # (open() refused a session_id that is open already)
             del self.sessions[old]
             self.loops.pop(old, None)
+            self.proposers.close(old)
             self.grammars.close(old)    # its new id's matcher is built from the output it is given
         elif old in self.parked:
             self.parked.discard(old)
@@ -282,6 +334,7 @@ class StageEngine:
         """Forgets a session that moved away; unlike close(), nothing is sent on."""
         if self.sessions.pop(session_id, None) is not None:
             self.loops.pop(session_id, None)
+            self.proposers.close(session_id)
             self._left_ns.pop(session_id, None)
             self.grammars.close(session_id)
             self.scheduler.close(session_id)
@@ -396,9 +449,8 @@ class StageEngine:
 
     def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         """Each sampled token to its origin and, while its decode loop goes on, as the next step to the first stage
-        (one message per first stage)."""
-        feeds: dict[Hop, list[StepChunk]] = {}
-        sent_ns = time.time_ns()
+        (one message per first stage), with the tokens drafted after it where the loop speculates."""
+        going_on: list[tuple[ScheduledChunk, DecodeLoop, int, int]] = []   # (chunk, loop, token, its position)
         for session_id, logprobs in output.prompt_logprobs.items():
             if session_id in self.sessions:
                 self._prompt_logprobs.setdefault(session_id, []).extend(logprobs)
@@ -426,18 +478,35 @@ class StageEngine:
             else:
                 # the next step starts at the token just sampled, after the accepted drafts (the rejected ones'
                 # positions are rewritten: each stage forgets them as this step reaches it)
-                position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)
                 loop.verified(chunk.item.num_draft, len(accepted))
-                session = self.scheduler.sessions.get(chunk.session_id)
-                busy = self.scheduler.num_decoding > BUSY_DECODES
-                drafts = () if session is None or busy else loop.draft(
-                    [*session.token_ids[:position], event.token_id], self.scheduler.max_batch_tokens - 1)
-                feeds.setdefault(loop.feed, []).append(StepChunk(
-                    chunk.session_id, chunk.item.step + 1, position, (event.token_id, *drafts), True,
-                    chunk.item.trace_id, sent_ns, len(drafts)))
+                if chunk.is_decode:
+                    loop.arrived(chunk.item.arrived_ns, chunk.item.num_draft)
+                position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)
+                going_on.append((chunk, loop, event.token_id, position))
             self.speculation.counted(chunk.item.num_draft, len(accepted))
+        drafts = self._drafts(going_on)
+        feeds: dict[Hop, list[StepChunk]] = {}
+        sent_ns = time.time_ns()
+        for chunk, loop, token, position in going_on:
+            drafted = drafts.get(chunk.session_id, ())
+            feeds.setdefault(loop.feed, []).append(StepChunk(
+                chunk.session_id, chunk.item.step + 1, position, (token, *drafted), True, chunk.item.trace_id,
+                sent_ns, len(drafted)))
         for feed, chunks in feeds.items():
             outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
+
+    def _drafts(self, going_on: list[tuple[ScheduledChunk, DecodeLoop, int, int]]) -> dict[str, tuple[int, ...]]:
+        """The tokens drafted after each going-on session's new token, as many as its loop says (none on a busy
+        stage), by its proposer."""
+        if self.scheduler.num_decoding > BUSY_DECODES:
+            return {}
+        requests: dict[str, tuple[Speculation, list[int], int]] = {}
+        for chunk, loop, token, position in going_on:
+            session = self.scheduler.sessions.get(chunk.session_id)
+            count = loop.num_to_draft(self.scheduler.max_batch_tokens - 1) if session is not None else 0
+            if count and loop.speculation is not None:
+                requests[chunk.session_id] = (loop.speculation, [*session.token_ids[:position], token], count)
+        return self.proposers.propose(requests) if requests else {}
 
     def _refuse(self, session_id: str, why: str, outbox: Outbox) -> None:
         """Ends a session its grammar gave no token (the rest of its step goes on), telling its origin why."""

@@ -284,12 +284,13 @@ def _speculation_to_pb(speculation: Speculation | None) -> pb.Speculation | None
         return None
     return pb.Speculation(method=speculation.method, num_speculative_tokens=speculation.num_speculative_tokens,
                           prompt_lookup_min=speculation.prompt_lookup_min,
-                          prompt_lookup_max=speculation.prompt_lookup_max)
+                          prompt_lookup_max=speculation.prompt_lookup_max, model=speculation.model)
 
 
 def _speculation_from_pb(msg: pb.Speculation) -> Speculation:
     """InvalidInput (from Speculation's checks) names what is wrong."""
-    return Speculation(msg.method, msg.num_speculative_tokens, msg.prompt_lookup_min, msg.prompt_lookup_max)
+    return Speculation(msg.method, msg.num_speculative_tokens, msg.prompt_lookup_min, msg.prompt_lookup_max,
+                       msg.model)
 
 
 def _if_any(values: list[str]) -> list[str]:

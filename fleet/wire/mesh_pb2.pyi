@@ -582,16 +582,18 @@ class SessionOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns", "num_draft")

@@ -9,11 +9,11 @@ hidden states out, with attention over the stage's paged KV cache:
   ONNX has no in-place scatter, and a ScatterND would copy the whole pool every step.
 A last stage's final norm and LM head are a graph and a session of their own (export_head: the head reads as many
 bytes as two or three layers, and MLAS reads weights faster than torch's float32 matmul: benchmarks/edge_cpu.py's
-table of products); the embedding's lookup stays in torch. The exporter traces one layer, its weights inputs (layer_template:
-seconds, once per model shapes and weights), and a stage's graph is copies of it chained, each bound to its own
-layer's weights (onnx_compose). Exports are cached per (checkpoint,
-layer range, dtype, weights, opset, code) in a cache directory; a changed checkpoint or code is exported again, and
-the export it replaces (a copy of the stage's weights) is deleted.
+table of products); the embedding's lookup stays in torch. The exporter traces one layer, its weights inputs
+(layer_template: seconds, once per model shapes and weights), and a stage's graph is copies of it chained, each bound
+to its own layer's weights (onnx_compose). Exports are cached per (checkpoint, layer range, dtype, weights, opset,
+code) in a cache directory; a changed checkpoint or code is exported again, and the export it replaces (a copy of
+the stage's weights) is deleted.
 
 int8 weights (StageSpec.quantize) are torch's own (kernels.ops.quant: per-output-channel scales) computed by ONNX
 Runtime's MatMulNBits (com.microsoft) at accuracy_level 4: it quantizes each block of INT8_BLOCK activations of a

@@ -22,6 +22,11 @@ def builtin_model_dir() -> str:
     return str(resources.files("stratamesh.kernels") / "data" / "demo-llama")
 
 
+def builtin_draft_dir() -> str:
+    """The built-in demo model's draft (speculative decoding's draft_model), as shipped beside it."""
+    return str(resources.files("stratamesh.kernels") / "data" / "demo-llama-draft")
+
+
 def launcher(model: str | os.PathLike[str] | None, agents: int, stages: int | None, **kwargs: Any) -> LocalMesh:
     """The LocalMesh that serves model (default: the built-in demo model) over agents processes."""
     model_dir = str(model) if model is not None else builtin_model_dir()

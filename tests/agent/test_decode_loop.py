@@ -158,11 +158,22 @@ async def test_two_stages_of_one_pipeline_on_one_agent_each_get_their_own_steps(
         await eventually(lambda: host.num_sessions == 0)
 
 
-async def test_a_speculating_ring_gives_the_tokens_of_one_a_step_in_fewer_trips(tiny_model) -> None:
-    """ngram drafts ride each step the last stage feeds; it keeps those the model agrees with, and the stages forget
+def proposer(tiny_model, name: str) -> Speculation:
+    """ngram; the draft_model proposer with the target itself as its draft (it guesses every token right); or with
+    another random model of the same tokenizer (mostly wrong)."""
+    if name == "ngram":
+        return Speculation("ngram", 4, 1, 3)
+    draft = (tiny_spec(tiny_model, 0, 2).model_path if name == "draft-is-target" else
+             str(tiny_model("llama", num_layers=1, hidden_size=32, intermediate_size=64, seed=7)))
+    return Speculation("draft_model", 4, model=draft)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-is-target", "draft-differs"])
+async def test_a_speculating_ring_gives_the_tokens_of_one_a_step_in_fewer_trips(tiny_model, name: str) -> None:
+    """Drafts ride each step the last stage feeds; it keeps those the model agrees with, and the stages forget
     the rest: the tokens are greedy decoding's, one a step, but a trip yields several."""
     whole = tiny_spec(tiny_model, 0, 2)
-    ngram = Speculation("ngram", 4, 1, 3)
+    speculation = proposer(tiny_model, name)
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(serving(tiny_spec(tiny_model, 0, 1), "a0", "first"))
         last = await stack.enter_async_context(serving(tiny_spec(tiny_model, 1, 2), "a1", "last"))
@@ -173,14 +184,18 @@ async def test_a_speculating_ring_gives_the_tokens_of_one_a_step_in_fewer_trips(
         prompts = {"g1": [5, 17, 42, 99, 7], "g2": [3, 9, 27, 81, 3, 9, 27, 81, 3, 9]}
         for session_id, prompt in prompts.items():
             start(stream, session_id, Hop(first_address, "a0"), first_address, prompt,
-                  route=(Hop(last_address, "a1", "float32"),), max_new_tokens=24, speculation=ngram)
+                  route=(Hop(last_address, "a1", "float32"),), max_new_tokens=24, speculation=speculation)
         results = await asyncio.gather(*(tokens_of(origin, s, 24) for s in prompts))
         for (session_id, prompt), events in zip(prompts.items(), results, strict=True):
             assert [e.token_id for e in events] == greedy_reference(whole, prompt, 24), session_id
         last_engine = last_host.engine("a1")
         await eventually(lambda: not last_engine.loops)
         counts = last_engine.speculation
-        assert counts.num_drafts > 0 and 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
+        assert counts.num_drafts > 0 and counts.num_accepted_tokens <= counts.num_draft_tokens
+        if name == "draft-is-target":       # every draft kept: up to 5 tokens a trip
+            assert counts.num_accepted_tokens == counts.num_draft_tokens and counts.num_drafts <= 2 * 6
+        elif name == "ngram":
+            assert counts.num_accepted_tokens > 0
         # every stage holds exactly the KV of the tokens kept (the 24th is fed nowhere): none of a rejected draft
         for host, assignment_id in ((first_host, "a0"), (last_host, "a1")):
             sessions = host.engine(assignment_id).scheduler.sessions
@@ -189,6 +204,13 @@ async def test_a_speculating_ring_gives_the_tokens_of_one_a_step_in_fewer_trips(
                 kept = len(prompt) + 23
                 assert session.num_computed >= kept and session.token_ids[:kept] == (
                     prompt + [e.token_id for e in results[list(prompts).index(session_id)]][:23])
+        for session_id in prompts:
+            send(stream, SessionClose(session_id), to="a0")
+        await eventually(lambda: last_host.num_sessions == 0)
+        assert not last_engine.proposers.sessions       # a draft model's sessions end with theirs, their KV freed
+        for draft in last_engine.proposers.draft_models.values():
+            assert not draft.scheduler.sessions
+            assert draft.scheduler.block_manager.num_free_blocks == draft.runner.num_blocks
 
 
 def says_zero(tiny_model, tmp_path: Path) -> StageSpec:
@@ -248,22 +270,53 @@ async def test_a_speculating_session_held_exports_and_resumes_with_its_verified_
 
 def test_a_session_drafts_as_many_tokens_as_its_acceptance_makes_worth_it_and_tries_again_later() -> None:
     loop = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
-    repeating = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1]     # the lookup could draft 9 tokens
-    assert len(loop.draft(repeating, 64)) == 4             # a prior acceptance of 3 in 4: 0.75^4 >= 1/4 > 0.75^5
+    assert loop.num_to_draft(64) == 4                      # a prior acceptance of 3 in 4: 0.75^4 >= 1/4 > 0.75^5
     for _ in range(6):
         loop.verified(4, 0)                                # rejected at once, step after step: fewer ...
-    assert len(loop.draft(repeating, 64)) == 1
+    assert loop.num_to_draft(64) == 1
     for _ in range(14):
         loop.verified(1, 0)
-    assert loop.draft(repeating, 64) == ()                 # ... and none
+    assert loop.num_to_draft(64) == 0                      # ... and none
     for _ in range(30):
         loop.verified(0, 0)                                # steps without drafts: what they said fades
-    assert len(loop.draft(repeating, 64)) >= 3
+    assert loop.num_to_draft(64) >= 3
     for _ in range(30):
         loop.verified(8, 8)                                # every draft kept: as many as allowed
-    assert len(loop.draft(repeating, 64)) == 8 and len(loop.draft(repeating, 5)) == 5
+    assert loop.num_to_draft(64) == 8 and loop.num_to_draft(5) == 5
     limited = DecodeLoop(Hop("a:1", "a0"), 3, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
-    assert len(limited.draft(repeating, 64)) == 2          # the 3rd token it may sample ends the loop: not drafted
+    assert limited.num_to_draft(64) == 2                   # the 3rd token it may sample ends the loop: not drafted
+    assert DecodeLoop(Hop("a:1", "a0"), None, frozenset()).num_to_draft(64) == 0      # it does not speculate
+
+
+def test_a_session_drafts_fewer_tokens_where_its_cycles_say_a_drafted_token_costs_more_than_it_saves() -> None:
+    """Cycles that take base + per_token x drafted tokens: over a long trip (a slow link) drafting pays, and the
+    loop drafts more than its acceptance alone would risk; where a drafted token costs a good part of the trip (a
+    busy or slow stage next to a fast link), fewer, and none once each costs more than it is likely to save."""
+    def loop_after(base_s: float, per_token_s: float) -> DecodeLoop:
+        loop = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
+        for _ in range(40):
+            loop.verified(4, 2)                            # half of the drafted tokens kept: acceptance about 2/3
+        arrived_ns = 1
+        for step in range(24):                             # cycles carrying 0 to 3 drafted tokens
+            num_draft = step % 4
+            arrived_ns += int(1e9 * (base_s + per_token_s * num_draft))
+            loop.arrived(arrived_ns, num_draft)
+        return loop
+
+    unfit = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
+    unfit.kept, unfit.missed = loop_after(0.080, 0.0).kept, loop_after(0.080, 0.0).missed
+    acceptance_only = unfit.num_to_draft(64)
+    assert acceptance_only == 3                            # (2/3)^3 >= 1/4 > (2/3)^4: all it allows untold
+    assert loop_after(0.080, 0.0).num_to_draft(64) == 8    # free: all num_speculative_tokens allows
+    assert loop_after(0.080, 0.002).num_to_draft(64) > acceptance_only    # cheap next to an 80 ms trip
+    assert 0 < loop_after(0.010, 0.004).num_to_draft(64) < acceptance_only
+    assert loop_after(0.010, 0.050).num_to_draft(64) == 0
+    fit = loop_after(0.010, 0.004).cycles.line()
+    assert fit is not None and fit == pytest.approx((0.010, 0.004), rel=1e-3)
+    steady = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
+    for step in range(1, 20):
+        steady.arrived(step * 10**7, 2)                    # always 2: no spread to tell a token's cost by
+    assert steady.cycles.line() is None
 
 
 async def test_a_sampled_speculating_session_draws_the_tokens_of_one_a_step_for_its_seed(one_stage) -> None:

@@ -46,19 +46,24 @@ def test_ngram_draft_agrees_with_the_plain_search_on_random_tokens() -> None:
     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, Speculation("ngram", 4, 3, 3)),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
      Speculation("ngram", 2, 2, 4)),
+    ({"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3},
+     Speculation("draft_model", 3, model="/models/draft")),
 ])
 def test_a_speculative_config_takes_vllms_keys_and_defaults(config: dict, expected: Speculation) -> None:
     assert Speculation.of(config) == expected
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"method": "draft_model", "num_speculative_tokens": 4}, "is not one of"),
+    ({"method": "eagle", "num_speculative_tokens": 4}, "is not one of"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "names its draft's folder"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 99}, r"\[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "integers"),
     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "min <= max"),
-    ({"method": "ngram", "num_speculative_tokens": 4, "model": "x"}, "not among"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "model": "x"}, "names its draft's folder"),
+    ({"method": "draft_model", "num_speculative_tokens": 4, "model": 7}, "folder's path"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}, "not among"),
     (["ngram"], "JSON object"),
 ])
 def test_a_bad_speculative_config_says_what_is_wrong(config, match: str) -> None:

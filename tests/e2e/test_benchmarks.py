@@ -190,7 +190,7 @@ def test_control_benchmark_welcomes_every_simulated_agent_and_prints_its_table(f
     assert int(cells[7]) <= (5 if "--capable" in flags else 0), result.stdout
 
 
-def test_speculative_benchmark_prints_both_meshes_the_acceptance_and_the_targets() -> None:
+def test_speculative_benchmark_prints_every_mesh_the_acceptance_and_the_targets() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--quick"],
                             capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
@@ -198,6 +198,9 @@ def test_speculative_benchmark_prints_both_meshes_the_acceptance_and_the_targets
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| lan ")]
-    assert [row[2] for row in rows[:2]] == ["grounded", "random"] and len(rows) == 3, out
-    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x") for row in rows[:2]), out
-    assert re.search(r"concurrency 16 with drafts [\d.]+x \(at least 0\.95x\): (met|NOT met)", out), out
+    assert [row[2] for row in rows[:3]] == ["book", "grounded", "random"] and len(rows) == 4, out
+    # plain, then per proposer: tok/s, ratio, acceptance, tokens/trip
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x") and float(row[8]) > 0
+               and row[9].endswith("x") for row in rows[:3]), out
+    assert sum(float(row[10].rstrip("%")) for row in rows[:3]) > 0, out    # the draft model's guesses were kept
+    assert re.search(r"concurrency 16 with draft [\d.]+x \(at least 0\.95x\): (met|NOT met)", out), out

@@ -23,6 +23,7 @@ from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from tests.patience import patient, wait_until
+from tests.draft_models import first_layers_draft
 from tests.e2e.test_drain import samples
 from .streams import held, settled_requests, which_diverged
 
@@ -36,15 +37,22 @@ CONSTRAINED = {1: {"guided_json": NUMBERS}, 3: {"guided_regex": DASHED}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[str, Path], tmp_path: Path,
+                                                            proposer: str) -> None:
     """3 stages and a spare; 8 streams of 64 tokens (greedy and seeded, two of those kept to a JSON schema and a
     regex, of about as many tokens, which end with their grammars); kill -9 the middle stage's agent. The new last
     stage rebuilds each grammar from the output the origin replays: the constrained streams stay valid.
 
-    The mesh decodes speculatively (ngram, --speculative-config): the greedy and seeded streams carry drafted tokens
-    (one's prompt a span said twice, drafted from at once), the constrained ones decode a token a step; every greedy
-    stream, killed or not, is the model's greedy decoding a token a step in one process."""
+    The mesh decodes speculatively (--speculative-config: ngram, or a draft model, the target's first layer): the
+    greedy and seeded streams carry drafted tokens (for ngram, one's prompt a span said twice, drafted from at once),
+    the constrained ones decode a token a step; every greedy stream, killed or not, is the model's greedy decoding a
+    token a step in one process. The draft model runs beside the last stage: its KV dies with the killed one's, and
+    the new last stage's draft starts from the output the origin replays."""
     model_dir = tiny_models["llama"]
+    speculative_config = NGRAM if proposer == "ngram" else {
+        "method": "draft_model", "num_speculative_tokens": 4,
+        "model": str(first_layers_draft(model_dir, tmp_path / "draft"))}
     vocab, stage = regular_token_ids(model_dir), whole_model(model_dir)
     jobs = decisive(make_jobs(8, vocab, prompt_len=20, max_tokens=64, seed=3), model_dir)
     for i, constraint in CONSTRAINED.items():       # seeded jobs (decisive() draws margins for greedy ones only)
@@ -53,7 +61,7 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
                 for job in make_jobs(40, vocab, prompt_len=20, max_tokens=64, seed=8) if job.temperature == 0)
     jobs[0] = next(job for job in repeated if smallest_margin(stage, job.prompt_ids, job.max_tokens) >= MIN_MARGIN)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db"), coordinator_args=["--speculative-config", json.dumps(NGRAM)]
+                   db=str(tmp_path / "registry.db"), coordinator_args=["--speculative-config", json.dumps(speculative_config)]
                    ) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
         records = settled_requests(mesh, 8)
