@@ -397,7 +397,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--mtls", action="store_true", help="a secure mesh: certificates issued in bulk")
     control.add_argument("--capable", action="store_true",
                          help="simulated boxes with the RAM for a stage (but slow): the planner weighs their joins")
-    control.add_argument("--log-dir", default="", help="keep the daemons' logs (and registry) here, a folder per fleet size")
+    control.add_argument("--log-dir", default="",
+                         help="keep the daemons' logs (and registry) here, a folder per fleet size")
     control.set_defaults(func=_bench_control)
 
 def _run_daemon(body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -657,6 +658,7 @@ def _up(args: argparse.Namespace) -> None:
     if args.agents < num_stages * args.replicas:      # a local mesh has only its own agents: say so, start nothing
         sys.exit(f"stratamesh up: {args.replicas} replicas of {num_stages} stages need {num_stages * args.replicas} "
                  f"agents; --agents is {args.agents}")
+    speculation = _up_speculation(args.speculative_config, args.model) if args.speculative_config else None
     model_dir = args.model or builtin_model_dir()
     _check_model_folder("up", model_dir)
     state = open_up_state(up_folder(os.environ), args.fresh, time.time())
@@ -664,8 +666,7 @@ def _up(args: argparse.Namespace) -> None:
     coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
     coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
-    if args.speculative_config:
-        speculation = _up_speculation(args.speculative_config, args.model)
+    if speculation is not None:
         coordinator_args += ["--speculative-config", json.dumps(asdict(speculation))]
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),

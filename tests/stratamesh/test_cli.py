@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from stratamesh.kernels.demo_model import read_book, words_of
+from tests.patience import wait_until
 from tests.readme import readme_completion
 
 
@@ -60,6 +61,10 @@ def test_up_refuses_more_replicas_than_its_agents_hold(tmp_path: Path) -> None:
     assert not (tmp_path / "home").exists()            # nothing was started, nor any state made
     result = stratamesh("coordinator", "--replicas", "0")
     assert result.returncode == 2 and "--replicas: must be in 1..64, got 0" in result.stderr
+    result = stratamesh("up", "--model", str(tmp_path), "--speculative-config",
+                        '{"method": "draft_model", "num_speculative_tokens": 4}', env=env)
+    assert result.returncode == 1 and "names its draft's folder as its model" in result.stderr, result.stderr
+    assert not (tmp_path / "home").exists()
 
 
 @pytest.mark.parametrize(("change", "command", "says"), [
@@ -139,7 +144,9 @@ COMPLETION = readme_completion()       # the call the README shows: the demo mod
 @pytest.mark.slow
 @pytest.mark.parametrize("insecure", [False, True])
 def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path, insecure: bool) -> None:
-    up, text = start_up(up_env(tmp_path), *(["--insecure"] if insecure else []))
+    """(insecure, the mesh also drafts with the demo model's built-in draft: a draft_model config naming no model)"""
+    draft = ["--insecure", "--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 4}']
+    up, text = start_up(up_env(tmp_path), *(draft if insecure else []))
     try:
         url = printed(r"API\s+(http://\S+)/v1", text)
         children = _children(up.pid)
@@ -161,6 +168,9 @@ def test_up_serves_the_builtin_model_and_ctrl_c_stops_everything(tmp_path: Path,
         assert response.status_code == 200, response.text
         words = words_of(response.json()["choices"][0]["text"])
         assert len(words) >= COMPLETION["max_tokens"] // 3 and set(words) <= set(words_of(read_book().train)), words
+        if insecure:        # the draft's guesses were verified, and some kept
+            wait_until(lambda: httpx.get(f"{url}/admin/api/models", timeout=30).json()["models"][0]["speculation"][
+                "accepted_tokens"] > 0, timeout_s=30)
         ctrl_c(up)
         for pid in children:
             with pytest.raises(ProcessLookupError):
