@@ -153,7 +153,7 @@ class MeshAdmin:
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
                 "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
                 "created": model.created, "speculation": self._speculation(model_id),
-                "speculative_config": asdict(model.speculation) if model.speculation else None,
+                "speculative_config": model.speculation.config() if model.speculation else None,
                 "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
 
     def _speculation(self, model_id: str) -> dict[str, Any]:

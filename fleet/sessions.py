@@ -129,6 +129,13 @@ class Speculation:
             raise InvalidInput(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= "
                                f"{MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
+    def config(self) -> dict[str, Any]:
+        """As vLLM's speculative_config keys (of() reads them back): a draft_model's model, ngram's lookup sizes."""
+        if self.method == "draft_model":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, "model": self.model}
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+
     @classmethod
     def of(cls, config: dict[str, Any]) -> Speculation:
         """From vLLM's speculative_config keys (method, num_speculative_tokens, prompt_lookup_min and _max: either

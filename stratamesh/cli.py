@@ -11,7 +11,6 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -667,7 +666,7 @@ def _up(args: argparse.Namespace) -> None:
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
     coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     if speculation is not None:
-        coordinator_args += ["--speculative-config", json.dumps(asdict(speculation))]
+        coordinator_args += ["--speculative-config", json.dumps(speculation.config())]
     mesh = LocalMesh(model_dir, num_agents=args.agents, num_stages=num_stages, mesh=state.mesh,
                      http_port=args.http_port, log_dir=str(state.log_dir), state_dir=str(state.folder),
                      insecure=args.insecure, coordinator_args=coordinator_args, agent_args=["--runtime", args.runtime],

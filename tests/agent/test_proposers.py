@@ -51,6 +51,7 @@ def test_ngram_draft_agrees_with_the_plain_search_on_random_tokens() -> None:
 ])
 def test_a_speculative_config_takes_vllms_keys_and_defaults(config: dict, expected: Speculation) -> None:
     assert Speculation.of(config) == expected
+    assert Speculation.of(expected.config()) == expected       # (as the admin API shows it, and `up` passes it on)
 
 
 @pytest.mark.parametrize("config, match", [
