@@ -1,0 +1,67 @@
+"""Mixture-of-experts MLPs: a router picks each token's top-k experts and weighs them, and each expert (a SwiGLU
+MLP) runs only on the tokens routed to it, as one product per expert over its tokens (so only the experts some
+token picked are read: on a CPU, the memory traffic of the active experts, not of all of them).
+
+The families differ in their routers' normalisation (Mixtral renormalises the top-k probabilities always,
+Qwen2-MoE and Qwen3-MoE where norm_topk_prob says so, and weigh in the input's dtype) and in a shared expert beside
+the routed ones (Qwen2-MoE's, gated by a sigmoid). Computed in transformers' order: probabilities in float32, experts
+in ascending order, each one's weighted output added to its tokens' rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stratamesh.kernels.ops.mlp import swiglu
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """Each of N tokens' top_k experts [N, k] (int64) and their weights [N, k]."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+    def tokens_per_expert(self, num_experts: int) -> torch.Tensor:
+        """How many of the tokens each expert got [num_experts] (int64)."""
+        return torch.bincount(self.experts.flatten(), minlength=num_experts)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, weigh_in_input_dtype: bool) -> Routing:
+    """The top_k experts of each token of h [N, hidden] by the router's logits (router [E, hidden]): softmax in
+    float32, the top_k probabilities, renormalised to sum to 1 where renormalize, cast to h's dtype where
+    weigh_in_input_dtype (Qwen's) or kept in float32 (Mixtral's)."""
+    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights.to(h.dtype) if weigh_in_input_dtype else weights)
+
+
+def routed_experts(h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum for each token of h [N, hidden]: gate_up [E, 2 x inter, hidden] holds each
+    expert's gate rows then its up rows, down [E, hidden, inter] -> [N, hidden] in h's dtype."""
+    top_k = routing.experts.shape[1]
+    flat = routing.experts.flatten()                             # [N x k]: token t's picks at t*k .. t*k + k - 1
+    order = torch.argsort(flat, stable=True)                     # grouped by expert, tokens in order within
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    weights = routing.weights.flatten()
+    out = torch.zeros_like(h)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        picks = order[start:start + count]
+        tokens = picks // top_k
+        y = swiglu(h[tokens], gate_up[expert], down[expert]) * weights[picks, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+        start += count
+    return out
+
+
+def shared_expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A shared expert's output for every token (Qwen2-MoE's): its SwiGLU MLP times sigmoid(gate . h), gate
+    [1, hidden]."""
+    return torch.sigmoid(F.linear(h, gate)) * swiglu(h, gate_up, down)
