@@ -46,13 +46,15 @@ MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: 
 
 # The model families a stage computes (config.json's model_type; each has its layer in kernels.models.families),
 # the rope scalings it applies, and the families whose layers ONNX Runtime stages run.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
+               "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")     # mixtures of experts (MoeShape)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 ONNX_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face base-model classes: no LM head, so served as embedding models (last token, L2-normalized)
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel", "Qwen3Model", "Gemma2Model", "Gemma3TextModel",
-                           "Phi3Model")
+                           "Phi3Model", "MixtralModel", "Qwen2MoeModel", "Qwen3MoeModel")
 # Gemma without layer_types: every 2nd (Gemma 2) or 6th (Gemma 3) layer full attention, the others sliding
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 GEMMA_MODEL_TYPES = tuple(GEMMA_SLIDING_PATTERN)
@@ -72,7 +74,73 @@ _TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
 ROPE_ALIASES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 # A layer's RMSNorm weights, beyond the two [hidden] ones of Llama's: (how many [hidden], how many [head_dim]):
 # Gemma's sandwich norms around attention and MLP, and Qwen3's and Gemma 3's per-head q and k norms
-_LAYER_NORMS = {"qwen3": (2, 2), "gemma2": (4, 0), "gemma3_text": (4, 2)}
+_LAYER_NORMS = {"qwen3": (2, 2), "qwen3_moe": (2, 2), "gemma2": (4, 0), "gemma3_text": (4, 2)}
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """A mixture of experts' MLPs, as its config.json says: in each sparse layer a router picks top_k of num_experts
+    SwiGLU experts (of expert_intermediate units each) per token, weighing them by their softmax probabilities,
+    renormalised over the top_k where renormalize; a shared expert of shared_intermediate units (0: none) beside
+    them; the other layers have a dense MLP of the config's intermediate_size."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    shared_intermediate: int = 0
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.sparse_layers[layer_idx]
+
+
+def mlp_params(moe: MoeShape | None, hidden: int, intermediate: int, layer_idx: int, active: bool = False) -> int:
+    """The parameters of a layer's MLP: a dense one's SwiGLU (intermediate units), or a sparse layer's every expert
+    (active: only the top_k a token runs), its router and its shared expert (with the shared expert's gate)."""
+    if moe is None or not moe.is_sparse(layer_idx):
+        return 3 * hidden * intermediate
+    shared = 3 * hidden * moe.shared_intermediate + hidden if moe.shared_intermediate else 0
+    experts = moe.top_k if active else moe.num_experts
+    return experts * 3 * hidden * moe.expert_intermediate + moe.num_experts * hidden + shared
+
+
+def moe_shape(config: Mapping[str, Any], num_layers: int) -> MoeShape | None:
+    """The MoeShape of a config.json dict of a MOE_MODEL_TYPES family (None for a dense one): Mixtral's
+    num_local_experts over every layer, its top-k always renormalised; Qwen2- and Qwen3-MoE's num_experts in the
+    layers decoder_sparse_step and mlp_only_layers leave sparse, norm_topk_prob, and Qwen2-MoE's shared expert.
+    CheckpointError where the sizes cannot be."""
+    model_type = config.get("model_type")
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    if model_type == "mixtral":
+        shape = MoeShape(int(config.get("num_local_experts", 8)), int(config.get("num_experts_per_tok", 2)),
+                         int(config["intermediate_size"]), True, (True,) * num_layers)
+    else:
+        num_experts, step = int(config.get("num_experts", 60)), int(config.get("decoder_sparse_step", 1))
+        dense = set(config.get("mlp_only_layers") or ())
+        sparse = tuple(num_experts > 0 and i not in dense and step > 0 and (i + 1) % step == 0
+                       for i in range(num_layers))
+        shared = int(config.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0
+        shape = MoeShape(num_experts, int(config.get("num_experts_per_tok", 4)),
+                         int(config.get("moe_intermediate_size", 1408)), bool(config.get("norm_topk_prob", False)),
+                         sparse, shared)
+    if any(shape.sparse_layers) and not 0 < shape.top_k <= shape.num_experts or min(
+            shape.expert_intermediate, shape.shared_intermediate + 1) < 1:
+        raise CheckpointError(f"config.json of a {model_type} model: num_experts_per_tok {shape.top_k} must lie in "
+                              f"[1, {shape.num_experts}] experts, and the experts' sizes be positive")
+    return shape
+
+
+def qkv_bias(config: Mapping[str, Any]) -> bool:
+    """Whether a config.json dict's q, k and v projections carry biases: Qwen2's always, Qwen2-MoE's by qkv_bias
+    (default true), others' by attention_bias."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(config.get("qkv_bias", True))
+    return bool(config.get("attention_bias", False))
 
 
 def text_model_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,7 +222,7 @@ def attention_windows(config: Mapping[str, Any], arch: str, num_layers: int) -> 
     window = config.get("sliding_window")
     if arch == "llama" or window is None:
         return None, ()
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "phi3", "mixtral"):
         return int(window), ()
     if arch in GEMMA_SLIDING_PATTERN and config.get("layer_types") is None:
         pattern = int(config.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN[arch])

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from stratamesh.fleet.stages import GEMMA_MODEL_TYPES, layer_norms
+from stratamesh.fleet.stages import GEMMA_MODEL_TYPES, MOE_MODEL_TYPES, layer_norms, moe_shape, qkv_bias
 
 if TYPE_CHECKING:       # torch is imported where weights are made: training a tokenizer alone does not need it
     import torch
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
+              "qwen3_moe")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)   # ids 0, 1, 2
@@ -53,12 +54,15 @@ CHAT_TEMPLATE = (
 )
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "phi3": "Phi3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
 _BASE_CLASS = {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",   # no LM head: embeddings
                "qwen3": "Qwen3Model", "gemma2": "Gemma2Model", "gemma3_text": "Gemma3TextModel",
-               "phi3": "Phi3Model"}
+               "phi3": "Phi3Model", "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel",
+               "qwen3_moe": "Qwen3MoeModel"}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "mistral": 10000.0, "qwen3": 1000000.0,
-               "gemma2": 10000.0, "gemma3_text": 1000000.0, "phi3": 10000.0}
+               "gemma2": 10000.0, "gemma3_text": 1000000.0, "phi3": 10000.0, "mixtral": 1000000.0,
+               "qwen2_moe": 1000000.0, "qwen3_moe": 1000000.0}
 _GEMMA_LOCAL_THETA = 10000.0
 # Gemma's full-attention layers: every 2nd (Gemma 2's own), every 3rd (Gemma 3's is 6: fewer layers here)
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 3}
@@ -94,7 +98,7 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     tokenizer = train_tokenizer(vocab_size)
-    head_dim = head_dim or (hidden_size // num_heads) * (3 if arch == "qwen3" else 2) // 2
+    head_dim = head_dim or (hidden_size // num_heads) * (3 if arch in ("qwen3", "qwen3_moe") else 2) // 2
     config = _config(arch, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size,
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window,
                      head_dim)
@@ -164,6 +168,8 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
     if arch in GEMMA_MODEL_TYPES:
         return _gemma(arch, config, num_layers, num_heads, hidden, rope_spelling, sliding_window)
+    if arch in MOE_MODEL_TYPES:
+        return _moe(arch, config, num_layers, intermediate, max_pos)
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     elif arch in ("qwen2", "qwen3"):   # a window is declared but off, as in released Qwen2 and Qwen3 checkpoints
@@ -177,6 +183,29 @@ def _config(arch: str, num_layers: int, hidden: int, intermediate: int, num_head
         config.update(partial_rotary_factor=_PHI3_ROTARY, original_max_position_embeddings=original, pad_token_id=0)
         if rope_spelling == "parameters":
             config["rope_parameters"]["partial_rotary_factor"] = _PHI3_ROTARY
+    return config
+
+
+def _moe(arch: str, config: dict[str, Any], num_layers: int, intermediate: int, max_pos: int) -> dict[str, Any]:
+    """A mixture of experts' config, of odd sizes: Mixtral's 5 experts (2 a token) in every layer; Qwen3-MoE's 6
+    (2 a token, renormalised) of half the MLP's units, its first layer dense (mlp_only_layers); Qwen2-MoE's 6 (3 a
+    token, not renormalised) and a shared expert, every other layer sparse (decoder_sparse_step 2), q/k/v biased."""
+    # transformers' reference runs its experts one by one: its default grouped_mm takes only sizes whose rows are
+    # multiples of 16 bytes
+    config["experts_implementation"] = "eager"
+    if arch == "mixtral":
+        config.update(num_local_experts=5, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
+                      router_aux_loss_coef=0.0)
+        return config
+    config.update(num_experts=6, moe_intermediate_size=max(1, intermediate // 2 + 3), use_sliding_window=False,
+                  sliding_window=max_pos, max_window_layers=num_layers, router_aux_loss_coef=0.0,
+                  output_router_logits=False)
+    if arch == "qwen3_moe":
+        config.update(num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[0] if num_layers > 1 else [], attention_bias=False)
+    else:
+        config.update(num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+                      shared_expert_intermediate_size=intermediate, qkv_bias=True)
     return config
 
 
@@ -233,6 +262,7 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         return torch.randn(*shape, generator=g) * std + mean
 
     gemma = config["model_type"] in GEMMA_MODEL_TYPES
+    moe = moe_shape(config, config["num_hidden_layers"])
     norm_mean = 0.0 if gemma else 1.0        # Gemma's norms weigh by (1 + w)
     w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=hidden ** -0.5 if gemma else 1.0)}
     for i in range(config["num_hidden_layers"]):
@@ -242,7 +272,7 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         w[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=hidden ** -0.5)
         w[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=hidden ** -0.5)
         w[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim, std=q_dim ** -0.5)
-        if config["model_type"] == "qwen2":
+        if qkv_bias(config):
             for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 w[p + f"self_attn.{name}_proj.bias"] = normal(dim, std=0.5)
         if layer_norms(config["model_type"])[1]:
@@ -252,6 +282,9 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         if gemma:
             w[p + "pre_feedforward_layernorm.weight"] = normal(hidden, std=0.1, mean=norm_mean)
             w[p + "post_feedforward_layernorm.weight"] = normal(hidden, std=0.1, mean=norm_mean)
+        if moe is not None and moe.is_sparse(i):
+            w.update(_experts(config["model_type"], p, moe, hidden, normal))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=hidden ** -0.5)
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=inter ** -0.5)
@@ -266,6 +299,26 @@ def _random_weights(config: dict[str, Any], seed: int, num_text_tokens: int) -> 
         w["lm_head.weight"] = normal(config["vocab_size"], hidden, std=2 * hidden ** -0.5)
         w["lm_head.weight"][:len(SPECIAL_TOKENS)] = 0
         w["lm_head.weight"][num_text_tokens:] = 0
+    return w
+
+
+def _experts(model_type: str, p: str, moe: Any, hidden: int, normal: Any) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts (and shared expert), named as the released checkpoints name them; the
+    router's logits spread by a few units, so a token's top-k has no near-ties."""
+    m, names = (p + "block_sparse_moe.", ("w1", "w3", "w2")) if model_type == "mixtral" else (
+        p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+    inter = moe.expert_intermediate
+    w = {m + "gate.weight": normal(moe.num_experts, hidden, std=3 * hidden ** -0.5)}
+    for e in range(moe.num_experts):
+        w[f"{m}experts.{e}.{names[0]}.weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[f"{m}experts.{e}.{names[1]}.weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[f"{m}experts.{e}.{names[2]}.weight"] = normal(hidden, inter, std=inter ** -0.5)
+    if moe.shared_intermediate:
+        shared = moe.shared_intermediate
+        w[m + "shared_expert.gate_proj.weight"] = normal(shared, hidden, std=hidden ** -0.5)
+        w[m + "shared_expert.up_proj.weight"] = normal(shared, hidden, std=hidden ** -0.5)
+        w[m + "shared_expert.down_proj.weight"] = normal(hidden, shared, std=shared ** -0.5)
+        w[m + "shared_expert_gate.weight"] = normal(1, hidden, std=hidden ** -0.5)
     return w
 
 

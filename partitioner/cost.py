@@ -169,7 +169,8 @@ class StageTables:
         read_ctx = [min(request.mean_context, w) if w else request.mean_context for w in profile.layer_windows]
         flops = _prefix([f + n * c for f, c, n in
                          zip(profile.layer_flops_per_token, profile.layer_attn_flops_per_ctx, read_ctx, strict=True)])
-        self.read_params = self._span(_prefix(profile.layer_params))     # weights a step reads (and a stage holds)
+        self.held_params = self._span(_prefix(profile.layer_params))     # weights a stage holds
+        self.read_params = self._span(_prefix(profile.layer_read_params(request.step_tokens)))   # ... a step reads
         self.read_kv = request.step_tokens * self._span(_prefix([k * n for k, n in zip(kv_values, read_ctx)]))
         self.flops = self._span(flops)                                                   # per token
         # Memory in values: what a group's ranks share (weights and KV of the layers) and what each holds whole
@@ -192,7 +193,7 @@ class StageTables:
         key = (dtype, degree, weights)
         if key not in self._memory:
             bpp, wbpp = DTYPE_BYTES[dtype], WEIGHT_BYTES[weights or dtype]
-            shared = wbpp * self.read_params + bpp * self._kv_reserve_values
+            shared = wbpp * self.held_params + bpp * self._kv_reserve_values
             self._memory[key] = np.ceil(shared / degree + wbpp * (self._embed_values + self._head_values))
         return self._memory[key]
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.stages import QUANTIZED_BYTES, layer_norms, layer_windows, model_task
+from stratamesh.fleet.stages import (QUANTIZED_BYTES, layer_norms, layer_windows, mlp_params, model_task, moe_shape,
+                                     qkv_bias)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 WEIGHT_BYTES: dict[str, float] = {**DTYPE_BYTES, **QUANTIZED_BYTES}   # a weight's bytes in a dtype or quantized
@@ -39,6 +40,11 @@ class ModelProfile:
     head_params: int                              # final norm + LM head on the last stage (an embedding model: norm)
     head_flops_per_token: int
     tied_embeddings: bool = False                 # one matrix: a single stage holding both counts it once
+    # A mixture of experts: one expert's parameters in each layer (0 in a dense layer), of experts_per_layer, and how
+    # many a token runs; a stage holds every expert (in layer_params) and a step reads those its tokens pick
+    layer_expert_params: tuple[int, ...] = ()
+    experts_per_layer: int = 0
+    experts_per_token: int = 0
     # what the layers' matrices, the LM head and the embedding are stored in where a device measured it, if not
     # dtype: "int8" or "int4"
     # (the operator's choice for the model; cost.single_unit)
@@ -55,6 +61,16 @@ class ModelProfile:
 
     def layer_param_bytes(self, layer: int) -> int:
         return self.layer_params[layer] * self.bytes_per_param
+
+    def layer_read_params(self, step_tokens: int) -> tuple[int, ...]:
+        """The parameters a step of step_tokens tokens reads in each layer: all of a dense layer's; of a sparse
+        layer's experts, as many as its tokens pick in expectation (each token top-k of them, uniformly: E x (1 -
+        (1 - k / E)^tokens))."""
+        if not self.layer_expert_params:
+            return self.layer_params
+        e, k = self.experts_per_layer, self.experts_per_token
+        unread = e - e * (1 - (1 - k / e) ** max(step_tokens, 1))
+        return tuple(round(p - unread * x) for p, x in zip(self.layer_params, self.layer_expert_params, strict=True))
 
     @property
     def embed_bytes(self) -> int:
@@ -98,10 +114,13 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
     if head_dim < 1:
         raise CheckpointError(f"head_dim must be positive (hidden_size {hidden} over {heads} heads)")
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    bias = q_dim + 2 * kv_dim if raw.get("model_type") == "qwen2" or raw.get("attention_bias") else 0
-    matmul = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
+    bias = q_dim + 2 * kv_dim if qkv_bias(raw) else 0
+    attn = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
     norms, head_norms = layer_norms(str(raw.get("model_type")))
-    layer = matmul + bias + norms * hidden + head_norms * head_dim      # + the RMSNorm weights
+    moe = moe_shape(raw, num_layers)        # a mixture of experts holds every expert, and runs top_k a token
+    layers = [attn + bias + mlp_params(moe, hidden, inter, i) + norms * hidden + head_norms * head_dim
+              for i in range(num_layers)]   # + the RMSNorm weights
+    matmuls = [attn + mlp_params(moe, hidden, inter, i, active=True) for i in range(num_layers)]
     # An embedding model has no LM head: its last stage holds the final norm and pools (a few FLOPs per prompt).
     head = vocab * hidden if model_task(raw) == "generate" else 0
     tied = bool(head) and bool(raw.get("tie_word_embeddings", False))
@@ -109,15 +128,19 @@ def profile_from_hf_config(raw: Mapping[str, Any], dtype: str | None = None, nam
         name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "model"),
         num_layers=num_layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, vocab_size=vocab,
         dtype=dtype,
-        layer_params=(layer,) * num_layers,
+        layer_params=tuple(layers),
         layer_kv_bytes_per_token=(2 * kv_dim * DTYPE_BYTES[dtype],) * num_layers,
-        layer_flops_per_token=(2 * matmul,) * num_layers,
+        layer_flops_per_token=tuple(2 * matmul for matmul in matmuls),
         layer_attn_flops_per_ctx=(4 * q_dim,) * num_layers,             # q.k and p.v, 2 FLOPs per multiply-add
         layer_windows=layer_windows(raw),
         embed_params=vocab * hidden,
         head_params=head + hidden,
         head_flops_per_token=2 * head,
         tied_embeddings=tied,
+        layer_expert_params=tuple(3 * hidden * moe.expert_intermediate * moe.is_sparse(i) for i in range(num_layers))
+        if moe else (),
+        experts_per_layer=moe.num_experts if moe else 0,
+        experts_per_token=moe.top_k if moe else 0,
     )
 
 

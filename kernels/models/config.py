@@ -11,7 +11,8 @@ from typing import Any
 from stratamesh.fleet.errors import CheckpointError
 from stratamesh.fleet.gguf_files import GgufModel, is_gguf
 from stratamesh.fleet.stages import (GEMMA_MODEL_TYPES, MODEL_TYPES, PER_LAYER_TYPE_ROPE, ROPE_ALIASES, ROPE_TYPES,
-                                     attention_windows, layer_norms, model_task, served_context, text_model_config)
+                                     MoeShape, attention_windows, layer_norms, mlp_params, model_task, moe_shape,
+                                     qkv_bias, served_context, text_model_config)
 
 ARCHS = MODEL_TYPES      # config.json's model_type; each has its layer in kernels.models.families
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,6 +53,7 @@ class ModelConfig:
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None      # Gemma 2's: the attention scores soft-capped too
+    moe: MoeShape | None = None                  # a mixture of experts' MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
 
     @property
     def rotary_dim(self) -> int:
@@ -82,14 +84,20 @@ class ModelConfig:
 
     @property
     def num_params_per_layer(self) -> int:
+        """A layer's parameters, where every layer has as many (a dense model's; num_layer_params otherwise)."""
+        return self.num_layer_params(0)
+
+    def num_layer_params(self, layer_idx: int) -> int:
+        """The parameters of a layer as a stage loads them: attention, norms, and its MLP (every expert of a sparse
+        layer, its router and shared expert)."""
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
         if self.attention_bias:
             attn += q_dim + 2 * kv_dim
         if self.o_proj_bias:
             attn += self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
         norms, head_norms = layer_norms(self.arch)
+        mlp = mlp_params(self.moe, self.hidden_size, self.intermediate_size, layer_idx)
         return attn + mlp + norms * self.hidden_size + head_norms * self.head_dim
 
     @property
@@ -133,7 +141,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=served_context({"max_position_embeddings": 2048, **raw}),
         partial_rotary_factor=_partial_rotary(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        attention_bias=qkv_bias(raw),
         o_proj_bias=arch == "llama" and bool(raw.get("attention_bias", False)),
         sliding_window=sliding_window,
         layer_types=layer_types,
@@ -147,6 +155,7 @@ def _build(raw: dict[str, Any], arch: str) -> ModelConfig:
         embed_scale=hidden ** 0.5 if gemma else None,
         final_logit_softcap=float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None,
         attn_logit_softcap=float(raw["attn_logit_softcapping"]) if raw.get("attn_logit_softcapping") else None,
+        moe=moe_shape(raw, num_layers),
     )
 
 

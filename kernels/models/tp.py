@@ -27,7 +27,11 @@ ROW = {"self_attn.o_proj.weight": ("heads",), "mlp.down_proj.weight": ("mlp",)}
 
 
 def check_tp(config: ModelConfig, world_size: int) -> None:
-    """InvalidInput unless world_size ranks can each take whole heads, whole KV heads and an equal MLP slice."""
+    """InvalidInput unless world_size ranks can each take whole heads, whole KV heads and an equal MLP slice (and,
+    for now, the model has no experts to split)."""
+    if world_size > 1 and config.moe is not None:
+        raise InvalidInput(f"a tensor-parallel group cannot serve {config.arch} yet: mixture-of-experts layers run in "
+                           "single-process stages")
     for what, count in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads),
                         ("MLP units", config.intermediate_size)):
         if world_size < 1 or count % world_size:

@@ -32,7 +32,7 @@ def test_the_planner_counts_the_parameters_a_stage_loads(tiny_model, arch: str, 
     profile = profile_from_hf_config(raw)
     per_layer = [sum(t.numel() for name, t in stage.tensors.items() if name.startswith("model.layers."))
                  for stage in (first, last)]
-    assert per_layer == list(profile.layer_params) == [config.num_params_per_layer] * 2
+    assert per_layer == list(profile.layer_params) == [config.num_layer_params(i) for i in range(2)]
     assert sum(t.numel() for t in Checkpoint(model_dir).load(Checkpoint(model_dir).tensor_names()).values()) == (
         sum(profile.layer_params) + profile.embed_params + profile.head_params - (profile.embed_params if tied else 0))
 
@@ -49,3 +49,29 @@ def test_onnx_runtime_stages_take_the_llama_layer_and_refuse_the_rest_by_name(ti
         return
     with pytest.raises(InvalidInput, match="sliding-window" if windowed else f"not {arch}'s: .*--runtime torch"):
         check_exportable(stage)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_refuses_quantized_weights_and_tensor_parallel_groups_by_name(tiny_model,
+                                                                                           arch: str) -> None:
+    from stratamesh.fleet.errors import CheckpointError
+    from stratamesh.kernels.models.tp import check_tp
+
+    model_dir = tiny_model(arch, num_layers=2)
+    with pytest.raises(CheckpointError, match=f"int8 weights are not supported for {arch} yet"):
+        load_stage(StageSpec("m", str(model_dir), 0, 2, 2, quantize="int8"))
+    with pytest.raises(InvalidInput, match=f"cannot serve {arch} yet"):
+        check_tp(read_config(model_dir), 2)
+    check_tp(read_config(model_dir), 1)
+
+
+def test_a_mixture_of_experts_stage_holds_each_expert_once(tiny_model) -> None:
+    """A stage stacks a sparse layer's experts: the checkpoint's tensors become views of the stacks (no second copy),
+    and the stage's parameters are the checkpoint's."""
+    model_dir = tiny_model("qwen2_moe", num_layers=2)
+    stage = load_stage(StageSpec("m", str(model_dir), 0, 2, 2))
+    layer = stage._layers[1]                                   # decoder_sparse_step 2: layer 1 is sparse
+    assert layer.gate_up is None and layer.experts_gate_up.shape[0] == read_config(model_dir).moe.num_experts
+    expert = stage.tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert expert.untyped_storage().data_ptr() == layer.experts_gate_up.untyped_storage().data_ptr()
+    assert stage._layers[0].router is None and stage._layers[0].gate_up is not None     # layer 0 is dense

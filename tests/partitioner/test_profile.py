@@ -192,3 +192,31 @@ def test_a_windowed_layer_reads_at_most_its_window_and_holds_the_whole_context()
     assert (tables["mistral"].memory_at("float32") == tables["full"].memory_at("float32")).all()
     short = StageTables(profile_from_hf_config(mistral), PlanRequest(context_len=256))   # the window not reached
     assert short.read_kv[0, 4] == StageTables(profile_from_hf_config(full), PlanRequest(context_len=256)).read_kv[0, 4]
+
+
+def test_a_mixture_of_experts_is_held_whole_and_read_as_its_tokens_pick() -> None:
+    """Qwen3-MoE's shape (128 experts, 8 a token): a stage holds every expert, as a dense model of as many
+    parameters; a step of one token reads the attention, the router and 8 experts (the planner prices a 30B-A3B
+    model as 30B in memory and about 3B in speed), and a step of many tokens reads most of the experts."""
+    from stratamesh.partitioner.cost import StageTables
+    from stratamesh.partitioner.plan import PlanRequest
+
+    moe = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 4, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 1000, "norm_topk_prob": True}
+    profile = profile_from_hf_config(moe)
+    attention = 2048 * 128 * (32 + 2 * 4) + 32 * 128 * 2048 + 2 * 2048 + 2 * 128
+    expert = 3 * 2048 * 768
+    assert profile.layer_params == (attention + 128 * (expert + 2048),) * 4
+    assert profile.layer_flops_per_token == (2 * (attention - 2 * 2048 - 2 * 128 + 8 * expert + 128 * 2048),) * 4
+    assert profile.layer_read_params(1) == (attention + 128 * 2048 + 8 * expert,) * 4
+    assert profile.layer_read_params(64)[0] == pytest.approx(attention + 128 * 2048 + 128 * (1 - (1 - 8 / 128) ** 64)
+                                                             * expert, rel=1e-6)
+    dense = {**moe, "model_type": "qwen3", "intermediate_size": 128 * 768 + 43}    # about as many parameters
+    one, many = PlanRequest(concurrency=1), PlanRequest(concurrency=64)
+    held = StageTables(profile, one).memory_at("bfloat16")[0, 4]
+    assert held == pytest.approx(StageTables(profile_from_hf_config(dense), one).memory_at("bfloat16")[0, 4],
+                                 rel=1e-3)
+    assert StageTables(profile, one).read_params[0, 4] < StageTables(profile, many).read_params[0, 4] < (
+        StageTables(profile_from_hf_config(dense), one).read_params[0, 4])
+    assert StageTables(profile, many).held_params[0, 4] == sum(profile.layer_params)

@@ -91,19 +91,20 @@ def test_an_embedding_checkpoint_is_the_base_model_as_transformers_saves_it(tmp_
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [{"llama": "LlamaModel", "qwen2": "Qwen2Model", "mistral": "MistralModel",
                                         "qwen3": "Qwen3Model", "gemma2": "Gemma2Model",
-                                        "gemma3_text": "Gemma3TextModel", "phi3": "Phi3Model"}[arch]]
+                                        "gemma3_text": "Gemma3TextModel", "phi3": "Phi3Model", "mixtral": "MixtralModel",
+                                        "qwen2_moe": "Qwen2MoeModel", "qwen3_moe": "Qwen3MoeModel"}[arch]]
     assert not (model_dir / "generation_config.json").exists()
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    down = "layers.1.mlp.down_proj.weight"
-    assert "embed_tokens.weight" in names and "norm.weight" in names and down in names
+    o = "layers.1.self_attn.o_proj.weight"
+    assert "embed_tokens.weight" in names and "norm.weight" in names and o in names
     assert not any(n.startswith("model.") or n.startswith("lm_head") for n in names)
     model, info = transformers.AutoModel.from_pretrained(model_dir, output_loading_info=True)
     assert type(model).__name__ == config["architectures"][0]
     assert not any(info.values())     # no missing, unexpected or mismatched tensors
     causal = write_tiny_model(tmp_path / "causal", arch, **SMALL)
     with safe_open(str(causal / "model.safetensors"), "pt") as f:   # the same weights, but for the head
-        assert torch.equal(f.get_tensor("model." + down), model.layers[1].mlp.down_proj.weight)
+        assert torch.equal(f.get_tensor("model." + o), model.layers[1].self_attn.o_proj.weight)
 
 
 def test_an_embedding_model_cannot_tie_a_head_it_lacks(tmp_path):

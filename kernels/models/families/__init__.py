@@ -9,12 +9,14 @@ from __future__ import annotations
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.models.families.gemma import Gemma3Layer, GemmaLayer
 from stratamesh.kernels.models.families.llama import LlamaLayer
+from stratamesh.kernels.models.families.moe import MoeLayer, Qwen2MoeLayer, Qwen3MoeLayer
 from stratamesh.kernels.models.families.phi3 import Phi3Layer
 from stratamesh.kernels.models.families.qwen3 import Qwen3Layer
 
 LAYERS: dict[str, type[LlamaLayer]] = {"llama": LlamaLayer, "mistral": LlamaLayer, "qwen2": LlamaLayer,
                                        "qwen3": Qwen3Layer, "gemma2": GemmaLayer, "gemma3_text": Gemma3Layer,
-                                       "phi3": Phi3Layer}
+                                       "phi3": Phi3Layer, "mixtral": MoeLayer, "qwen2_moe": Qwen2MoeLayer,
+                                       "qwen3_moe": Qwen3MoeLayer}
 
 
 def layer_class(config: ModelConfig) -> type[LlamaLayer]:

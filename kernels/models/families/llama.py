@@ -49,8 +49,8 @@ class LlamaLayer:
     post_attn_norm: torch.Tensor
     qkv: Weight
     o: Weight
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None          # (None in a mixture of experts' sparse layer: families/moe.py)
+    down: Weight | None
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None      # a family's per-head q and k norms (HEAD_NORMS): [head_dim], shared by
@@ -74,14 +74,20 @@ class LlamaLayer:
 
     @classmethod
     def _fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
         biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         head_norms = dict(zip(("q_norm", "k_norm"), (t[p + name] for name in cls.HEAD_NORMS)))
         return dict(input_norm=t[p + cls.NORMS[0]], post_attn_norm=t[p + cls.NORMS[1]], **head_norms,
                     qkv=_fuse_weight(t, [f"{a}{name}.weight" for name in cls.QKV]), o=weight(t, a + "o_proj.weight"),
-                    gate_up=_fuse_weight(t, [f"{m}{name}.weight" for name in cls.GATE_UP]),
-                    down=weight(t, m + "down_proj.weight"), qkv_bias=_fuse(t, biases) if biases[0] in t else None,
-                    o_bias=t.get(a + "o_proj.bias"))
+                    qkv_bias=_fuse(t, biases) if biases[0] in t else None, o_bias=t.get(a + "o_proj.bias"),
+                    **cls._mlp_fused(t, p))
+
+    @classmethod
+    def _mlp_fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
+        """The layer's MLP weights (a family with another MLP names its own)."""
+        m = p + "mlp."
+        return dict(gate_up=_fuse_weight(t, [f"{m}{name}.weight" for name in cls.GATE_UP]),
+                    down=weight(t, m + "down_proj.weight"))
 
     @classmethod
     def tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
@@ -93,7 +99,11 @@ class LlamaLayer:
             names += [f"{p}self_attn.{n}.bias" for n in cls.QKV]
         if config.o_proj_bias:
             names.append(p + "self_attn.o_proj.bias")
-        return names + [f"{p}mlp.{n}.weight" for n in cls.GATE_UP + ("down_proj",)]
+        return names + cls._mlp_tensor_names(config, layer_idx)
+
+    @classmethod
+    def _mlp_tensor_names(cls, config: ModelConfig, layer_idx: int) -> list[str]:
+        return [f"model.layers.{layer_idx}.mlp.{n}.weight" for n in cls.GATE_UP + ("down_proj",)]
 
     @classmethod
     def shapes(cls, c: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
@@ -117,7 +127,11 @@ class LlamaLayer:
         window, or None) -> [N, hidden]."""
         eps = step.config.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.input_norm, eps), step, local_idx, window)
-        return x + step.reduce(swiglu(rms_norm(x, self.post_attn_norm, eps), self.gate_up, self.down))
+        return x + self.mlp(rms_norm(x, self.post_attn_norm, eps), step)
+
+    def mlp(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """The MLP block on the normed h [N, hidden] -> [N, hidden]."""
+        return step.reduce(swiglu(h, self.gate_up, self.down))
 
     def attention(self, h: torch.Tensor, step: Step, local_idx: int, window: int | None) -> torch.Tensor:
         """The attention block on the normed h [N, hidden], through the o projection -> [N, hidden]."""
