@@ -13,8 +13,8 @@ from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, PlacementError
 from stratamesh.fleet.states import Runtime
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, Telemetry
-from stratamesh.fleet.stages import (AUTO_RUNTIME, DTYPES, MOE_MODEL_TYPES, ONNX_MODEL_TYPES, ORT_DTYPES,
-                                     QUANTIZED_BYTES, StageSpec, served_context, windowed)
+from stratamesh.fleet.stages import (AUTO_RUNTIME, DTYPES, ONNX_MODEL_TYPES, ORT_DTYPES, QUANTIZED_BYTES, StageSpec,
+                                     served_context, windowed)
 from stratamesh.partitioner import describe
 from stratamesh.partitioner.fleet_snapshot import NODE_LINK, ORIGIN, Device, FleetSnapshot, Link
 from stratamesh.partitioner.plan import Pipeline, Plan, PlannedStage, PlanRequest
@@ -395,8 +395,8 @@ def _request(config: dict[str, Any], num_stages: int, pins: SitePins) -> PlanReq
     context = min(served_context(config) if "max_position_embeddings" in config else KV_CONTEXT_TOKENS,
                   KV_CONTEXT_TOKENS)
     return PlanRequest(objective="throughput", num_stages=num_stages, context_len=context,
-                       concurrency=KV_SEQUENCES, tensor_parallel=config.get("model_type") not in MOE_MODEL_TYPES,
-                       first_site=pins.first or None, last_site=pins.last or None)   # (experts: no TP groups yet)
+                       concurrency=KV_SEQUENCES, tensor_parallel=True, first_site=pins.first or None,
+                       last_site=pins.last or None)
 
 
 def _ranks(agents: Mapping[str, Capabilities]) -> dict[str, int]:

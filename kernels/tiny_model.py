@@ -79,7 +79,7 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
                      tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
                      rope_spelling: str = "classic", shard_size_bytes: int | None = None,
                      seed: int = 0, sliding_window: int | None = None, embedding: bool = False,
-                     dtype: str = "float32", head_dim: int | None = None) -> Path:
+                     dtype: str = "float32", head_dim: int | None = None, num_experts: int | None = None) -> Path:
     """Write config, generation config, safetensors weights and a ChatML BPE tokenizer to out_dir.
 
     rope_spelling "classic" writes rope_theta + rope_scaling (transformers 4), "parameters" writes
@@ -88,7 +88,8 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
     its tensors named as transformers' save_pretrained names them ("layers.0...", no "model." prefix). dtype is
     how the weights are stored (config.json says so too): "float32", "bfloat16" or "float16". head_dim: the
     attention heads' size, hidden_size / num_heads by default, but 1.5 times that for qwen3 (as in Qwen3's
-    checkpoints, its heads together are wider than the hidden state)."""
+    checkpoints, its heads together are wider than the hidden state). num_experts: a mixture of experts' experts per
+    sparse layer (default: its family's tiny count, _moe)."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {TINY_ARCHS}")
     if embedding and tie_word_embeddings:
@@ -103,6 +104,8 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", num_layers: int =
                      max_position_embeddings, tie_word_embeddings, rope_scaling, rope_spelling, sliding_window,
                      head_dim)
     config["dtype"] = dtype
+    if num_experts is not None and arch in MOE_MODEL_TYPES:
+        config["num_local_experts" if arch == "mixtral" else "num_experts"] = num_experts
     import torch
 
     weights = {name: t.to(getattr(torch, dtype)) for name, t in

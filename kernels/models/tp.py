@@ -4,10 +4,17 @@ Megatron's split of a Llama layer over N ranks: q, k, v and the MLP's gate and u
 computes whole heads, KV heads and a slice of the intermediate units); o and down are row-parallel (each rank
 multiplies its slice, and an all-reduce sums the partial outputs). So a layer costs two all-reduces of
 [tokens, hidden], and each rank caches K and V of its own KV heads only. Norms, the embedding and the LM head
-stay whole on every rank."""
+stay whole on every rank.
+
+A mixture of experts' sparse layers are split by expert (expert parallelism): each rank holds E / N whole experts
+(rank r the r-th run of them) and the router whole; every rank has every token's hidden state after attention's
+all-reduce, routes them all, runs the tokens routed to its own experts, and the MLP's all-reduce sums the ranks'
+partial outputs (the dispatch and the combine of an all-to-all, in one collective). A shared expert is split as a
+dense MLP is."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,20 +29,33 @@ from stratamesh.kernels.models.decoder import TORCH_DTYPES, StageModel, checked_
 # fused matrix (Phi-3's) is split in each of the matrices it holds, a rank taking its share of each
 COLUMN = {"self_attn.q_proj": ("heads",), "self_attn.k_proj": ("kv_heads",), "self_attn.v_proj": ("kv_heads",),
           "mlp.gate_proj": ("mlp",), "mlp.up_proj": ("mlp",),
-          "self_attn.qkv_proj": ("heads", "kv_heads", "kv_heads"), "mlp.gate_up_proj": ("mlp", "mlp")}
-ROW = {"self_attn.o_proj.weight": ("heads",), "mlp.down_proj.weight": ("mlp",)}
+          "self_attn.qkv_proj": ("heads", "kv_heads", "kv_heads"), "mlp.gate_up_proj": ("mlp", "mlp"),
+          "mlp.shared_expert.gate_proj": ("shared",), "mlp.shared_expert.up_proj": ("shared",)}
+ROW = {"self_attn.o_proj.weight": ("heads",), "mlp.down_proj.weight": ("mlp",),
+       "mlp.shared_expert.down_proj.weight": ("shared",)}
+_EXPERT = re.compile(r"model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def check_tp(config: ModelConfig, world_size: int) -> None:
-    """InvalidInput unless world_size ranks can each take whole heads, whole KV heads and an equal MLP slice (and,
-    for now, the model has no experts to split)."""
-    if world_size > 1 and config.moe is not None:
-        raise InvalidInput(f"a tensor-parallel group cannot serve {config.arch} yet: mixture-of-experts layers run in "
-                           "single-process stages")
-    for what, count in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                        ("MLP units", config.intermediate_size)):
+    """InvalidInput unless world_size ranks can each take whole heads, whole KV heads and an equal MLP slice (of a
+    mixture of experts: whole experts, as many each, and an equal slice of its shared expert and dense layers)."""
+    moe = config.moe
+    dense = moe is None or not all(moe.sparse_layers)
+    counts = [("attention heads", config.num_heads), ("KV heads", config.num_kv_heads)]
+    counts += [("MLP units", config.intermediate_size)] if dense else []
+    counts += [("experts", moe.num_experts), ("shared expert units", moe.shared_intermediate)] if moe else []
+    for what, count in counts:
         if world_size < 1 or count % world_size:
             raise InvalidInput(f"a tensor-parallel group of {world_size} cannot split {count} {what} evenly")
+
+
+def holds(config: ModelConfig, name: str, rank: int, world_size: int) -> bool:
+    """Whether rank of a group of world_size holds the named tensor: every tensor, but of a sparse layer's experts
+    only its own run of E / world_size."""
+    match = _EXPERT.match(name)
+    if match is None or config.moe is None:
+        return True
+    return int(match[1]) // (config.moe.num_experts // world_size) == rank
 
 
 def shard_slices(config: ModelConfig, names: Iterable[str], rank: int, world_size: int) -> dict[str, Slice]:
@@ -43,7 +63,7 @@ def shard_slices(config: ModelConfig, names: Iterable[str], rank: int, world_siz
     norms, embedding, LM head, o_proj's bias, which is added once after the sum)."""
     check_tp(config, world_size)
     units = {"heads": config.num_heads * config.head_dim, "kv_heads": config.num_kv_heads * config.head_dim,
-             "mlp": config.intermediate_size}
+             "mlp": config.intermediate_size, "shared": config.moe.shared_intermediate if config.moe else 0}
     out = {}
     for name in names:
         tail = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
@@ -64,7 +84,8 @@ def shard_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], rank: i
                   world_size: int) -> dict[str, torch.Tensor]:
     """Rank's shards of a stage's tensors (owned copies, so the whole tensors can be freed)."""
     slices = shard_slices(config, tensors, rank, world_size)
-    return {name: t if name not in slices else _slice(t, slices[name]) for name, t in tensors.items()}
+    return {name: t if name not in slices else _slice(t, slices[name]) for name, t in tensors.items()
+            if holds(config, name, rank, world_size)}
 
 
 def load_tp_stage(spec: StageSpec, rank: int, all_reduce: Callable[[torch.Tensor], torch.Tensor],
@@ -73,7 +94,7 @@ def load_tp_stage(spec: StageSpec, rank: int, all_reduce: Callable[[torch.Tensor
     from the checkpoint as rank's shard alone, so a rank never holds the whole stage, in RAM or on its GPU;
     all_reduce sums a tensor over the ranks (it may be bound after the load, once the group is up)."""
     config = config or read_config(spec.model_path)
-    names = checked_tensor_names(spec, config)
+    names = [n for n in checked_tensor_names(spec, config) if holds(config, n, rank, spec.tp_degree)]
     tensors = Checkpoint(spec.model_path).load(names, TORCH_DTYPES[spec.dtype], spec.device,
                                                shard_slices(config, names, rank, spec.tp_degree))
     return StageModel(config, spec, tensors, spec.tp_degree, all_reduce)

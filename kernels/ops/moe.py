@@ -40,22 +40,26 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, 
     return Routing(experts, weights.to(h.dtype) if weigh_in_input_dtype else weights)
 
 
-def routed_experts(h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def routed_experts(h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor,
+                   first_expert: int = 0, num_experts: int = 0) -> torch.Tensor:
     """The routed experts' weighted sum for each token of h [N, hidden]: gate_up [E, 2 x inter, hidden] holds each
-    expert's gate rows then its up rows, down [E, hidden, inter] -> [N, hidden] in h's dtype."""
-    top_k = routing.experts.shape[1]
+    expert's gate rows then its up rows, down [E, hidden, inter] -> [N, hidden] in h's dtype. Where they are an
+    expert-parallel rank's own run of a layer's num_experts (first_expert on), only those experts' share, which
+    the ranks' all-reduce sums."""
+    top_k, local = routing.experts.shape[1], gate_up.shape[0]
     flat = routing.experts.flatten()                             # [N x k]: token t's picks at t*k .. t*k + k - 1
     order = torch.argsort(flat, stable=True)                     # grouped by expert, tokens in order within
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts or local).tolist()
     weights = routing.weights.flatten()
     out = torch.zeros_like(h)
-    start = 0
-    for expert, count in enumerate(counts):
+    start = sum(counts[:first_expert])
+    for expert in range(first_expert, first_expert + local):
+        count = counts[expert]
         if not count:
             continue
         picks = order[start:start + count]
         tokens = picks // top_k
-        y = swiglu(h[tokens], gate_up[expert], down[expert]) * weights[picks, None]
+        y = swiglu(h[tokens], gate_up[expert - first_expert], down[expert - first_expert]) * weights[picks, None]
         out.index_add_(0, tokens, y.to(out.dtype))
         start += count
     return out

@@ -36,8 +36,19 @@ def alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-async def test_a_group_batches_sessions_and_each_matches_the_unsharded_model(spec, world_size) -> None:
+@pytest.fixture
+def moe_spec(tiny_model) -> StageSpec:
+    path = tiny_model("qwen2_moe", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4,
+                      num_experts=4)
+    return StageSpec("m", str(path), 0, 2, 2, kv_block_size=4)
+
+
+@pytest.mark.parametrize("world_size, model", [(2, "dense"), (4, "dense"), (2, "experts")])
+async def test_a_group_batches_sessions_and_each_matches_the_unsharded_model(spec, moe_spec, world_size,
+                                                                             model) -> None:
+    """(experts: Qwen2-MoE, its experts split between the group's two processes and its shared expert split as an
+    MLP)"""
+    spec = moe_spec if model == "experts" else spec
     async with agent(replace(spec, tp_degree=world_size), "tp") as a:
         ranks = a.host.engines["tp"].runner.ranks
         assert len(ranks.pids) == world_size - 1 and all(map(alive, ranks.pids))

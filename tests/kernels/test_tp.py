@@ -52,12 +52,14 @@ def sharded_logits(ranks: list[StageModel], caches: list, ids: torch.Tensor, sta
     return on_every_rank(ranks, run)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"])   # qwen2: biases
-# split; qwen3, gemma3_text: q and k norms (and Gemma's sandwich norms) whole on every rank; phi3: each fused matrix
-# split in each of the matrices it holds
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])   # qwen2: biases split; qwen3, gemma3_text: q and k norms (and
+# Gemma's sandwich norms) whole on every rank; phi3: each fused matrix split in each of the matrices it holds; the
+# mixtures of experts: experts split by expert (each rank its run of 8 / N), Qwen2-MoE's shared expert and Qwen's
+# dense layers as a dense MLP
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_stage_matches_the_whole_model_and_transformers(tiny_model, arch, world_size):
-    model_dir = tiny_model(arch, **GQA)
+    model_dir = tiny_model(arch, **GQA, **({"num_experts": 8} if "moe" in arch or arch == "mixtral" else {}))
     ids = prompt(seed=11)
     whole = load_stage(StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS))
     expected = whole.logits(whole.forward(ids, torch.arange(ids.numel()), whole.new_cache()))
@@ -190,3 +192,21 @@ def test_a_single_rank_nccl_group_on_a_gpu_matches_the_whole_model(tiny_model):
     got = sharded.logits(sharded.forward(ids, torch.arange(ids.numel()), sharded.new_cache())).cpu()
     assert group.num_all_reduces == 2 * NUM_LAYERS
     torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_an_expert_parallel_rank_reads_only_its_own_experts(tiny_model, arch):
+    """Each of 2 ranks reads its run of the 8 experts of each sparse layer (and the router whole): no expert twice,
+    none missing; 5 experts cannot be split by 2, and the group is refused saying so."""
+    model_dir = tiny_model(arch, **GQA, num_experts=8)
+    ranks = sharded_ranks(model_dir, 2)
+    held = [{n for n in r.tensors if ".experts." in n} for r in ranks]
+    assert not held[0] & held[1]
+    whole = {n for n in load_stage(StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS)).tensors
+             if ".experts." in n}
+    assert held[0] | held[1] == whole
+    assert {int(n.split(".experts.")[1].split(".")[0]) for n in held[1]} == {4, 5, 6, 7}
+    assert all(r.tensors[next(n for n in r.tensors if n.endswith("gate.weight") and "shared" not in n)].shape[0] == 8
+               for r in ranks)
+    with pytest.raises(InvalidInput, match="cannot split 5 experts evenly"):
+        check_tp(read_config(tiny_model(arch, **GQA, num_experts=5)), 2)

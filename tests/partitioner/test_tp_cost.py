@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -152,3 +153,32 @@ def test_a_group_computes_on_one_backend_in_one_dtype(speeds: tuple[Speed, Speed
     assert all(members) and group_unit(members, group_link(fleet, devices), profile, request) is None
     with pytest.raises(PlacementError, match="cannot serve .* mixes backends or dtypes"):
         evaluate(profile, fleet, request, [(("g0", "g1"), 0, 6)])
+
+
+# ------------------------------------------------------------------ a mixture of experts
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                 "torch_dtype": "bfloat16"}
+
+
+def test_a_mixture_of_experts_that_fits_only_with_its_experts_split_is_placed_on_a_group_priced_by_its_active_ones(
+        ) -> None:
+    """Qwen3-30B-A3B's shape (about 61 GB in bfloat16) in one stage on two 40 GiB GPUs of a node: no GPU holds it, so
+    the stage is a group of both, each rank holding half its experts; and its step is priced by the experts a step's
+    tokens pick: at one token a step, as a model of about 3B parameters, far below a dense one as big."""
+    profile = profile_from_hf_config(QWEN3_30B_A3B)
+    request = PlanRequest(concurrency=1, context_len=4096, num_stages=1)
+    fleet = _node(40 * GiB, [(3e14, 1.5e12)] * 2)
+    assert profile.total_bytes > 40 * GiB
+    plan = plan_pipeline(profile, fleet, request)
+    (stage,) = plan.pipelines[0].stages
+    assert (stage.tp_degree, stage.start_layer, stage.end_layer) == (2, 0, 48)
+    assert stage.memory_bytes == _rank_memory(profile, request, 0, 48, 2) <= 40 * GiB
+    tables = StageTables(profile, request)
+    active = sum(profile.layer_read_params(1)) * profile.bytes_per_param
+    assert active < 0.15 * sum(profile.layer_params) * profile.bytes_per_param        # about 3B of 30B read a token
+    assert tables.read_params[0, 48] * profile.bytes_per_param == active
+    dense = replace(profile, layer_expert_params=(), experts_per_layer=0, experts_per_token=0)
+    assert evaluate(profile, fleet, request, [(("g0", "g1"), 0, 48)]).stages[0].compute_s < 0.5 * evaluate(
+        dense, fleet, request, [(("g0", "g1"), 0, 48)]).stages[0].compute_s

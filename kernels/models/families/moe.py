@@ -30,6 +30,7 @@ class MoeLayer(LlamaLayer):
     shared_gate_up: torch.Tensor | None = None      # Qwen2-MoE's shared expert, and its gate [1, hidden]
     shared_down: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    first_expert: int = 0       # the first of its experts (an expert-parallel rank holds a run of them)
 
     # where a sparse layer's router and experts are (after "model.layers.{i}."), and each expert's projections
     MOE: ClassVar[str] = "block_sparse_moe."
@@ -50,7 +51,8 @@ class MoeLayer(LlamaLayer):
         inter = gate_up.shape[1] // 2
         for e, ((_, g), (_, u), (_, d)) in enumerate(zip(gate, up, down, strict=True)):   # views: the copies go
             t[g], t[u], t[d] = gate_up[e, :inter], gate_up[e, inter:], experts_down[e]
-        fused = dict(gate_up=None, down=None, router=router, experts_gate_up=gate_up, experts_down=experts_down)
+        fused = dict(gate_up=None, down=None, router=router, experts_gate_up=gate_up, experts_down=experts_down,
+                     first_expert=gate[0][0])
         shared = p + cls.MOE + "shared_expert."
         if shared + "gate_proj.weight" in t:
             fused.update(shared_gate_up=torch.cat((t[shared + "gate_proj.weight"], t[shared + "up_proj.weight"])),
@@ -77,7 +79,7 @@ class MoeLayer(LlamaLayer):
         moe = c.moe
         if moe is None:
             return shapes
-        inter, shared, hidden = moe.expert_intermediate, moe.shared_intermediate, c.hidden_size
+        inter, shared, hidden = moe.expert_intermediate, moe.shared_intermediate // world_size, c.hidden_size
         expert = dict(zip(cls.EXPERT_PROJECTIONS, ((inter, hidden), (inter, hidden), (hidden, inter))))
         shapes[cls.MOE + "gate.weight"] = (moe.num_experts, hidden)
         shapes.update({f"{cls.MOE}experts.{e}.{proj}.weight": shape for e in range(moe.num_experts)
@@ -94,10 +96,10 @@ class MoeLayer(LlamaLayer):
         moe = step.config.moe
         routing = route(h, self.router, moe.top_k, self.ALWAYS_RENORMALIZE or moe.renormalize,
                         self.WEIGH_IN_INPUT_DTYPE)
-        out = routed_experts(h, routing, self.experts_gate_up, self.experts_down)
-        if self.shared_gate_up is not None:
+        out = routed_experts(h, routing, self.experts_gate_up, self.experts_down, self.first_expert, moe.num_experts)
+        if self.shared_gate_up is not None:     # (a rank's slice of it: the gate's scalar is every rank's)
             out = out + shared_expert(h, self.shared_gate_up, self.shared_down, self.shared_gate)
-        return out
+        return step.reduce(out)
 
 
 @dataclass(slots=True)
