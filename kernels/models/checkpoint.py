@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ INDEX_FILE = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 @dataclass(frozen=True, slots=True)
 class Slice:
@@ -129,8 +131,9 @@ def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
 
 def quantizable(name: str) -> bool:
     """Whether a stage with quantized weights (StageSpec.quantize) holds the named tensor quantized: a projection
-    matrix, the LM head or the embedding (norms and biases stay as they are)."""
-    return name.endswith("_proj.weight") or name in (LM_HEAD, EMBED)
+    matrix (an expert's too: Mixtral's are w1, w2, w3), the LM head or the embedding (norms, biases and a mixture of
+    experts' routers stay as they are)."""
+    return name.endswith("_proj.weight") or name in (LM_HEAD, EMBED) or _MIXTRAL_EXPERT.search(name) is not None
 
 
 def open_checkpoint(path: str | Path, quantize: str = "") -> Checkpoint | GgufCheckpoint:

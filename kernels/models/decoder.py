@@ -265,9 +265,6 @@ def load_stage(spec: StageSpec, config: ModelConfig | None = None) -> StageModel
     """Build the stage spec names from the HF folder spec.model_path, reading only its own tensors (config: its
     config.json, if the caller read it already)."""
     config = config or read_config(spec.model_path)
-    if spec.quantize and config.moe is not None:
-        raise CheckpointError(f"{spec.quantize} weights are not supported for {config.arch} yet: a mixture of experts "
-                              "is served in its stored dtype")
     tensors = open_checkpoint(spec.model_path, spec.quantize).load(checked_tensor_names(spec, config),
                                                                     TORCH_DTYPES[spec.dtype], spec.device)
     return StageModel(config, spec, quantize_tensors(tensors, config, spec.quantize) if spec.quantize else tensors)

@@ -10,6 +10,7 @@ in ascending order, each one's weighted output added to its tokens' rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +41,14 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, 
     return Routing(experts, weights.to(h.dtype) if weigh_in_input_dtype else weights)
 
 
-def routed_experts(h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor,
-                   first_expert: int = 0, num_experts: int = 0) -> torch.Tensor:
+def routed_experts(h: torch.Tensor, routing: Routing, gate_up: Any, down: Any, first_expert: int = 0,
+                   num_experts: int = 0) -> torch.Tensor:
     """The routed experts' weighted sum for each token of h [N, hidden]: gate_up [E, 2 x inter, hidden] holds each
-    expert's gate rows then its up rows, down [E, hidden, inter] -> [N, hidden] in h's dtype. Where they are an
+    expert's gate rows then its up rows, down [E, hidden, inter] (or, quantized, a sequence of E weights each, as
+    swiglu takes them) -> [N, hidden] in h's dtype. Where they are an
     expert-parallel rank's own run of a layer's num_experts (first_expert on), only those experts' share, which
     the ranks' all-reduce sums."""
-    top_k, local = routing.experts.shape[1], gate_up.shape[0]
+    top_k, local = routing.experts.shape[1], len(gate_up)
     flat = routing.experts.flatten()                             # [N x k]: token t's picks at t*k .. t*k + k - 1
     order = torch.argsort(flat, stable=True)                     # grouped by expert, tokens in order within
     counts = torch.bincount(flat, minlength=num_experts or local).tolist()
@@ -65,7 +67,7 @@ def routed_experts(h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, dow
     return out
 
 
-def shared_expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def shared_expert(h: torch.Tensor, gate_up: Any, down: Any, gate: torch.Tensor) -> torch.Tensor:
     """A shared expert's output for every token (Qwen2-MoE's): its SwiGLU MLP times sigmoid(gate . h), gate
     [1, hidden]."""
     return torch.sigmoid(F.linear(h, gate)) * swiglu(h, gate_up, down)

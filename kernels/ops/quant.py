@@ -191,9 +191,13 @@ def for_cpu_kernel(w: torch.Tensor | QuantizedWeight) -> torch.Tensor | Quantize
 _EXACT: ContextVar[bool] = ContextVar("exact_int8_products", default=False)   # set within exact_products()
 
 
+INT8_KERNEL_K = 16     # torch's CPU int8 kernel reads the inputs in blocks of 16: other widths crash it or read garbage
+
+
 def _uses_cpu_kernel(x: torch.Tensor) -> bool:
-    """Whether an int8 product with activations x runs in torch's CPU int8-weight kernel."""
-    return x.device.type == "cpu" and not _EXACT.get()
+    """Whether an int8 product with activations x runs in torch's CPU int8-weight kernel (inputs of a width it
+    takes; a product of another width dequantizes)."""
+    return x.device.type == "cpu" and x.shape[-1] % INT8_KERNEL_K == 0 and not _EXACT.get()
 
 
 @contextmanager

@@ -51,15 +51,6 @@ def test_onnx_runtime_stages_take_the_llama_layer_and_refuse_the_rest_by_name(ti
         check_exportable(stage)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_a_mixture_of_experts_refuses_quantized_weights_by_name(tiny_model, arch: str) -> None:
-    from stratamesh.fleet.errors import CheckpointError
-
-    model_dir = tiny_model(arch, num_layers=2)
-    with pytest.raises(CheckpointError, match=f"int8 weights are not supported for {arch} yet"):
-        load_stage(StageSpec("m", str(model_dir), 0, 2, 2, quantize="int8"))
-
-
 def test_a_mixture_of_experts_stage_holds_each_expert_once(tiny_model) -> None:
     """A stage stacks a sparse layer's experts: the checkpoint's tensors become views of the stacks (no second copy),
     and the stage's parameters are the checkpoint's."""

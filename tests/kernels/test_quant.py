@@ -32,12 +32,14 @@ def test_each_row_is_within_half_a_step_of_its_scale() -> None:
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 32])
 @pytest.mark.parametrize("kernel", [True, False])
-def test_a_product_matches_float64_with_the_dequantized_weight(num_tokens: int, kernel: bool) -> None:
-    w = quantize_int8(torch.randn(96, 64, generator=G) * 0.05)
-    x, bias = torch.randn(num_tokens, 64, generator=G), torch.randn(96, generator=G)
+@pytest.mark.parametrize("width", [64, 72, 259])     # 72, 259: no multiple of the kernel's 16 (they dequantize)
+def test_a_product_matches_float64_with_the_dequantized_weight(num_tokens: int, kernel: bool, width: int) -> None:
+    w = quantize_int8(torch.randn(96, width, generator=G) * 0.05)
+    x, bias = torch.randn(num_tokens, width, generator=G), torch.randn(96, generator=G)
     want = x.double() @ w.dequantize(torch.float64).T + bias.double()
     with nullcontext() if kernel else quant.exact_products():
         got, in_kernel = linear(x, w, bias), quant._uses_cpu_kernel(x)
+    assert in_kernel == (kernel and width % 16 == 0)
     assert got.dtype == torch.float32 and got.shape == (num_tokens, 96)
     # the CPU kernel takes bfloat16 activations: 2^-8 relative per product term
     tolerance = 2e-2 if in_kernel else 1e-5
@@ -121,10 +123,11 @@ def _dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("tie", [False, True])
-def test_a_quantized_stage_is_the_float_stage_of_its_dequantized_weights(tiny_model, tie: bool,
+@pytest.mark.parametrize("tie, arch", [(False, "llama"), (True, "llama"), (False, "mixtral"), (False, "qwen2_moe")])
+def test_a_quantized_stage_is_the_float_stage_of_its_dequantized_weights(tiny_model, tie: bool, arch: str,
                                                                          quantize: str) -> None:
-    model_dir = tiny_model(num_layers=2, tie_word_embeddings=tie)
+    """(Mixtral and Qwen2-MoE: each expert's matrices quantized, and the shared expert's; the routers stay float)"""
+    model_dir = tiny_model(arch, num_layers=2, tie_word_embeddings=tie)
     spec = spec_of(model_dir, quantize=quantize)
     config = read_config(model_dir)
     stored = quantize_tensors(Checkpoint(str(model_dir)).load(checked_tensor_names(spec, config), torch.float32,
@@ -135,14 +138,23 @@ def test_a_quantized_stage_is_the_float_stage_of_its_dequantized_weights(tiny_mo
     assert stored[q_proj].dtype == stored[embed].dtype == stored_dtype
     assert stored[q_proj + SCALE_SUFFIX].dtype == torch.float32
     assert stored["model.norm.weight"].dtype == torch.float32
+    experts = [n for n in stored if ".experts." in n and not n.endswith(SCALE_SUFFIX)]
+    # (int4 where a row's width is a multiple of its groups: Qwen2-MoE's experts' down rows, 259 wide, are int8)
+    assert all(stored[n].dtype in (stored_dtype, torch.int8) for n in experts) and len(experts) == (
+        {"mixtral": 2 * 5 * 3, "qwen2_moe": 6 * 3}.get(arch, 0))       # (Qwen2-MoE: layer 1 of 2 is sparse)
+    routers = [n for n in stored if n.endswith(".gate.weight")]
+    assert all(stored[n].dtype == torch.float32 for n in routers) and len(routers) == {"mixtral": 2,
+                                                                                       "qwen2_moe": 1}.get(arch, 0)
     assert ("lm_head.weight" + SCALE_SUFFIX in stored) == (not tie)
     reference = StageModel(config, spec_of(model_dir), _dequantized(stored))
     stage = load_stage(spec)        # as an agent loads it: its 4-bit matrices repacked for the CPU kernel
     ids = torch.randint(3, 1000, (24,), generator=G)
     got = stage.logits(stage.forward(ids, torch.arange(24), stage.new_cache()))
     want = reference.logits(reference.forward(ids, torch.arange(24), reference.new_cache()))
-    # bfloat16 activations in the CPU kernels: 2^-8 of each product's terms
-    torch.testing.assert_close(got, want, atol=5e-2 * float(want.abs().max()), rtol=0)
+    # bfloat16 activations in the CPU kernels: 2^-8 of each product's terms. A router's top-k may flip on a near-tie
+    # between those and float32 ones: that token's row then differs wholly (at most 2 of the 24 here)
+    close = (got - want).abs().amax(dim=-1) <= 5e-2 * float(want.abs().max())
+    assert int((~close).sum()) <= (2 if config.moe else 0), (~close).nonzero().flatten().tolist()
 
 
 @pytest.mark.parametrize(("quantize", "fraction"), [("int8", 0.26), ("int4", 0.16)])

@@ -78,7 +78,7 @@ class LlamaLayer:
         biases = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         head_norms = dict(zip(("q_norm", "k_norm"), (t[p + name] for name in cls.HEAD_NORMS)))
         return dict(input_norm=t[p + cls.NORMS[0]], post_attn_norm=t[p + cls.NORMS[1]], **head_norms,
-                    qkv=_fuse_weight(t, [f"{a}{name}.weight" for name in cls.QKV]), o=weight(t, a + "o_proj.weight"),
+                    qkv=fuse_weight(t, [f"{a}{name}.weight" for name in cls.QKV]), o=weight(t, a + "o_proj.weight"),
                     qkv_bias=_fuse(t, biases) if biases[0] in t else None, o_bias=t.get(a + "o_proj.bias"),
                     **cls._mlp_fused(t, p))
 
@@ -86,7 +86,7 @@ class LlamaLayer:
     def _mlp_fused(cls, t: dict[str, torch.Tensor], p: str) -> dict[str, object]:
         """The layer's MLP weights (a family with another MLP names its own)."""
         m = p + "mlp."
-        return dict(gate_up=_fuse_weight(t, [f"{m}{name}.weight" for name in cls.GATE_UP]),
+        return dict(gate_up=fuse_weight(t, [f"{m}{name}.weight" for name in cls.GATE_UP]),
                     down=weight(t, m + "down_proj.weight"))
 
     @classmethod
@@ -162,7 +162,7 @@ def _weight(matrix: torch.Tensor, scale: torch.Tensor | None) -> Weight:
     return Int4Weight(matrix, scale) if matrix.dtype == torch.uint8 else Int8Weight(matrix, scale)
 
 
-def _fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
+def fuse_weight(t: dict[str, torch.Tensor], names: list[str]) -> Weight:
     """_fuse of the named matrices, and of their scales where they are quantized (one name: that matrix, fused
     already)."""
     if len(names) == 1:

@@ -14,21 +14,24 @@ from typing import ClassVar
 import torch
 
 from stratamesh.kernels.models.config import ModelConfig
-from stratamesh.kernels.models.families.llama import QK_NORMS, LlamaLayer, Step
+from stratamesh.kernels.models.families.llama import QK_NORMS, LlamaLayer, Step, Weight, fuse_weight, weight
 from stratamesh.kernels.models.families.qwen3 import Qwen3Layer
 from stratamesh.kernels.ops.moe import route, routed_experts, shared_expert
+from stratamesh.kernels.ops.quant import SCALE_SUFFIX
+
+Experts = torch.Tensor | tuple[Weight, ...]     # a layer's experts' matrices: stacked, or one (quantized) weight each
 
 
 @dataclass(slots=True)
 class MoeLayer(LlamaLayer):
     """Mixtral's layer; a sparse one holds router [E, hidden], experts_gate_up [E, 2 x inter, hidden] and
-    experts_down [E, hidden, inter] (and gate_up and down are None)."""
+    experts_down [E, hidden, inter] (quantized: a weight per expert), and gate_up and down are None."""
 
     router: torch.Tensor | None = None
-    experts_gate_up: torch.Tensor | None = None
-    experts_down: torch.Tensor | None = None
-    shared_gate_up: torch.Tensor | None = None      # Qwen2-MoE's shared expert, and its gate [1, hidden]
-    shared_down: torch.Tensor | None = None
+    experts_gate_up: Experts | None = None
+    experts_down: Experts | None = None
+    shared_gate_up: Weight | None = None            # Qwen2-MoE's shared expert, and its gate [1, hidden]
+    shared_down: Weight | None = None
     shared_gate: torch.Tensor | None = None
     first_expert: int = 0       # the first of its experts (an expert-parallel rank holds a run of them)
 
@@ -46,17 +49,22 @@ class MoeLayer(LlamaLayer):
         gate, up, down = (sorted(((int(n.split(".")[-3]), n) for n in t
                                   if n.startswith(f"{p}{cls.MOE}experts.") and n.endswith(f".{proj}.weight")))
                           for proj in cls.EXPERT_PROJECTIONS)
-        gate_up = torch.stack([torch.cat((t[g], t[u])) for (_, g), (_, u) in zip(gate, up, strict=True)])
-        experts_down = torch.stack([t[name] for _, name in down])
-        inter = gate_up.shape[1] // 2
-        for e, ((_, g), (_, u), (_, d)) in enumerate(zip(gate, up, down, strict=True)):   # views: the copies go
-            t[g], t[u], t[d] = gate_up[e, :inter], gate_up[e, inter:], experts_down[e]
+        pairs = list(zip(gate, up, down, strict=True))
+        if gate[0][1] + SCALE_SUFFIX in t:      # quantized: each expert's gate|up and down a weight of its own
+            gate_up: Experts = tuple(fuse_weight(t, [g, u]) for (_, g), (_, u), _ in pairs)
+            experts_down: Experts = tuple(weight(t, d) for _, _, (_, d) in pairs)
+        else:
+            gate_up = torch.stack([torch.cat((t[g], t[u])) for (_, g), (_, u), _ in pairs])
+            experts_down = torch.stack([t[d] for _, _, (_, d) in pairs])
+            inter = gate_up.shape[1] // 2
+            for e, ((_, g), (_, u), (_, d)) in enumerate(pairs):          # views: the copies go
+                t[g], t[u], t[d] = gate_up[e, :inter], gate_up[e, inter:], experts_down[e]
         fused = dict(gate_up=None, down=None, router=router, experts_gate_up=gate_up, experts_down=experts_down,
                      first_expert=gate[0][0])
         shared = p + cls.MOE + "shared_expert."
         if shared + "gate_proj.weight" in t:
-            fused.update(shared_gate_up=torch.cat((t[shared + "gate_proj.weight"], t[shared + "up_proj.weight"])),
-                         shared_down=t[shared + "down_proj.weight"],
+            fused.update(shared_gate_up=fuse_weight(t, [shared + "gate_proj.weight", shared + "up_proj.weight"]),
+                         shared_down=weight(t, shared + "down_proj.weight"),
                          shared_gate=t[p + cls.MOE + "shared_expert_gate.weight"])
         return fused
 
