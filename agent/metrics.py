@@ -20,6 +20,7 @@ STAGE_LABELS = ("model_name", "stage")
 STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                   5.0, 10.0, 30.0)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+IMBALANCE_BUCKETS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 64.0)
 
 
 def stage_labels(spec: StageSpec) -> tuple[str, str]:
@@ -62,6 +63,13 @@ class AgentMetrics:
                                          STAGE_LABELS, registry=r)
         self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
                                             "Drafted tokens the model agreed with (kept).", STAGE_LABELS, registry=r)
+        # a mixture of experts' stage: where its routers send tokens
+        self.expert_tokens = Counter("stratamesh:expert_tokens", "Tokens a stage's routers sent to each expert, over "
+                                     "its sparse layers.", (*STAGE_LABELS, "expert"), registry=r)
+        self.expert_imbalance = Histogram("stratamesh:expert_step_imbalance",
+                                          "Per step of a mixture-of-experts stage: the most tokens an expert got "
+                                          "over the mean per expert, in its most uneven layer (1: even).",
+                                          STAGE_LABELS, buckets=IMBALANCE_BUCKETS, registry=r)
         self.sent_bytes = Counter("stratamesh:hop_transfer_bytes", "Bytes this agent sent to the next hop.",
                                   ("peer",), registry=r)
         self.sent_messages = Counter("stratamesh:hop_messages", "Messages this agent sent to the next hop.",
@@ -142,7 +150,8 @@ def _agent_gauges(telemetry: Telemetry | None) -> Iterator[GaugeMetricFamily]:
         rate.add_metric([], telemetry.tokens_per_s)
         serving.add_metric([], telemetry.serving_cpu_per_token_s)
         for g in telemetry.gpus:
-            readings = {"utilization_perc": g.utilization_pct, "memory_used_bytes": g.mem_total_bytes - g.mem_free_bytes,
+            readings = {"utilization_perc": g.utilization_pct,
+                        "memory_used_bytes": g.mem_total_bytes - g.mem_free_bytes,
                         "temperature_celsius": g.temperature_c, "power_watts": g.power_w}
             for name, value in readings.items():
                 if value is not None:

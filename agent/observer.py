@@ -68,6 +68,7 @@ class StageObserver:
         self.decode: dict[str, DecodeSpeed] = {}         # assignment id -> its decode steps' speed
         self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
         self._spec_seen: dict[str, tuple[int, int, int]] = {}   # assignment id -> its speculation counts exported
+        self._experts_seen: dict[str, list[int]] = {}  # assignment id -> tokens per expert exported
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
         """A chunk reached this stage; sent_ns is when the previous hop finished it (0: unknown)."""
@@ -89,6 +90,7 @@ class StageObserver:
             speed.add((end_ns - start_ns) / 1e9, engine.runner.model.decode_read_bytes(context), self.read_bandwidth)
         bound.batch_tokens.observe(num_tokens)
         bound.tokens.inc(num_tokens)
+        self._experts(engine)
         bound.prefill_tokens.inc(sum(c.num_tokens for c in batch.chunks if not c.is_decode))
         for chunk in batch.chunks:
             item = chunk.item
@@ -101,6 +103,21 @@ class StageObserver:
                 self._span(engine, "queue", chunk.session_id, item.step, item.arrived_ns, start_ns, {})
             self._span(engine, "compute", chunk.session_id, item.step, start_ns, end_ns,
                        {"stratamesh.batch_tokens": str(num_tokens), "stratamesh.batch_seqs": str(len(batch.chunks))})
+
+    def _experts(self, engine: StageEngine) -> None:
+        """A mixture of experts' step: the tokens its routers sent each expert catch up with its ExpertLoad, and its
+        imbalance is observed."""
+        load = getattr(engine.runner.model, "expert_load", None)
+        if load is None or not load.last_imbalance:
+            return
+        key = engine.assignment.assignment_id
+        labels = stage_labels(engine.assignment.stage)
+        seen = self._experts_seen.setdefault(key, [0] * len(load.tokens))
+        for expert, (before, now) in enumerate(zip(seen, load.tokens, strict=True)):
+            if now > before:
+                self.metrics.expert_tokens.labels(*labels, str(expert)).inc(now - before)
+                seen[expert] = now
+        self.metrics.expert_imbalance.labels(*labels).observe(load.last_imbalance)
 
     def verified(self, engine: StageEngine, batch: Batch) -> None:
         """A last stage's step verified the drafted tokens its chunks carried: the counters catch up with the

@@ -27,9 +27,11 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 def can_capture(model: StageModel, block_size: int) -> bool:
     """Whether a stage's decode steps can run as graphs here: a generating model on CUDA, one process, and head
-    and block sizes the Triton kernel takes (which does not soft-cap scores)."""
+    and block sizes the Triton kernel takes (which does not soft-cap scores); no mixture of experts (its experts
+    run on the tokens routed to them: a step's shapes depend on its routing)."""
     c, spec = model.config, model.spec
     return (spec.device.startswith("cuda") and spec.tp_degree == 1 and c.has_lm_head and triton_decode.available()
+            and c.moe is None
             and c.attn_logit_softcap is None and _pow2(c.head_dim) and 16 <= c.head_dim <= triton_decode.MAX_HEAD_DIM
             and _pow2(block_size))
 

@@ -19,6 +19,7 @@ from stratamesh.kernels.models.families import layer_class
 from stratamesh.kernels.models.families.llama import MATRICES, Step, weight
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.kv_cache import KVCache
+from stratamesh.kernels.ops.moe import ExpertLoad
 from stratamesh.kernels.ops.paged_attention import PagedBatch, PagedKVCache, SeqSlice
 from stratamesh.kernels.ops.quant import (SCALE_SUFFIX, PackedInt4Weight, embedding, for_cpu_kernel, linear,
                                           quantize_int4, quantize_int8, takes_int4)
@@ -66,6 +67,9 @@ class StageModel:
         # The heads this model computes and how partial outputs of the attention and MLP projections combine.
         self.num_heads, self.num_kv_heads = config.num_heads // world_size, config.num_kv_heads // world_size
         self.reduce = reduce
+        # a mixture of experts: the tokens its routers send each expert, and how evenly (every rank of a group
+        # routes every token: rank 0's counts are the whole stage's)
+        self.expert_load = ExpertLoad([0] * config.moe.num_experts) if config.moe else None
 
     @property
     def tensor_names(self) -> list[str]:
@@ -169,13 +173,15 @@ class StageModel:
             positions = positions.to(x.device, torch.long)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype, self._rope_factor)   # [N, D]
         step = Step(self.config, self.num_heads, self.num_kv_heads, cos[:, None], sin[:, None],   # [N, 1, D]:
-                    positions, attn, self.reduce)                                                  # over heads
+                    positions, attn, self.reduce, expert_load=self.expert_load)                    # over heads
         if self._local_inv_freq is not None:
             cos, sin = rope_cos_sin(self._local_inv_freq, positions, self.dtype)
             step.local_cos, step.local_sin = cos[:, None], sin[:, None]
         for local_idx, layer in enumerate(self._layers):
             x = layer.forward(x, step, local_idx, self.config.window_for_layer(self.spec.start_layer + local_idx))
             yield
+        if self.expert_load is not None:
+            self.expert_load.stepped()
         return x
 
     @torch.inference_mode()

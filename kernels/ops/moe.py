@@ -30,6 +30,29 @@ class Routing:
         return torch.bincount(self.experts.flatten(), minlength=num_experts)
 
 
+@dataclass(slots=True)
+class ExpertLoad:
+    """How a stage's routers spread tokens: those each expert got since the stage loaded (over its sparse layers), and
+    the last step's imbalance, the most tokens an expert got over the mean per expert, in the step's most uneven
+    layer (1: even; an expert-parallel group's slowest rank is the one holding the experts that get the most)."""
+
+    tokens: list[int]
+    last_imbalance: float = 0.0         # 0 before any step
+    _step: float = 0.0
+
+    def routed(self, counts: list[int]) -> None:
+        """One sparse layer of the current step sent counts[e] tokens to expert e."""
+        for expert, count in enumerate(counts):
+            self.tokens[expert] += count
+        total = sum(counts)
+        if total:
+            self._step = max(self._step, max(counts) * len(counts) / total)
+
+    def stepped(self) -> None:
+        """The current step ended (its layers routed)."""
+        self.last_imbalance, self._step = self._step, 0.0
+
+
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, weigh_in_input_dtype: bool) -> Routing:
     """The top_k experts of each token of h [N, hidden] by the router's logits (router [E, hidden]): softmax in
     float32, the top_k probabilities, renormalised to sum to 1 where renormalize, cast to h's dtype where
@@ -42,16 +65,18 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 def routed_experts(h: torch.Tensor, routing: Routing, gate_up: Any, down: Any, first_expert: int = 0,
-                   num_experts: int = 0) -> torch.Tensor:
+                   num_experts: int = 0, counts: list[int] | None = None) -> torch.Tensor:
     """The routed experts' weighted sum for each token of h [N, hidden]: gate_up [E, 2 x inter, hidden] holds each
     expert's gate rows then its up rows, down [E, hidden, inter] (or, quantized, a sequence of E weights each, as
-    swiglu takes them) -> [N, hidden] in h's dtype. Where they are an
+    swiglu takes them) -> [N, hidden] in h's dtype; counts: the tokens of each expert, if the caller has them
+    (Routing.tokens_per_expert). Where they are an
     expert-parallel rank's own run of a layer's num_experts (first_expert on), only those experts' share, which
     the ranks' all-reduce sums."""
     top_k, local = routing.experts.shape[1], len(gate_up)
     flat = routing.experts.flatten()                             # [N x k]: token t's picks at t*k .. t*k + k - 1
     order = torch.argsort(flat, stable=True)                     # grouped by expert, tokens in order within
-    counts = torch.bincount(flat, minlength=num_experts or local).tolist()
+    if counts is None:
+        counts = torch.bincount(flat, minlength=num_experts or local).tolist()
     weights = routing.weights.flatten()
     out = torch.zeros_like(h)
     start = sum(counts[:first_expert])

@@ -211,3 +211,25 @@ async def test_a_traced_session_gets_queue_compute_and_send_spans_per_step_and_t
     assert tokens[0].labels == {"model_name": "m", "stage": "0-2"} and tokens[0].value == 2 * (3 + 3)
     sent = [s.value for s in families["stratamesh:hop_transfer_bytes"].samples if s.name.endswith("_total")]
     assert sum(sent) > 0
+
+
+async def test_a_mixture_of_experts_stage_exports_its_experts_tokens_and_each_steps_imbalance(tiny_model) -> None:
+    """Mixtral's tiny model (2 sparse layers, 2 of 5 experts a token): /metrics counts each expert's tokens, 2 x 2
+    for every token the stage ran, and observes one imbalance a step; its tokens are still greedy decoding's."""
+    spec = StageSpec("m", str(tiny_model("mixtral", num_layers=2, hidden_size=64, intermediate_size=96)), 0, 2, 2,
+                     kv_block_size=4)
+    async with serving(spec, "a0", "agent-under-test") as (host, service, origin, address, stream):
+        prompt = [5, 17, 42, 99, 7, 8]
+        await open_session(stream, origin, address, "s", prompt, cache=False)
+        assert await decode(stream, origin, "s", prompt, 0, 6) == greedy_reference(spec, prompt, 6)
+        await eventually(lambda: not host.engine("a0").scheduler.has_work)
+        families = {f.name: f for f in text_string_to_metric_families(
+            generate_latest(service.observer.metrics.registry).decode())}
+    (tokens,) = [s.value for s in families["stratamesh:stage_tokens"].samples if s.name.endswith("_total")]
+    experts = {s.labels["expert"]: s.value for s in families["stratamesh:expert_tokens"].samples
+               if s.name.endswith("_total")}
+    assert set(experts) <= {str(e) for e in range(5)} and sum(experts.values()) == tokens * 2 * 2
+    (steps,) = [s.value for s in families["stratamesh:stage_compute_seconds"].samples if s.name.endswith("_count")]
+    imbalance = {s.name: s for s in families["stratamesh:expert_step_imbalance"].samples}
+    assert imbalance["stratamesh:expert_step_imbalance_count"].value == steps
+    assert 1.0 <= imbalance["stratamesh:expert_step_imbalance_sum"].value / steps <= 5 / 2

@@ -90,3 +90,25 @@ def test_only_the_picked_experts_are_read_and_each_token_gets_its_own() -> None:
         alone = routed_experts(h[t:t + 1], Routing(routing.experts[t:t + 1], routing.weights[t:t + 1]), gate_up, down)
         torch.testing.assert_close(out[t:t + 1], alone, rtol=1e-5, atol=1e-5)    # (batched products round apart)
     assert routing.tokens_per_expert(EXPERTS).tolist() == [2, 0, 2, 1, 0, 1, 2]
+
+
+def test_a_stages_expert_load_counts_each_experts_tokens_and_each_steps_most_uneven_layer(tiny_model) -> None:
+    """Mixtral (every layer sparse, 5 experts, 2 a token): a step of n tokens sends 2n tokens to experts in each of
+    its layers; its imbalance is the most an expert got over the mean, in the step's most uneven layer."""
+    from stratamesh.fleet.stages import StageSpec
+    from stratamesh.kernels.models.decoder import load_stage
+    from stratamesh.kernels.ops.moe import ExpertLoad
+
+    stage = load_stage(StageSpec("m", str(tiny_model("mixtral", num_layers=3)), 0, 3, 3))
+    load = stage.expert_load
+    assert load is not None and load.tokens == [0] * 5 and load.last_imbalance == 0
+    ids = torch.arange(3, 19)
+    stage.forward(ids, torch.arange(16), stage.new_cache())
+    assert sum(load.tokens) == 3 * 16 * 2
+    assert 1.0 <= load.last_imbalance <= 5 / 2       # an expert gets one of a token's 2 picks at most: 16 of 32
+    by_hand = ExpertLoad([0] * 4)
+    by_hand.routed([4, 4, 4, 4])
+    by_hand.routed([8, 4, 2, 2])
+    by_hand.stepped()
+    assert by_hand.tokens == [12, 8, 6, 6] and by_hand.last_imbalance == 2.0
+    assert load_stage(StageSpec("m", str(tiny_model("llama", num_layers=2)), 0, 2, 2)).expert_load is None

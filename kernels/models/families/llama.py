@@ -13,6 +13,7 @@ import torch
 from stratamesh.kernels.models.config import ModelConfig
 from stratamesh.kernels.ops.attention import Attention
 from stratamesh.kernels.ops.mlp import swiglu
+from stratamesh.kernels.ops.moe import ExpertLoad
 from stratamesh.kernels.ops.norm import rms_norm
 from stratamesh.kernels.ops.quant import SCALE_SUFFIX, Int4Weight, Int8Weight, QuantizedWeight, linear
 from stratamesh.kernels.ops.rope import apply_rope
@@ -38,6 +39,7 @@ class Step:
     reduce: Callable[[torch.Tensor], torch.Tensor]
     local_cos: torch.Tensor | None = None    # the sliding layers' own rope, where the family has one (Gemma 3)
     local_sin: torch.Tensor | None = None
+    expert_load: ExpertLoad | None = None    # a mixture of experts' stage: what its routers do, counted
 
 
 @dataclass(slots=True)

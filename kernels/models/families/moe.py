@@ -104,7 +104,11 @@ class MoeLayer(LlamaLayer):
         moe = step.config.moe
         routing = route(h, self.router, moe.top_k, self.ALWAYS_RENORMALIZE or moe.renormalize,
                         self.WEIGH_IN_INPUT_DTYPE)
-        out = routed_experts(h, routing, self.experts_gate_up, self.experts_down, self.first_expert, moe.num_experts)
+        counts = routing.tokens_per_expert(moe.num_experts).tolist()
+        if step.expert_load is not None:
+            step.expert_load.routed(counts)
+        out = routed_experts(h, routing, self.experts_gate_up, self.experts_down, self.first_expert, moe.num_experts,
+                             counts)
         if self.shared_gate_up is not None:     # (a rank's slice of it: the gate's scalar is every rank's)
             out = out + shared_expert(h, self.shared_gate_up, self.shared_down, self.shared_gate)
         return step.reduce(out)
