@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from stratamesh.fleet import pki
-from stratamesh.fleet.errors import InvalidInput, Refused
+from stratamesh.fleet.errors import InvalidInput, MeshError, Refused
 from stratamesh.fleet.state import make_private_dir, state_home, write_private
 from stratamesh.fleet.wire.channels import MeshTls
 from stratamesh.fleet.wire.enroll import enroll
@@ -19,6 +20,9 @@ __all__ = ["NotEnrolled", "default_state_dir", "enroll", "load_credentials", "ob
            "read_join_token", "save_credentials", "stored_agent_id"]
 
 log = logging.getLogger(__name__)
+# An agent that cannot reach the coordinator to enroll tries again, waiting ENROLL_RETRY_S and then twice as long each
+# time (at most ENROLL_RETRY_MAX_S), for ENROLL_PATIENCE_S in all
+ENROLL_PATIENCE_S, ENROLL_RETRY_S, ENROLL_RETRY_MAX_S = 120.0, 0.5, 8.0
 
 _FILES = ("key.pem", "cert.pem", "ca.pem")
 
@@ -78,11 +82,29 @@ async def obtain_credentials(state_dir: str, agent_id: str, mesh: str, join_toke
         raise NotEnrolled(f"agent {agent_id} holds no mesh certificate in {state_dir}: start it with "
                           "--join-token (from `stratamesh token create` on the coordinator), or run the "
                           "whole mesh with --insecure for development")
-    address = await find_enroll_address()
-    tls = await enroll(address, join_token or read_join_token(join_token_file), mesh, agent_id)
+    tls = await _enrolled(agent_id, mesh, join_token, join_token_file, find_enroll_address)
     save_credentials(state_dir, tls)
     log.info("enrolled in mesh %s as %s; certificate kept in %s", mesh, agent_id, state_dir)
     return tls
+
+
+async def _enrolled(agent_id: str, mesh: str, join_token: str, join_token_file: str,
+                    find_enroll_address: Callable[[], Awaitable[str]]) -> MeshTls:
+    """Enrolls, trying again (the coordinator found anew each time) while the coordinator cannot answer (starting,
+    restarting, too busy to answer within the call's deadline), for up to ENROLL_PATIENCE_S; a refusal is final."""
+    deadline, delay = time.monotonic() + ENROLL_PATIENCE_S, ENROLL_RETRY_S
+    while True:
+        address = await find_enroll_address()
+        try:
+            return await enroll(address, join_token or read_join_token(join_token_file), mesh, agent_id)
+        except Refused:
+            raise
+        except MeshError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s; trying again in %.1f s", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, ENROLL_RETRY_MAX_S)
 
 
 def read_join_token(path: str) -> str:

@@ -108,6 +108,27 @@ async def test_obtain_keeps_the_certificate_and_needs_no_token_the_second_time(c
     assert oct(Path(state, "key.pem").stat().st_mode & 0o777) == "0o600"
 
 
+async def test_an_agent_tries_again_while_the_coordinator_cannot_answer(coordinator: Coordinator,
+                                                                       tmp_path: Path) -> None:
+    """The coordinator is found where nothing answers yet (it is starting, or restarting elsewhere): the agent
+    tries again, finding it anew, and enrolls once it answers."""
+    import socket
+
+    token, _ = coordinator.enroller.create_token(3600)
+    with socket.socket() as probe:          # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    found: list[str] = []
+
+    async def find() -> str:
+        found.append(dead if len(found) < 2 else coordinator.address)
+        return found[-1]
+
+    tls = await obtain_credentials(str(tmp_path / "agent"), "edge-1", "m", str(token), find)
+    assert found == [dead, dead, coordinator.address]
+    assert pki.cert_info(tls.cert_pem).name == "edge-1"
+
+
 async def test_without_a_certificate_or_token_the_agent_says_how_to_join(tmp_path: Path) -> None:
     async def find() -> str:
         raise AssertionError("no token: nothing to dial")
