@@ -36,6 +36,15 @@ class _StageMetrics(NamedTuple):
     spec_accepted_tokens: MetricWrapperBase
 
 
+class _ExpertMetrics(NamedTuple):
+    """A mixture of experts' stage's metric children, bound once: each expert's token counter, the tokens exported
+    of each so far, and the step imbalance histogram."""
+
+    tokens: list[MetricWrapperBase]
+    seen: list[int]
+    imbalance: MetricWrapperBase
+
+
 DECODE_AVERAGE_WEIGHT = 0.1    # each decode step's share of a stage's moving averages of decode steps
 
 
@@ -68,7 +77,7 @@ class StageObserver:
         self.decode: dict[str, DecodeSpeed] = {}         # assignment id -> its decode steps' speed
         self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
         self._spec_seen: dict[str, tuple[int, int, int]] = {}   # assignment id -> its speculation counts exported
-        self._experts_seen: dict[str, list[int]] = {}  # assignment id -> tokens per expert exported
+        self._experts_bound: dict[str, _ExpertMetrics] = {}    # assignment id -> its experts' metric children
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
         """A chunk reached this stage; sent_ns is when the previous hop finished it (0: unknown)."""
@@ -110,14 +119,17 @@ class StageObserver:
         load = getattr(engine.runner.model, "expert_load", None)
         if load is None or not load.last_imbalance:
             return
-        key = engine.assignment.assignment_id
-        labels = stage_labels(engine.assignment.stage)
-        seen = self._experts_seen.setdefault(key, [0] * len(load.tokens))
-        for expert, (before, now) in enumerate(zip(seen, load.tokens, strict=True)):
+        bound = self._experts_bound.get(engine.assignment.assignment_id)
+        if bound is None:       # each expert's counter child, bound once (a labels() lookup costs microseconds)
+            labels = stage_labels(engine.assignment.stage)
+            bound = self._experts_bound[engine.assignment.assignment_id] = _ExpertMetrics(
+                [self.metrics.expert_tokens.labels(*labels, str(e)) for e in range(len(load.tokens))],
+                [0] * len(load.tokens), self.metrics.expert_imbalance.labels(*labels))
+        for expert, (before, now) in enumerate(zip(bound.seen, load.tokens, strict=True)):
             if now > before:
-                self.metrics.expert_tokens.labels(*labels, str(expert)).inc(now - before)
-                seen[expert] = now
-        self.metrics.expert_imbalance.labels(*labels).observe(load.last_imbalance)
+                bound.tokens[expert].inc(now - before)
+                bound.seen[expert] = now
+        bound.imbalance.observe(load.last_imbalance)
 
     def verified(self, engine: StageEngine, batch: Batch) -> None:
         """A last stage's step verified the drafted tokens its chunks carried: the counters catch up with the

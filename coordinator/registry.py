@@ -10,7 +10,6 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
@@ -162,8 +161,8 @@ def _m016_stage_kv_cache_bytes(db: Database) -> None:
 
 
 def _m017_model_speculation(db: Database) -> None:
-    """Each model's speculative decoding, the operator's (fleet.sessions.Speculation as JSON; "": the coordinator's
-    default)."""
+    """Each model's speculative decoding, the operator's (fleet.sessions.Speculation's vLLM keys as JSON; "": the
+    coordinator's default)."""
     db["models"].add_column("speculation_json", str, not_null_default="")
 
 
@@ -217,11 +216,11 @@ def _agent(row: dict[str, Any]) -> AgentRecord:
 def _model(row: dict[str, Any]) -> ModelRecord:
     speculation = row.pop("speculation_json", "")
     return ModelRecord(config=json.loads(row.pop("config_json")), **row,
-                       speculation=Speculation(**json.loads(speculation)) if speculation else None)
+                       speculation=Speculation.of(json.loads(speculation)) if speculation else None)
 
 
 def _speculation_json(speculation: Speculation | None) -> str:
-    return json.dumps(asdict(speculation), sort_keys=True) if speculation is not None else ""
+    return json.dumps(speculation.config(), sort_keys=True) if speculation is not None else ""
 
 
 def _plan(row: dict[str, Any], stages: list[StageRecord]) -> PlanRecord:

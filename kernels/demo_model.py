@@ -128,7 +128,10 @@ def train_draft(out_dir: str | Path, target_dir: str | Path = DEMO_DIR, settings
     """Train a draft of the model in target_dir (a demo model: the book's, with its tokenizer) on the same text, to
     predict the target's next-token distributions, and write it to out_dir (DRAFT_SHAPE: the demo's layers, fewer)."""
     tokenizer = Tokenizer.from_file(str(Path(target_dir, "tokenizer.json")))
-    return _train_model(out_dir, DRAFT_SHAPE, tokenizer, _teacher(target_dir), settings, log)
+    report = _train_model(out_dir, DRAFT_SHAPE, tokenizer, _teacher(target_dir), settings, log)
+    log(f"greedy agreement with the target on the held-out chapter "
+        f"{greedy_agreement(report.out_dir, target_dir, read_book().held_out):.3f}")
+    return report
 
 
 def _teacher(model_dir: str | Path) -> TrainableDecoder:

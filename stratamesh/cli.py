@@ -236,8 +236,8 @@ def _json_object(text: str) -> dict[str, Any]:
 def _speculative_config(text: str) -> Speculation:
     """--speculative-config: vLLM's JSON (fleet.sessions.Speculation.of says what it takes)."""
     try:
-        return Speculation.of(json.loads(text))
-    except (ValueError, InvalidInput) as e:       # (a JSONDecodeError is a ValueError)
+        return Speculation.of(_json_object(text))
+    except InvalidInput as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 

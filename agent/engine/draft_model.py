@@ -17,7 +17,7 @@ import torch
 
 from stratamesh.agent.engine.block_manager import BlockManager
 from stratamesh.agent.engine.scheduler import Scheduler
-from stratamesh.agent.engine.sequence import WorkItem
+from stratamesh.agent.engine.sequence import WorkItem, shared_prefix
 from stratamesh.agent.engine.stage_runner import Picking, StageRunner
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
 from stratamesh.fleet.sessions import SamplingParams
@@ -101,9 +101,7 @@ class DraftModel:
             self.scheduler.open(session_id, tokens, 0)
             start = 0
         else:
-            known = session.token_ids
-            start = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), min(len(tokens), len(known)))
-            start = min(start, session.num_computed, len(tokens) - 1)
+            start = min(shared_prefix(tokens, session.token_ids), session.num_computed, len(tokens) - 1)
             self.scheduler.rewind(session_id, start)
         self.scheduler.add(WorkItem(session_id, start, tuple(tokens[start:]), True))
 

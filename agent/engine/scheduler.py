@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stratamesh.agent.engine.block_manager import BlockManager
-from stratamesh.agent.engine.sequence import Session, WorkItem
+from stratamesh.agent.engine.sequence import Session, WorkItem, shared_prefix
 from stratamesh.fleet.errors import InvalidInput
 
 
@@ -78,12 +78,9 @@ class Scheduler:
             return None
         prompt = list(prompt_token_ids)
         if session.drafted_from is not None and not session.queue:   # its drafts: those the prompt keeps stay
-            kept = next((i for i, (a, b) in enumerate(zip(prompt, session.token_ids)) if a != b),
-                        min(len(prompt), len(session.token_ids)))
-            position = min(kept, len(prompt) - 1, session.num_computed)
+            position = min(shared_prefix(prompt, session.token_ids), len(prompt) - 1, session.num_computed)
             if position >= session.drafted_from:
-                self._forget_drafts(session, position)
-                session.drafted_from = None
+                self.rewind(session_id, position)
         n = session.num_computed
         if new_id in self.sessions or session.queue or len(prompt) <= n or prompt[:n] != session.token_ids[:n]:
             self.close(session_id)

@@ -76,7 +76,7 @@ def routed_experts(h: torch.Tensor, routing: Routing, gate_up: Any, down: Any, f
     flat = routing.experts.flatten()                             # [N x k]: token t's picks at t*k .. t*k + k - 1
     order = torch.argsort(flat, stable=True)                     # grouped by expert, tokens in order within
     if counts is None:
-        counts = torch.bincount(flat, minlength=num_experts or local).tolist()
+        counts = routing.tokens_per_expert(num_experts or local).tolist()
     weights = routing.weights.flatten()
     out = torch.zeros_like(h)
     start = sum(counts[:first_expert])

@@ -46,9 +46,9 @@ class MoeLayer(LlamaLayer):
         router = t.get(p + cls.MOE + "gate.weight")
         if router is None:
             return LlamaLayer._mlp_fused(t, p)      # a dense layer of the model
-        gate, up, down = (sorted(((int(n.split(".")[-3]), n) for n in t
-                                  if n.startswith(f"{p}{cls.MOE}experts.") and n.endswith(f".{proj}.weight")))
-                          for proj in cls.EXPERT_PROJECTIONS)
+        experts = f"{p}{cls.MOE}experts."      # (an expert-parallel rank holds a run of the router's experts)
+        gate, up, down = ([(e, f"{experts}{e}.{proj}.weight") for e in range(router.shape[0])
+                           if f"{experts}{e}.{proj}.weight" in t] for proj in cls.EXPERT_PROJECTIONS)
         pairs = list(zip(gate, up, down, strict=True))
         if gate[0][1] + SCALE_SUFFIX in t:      # quantized: each expert's gate|up and down a weight of its own
             gate_up: Experts = tuple(fuse_weight(t, [g, u]) for (_, g), (_, u), _ in pairs)
