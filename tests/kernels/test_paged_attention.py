@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -136,3 +137,26 @@ def test_sizes():
     assert PagedKVCache.blocks_for_bytes(cache.nbytes, 2, 16, 4, 32, torch.float16) == 10
     assert PagedKVCache.blocks_for_bytes(cache.nbytes - 1, 2, 16, 4, 32, torch.float16) == 9
     assert cache.flat(1)[0].shape == (160, 4, 32) and cache.flat(1)[0].data_ptr() == cache.k[1].data_ptr()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_cpu_cache_is_zeros_and_holds_memory_only_for_the_blocks_written() -> None:
+    """A 512 MiB cache (what a CPU stage reserves at least) is resident only where its blocks are written; the
+    rest reads as zeros, in float32 and bfloat16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        before = _resident_bytes()
+        num_blocks = PagedKVCache.blocks_for_bytes(512 << 20, 2, 16, 2, 64, dtype)
+        cache = PagedKVCache(2, num_blocks, 16, 2, 64, dtype=dtype)
+        assert cache.nbytes > (500 << 20)
+        assert _resident_bytes() - before < (64 << 20)
+        cache.k[1][7] = 1.5
+        cache.v[0][num_blocks - 1] = -2.0
+        assert cache.k[1][7].eq(1.5).all() and cache.v[0][-1].eq(-2.0).all()
+        assert not cache.k[1][:7].any() and not cache.k[0][::101].any() and not cache.v[1][::101].any()
+        assert _resident_bytes() - before < (64 << 20)          # reading untouched blocks commits nothing
+        del cache
