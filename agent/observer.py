@@ -116,7 +116,7 @@ class StageObserver:
     def _experts(self, engine: StageEngine) -> None:
         """A mixture of experts' step: the tokens its routers sent each expert catch up with its ExpertLoad, and its
         imbalance is observed."""
-        load = getattr(engine.runner.model, "expert_load", None)
+        load = engine.expert_load
         if load is None or not load.last_imbalance:
             return
         bound = self._experts_bound.get(engine.assignment.assignment_id)

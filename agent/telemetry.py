@@ -13,6 +13,7 @@ from stratamesh.agent.observer import DecodeSpeed
 from stratamesh.agent.probe import RawGpu, parse_gpu, read_nvml
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.boxes import StageLoad, Telemetry
+from stratamesh.kernels.ops.moe import ExpertLoad
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +23,16 @@ SERVING_WINDOW_TOKENS = 512
 
 
 def stage_load(assignment_id: str, scheduler: Scheduler, decode: DecodeSpeed | None = None,
-               speculation: SpeculationCounts | None = None) -> StageLoad:
-    """One stage's load as its scheduler and block manager see it, its recent decode steps' speed, and (a last
-    stage) what its verifications of drafted tokens kept."""
+               speculation: SpeculationCounts | None = None, experts: ExpertLoad | None = None) -> StageLoad:
+    """One stage's load as its scheduler and block manager see it, its recent decode steps' speed, (a last
+    stage) what its verifications of drafted tokens kept, and (a mixture of experts') where its routers sent
+    tokens."""
     blocks, decode, spec = scheduler.block_manager, decode or DecodeSpeed(), speculation or SpeculationCounts()
     return StageLoad(assignment_id, scheduler.num_running, scheduler.num_waiting,
                      blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
                      blocks.num_prefix_queries_tokens, blocks.num_prefix_hit_tokens, decode.step_s, decode.roofline,
-                     spec.num_draft_tokens, spec.num_accepted_tokens)
+                     spec.num_draft_tokens, spec.num_accepted_tokens,
+                     tuple(experts.tokens) if experts else (), experts.last_imbalance if experts else 0.0)
 
 
 def tokens_per_s(tokens_now: int, tokens_then: int, elapsed_s: float) -> float:
@@ -90,6 +93,7 @@ class TelemetrySampler:
         engines = list(self._host.engines.items())
         queued = sum(len(s.queue) for _, e in engines for s in e.scheduler.sessions.values())
         return Telemetry(now, self._inbox_depth() + queued, rate,
-                         tuple(stage_load(a, e.scheduler, self._decode.get(a), e.speculation) for a, e in engines),
+                         tuple(stage_load(a, e.scheduler, self._decode.get(a), e.speculation, e.expert_load)
+                               for a, e in engines),
                          tuple(parse_gpu(g) for g in gpus),
                          self._serving.update())

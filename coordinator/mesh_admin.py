@@ -28,7 +28,7 @@ from stratamesh.fleet.model_folder import default_model_id
 from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.errors import MeshError
 from stratamesh.fleet.states import ModelState
-from stratamesh.fleet.boxes import Telemetry
+from stratamesh.fleet.boxes import StageLoad, Telemetry
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 
 SNAPSHOT_EVENTS = 20        # the newest events a live snapshot carries
@@ -114,9 +114,15 @@ class MeshAdmin:
                                         "cached_blocks": self._cached_blocks(s.assignment_id),
                                         "weights": self._weights(s.assignment_id),
                                         "predicted_step_s": _stage_step(plan.prediction, i),
-                                        "link_codec": codecs[i]}
+                                        "link_codec": codecs[i],
+                                        "experts": self._experts(s.agent_id, s.assignment_id, s.spec.tp_degree)}
                                        for i, s in enumerate(plan.stages)]})
         return out
+
+    def _experts(self, agent_id: str, assignment_id: str, num_ranks: int) -> dict[str, Any] | None:
+        telemetry = self._deployer.roster.telemetry.get(agent_id) if self._deployer is not None else None
+        load = next((s for s in telemetry.stages if s.assignment_id == assignment_id), None) if telemetry else None
+        return expert_view(load, num_ranks) if load is not None else None
 
     def _cached_blocks(self, assignment_id: str) -> int:
         return self._deployer.routes.prefixes.num_cached(assignment_id) if self._deployer is not None else 0
@@ -279,6 +285,23 @@ def _planned(plans: list[dict[str, Any]]) -> set[str]:
 def _record_json(record: RequestRecord) -> dict[str, Any]:
     return {**asdict(record), "state": record.state,
             "route": [{"address": h.address, "assignment_id": h.assignment_id} for h in record.route]}
+
+
+def expert_view(load: StageLoad, num_ranks: int) -> dict[str, Any] | None:
+    """Where a mixture of experts' stage sent its tokens since it loaded, as its agent's newest heartbeat says:
+    each expert's tokens, the last step's imbalance, and, split over an expert-parallel group's num_ranks ranks
+    (rank r holds the r-th equal run of experts), each rank's tokens and the straggler: the rank whose experts got
+    the most, which every step waits for (None while the ranks' loads are even). None for a dense stage."""
+    tokens = load.expert_tokens
+    if not tokens:
+        return None
+    ranks = num_ranks if num_ranks > 1 and len(tokens) % num_ranks == 0 else 1
+    per_rank = len(tokens) // ranks
+    rank_tokens = [sum(tokens[r * per_rank:(r + 1) * per_rank]) for r in range(ranks)]
+    busiest = max(range(ranks), key=rank_tokens.__getitem__)
+    uneven = ranks > 1 and rank_tokens[busiest] * ranks > sum(rank_tokens)
+    return {"tokens": list(tokens), "imbalance": load.expert_imbalance, "rank_tokens": rank_tokens,
+            "straggler_rank": busiest if uneven else None}
 
 
 def _predicted(prediction: dict[str, Any]) -> dict[str, Any] | None:

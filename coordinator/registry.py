@@ -205,7 +205,8 @@ def _telemetry_row(agent_id: str, telemetry: Telemetry, ts: float) -> tuple[str,
 
 def _telemetry_from_json(text: str) -> Telemetry:
     d = json.loads(text)
-    return Telemetry(**{**d, "stages": tuple(StageLoad(**s) for s in d["stages"]),
+    return Telemetry(**{**d, "stages": tuple(StageLoad(**{**s, "expert_tokens": tuple(s.get("expert_tokens", ()))})
+                                             for s in d["stages"]),
                         "gpus": tuple(GpuInfo(**g) for g in d["gpus"])})
 
 

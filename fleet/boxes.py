@@ -99,6 +99,10 @@ class StageLoad:
     decode_roofline: float = 0.0
     spec_draft_tokens: int = 0      # a last stage's drafted tokens verified since it loaded (speculative decoding)
     spec_accepted_tokens: int = 0   # ... and kept
+    # a mixture of experts' stage since it loaded: the tokens its routers sent each expert, over its sparse layers
+    # (an expert-parallel group's rank r holds the r-th of tp_degree equal runs of them)
+    expert_tokens: tuple[int, ...] = ()
+    expert_imbalance: float = 0.0   # its last step's most tokens an expert got over the mean (1: even; 0: no step)
 
     @property
     def kv_usage(self) -> float:

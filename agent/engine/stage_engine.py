@@ -23,6 +23,7 @@ from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold,
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
+from stratamesh.kernels.ops.moe import ExpertLoad
 from stratamesh.kernels.ops.sampler import History
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,12 @@ class StageEngine:
     @property
     def is_first(self) -> bool:
         return self.assignment.stage.is_first
+
+    @property
+    def expert_load(self) -> ExpertLoad | None:
+        """A mixture of experts' stage: where its routers sent tokens (None for a dense one, or a runtime that
+        does not count them)."""
+        return getattr(self.runner.model, "expert_load", None)
 
     @property
     def is_last(self) -> bool:

@@ -95,6 +95,17 @@ class WeightsView(BaseModel):
     num_corrupt: int = Field(description="chunks that failed their sha256 check and were fetched again")
 
 
+class ExpertsView(BaseModel):
+    tokens: list[int] = Field(description="the tokens its routers sent each expert since the stage loaded, summed "
+                              "over its sparse layers")
+    imbalance: float = Field(description="its last step's most tokens an expert got over the mean per expert, in "
+                             "the step's most uneven layer (1: even; 0: no step yet)")
+    rank_tokens: list[int] = Field(description="an expert-parallel group's tokens per rank (rank r holds the r-th "
+                                   "equal run of experts); one entry where the stage is not split")
+    straggler_rank: int | None = Field(description="the rank whose experts got the most tokens, which every step "
+                                       "waits for; null while the ranks' loads are even or the stage is not split")
+
+
 class StageView(BaseModel):
     assignment_id: str
     agent_id: str
@@ -116,6 +127,8 @@ class StageView(BaseModel):
                             'ids), or "float16", "bfloat16", "int8" (partitioner/wire_codec.py)')
     weights: WeightsView | None = Field(None, description="how its agent's fetch of its tensors went; null: the "
                                         "agent read them from a folder of its own")
+    experts: ExpertsView | None = Field(None, description="a mixture of experts' stage: where its routers sent "
+                                        "tokens, as its agent's newest heartbeat says; null for a dense stage")
 
 
 class PredictedView(BaseModel):

@@ -96,6 +96,7 @@ function stageList(stages, view) {
       el("td", { class: "muted", "data-testid": "stage-cached", title: "KV blocks its prefix cache holds, as its agent reported them to the router",
         text: `${s.cached_blocks || 0} blocks cached` }),
       el("td", { class: "muted" }, s.weights ? weightsCell(s.weights) : null),
+      el("td", { class: "muted" }, s.experts ? expertsCell(s.experts) : null),
       el("td", {}, el("span", { class: `badge ${stateClass(s.state)}`, text: s.state })));
   })));
 }
@@ -111,6 +112,30 @@ function weightsCell(w) {
       + fmtBytes(w.tensor_bytes) },
     el("progress", { max: w.total_bytes || 1, value: have }), " ",
     el("span", { text: text + (w.num_corrupt ? ` · ${w.num_corrupt} corrupt chunk(s) fetched again` : "") }));
+}
+
+const EXPERT_BAR_W = 3;
+const EXPERT_CHART_H = 14;
+
+/** A mixture of experts' stage: a bar per expert (its tokens since the stage loaded), the last step's imbalance,
+ * and, where an expert-parallel group splits them, the straggler: the rank whose experts got the most tokens. */
+function expertsCell(x) {
+  const most = Math.max(1, ...x.tokens);
+  const chart = svg("svg", { class: "expert-chart", width: x.tokens.length * EXPERT_BAR_W, height: EXPERT_CHART_H },
+    ...x.tokens.map((n, e) => {
+      const h = Math.max(1, Math.round((EXPERT_CHART_H * n) / most));
+      return svg("rect", { x: e * EXPERT_BAR_W, y: EXPERT_CHART_H - h, width: EXPERT_BAR_W - 1, height: h },
+        svg("title", { text: `expert ${e}: ${n} tokens` }));
+    }));
+  const total = x.rank_tokens.reduce((a, b) => a + b, 0);
+  const straggler = x.straggler_rank === null || x.straggler_rank === undefined ? ""
+    : ` · rank ${x.straggler_rank} straggles: ${Math.round((100 * x.rank_tokens[x.straggler_rank]) / (total || 1))}%`
+      + ` of tokens on ${x.rank_tokens.length} ranks`;
+  return el("span", { "data-testid": "stage-experts", "data-straggler-rank": x.straggler_rank ?? "",
+    title: "tokens its routers sent each expert since it loaded (over its sparse layers); imbalance: the last "
+      + "step's most tokens an expert got over the mean (1: even); an expert-parallel group waits every step for "
+      + "the rank holding the busiest experts" },
+  chart, " ", el("span", { "data-testid": "stage-experts-summary", text: `${x.tokens.length} experts · imbalance ${x.imbalance.toFixed(2)}×${straggler}` }));
 }
 
 function defs() {

@@ -37,6 +37,7 @@ _TOKEN_ID = re.compile(r"[0-9a-f]{8}")
 _GPU_READINGS = ("utilization_pct", "temperature_c", "power_w", "power_limit_w")
 
 OVERHEAD_LIMIT_S = 1.0      # a measured step or layer overhead past this is a broken probe, not a speed
+MAX_EXPERTS = 1024          # experts a stage's heartbeat counts tokens for (DeepSeek-V3 and Qwen3 have 256 or 128)
 MAX_REASON = 500            # characters of an agent's reason kept (why it rests): enough to read, not a flood
 
 
@@ -458,7 +459,8 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
                              kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                              prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
                              decode_step_s=s.decode_step_s, decode_roofline=s.decode_roofline,
-                             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
+                             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
+                             expert_tokens=s.expert_tokens, expert_imbalance=s.expert_imbalance)
                 for s in t.stages],
         gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting)
 
@@ -475,10 +477,15 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
         if (min(counts + spec) < 0 or s.kv_blocks_used > s.kv_blocks_total
                 or s.prefix_hit_tokens > s.prefix_query_tokens or s.spec_accepted_tokens > s.spec_draft_tokens):
             raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}] has inconsistent counts {counts + spec}")
-        if not (0 <= s.decode_step_s < math.inf and 0 <= s.decode_roofline < math.inf):
-            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}]: decode_step_s and decode_roofline must be "
-                               "finite and >= 0")
-        stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline, *spec))
+        if not (0 <= s.decode_step_s < math.inf and 0 <= s.decode_roofline < math.inf
+                and 0 <= s.expert_imbalance < math.inf):
+            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}]: decode_step_s, decode_roofline and "
+                               "expert_imbalance must be finite and >= 0")
+        if len(s.expert_tokens) > MAX_EXPERTS or min(s.expert_tokens, default=0) < 0:
+            raise InvalidInput(f"telemetry.stages[{s.assignment_id!r}]: expert_tokens must be at most {MAX_EXPERTS} "
+                               "counts >= 0")
+        stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline, *spec,
+                                tuple(s.expert_tokens), s.expert_imbalance))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
                      tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON])
 

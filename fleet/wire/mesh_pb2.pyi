@@ -220,7 +220,7 @@ class Telemetry(_message.Message):
     def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., serving_cpu_per_token_s: _Optional[float] = ..., resting: _Optional[str] = ...) -> None: ...
 
 class StageLoad(_message.Message):
-    __slots__ = ("assignment_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens", "decode_step_s", "decode_roofline", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("assignment_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens", "decode_step_s", "decode_roofline", "spec_draft_tokens", "spec_accepted_tokens", "expert_tokens", "expert_imbalance")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,8 @@ class StageLoad(_message.Message):
     DECODE_ROOFLINE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     num_running: int
     num_waiting: int
@@ -243,7 +245,9 @@ class StageLoad(_message.Message):
     decode_roofline: float
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, assignment_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_step_s: _Optional[float] = ..., decode_roofline: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    expert_tokens: _containers.RepeatedScalarFieldContainer[int]
+    expert_imbalance: float
+    def __init__(self, assignment_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., decode_step_s: _Optional[float] = ..., decode_roofline: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("peer_agent_id", "rtt_s", "bandwidth_bytes_per_s", "error")

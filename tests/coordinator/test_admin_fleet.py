@@ -22,11 +22,11 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.fleet_view import DETAIL_ALL_UP_TO, RECENT_MAX, RECENT_S, AgentQuery, fleet_delta
 from stratamesh.coordinator.live_stats import LiveStats
-from stratamesh.coordinator.mesh_admin import MeshAdmin
+from stratamesh.coordinator.mesh_admin import MeshAdmin, expert_view
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.boxes import Capabilities, GpuInfo, Telemetry
+from stratamesh.fleet.boxes import Capabilities, GpuInfo, StageLoad, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.partitioner.fleet_snapshot import ORIGIN
 from stratamesh.sdk import AsyncMesh, calls
@@ -297,3 +297,21 @@ def test_the_sdk_refuses_a_cursor_that_does_not_move() -> None:
         calls.next_after({"next_after": "b"}, "b")
     with pytest.raises(UnexpectedResponseError):
         calls.next_after({"next_after": 7}, "b")
+
+
+@pytest.mark.parametrize("tokens, ranks, rank_tokens, straggler", [
+    ((20, 30, 25, 25, 90, 60, 80, 70), 2, [100, 300], 1),       # rank 1 holds experts 4-7, the busiest
+    ((50, 50, 10, 10, 40, 40), 3, [100, 20, 80], 0),
+    ((5, 5, 5, 5), 2, [10, 10], None),                          # even: nobody straggles
+    ((9, 1, 3), 2, [13], None),                                 # 3 experts cannot split over 2 ranks: one run
+    ((9, 1, 3, 4), 1, [17], None),                              # one rank
+])
+def test_the_expert_view_names_the_rank_holding_the_busiest_experts(tokens, ranks, rank_tokens, straggler) -> None:
+    view = expert_view(StageLoad("p-0", 1, 0, 1, 8, expert_tokens=tokens, expert_imbalance=1.7), ranks)
+    assert view == {"tokens": list(tokens), "imbalance": 1.7, "rank_tokens": rank_tokens,
+                    "straggler_rank": straggler}
+    assert schemas.ExpertsView(**view)      # what the admin API documents
+
+
+def test_a_dense_stage_has_no_expert_view() -> None:
+    assert expert_view(StageLoad("p-0", 1, 0, 1, 8), 2) is None

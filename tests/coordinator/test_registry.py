@@ -307,7 +307,8 @@ def test_stages_saved_before_tp_degree_existed_read_back_as_one_rank(tmp_path: P
 
 def _telemetry(i: int) -> Telemetry:
     return Telemetry(T0 + i, queue_depth=i, tokens_per_s=10.0 * i,
-                     stages=(StageLoad("p-0", 1, i, i, 64, 32, 16),),
+                     stages=(StageLoad("p-0", 1, i, i, 64, 32, 16, expert_tokens=(i, 2 * i, 0),
+                                       expert_imbalance=1.5 + i),),
                      gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "u", "8.9", 50.0 + i, 60.0, None, 72.0),))
 
 

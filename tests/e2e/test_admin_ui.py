@@ -277,6 +277,9 @@ def fixture_snapshot(now: float) -> dict:
              plan("p3", "qwen-0.5b", "active", 24, [("c4", 0, 24, 2, "ready")]),
              plan("p4", "qwen-0.5b", "active", 24, [("s3", 0, 24, 1, "ready")], replica=1)]
     plans[2]["role"], plans[3]["role"] = "prefill", "decode"    # qwen's replicas split prefill from decode
+    # qwen's TP=2 stage splits 8 experts over its 2 ranks: rank 1's four got 300 of the 400 tokens
+    plans[2]["stages"][0]["experts"] = {"tokens": [20, 30, 25, 25, 90, 60, 80, 70], "imbalance": 1.84,
+                                        "rank_tokens": [100, 300], "straggler_rank": 1}
     # the standby's middle stage is still fetching its tensors; the edge stage beside it fetched them
     weights = {"source": "10.0.0.7:7001", "tensor_bytes": 11_000_000_000, "total_bytes": 11_000_020_000}
     plans[1]["stages"][1]["weights"] = {**weights, "fetched_bytes": 4_000_000_000, "reused_bytes": 400_100_000,
@@ -412,6 +415,13 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(page.locator('[data-testid="model-row"][data-model-id="qwen-0.5b"] [data-testid="model-speculation"]')
                ).to_have_text("–")
         expect(page.get_by_test_id("stage-link-codec").filter(has_text="← int8")).to_have_count(1)
+        experts = page.get_by_test_id("stage-experts")       # the mixture of experts' stage alone
+        expect(experts).to_have_count(1)
+        expect(experts.get_by_test_id("stage-experts-summary")).to_have_text(
+            "8 experts · imbalance 1.84× · rank 1 straggles: 75% of tokens on 2 ranks")
+        expect(experts).to_have_attribute("data-straggler-rank", "1")
+        expect(experts.locator("rect")).to_have_count(8)
+        expect(experts.locator("rect").nth(4).locator("title")).to_have_text("expert 4: 90 tokens")
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="standby"]')).to_have_count(3)
         row = page.locator('[data-testid="agent-row"][data-agent-id="e1"]')
         expect(row.get_by_test_id("agent-name")).to_have_text(EVIL)

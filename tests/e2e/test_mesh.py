@@ -18,7 +18,10 @@ from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.sessions import SamplingParams
+from stratamesh.fleet.stages import moe_shape
 from stratamesh.kernels.tiny_model import TINY_ARCHS
+
+from tests.patience import wait_until
 
 from .conftest import NUM_LAYERS, start_mesh
 from .reference import encode, greedy_processed_tokens, greedy_tokens, log_softmax_of
@@ -67,6 +70,35 @@ def test_greedy_generation_equals_transformers(arch: str, tiny_models: dict[str,
                 if p["model_id"] == model_dir.name and p["state"] == "active")
     assert len({s["agent_id"] for s in plan["stages"]}) == 3          # 3 stages, on 3 agents
     assert complete_ids(mesh, model_dir, prompt_ids, 32) == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_stages_report_where_their_routers_sent_tokens(arch: str, tiny_models: dict[str, Path],
+                                                                            families_mesh: LocalMesh) -> None:
+    """Through the agents' heartbeats to the admin API: after a completion, each stage of the mixture of experts
+    counts tokens for every expert, top_k per token through each of its sparse layers (so a multiple of top_k x
+    its sparse layers), unsplit (one rank, no straggler), its last step's imbalance at least even; a dense model's
+    stages have no experts."""
+    model_dir = tiny_models[arch]
+    moe = moe_shape(json.loads((model_dir / "config.json").read_text()), NUM_LAYERS)
+    complete_ids(families_mesh, model_dir, encode(model_dir, f"{PROMPT} ({arch}'s experts)"), 8)
+
+    def stages(model_id: str) -> list[dict]:
+        plans = httpx.get(f"{families_mesh.url}/admin/api/plans", headers=families_mesh.headers).json()["plans"]
+        return next(p for p in plans if p["model_id"] == model_id and p["state"] == "active")["stages"]
+
+    def counted() -> bool:
+        return all(s["experts"] and sum(s["experts"]["tokens"]) and s["experts"]["imbalance"] for s in stages(
+            model_dir.name))
+    wait_until(counted, 30)
+    for stage in stages(model_dir.name):
+        experts = stage["experts"]
+        sparse = sum(moe.is_sparse(i) for i in range(stage["start_layer"], stage["end_layer"]))
+        assert len(experts["tokens"]) == moe.num_experts
+        assert sum(experts["tokens"]) % (moe.top_k * sparse) == 0
+        assert experts["rank_tokens"] == [sum(experts["tokens"])] and experts["straggler_rank"] is None
+        assert 1 <= experts["imbalance"] <= moe.num_experts
+    assert all(s["experts"] is None for s in stages(tiny_models["qwen3"].name))
 
 
 def test_openai_client_streams_the_same_chat_answer(llama_mesh: LocalMesh, tiny_models) -> None:

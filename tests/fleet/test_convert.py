@@ -240,7 +240,8 @@ def test_bad_registrations_name_the_field(register: pb.Register, field: str) -> 
 
 def test_telemetry_links_and_probe_round_trip() -> None:
     telemetry = Telemetry(1_700_000_000.5, queue_depth=3, tokens_per_s=812.5,
-                          stages=(StageLoad("p-0", 2, 1, 40, 512, 96, 64), StageLoad("p-1", 0, 0, 0, 8)),
+                          stages=(StageLoad("p-0", 2, 1, 40, 512, 96, 64),
+                                  StageLoad("p-1", 0, 0, 0, 8, expert_tokens=(12, 0, 30, 6), expert_imbalance=2.5)),
                           gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 55.0, 61.0, 40.0, 72.0),),
                           serving_cpu_per_token_s=1.3e-4)
     wire = convert.heartbeat_to_pb(7, 2, telemetry).SerializeToString()
@@ -257,7 +258,11 @@ def test_telemetry_links_and_probe_round_trip() -> None:
     pb.StageLoad(assignment_id="p", kv_blocks_used=9, kv_blocks_total=8),
     pb.StageLoad(assignment_id="p", num_running=-1),
     pb.StageLoad(assignment_id="p", prefix_query_tokens=4, prefix_hit_tokens=5),
-], ids=["more-used-than-held", "negative", "more-hits-than-queries"])
+    pb.StageLoad(assignment_id="p", expert_tokens=[3, -1]),
+    pb.StageLoad(assignment_id="p", expert_tokens=[1] * 1025),
+    pb.StageLoad(assignment_id="p", expert_imbalance=float("nan")),
+], ids=["more-used-than-held", "negative", "more-hits-than-queries", "negative-expert", "too-many-experts",
+        "imbalance-nan"])
 def test_inconsistent_telemetry_is_rejected(stage) -> None:
     with pytest.raises(InvalidInput, match="telemetry.stages"):
         convert.telemetry_from_pb(pb.Telemetry(stages=[stage]))
