@@ -204,3 +204,14 @@ def test_speculative_benchmark_prints_every_mesh_the_acceptance_and_the_targets(
                and row[9].endswith("x") for row in rows[:3]), out
     assert sum(float(row[10].rstrip("%")) for row in rows[:3]) > 0, out    # the draft model's guesses were kept
     assert re.search(r"concurrency 16 with draft [\d.]+x \(at least 0\.95x\): (met|NOT met)", out), out
+
+
+def test_moe_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--quick"], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^\| \((a|b|c|d)\) .* \| [\d.]+ \| ([\d.]+)x \| [\d.]+ \| [\d.]+x \|$", result.stdout,
+                      re.MULTILINE)
+    assert [name for name, _ in rows] == ["a", "b", "c", "d"] and rows[0][1] == "1.00", result.stdout
+    assert re.search(r"^\(d\) \[0, 3\) TP/EP=2; mean step imbalance [\d.]+; routed tokens per rank: rank 0",
+                     result.stdout, re.MULTILINE), result.stdout

@@ -299,3 +299,12 @@ def test_a_sliding_window_model_is_refused(tiny_model, tmp_path: Path) -> None:
     model_dir = tiny_model("mistral", num_layers=2, sliding_window=8)
     with pytest.raises(InvalidInput, match="sliding-window"):
         export_layers(load_stage(StageSpec("m", str(model_dir), 0, 2, 2)), tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_is_refused_with_the_runtime_to_use(tiny_model, tmp_path: Path, arch: str) -> None:
+    """Its int8 experts are served by torch stages (tests/kernels/test_quant.py); ONNX Runtime's export has no
+    experts yet."""
+    model_dir = tiny_model(arch, num_layers=2)
+    with pytest.raises(InvalidInput, match=f"not {arch}'s: .* serve it with --runtime torch"):
+        export_layers(load_stage(StageSpec("m", str(model_dir), 0, 2, 2, quantize="int8")), tmp_path)
