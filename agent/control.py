@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 # carries at most (a stage's whole cache, after a reconnect, may take several).
 KV_EVENTS_EVERY_S = 0.05
 MAX_HASHES_PER_MESSAGE = 16384
-# What the coordinator answers a certificate it will not take: retrying cannot help.
-_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+# What the coordinator answers a certificate it will not take, or an agent whose data plane it cannot speak
+# (fleet/versions.py): retrying cannot help.
+_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
 
 
 class ControlRefused(Refused):
-    """The coordinator refuses this agent: its certificate was revoked, or is not the one for its id."""
+    """The coordinator refuses this agent: its certificate was revoked, or is not the one for its id, or it speaks
+    a data-plane protocol the coordinator does not."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,10 @@ telemetry of its heartbeats."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stratamesh.fleet.stages import Assignment
+from stratamesh.fleet.versions import protocol_version, software_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,8 @@ class Registration:
     held: tuple[Assignment, ...] = ()
     mesh: str = "default"
     metrics_address: str = ""   # host:port of the agent's Prometheus /metrics; "" if it serves none
+    software_version: str = field(default_factory=software_version)    # its build's (fleet/versions.py)
+    protocol_version: int = field(default_factory=protocol_version)     # its data plane's; 0: not reported
 
 
 @dataclass(frozen=True, slots=True)

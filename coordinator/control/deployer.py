@@ -65,6 +65,10 @@ class Deployer:
                 for sender, receiver, codec in zip(plan.stages, plan.stages[1:], self.routes.link_codecs(plan)[1:])]
 
     # ------------------------------------------------------------ agents
+    def agent_refused(self, agent_id: str, reason: str) -> None:
+        """An agent this coordinator would not let join (fleet/versions.py): an event says why."""
+        self.registry.log_event("agent_refused", reason, self._clock(), agent_id)
+
     def agent_connected(self, link: AgentLink, registration: Registration) -> None:
         """Adopts a (re)connecting agent and the stages it still holds."""
         # A box that has the memory for no stage of any model (and holds none) is in no plan and changes none: its

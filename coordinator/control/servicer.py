@@ -19,6 +19,7 @@ from stratamesh.fleet.boxes import Registration
 from stratamesh.fleet.control_messages import (AgentMessage, CoordinatorMessage, Heartbeat, KvEventReport,
                                                LinkReport, RevokedSerials, RtcAnswer, RtcOffer, Welcome)
 from stratamesh.fleet.stages import StageStatus
+from stratamesh.fleet.versions import incompatibility
 from stratamesh.fleet.weights import WeightsProgress
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
@@ -77,6 +78,12 @@ class ControlService(pb_grpc.ControlServicer):
         if registration.mesh != self._mesh:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"register.mesh {registration.mesh!r} is not this mesh ({self._mesh!r})")
+        refusal = incompatibility(registration.agent_id, registration.protocol_version,
+                                  registration.software_version)
+        if refusal is not None:     # it cannot serve in a pipeline of ours: it must not join, nor retry as it is
+            log.warning("%s", refusal)
+            self._deployer.agent_refused(registration.agent_id, refusal)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, refusal)
         peer = peer_cert(context)   # None only in insecure mode
         if peer is not None and peer.name != registration.agent_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate is {peer.name!r}'s; "

@@ -424,7 +424,8 @@ def registration_to_pb(reg: Registration) -> pb.AgentMessage:
     return pb.AgentMessage(register=pb.Register(
         agent_id=reg.agent_id, name=reg.name, stage_address=reg.stage_address,
         capabilities=capabilities_to_pb(reg.capabilities),
-        held=[assignment_to_pb(a) for a in reg.held], mesh=reg.mesh, metrics_address=reg.metrics_address))
+        held=[assignment_to_pb(a) for a in reg.held], mesh=reg.mesh, metrics_address=reg.metrics_address,
+        software_version=reg.software_version, protocol_version=reg.protocol_version))
 
 
 def registration_from_pb(msg: pb.Register) -> Registration:
@@ -436,7 +437,7 @@ def registration_from_pb(msg: pb.Register) -> Registration:
     return Registration(msg.agent_id, msg.name or msg.agent_id, msg.stage_address,
                         capabilities_from_pb(msg.capabilities),
                         tuple(assignment_from_pb(a) for a in msg.held), msg.mesh or "default",
-                        msg.metrics_address)
+                        msg.metrics_address, msg.software_version[:MAX_REASON], msg.protocol_version)
 
 
 def _require_address(address: str, where: str) -> None:

@@ -174,7 +174,7 @@ class LogitBias(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh", "metrics_address")
+    __slots__ = ("agent_id", "name", "stage_address", "capabilities", "held", "mesh", "metrics_address", "software_version", "protocol_version")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,8 @@ class Register(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     name: str
     stage_address: str
@@ -189,7 +191,9 @@ class Register(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[Assignment]
     mesh: str
     metrics_address: str
-    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., stage_address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., held: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., mesh: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    software_version: str
+    protocol_version: int
+    def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., stage_address: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., held: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., mesh: _Optional[str] = ..., metrics_address: _Optional[str] = ..., software_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "num_sessions", "telemetry")

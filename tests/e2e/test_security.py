@@ -18,6 +18,7 @@ from stratamesh.agent.credentials import enroll, load_credentials
 from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller
 from stratamesh.fleet import pki
 from stratamesh.fleet.errors import EXIT_REFUSED
+from stratamesh.fleet.versions import PROTOCOL_VERSION
 from stratamesh.launcher import LocalMesh
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -89,7 +90,7 @@ def test_a_certificate_cannot_register_as_another_agent(mesh: LocalMesh) -> None
 
     async def register_as(agent_id: str) -> grpc.StatusCode:
         register = pb.AgentMessage(register=pb.Register(agent_id=agent_id, name="x", stage_address="127.0.0.1:1",
-                                                        mesh=mesh.mesh))
+                                                        mesh=mesh.mesh, protocol_version=PROTOCOL_VERSION))
         async with make_channel(mesh.grpc_address, tls=client) as channel:
             call = pb_grpc.ControlStub(channel).Connect(iter([register]))
             try:
