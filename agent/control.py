@@ -19,6 +19,7 @@ from stratamesh.fleet.control_messages import (AgentMessage, Heartbeat, KvEventR
                                                Release, RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
 from stratamesh.fleet.kv import KvEvents
 from stratamesh.fleet.stages import Assignment, StageStatus
+from stratamesh.fleet.versions import protocol_version, software_version
 from stratamesh.fleet.wire import convert, rtc
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -194,7 +195,8 @@ class ControlClient:
     def _registration(self) -> Registration:
         i = self._identity
         return Registration(i.agent_id, i.name, i.stage_address, i.capabilities,
-                            tuple(self._host.assignments()), i.mesh, i.metrics_address)
+                            tuple(self._host.assignments()), i.mesh, i.metrics_address, software_version(),
+                            protocol_version())
 
     async def _heartbeat(self, outbox: Outbox, interval_s: float) -> None:
         seq = 0

@@ -3,10 +3,9 @@ telemetry of its heartbeats."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stratamesh.fleet.stages import Assignment
-from stratamesh.fleet.versions import protocol_version, software_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +80,8 @@ class Registration:
     held: tuple[Assignment, ...] = ()
     mesh: str = "default"
     metrics_address: str = ""   # host:port of the agent's Prometheus /metrics; "" if it serves none
-    software_version: str = field(default_factory=software_version)    # its build's (fleet/versions.py)
-    protocol_version: int = field(default_factory=protocol_version)     # its data plane's; 0: not reported
+    software_version: str = ""      # its build's (fleet/versions.py)
+    protocol_version: int = 0       # the protocol its data plane speaks (fleet/versions.py); 0: not reported
 
 
 @dataclass(frozen=True, slots=True)

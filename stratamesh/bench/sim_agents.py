@@ -30,6 +30,7 @@ import grpc
 from stratamesh.fleet import pki
 from stratamesh.fleet.boxes import Capabilities, Registration, Speed, Telemetry
 from stratamesh.fleet.control_messages import Welcome
+from stratamesh.fleet.versions import PROTOCOL_VERSION, software_version
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -105,7 +106,8 @@ class SimAgent:
     async def _session(self, stop: asyncio.Event) -> None:
         self._outbox = asyncio.Queue()
         registration = Registration(self.agent_id, self._capabilities.hostname, self._stage_address,
-                                    self._capabilities, mesh=self._mesh)
+                                    self._capabilities, mesh=self._mesh, software_version=software_version(),
+                                    protocol_version=PROTOCOL_VERSION)
         self._outbox.put_nowait(convert.registration_to_pb(registration))
         started = time.monotonic()
         call = pb_grpc.ControlStub(self._channel).Connect(self._drain())

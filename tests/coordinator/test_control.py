@@ -16,6 +16,7 @@ from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_channel, make_server
+from stratamesh.fleet.versions import PROTOCOL_VERSION
 from tests.patience import eventually
 
 CAPS = Capabilities("box", "cpu", 2, 8 << 30, 8 << 30)
@@ -67,7 +68,7 @@ async def test_bad_registrations_are_refused_with_a_status(coordinator, first, c
 
 async def test_an_agent_is_welcomed_assigned_and_becomes_ready(coordinator) -> None:
     address, deployer, registry = coordinator
-    reg = Registration("agent-1", "box", "127.0.0.1:5555", CAPS, (), "m1")
+    reg = Registration("agent-1", "box", "127.0.0.1:5555", CAPS, (), "m1", protocol_version=PROTOCOL_VERSION)
     channel, outbox, call = await connect(address, convert.registration_to_pb(reg))
     welcome = await asyncio.wait_for(call.read(), 5)
     assert welcome.welcome.agent_id == "agent-1" and welcome.welcome.heartbeat_interval_s == pytest.approx(0.1)

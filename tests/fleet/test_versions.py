@@ -28,11 +28,12 @@ def test_an_agent_of_another_protocol_is_refused_naming_both_versions(protocol: 
 BOX = Capabilities("h", "cpu", 2, 8 << 30, 6 << 30)
 
 
-def test_a_registration_reports_this_builds_versions_and_they_cross_the_wire(monkeypatch) -> None:
-    mine = Registration("a", "a", "h:1", BOX)
-    assert (mine.software_version, mine.protocol_version) == (versions.software_version(), PROTOCOL_VERSION)
+def test_the_versions_a_process_reports_cross_the_wire(monkeypatch) -> None:
+    assert (versions.protocol_version(), versions.software_version()) == (PROTOCOL_VERSION,
+                                                                          versions._installed_version())
     monkeypatch.setenv(versions.REPORT_PROTOCOL_ENV, "7")
     monkeypatch.setenv(versions.REPORT_VERSION_ENV, "0.0.1-older")
-    other = Registration("a", "a", "h:1", BOX)
+    other = Registration("a", "a", "h:1", BOX, software_version=versions.software_version(),
+                         protocol_version=versions.protocol_version())
     assert convert.agent_message_from_pb(convert.registration_to_pb(other)) == other
     assert (other.software_version, other.protocol_version) == ("0.0.1-older", 7)
