@@ -78,16 +78,18 @@ class ControlService(pb_grpc.ControlServicer):
         if registration.mesh != self._mesh:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"register.mesh {registration.mesh!r} is not this mesh ({self._mesh!r})")
-        refusal = incompatibility(registration.agent_id, registration.protocol_version,
-                                  registration.software_version)
-        if refusal is not None:     # it cannot serve in a pipeline of ours: it must not join, nor retry as it is
-            log.warning("%s", refusal)
-            self._deployer.agent_refused(registration.agent_id, refusal)
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, refusal)
         peer = peer_cert(context)   # None only in insecure mode
         if peer is not None and peer.name != registration.agent_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the certificate is {peer.name!r}'s; "
                                 f"it cannot register as {registration.agent_id!r}")
+        refusal = incompatibility(registration.agent_id, registration.protocol_version,
+                                  registration.software_version)
+        # (after who it is: only a proven identity's refusal becomes an event) it cannot serve in a pipeline of
+        # ours: it must not join, nor retry as it is
+        if refusal is not None:
+            log.warning("%s", refusal)
+            self._deployer.agent_refused(registration.agent_id, refusal)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, refusal)
         nat = await nat_address(context.peer(), registration.stage_address)
         outbox: asyncio.Queue[CoordinatorMessage] = asyncio.Queue()
         writer = asyncio.create_task(_write(context, outbox))

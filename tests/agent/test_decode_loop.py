@@ -304,10 +304,11 @@ def test_a_session_drafts_fewer_tokens_where_its_cycles_say_a_drafted_token_cost
         return loop
 
     unfit = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
-    unfit.kept, unfit.missed = loop_after(0.080, 0.0).kept, loop_after(0.080, 0.0).missed
+    fitted = loop_after(0.080, 0.0)
+    unfit.kept, unfit.missed = fitted.kept, fitted.missed
     acceptance_only = unfit.num_to_draft(64)
     assert acceptance_only == 3                            # (2/3)^3 >= 1/4 > (2/3)^4: all it allows untold
-    assert loop_after(0.080, 0.0).num_to_draft(64) == 8    # free: all num_speculative_tokens allows
+    assert fitted.num_to_draft(64) == 8                    # free: all num_speculative_tokens allows
     assert loop_after(0.080, 0.002).num_to_draft(64) > acceptance_only    # cheap next to an 80 ms trip
     assert 0 < loop_after(0.010, 0.004).num_to_draft(64) < acceptance_only
     assert loop_after(0.010, 0.050).num_to_draft(64) == 0

@@ -61,8 +61,8 @@ def test_killing_the_middle_agent_mid_stream_loses_no_token(tiny_models: dict[st
                 for job in make_jobs(40, vocab, prompt_len=20, max_tokens=64, seed=8) if job.temperature == 0)
     jobs[0] = next(job for job in repeated if smallest_margin(stage, job.prompt_ids, job.max_tokens) >= MIN_MARGIN)
     with LocalMesh(str(model_dir), num_agents=4, num_stages=3, log_dir=str(tmp_path / "logs"),
-                   db=str(tmp_path / "registry.db"), coordinator_args=["--speculative-config", json.dumps(speculative_config)]
-                   ) as mesh:
+                   db=str(tmp_path / "registry.db"),
+                   coordinator_args=["--speculative-config", json.dumps(speculative_config)]) as mesh:
         run = asyncio.run(kill_stage_mid_stream(mesh, MODEL, held(jobs), stage=1))
         records = settled_requests(mesh, 8)
         pages = [page for page in metrics_pages(mesh).values() if page]

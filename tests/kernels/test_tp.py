@@ -15,7 +15,7 @@ import torch
 
 from stratamesh.agent.engine.tp_group import Collectives, store_for
 from stratamesh.fleet.errors import CheckpointError, InvalidInput
-from stratamesh.fleet.stages import StageSpec
+from stratamesh.fleet.stages import MOE_MODEL_TYPES, StageSpec
 from stratamesh.kernels.models.config import read_config
 from stratamesh.kernels.models.decoder import StageModel, load_stage
 from stratamesh.kernels.models.tp import apply_tp, check_tp, head_slice, load_tp_stage, shard_tensors
@@ -59,7 +59,7 @@ def sharded_logits(ranks: list[StageModel], caches: list, ids: torch.Tensor, sta
 # dense layers as a dense MLP
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_stage_matches_the_whole_model_and_transformers(tiny_model, arch, world_size):
-    model_dir = tiny_model(arch, **GQA, **({"num_experts": 8} if "moe" in arch or arch == "mixtral" else {}))
+    model_dir = tiny_model(arch, **GQA, **({"num_experts": 8} if arch in MOE_MODEL_TYPES else {}))
     ids = prompt(seed=11)
     whole = load_stage(StageSpec("tiny", str(model_dir), 0, NUM_LAYERS, NUM_LAYERS))
     expected = whole.logits(whole.forward(ids, torch.arange(ids.numel()), whole.new_cache()))
