@@ -27,6 +27,8 @@ from stratamesh.fleet.boxes import GpuInfo, Telemetry
 
 log = logging.getLogger(__name__)
 
+MINUTES_A_DAY = 24 * 60
+QUIET_HOURS_NEAR_MIN = 60     # quiet hours count as near from this many minutes before they begin
 _CLOCK = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
 
@@ -142,6 +144,20 @@ class OwnerLimits:
             out.append(f"the owner's processes using {reading.owner_load:.1f} cores, above {self.max_host_load:g}")
         out += [f"quiet hours {span}" for span in self.quiet_hours if span.holds(reading.minute_of_day)]
         return out
+
+    def nearness(self, reading: Reading) -> float:
+        """How near the reading is to a limit: the largest of each reading over its limit, and of quiet hours
+        0 an hour before they begin, rising to 1 when they do (1 within); 0 without limits. The autoscaler gives
+        back the replicas of the boxes nearest first."""
+        near = [0.0]
+        for value, limit in ((max(reading.temperatures_c, default=0.0), self.max_gpu_temp_c),
+                             (reading.power_w, self.max_power_w), (reading.owner_load, self.max_host_load)):
+            if limit is not None:
+                near.append(value / limit if limit > 0 else 1.0 if value > 0 else 0.0)
+        for span in self.quiet_hours:
+            ahead = (span.start_min - reading.minute_of_day) % MINUTES_A_DAY
+            near.append(1.0 if span.holds(reading.minute_of_day) else max(0.0, 1 - ahead / QUIET_HOURS_NEAR_MIN))
+        return max(near)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +302,9 @@ class OwnerWatch:
         now = self._clock()
         load = self._host_load.read(now - self._last) if self._host_load is not None else 0.0
         self._last = now
-        decision = self.policy.update(Reading.of(now, telemetry.gpus, Sensors.read(self._sensor_file), load))
+        reading = Reading.of(now, telemetry.gpus, Sensors.read(self._sensor_file), load)
+        decision = self.policy.update(reading)
         if decision is not None:
             self._why = decision.why if decision.rest else ""
             log.warning("the owner's limits: %s (%s)", "resting" if decision.rest else "serving again", decision.why)
-        return replace(telemetry, resting=self._why) if self._why else telemetry
+        return replace(telemetry, resting=self._why, limits_near=self.policy.limits.nearness(reading))

@@ -15,6 +15,7 @@ import grpc
 import uvicorn
 
 from stratamesh.coordinator.access import AccessStore
+from stratamesh.coordinator.autoscaler import TICK_S, Autoscaler
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.bootstrap import write_bootstrap
 from stratamesh.coordinator.api.admin import admin_router
@@ -29,11 +30,12 @@ from stratamesh.coordinator.control.servicer import ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import (Enroller, EnrollService, MeshCa, Revoker, default_pki_dir)
 from stratamesh.coordinator.fleet_metrics import (ControlPlaneCollector, FleetCollector, LinkCodecCollector,
-                                                  OriginCollector, active_stages, hop_histogram)
+                                                  OriginCollector, ReplicaCollector, active_stages, hop_histogram)
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
+from stratamesh.coordinator.records import Autoscale
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
 from stratamesh.coordinator.serving.origin import ROUTE_WAIT_S, Origin
 from stratamesh.coordinator.serving.records import RequestLog
@@ -65,6 +67,7 @@ class ModelRequest:
     pins: SitePins = SitePins()
     quantize: str = ""             # "int8" / "int4": quantized weights (the operator's choice; never by default)
     num_replicas: int = 1          # pipelines serving it side by side, each on agents of its own
+    autoscale: Autoscale | None = None     # its replicas follow its load within these (num_replicas ignored)
 
     @property
     def served_id(self) -> str:
@@ -118,6 +121,15 @@ async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
                 deployer.tick()
         except Exception:  # placement trouble is logged; the coordinator keeps serving
             log.exception("placement tick failed")
+
+
+async def _autoscale(autoscaler: Autoscaler) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        try:
+            autoscaler.tick()
+        except Exception:  # a decision that fails is logged; the coordinator keeps serving
+            log.exception("autoscaler tick failed")
 
 
 async def _log_discovered(browser: discovery.Browser, mesh: str, registry: RegistryStore) -> None:
@@ -211,7 +223,7 @@ def _deployer(options: CoordinatorOptions, registry: RegistryStore, sessions: Se
     deployer.start()
     for model in options.models:
         deployer.plans.add_model(model.served_id, model.path, model.num_stages, model.pins, model.quantize,
-                                 model.num_replicas)
+                                 model.num_replicas, autoscale=model.autoscale)
     return deployer
 
 
@@ -271,14 +283,18 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     drainer = Drainer(deployer, sessions, registry)
     deployer.on_rest = drainer.rest     # an agent's owner asks it to rest: its stages move off as in a drain
     drainer.resume()                # drains a previous run of this coordinator left half done
+    autoscaler = Autoscaler(deployer, metrics.demand, time.time)
+    metrics.register(ReplicaCollector(registry, deployer.routes))
     admin = MeshAdmin(registry, requests, control.metrics_addresses, drainer, deployer, metrics.live,
-                      revoker=enrollment.revoker if enrollment else None, disaggregation=options.disaggregation)
+                      revoker=enrollment.revoker if enrollment else None, disaggregation=options.disaggregation,
+                      autoscaler=autoscaler)
     access = _access(options, registry, enrollment)
     http, http_task, http_port = await _serve_http(origin, admin, metrics, access, options)
 
     advertiser = await _advertise(options, advertise_host, grpc_port, http_port,
                                   enrollment.port if enrollment else None)
     ticker = asyncio.create_task(_tick(deployer))
+    scaler = asyncio.create_task(_autoscale(autoscaler))
     origin_links = asyncio.create_task(OriginLinkProber(deployer.roster, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))
     watcher = asyncio.create_task(_log_discovered(browser, options.mesh, registry))
@@ -286,6 +302,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         await stop.wait()
     finally:
         ticker.cancel()
+        scaler.cancel()
         origin_links.cancel()
         await drainer.close()
         watcher.cancel()

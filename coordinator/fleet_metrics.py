@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,6 +15,11 @@ from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
 from stratamesh.fleet.boxes import Telemetry
 
 HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+class ReadyPlans(Protocol):
+    def ready_plans(self, model_id: str) -> Sequence[object]:
+        """The model's replicas' plans that serve."""
+
 
 # assignment id -> (model id, stage index) of every stage of an active plan
 StageIndex = Callable[[], Mapping[str, tuple[str, int]]]
@@ -113,6 +119,21 @@ class ControlPlaneCollector(Collector):
             yield CounterMetricFamily("stratamesh:agents_declared_dead", "Agents declared dead (a lease that ran "
                                       "out, or a lost stream and an unreachable Stage service at once).",
                                       value=self._liveness.num_declared_dead)
+
+
+class ReplicaCollector(Collector):
+    """Per model: the replicas it wants (the operator's count, or the autoscaler's) and those ready to serve."""
+
+    def __init__(self, registry: PlanStore, routes: ReadyPlans):
+        self._registry = registry
+        self._routes = routes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        models = self._registry.models()
+        yield _gauge("stratamesh:desired_replicas", "The replicas the model wants: its operator's count, or what its "
+                     "autoscaler decided.", {m.model_id: m.num_replicas for m in models})
+        yield _gauge("stratamesh:ready_replicas", "The model's replicas whose every stage is loaded.",
+                     {m.model_id: len(self._routes.ready_plans(m.model_id)) for m in models})
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from stratamesh.coordinator.autoscaler import Autoscaler
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.control.models import ModelInfo, find_model, model_infos
@@ -18,7 +19,7 @@ from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json
                                                site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord
+from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, Autoscale
 from stratamesh.coordinator.registry import ModelRecord, Registry
 from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.router import Disaggregation
@@ -51,13 +52,14 @@ class MeshAdmin:
     def __init__(self, registry: Registry, requests: RequestLog, metrics_addresses: Mapping[str, str],
                  drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
                  clock: Callable[[], float] = time.time, revoker: Revoker | None = None,
-                 disaggregation: Disaggregation = Disaggregation()):
+                 disaggregation: Disaggregation = Disaggregation(), autoscaler: Autoscaler | None = None):
         self._registry = registry
         self._requests = requests
         self._disaggregation = disaggregation
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
         self._drainer = drainer
         self._deployer = deployer
+        self._autoscaler = autoscaler
         self._live = live if live is not None else LiveStats()
         self._clock = clock
         self._revoker = revoker
@@ -138,10 +140,12 @@ class MeshAdmin:
         return [self._model_json(model, infos[model.model_id]) for model in self._registry.models()]
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins,
-               quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None) -> dict[str, Any]:
+               quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None,
+               autoscale: Autoscale | None = None) -> dict[str, Any]:
         """Deploys a model folder (CheckpointError, InvalidInput); it loads as soon as enough agents can take it."""
         served_id = model_id or default_model_id(path)
-        self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas, speculation)
+        self._planner().plans.add_model(served_id, path, num_stages, pins, quantize, num_replicas, speculation,
+                                        autoscale)
         return self._model_json(self._registry.model(served_id), find_model(self._registry, served_id))
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
@@ -152,7 +156,9 @@ class MeshAdmin:
     def _model_json(self, model: ModelRecord, info: ModelInfo) -> dict[str, Any]:
         deployer, model_id = self._planner(), model.model_id
         routes = deployer.routes
-        state = (ModelState.READY if routes.is_ready(model_id) else ModelState.RECOVERING if routes.accepts(model_id)
+        state = (ModelState.READY if routes.is_ready(model_id)
+                 else ModelState.SCALED_TO_ZERO if deployer.plans.scaled_to_zero(model_id)
+                 else ModelState.RECOVERING if routes.accepts(model_id)
                  else ModelState.LOADING if self._registry.active_plan(model_id) else ModelState.WAITING)
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
                 "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
@@ -160,7 +166,18 @@ class MeshAdmin:
                 "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
                 "created": model.created, "speculation": self._speculation(model_id),
                 "speculative_config": model.speculation.config() if model.speculation else None,
+                "autoscale": self._autoscale(model),
                 "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
+
+    def _autoscale(self, model: ModelRecord) -> dict[str, Any] | None:
+        """An autoscaled model's bounds and targets, its replicas over time and the autoscaler's last decision."""
+        if model.autoscale is None:
+            return None
+        scaler, model_id = self._autoscaler, model.model_id
+        return {**asdict(model.autoscale),
+                "history": [asdict(p) for p in scaler.history(model_id)] if scaler else [],
+                "last_decision": scaler.last_reason(model_id) if scaler else "",
+                "last_cold_start_s": scaler.last_cold_start_s(model_id) if scaler else None}
 
     def _speculation(self, model_id: str) -> dict[str, Any]:
         """What the last stages of the model's live plans kept of the tokens drafted for them (speculative decoding),

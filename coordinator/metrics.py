@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.registry import Collector
 
 from stratamesh.coordinator.api.generation import Clock, TextStream, Timeline
+from stratamesh.coordinator.demand import DemandMeter
 from stratamesh.coordinator.live_stats import LiveStats
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class ApiMetrics:
         self.clock = clock
         self.wall_clock = wall_clock
         self.live = LiveStats()     # the admin UI's per-second charts
+        self.demand = DemandMeter()     # each model's load, for the autoscaler
         self._engine = engine
         self._running: set[str] = set()  # request ids started and not yet ended
         self._counters = _Counters(self.registry)
@@ -100,6 +102,7 @@ class ApiMetrics:
             return
         self._running.add(run.request.request_id)
         self.live.request_started(self.wall_clock())
+        self.demand.arrived(run.request.model_id, self.wall_clock())
         labels = self._labels(run)
         for reason in FINISHED_REASONS:  # every series from the start, so rate() sees the first request
             self._counters.success.labels(*labels, reason)
@@ -112,10 +115,12 @@ class ApiMetrics:
         if gap_s is not None:
             self._histograms.inter_token_latency.labels(*labels).observe(gap_s)
             self.live.token(self.wall_clock(), gap_s)
+            self.demand.token(run.request.model_id, self.wall_clock(), gap_s)
             return
         timeline, num_prompt_tokens = run.timeline, len(run.request.prompt_ids)
         assert timeline.first_token_s is not None
         self.live.first_token(self.wall_clock(), timeline.first_token_s - timeline.arrival_s)
+        self.demand.first_token(run.request.model_id, self.wall_clock(), timeline.first_token_s - timeline.arrival_s)
         self._histograms.time_to_first_token.labels(*labels).observe(timeline.first_token_s - timeline.arrival_s)
         self._counters.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
         self._counters.prefix_cache_queries.labels(*labels).inc(num_prompt_tokens)
@@ -140,6 +145,7 @@ class ApiMetrics:
             return False
         self._running.discard(run.request.request_id)
         self.live.request_ended(self.wall_clock(), had_first_token=run.timeline.first_token_s is not None)
+        self.demand.ended(run.request.model_id, run.num_completion_tokens, run.timeline.first_token_s is not None)
         labels = self._labels(run)
         self._counters.running.labels(*labels).dec()
         self._counters.preemptions.labels(*labels).inc(run.num_preemptions)

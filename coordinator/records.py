@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.states import DrainState
 from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.sessions import Speculation
-from stratamesh.fleet.stages import StageSpec
+from stratamesh.fleet.stages import MAX_REPLICAS, StageSpec
+
+# An autoscaled model gives back a replica once its load has wanted fewer for this long (--scale-down-after).
+SCALE_DOWN_AFTER_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +28,39 @@ class AgentRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Autoscale:
+    """An operator's bounds and targets for a model's replicas, which the autoscaler keeps between min_replicas
+    (0: the model may scale to zero, its next request waiting for a cold start) and max_replicas, adding one before
+    the load would miss the targets (time to first token and inter-token latency, p90 in milliseconds; None: no
+    target) and giving one back once the rest have carried the load for scale_down_after_s."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    scale_down_after_s: float = SCALE_DOWN_AFTER_S
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas <= MAX_REPLICAS or self.max_replicas < 1:
+            raise InvalidInput(f"replicas must be 0 <= min_replicas <= max_replicas <= {MAX_REPLICAS} and "
+                               f"max_replicas >= 1; got min {self.min_replicas}, max {self.max_replicas}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise InvalidInput(f"{name} must be a number of milliseconds > 0, got {value}")
+        if not 0 <= self.scale_down_after_s < float("inf"):
+            raise InvalidInput(f"scale_down_after_s must be >= 0 seconds, got {self.scale_down_after_s}")
+
+    @property
+    def start(self) -> int:
+        """The replicas a model starts with: its minimum, and one at least (a model deployed serves)."""
+        return max(self.min_replicas, 1)
+
+    def bound(self, replicas: int) -> int:
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRecord:
     model_id: str
     path: str
@@ -36,6 +73,7 @@ class ModelRecord:
     num_replicas: int = 1       # pipelines serving it side by side, each planned on agents of its own
     num_stages: int = 0         # the stages its plans were asked for (0: unknown, a model of an older registry)
     speculation: Speculation | None = None      # its speculative decoding; None: the coordinator's default
+    autoscale: Autoscale | None = None          # its replicas follow its load within these; None: num_replicas fixed
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,14 +10,15 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 from sqlite_utils import Database
 
-from stratamesh.fleet.errors import InvalidInput, MeshError
+from stratamesh.fleet.errors import InvalidInput, MeshError, ModelNotFound
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.plain import plain
-from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, Autoscale, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.fleet.states import PlanState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
@@ -166,6 +167,11 @@ def _m017_model_speculation(db: Database) -> None:
     db["models"].add_column("speculation_json", str, not_null_default="")
 
 
+def _m018_model_autoscale(db: Database) -> None:
+    """Each autoscaled model's bounds and targets (records.Autoscale as JSON; "": its replicas are fixed)."""
+    db["models"].add_column("autoscale_json", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
@@ -173,7 +179,8 @@ MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history
                                      _m008_api_keys_users_sessions, _m009_drains,
                                      _m010_plan_predictions, _m011_stage_runtime,
                                      _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages,
-                                     _m016_stage_kv_cache_bytes, _m017_model_speculation)
+                                     _m016_stage_kv_cache_bytes, _m017_model_speculation,
+                                     _m018_model_autoscale)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -215,9 +222,23 @@ def _agent(row: dict[str, Any]) -> AgentRecord:
 
 
 def _model(row: dict[str, Any]) -> ModelRecord:
-    speculation = row.pop("speculation_json", "")
+    speculation, autoscale = row.pop("speculation_json", ""), row.pop("autoscale_json", "")
     return ModelRecord(config=json.loads(row.pop("config_json")), **row,
-                       speculation=Speculation.of(json.loads(speculation)) if speculation else None)
+                       speculation=Speculation.of(json.loads(speculation)) if speculation else None,
+                       autoscale=Autoscale(**json.loads(autoscale)) if autoscale else None)
+
+
+def _autoscale_json(autoscale: Autoscale | None) -> str:
+    return json.dumps(asdict(autoscale), sort_keys=True) if autoscale is not None else ""
+
+
+def _check_replicas(num_replicas: int, autoscale: Autoscale | None) -> None:
+    """A model's replicas: 1..MAX_REPLICAS, or within its autoscaling bounds (which may reach 0)."""
+    if autoscale is None and not 1 <= num_replicas <= MAX_REPLICAS:
+        raise InvalidInput(f"num_replicas must be in 1..{MAX_REPLICAS}, got {num_replicas}")
+    if autoscale is not None and not autoscale.min_replicas <= num_replicas <= autoscale.max_replicas:
+        raise InvalidInput(f"num_replicas must be in {autoscale.min_replicas}..{autoscale.max_replicas} (its "
+                           f"autoscaling bounds), got {num_replicas}")
 
 
 def _speculation_json(speculation: Speculation | None) -> str:
@@ -367,13 +388,13 @@ class Registry:
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
-                  num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None) -> None:
+                  num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None,
+                  autoscale: Autoscale | None = None) -> None:
         """Add a model, or update its path, config, site pins, quantization, replicas, the stages its plans are
-        asked for and its speculative decoding if it exists (keeping created)."""
+        asked for, its speculative decoding and its autoscaling if it exists (keeping created)."""
         if num_layers < 1:
             raise InvalidInput(f"num_layers must be >= 1, got {num_layers}")
-        if not 1 <= num_replicas <= MAX_REPLICAS:
-            raise InvalidInput(f"num_replicas must be in 1..{MAX_REPLICAS}, got {num_replicas}")
+        _check_replicas(num_replicas, autoscale)
         with self._tx() as db:
             db["models"].insert({"model_id": model_id, "created": now}, ignore=True)
             db["models"].update(model_id, {"path": path, "num_layers": num_layers,
@@ -381,7 +402,34 @@ class Registry:
                                            "first_site": first_site, "last_site": last_site,
                                            "quantize": quantize, "num_replicas": num_replicas,
                                            "num_stages": num_stages,
-                                           "speculation_json": _speculation_json(speculation)})
+                                           "speculation_json": _speculation_json(speculation),
+                                           "autoscale_json": _autoscale_json(autoscale)})
+
+    def set_num_replicas(self, model_id: str, num_replicas: int) -> None:
+        """The replicas an autoscaled model wants now (within its bounds: InvalidInput otherwise; ModelNotFound)."""
+        model = self.model(model_id)
+        if model is None:
+            raise ModelNotFound(f"no model {model_id!r}")
+        _check_replicas(num_replicas, model.autoscale)
+        with self._tx() as db:
+            db["models"].update(model_id, {"num_replicas": num_replicas})
+
+    def drop_replica(self, model_id: str, replica: int) -> None:
+        """Retires the live plans of one replica of the model (the autoscaler gives it back)."""
+        with self._tx() as db:
+            db.execute("UPDATE plans SET state = 'superseded' WHERE model_id = ? AND replica = ? "
+                       "AND state IN ('active', 'standby')", [model_id, replica])
+
+    def move_replica(self, model_id: str, replica: int, to: int) -> None:
+        """Numbers the live plans of one replica of the model as another (InvalidInput if that one has live plans):
+        replicas stay numbered 0..n-1 when one that is not the last is given back."""
+        with self._tx() as db:
+            taken = db.execute("SELECT 1 FROM plans WHERE model_id = ? AND replica = ? AND state IN "
+                               "('active', 'standby')", [model_id, to]).fetchone()
+            if taken:
+                raise InvalidInput(f"replica {to} of {model_id!r} has live plans")
+            db.execute("UPDATE plans SET replica = ? WHERE model_id = ? AND replica = ? "
+                       "AND state IN ('active', 'standby')", [to, model_id, replica])
 
     def models(self) -> list[ModelRecord]:
         """All models, ordered by model_id."""

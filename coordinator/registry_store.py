@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from stratamesh.coordinator.records import (AgentRecord, DrainStatus, EventRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, Autoscale, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
@@ -89,10 +89,20 @@ class PlanStore(Protocol):
 
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
-                  num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None) -> None:
+                  num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None,
+                  autoscale: Autoscale | None = None) -> None:
         """Adds a model, or replaces every field of an existing one but created (num_stages: what its plans are
         asked for, kept so that a model still waiting for its first plan is planned after a restart); InvalidInput, with nothing
-        written, for num_layers < 1 or num_replicas outside 1..MAX_REPLICAS."""
+        written, for num_layers < 1 or num_replicas outside 1..MAX_REPLICAS (or outside autoscale's bounds)."""
+
+    def set_num_replicas(self, model_id: str, num_replicas: int) -> None:
+        """Sets the replicas an autoscaled model wants (InvalidInput outside its bounds; ModelNotFound)."""
+
+    def drop_replica(self, model_id: str, replica: int) -> None:
+        """Retires the live plans of one replica of the model, as one transaction."""
+
+    def move_replica(self, model_id: str, replica: int, to: int) -> None:
+        """Renumbers the live plans of one replica as another, which has none (InvalidInput otherwise)."""
 
     def model(self, model_id: str) -> ModelRecord | None:
         """One model, or None."""

@@ -125,6 +125,9 @@ class Telemetry:
     # scheduling), measured over the last window of enough tokens; 0 until then
     serving_cpu_per_token_s: float = 0.0
     resting: str = ""           # why the owner's limits rest this agent (agent/owner_limits.py); "" = it serves
+    # how near the box is to its owner's limits: the largest reading over its limit (temperature, power, the
+    # owner's load), and quiet hours from 0 an hour before they begin to 1 when they do; 0 without limits
+    limits_near: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

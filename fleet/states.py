@@ -53,6 +53,7 @@ class ModelState(StrEnum):
     STARTING = "starting"           # (/health) not ready yet, and never was
     LOADING = "loading"             # (admin) planned, its stages loading
     WAITING = "waiting"             # (admin) no plan yet: too few agents can hold it
+    SCALED_TO_ZERO = "scaled_to_zero"   # autoscaled to no replica: its next request starts one (a cold start)
 
 
 class DrainState(StrEnum):

@@ -21,6 +21,7 @@ from stratamesh.security_commands import (add_key_arguments, add_revoke_argument
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet import event_loop
 from stratamesh.fleet.errors import EXIT_REFUSED, InvalidInput, MeshError, Refused
+from stratamesh.coordinator.records import SCALE_DOWN_AFTER_S, Autoscale
 from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import AGENT_RUNTIMES, MAX_REPLICAS, MAX_TP_DEGREE, QUANTIZATIONS
 from stratamesh.fleet.states import DEFAULT_ROUTER_MODE, ROUTER_MODES, TOOL_CALL_PARSERS
@@ -73,6 +74,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1,
                     help="pipelines serving the model side by side (see coordinator); --stages defaults to "
                          "agents / replicas")
+    _add_autoscaling(up, see="see coordinator; --stages defaults to agents / max replicas")
     up.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE, help="see coordinator")
     up.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="see coordinator")
     up.add_argument("--speculative-config", type=_json_object, metavar="JSON",
@@ -118,6 +120,7 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
     coordinator.add_argument("--replicas", type=_int_in(1, MAX_REPLICAS), default=1, metavar="N",
                              help="pipelines serving --model side by side, each on agents of its own; a replica "
                                   "is planned once the agents the others leave can hold one")
+    _add_autoscaling(coordinator)
     coordinator.add_argument("--router-mode", choices=ROUTER_MODES, default=DEFAULT_ROUTER_MODE,
                              help="how a request picks one of a model's ready replicas: the one with the least "
                                   "work ahead of its prompt, counting what the replicas' prefix caches hold (kv); "
@@ -209,6 +212,47 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
                        help="Prometheus /metrics port on --host (0: any free port; -1: none)")
     _add_trace_export_arguments(agent)
     agent.set_defaults(func=_agent)
+
+
+def _add_autoscaling(parser: argparse.ArgumentParser, see: str = "") -> None:
+    """A model's replicas following its load (coordinator/autoscaler.py); see: "see coordinator" for up's."""
+    parser.add_argument("--min-replicas", type=_int_in(0, MAX_REPLICAS), metavar="N",
+                        help=see or "autoscaling: the fewest replicas of --model (0: it scales to zero when idle, its "
+                             "next request waiting for a cold start); with --max-replicas its replicas follow the "
+                             "load and --replicas is ignored (default 1)")
+    parser.add_argument("--max-replicas", type=_int_in(1, MAX_REPLICAS), metavar="N",
+                        help=see or "autoscaling: the most replicas of --model (default: --min-replicas)")
+    parser.add_argument("--slo-ttft-ms", type=_milliseconds, metavar="MS",
+                        help=see or "autoscaling: the p90 time to first token to keep under")
+    parser.add_argument("--slo-itl-ms", type=_milliseconds, metavar="MS",
+                        help=see or "autoscaling: the p90 inter-token latency to keep under")
+    parser.add_argument("--scale-down-after", type=_seconds, metavar="SECONDS",
+                        help=see or "autoscaling: a replica is given back once the load has wanted fewer for this "
+                             f"long (default {SCALE_DOWN_AFTER_S:g})")
+
+
+def _autoscale(args: argparse.Namespace, command: str) -> Autoscale | None:
+    """The autoscaling the flags ask for (None if they name no bound nor target)."""
+    named = (args.min_replicas, args.max_replicas, args.slo_ttft_ms, args.slo_itl_ms, args.scale_down_after)
+    if all(v is None for v in named):
+        return None
+    low = 1 if args.min_replicas is None else args.min_replicas
+    try:
+        return Autoscale(low, max(low, 1) if args.max_replicas is None else args.max_replicas, args.slo_ttft_ms,
+                         args.slo_itl_ms, SCALE_DOWN_AFTER_S if args.scale_down_after is None
+                         else args.scale_down_after)
+    except InvalidInput as e:
+        sys.exit(f"stratamesh {command}: {e}")
+
+
+def _autoscale_args(autoscale: Autoscale | None) -> list[str]:
+    """The coordinator's flags for this autoscaling (what up passes on)."""
+    if autoscale is None:
+        return []
+    named = [("--min-replicas", autoscale.min_replicas), ("--max-replicas", autoscale.max_replicas),
+             ("--slo-ttft-ms", autoscale.slo_ttft_ms), ("--slo-itl-ms", autoscale.slo_itl_ms),
+             ("--scale-down-after", autoscale.scale_down_after_s)]
+    return [part for flag, value in named if value is not None for part in (flag, f"{value:g}")]
 
 
 def _add_admission_limits(coordinator: argparse.ArgumentParser) -> None:
@@ -438,7 +482,7 @@ def _coordinator(args: argparse.Namespace) -> None:
     if args.model:
         _check_model_folder("coordinator", args.model)
     models = (ModelRequest(args.model, args.served_model_name, args.stages, SitePins(args.first_site, args.last_site),
-                           args.quantize, args.replicas),
+                           args.quantize, args.replicas, _autoscale(args, "coordinator")),
               ) if args.model else ()
     options = CoordinatorOptions(
         db=args.db, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
@@ -461,6 +505,14 @@ def _gib(text: str) -> float:
     value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    """A time in milliseconds: a number > 0."""
+    value = _number(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {value}")
     return value
 
 
@@ -653,16 +705,19 @@ def _up(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
     from stratamesh.up_state import forget_last_run, open_up_state
 
-    num_stages = args.stages or max(1, args.agents // args.replicas)
-    if args.agents < num_stages * args.replicas:      # a local mesh has only its own agents: say so, start nothing
-        sys.exit(f"stratamesh up: {args.replicas} replicas of {num_stages} stages need {num_stages * args.replicas} "
+    autoscale = _autoscale(args, "up")
+    replicas = autoscale.start if autoscale else args.replicas     # (the agents left over take replicas added later)
+    num_stages = args.stages or max(1, args.agents // (autoscale.max_replicas if autoscale else args.replicas))
+    if args.agents < num_stages * replicas:      # a local mesh has only its own agents: say so, start nothing
+        sys.exit(f"stratamesh up: {replicas} replicas of {num_stages} stages need {num_stages * replicas} "
                  f"agents; --agents is {args.agents}")
     speculation = _up_speculation(args.speculative_config, args.model) if args.speculative_config else None
     model_dir = args.model or builtin_model_dir()
     _check_model_folder("up", model_dir)
     state = open_up_state(up_folder(os.environ), args.fresh, time.time())
     forget_last_run(state)
-    coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode]
+    coordinator_args = ["--replicas", str(args.replicas), "--router-mode", args.router_mode,
+                        *_autoscale_args(autoscale)]
     coordinator_args += ["--quantize", args.quantize] if args.quantize else []
     coordinator_args += ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     if speculation is not None:

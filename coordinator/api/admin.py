@@ -18,6 +18,7 @@ from stratamesh.coordinator.api.errors import ApiError, error_response, error_re
 from stratamesh.coordinator.api.sse import SSEResponse, sse_event
 from stratamesh.coordinator.fleet_view import AgentQuery, FleetView, fleet_delta
 from stratamesh.coordinator.placement import SitePins
+from stratamesh.coordinator.records import SCALE_DOWN_AFTER_S, Autoscale
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
 from stratamesh.fleet.sessions import Speculation
 
@@ -35,7 +36,8 @@ class Admin(Protocol):
     def models(self) -> list[dict[str, Any]]: ...
 
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins, quantize: str = "",
-               num_replicas: int = 1, speculation: Speculation | None = None) -> dict[str, Any]: ...
+               num_replicas: int = 1, speculation: Speculation | None = None,
+               autoscale: Autoscale | None = None) -> dict[str, Any]: ...
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]: ...
 
@@ -113,9 +115,13 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
         except InvalidInput as exc:
             return error_response(ApiError(400, str(exc), param="speculative_config", code="bad_speculative_config"))
         try:
+            autoscale = _autoscale(body)
+        except InvalidInput as exc:
+            return error_response(ApiError(400, str(exc), param="max_replicas", code="bad_autoscale"))
+        try:
             return {"model": admin.deploy(body.path, body.model_id, body.num_stages,
                                           SitePins(body.first_site or "", body.last_site or ""), body.quantize,
-                                          body.num_replicas, speculation)}
+                                          body.num_replicas, speculation, autoscale)}
         except (CheckpointError, InvalidInput) as exc:
             return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
 
@@ -130,6 +136,17 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
             return error_response(ApiError(404, str(exc), param="model_id", code="model_not_found"))
         except (PlacementError, InvalidInput) as exc:
             return error_response(ApiError(409, str(exc), code="replan_refused"))
+
+
+def _autoscale(body: schemas.DeployModel) -> Autoscale | None:
+    """The body's autoscaling (None where it names no bound nor target): min_replicas defaults to 1, max_replicas
+    to the minimum (and one at least)."""
+    if not body.autoscales:
+        return None
+    low = 1 if body.min_replicas is None else body.min_replicas
+    return Autoscale(low, body.max_replicas if body.max_replicas is not None else max(low, 1), body.slo_ttft_ms,
+                     body.slo_itl_ms, SCALE_DOWN_AFTER_S if body.scale_down_after_s is None
+                     else body.scale_down_after_s)
 
 
 def _add_live_routes(router: APIRouter, admin: Admin, views: SharedView) -> None:

@@ -46,6 +46,22 @@ class DeployModel(_Request):
         None, description='its speculative decoding, as vLLM\'s speculative_config: {"method": "ngram", '
                           '"num_speculative_tokens": 4, "prompt_lookup_max": 3}; default: the coordinator\'s '
                           "(--speculative-config)")
+    min_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS, description="autoscaling: the fewest replicas "
+                                     "(0: it may scale to zero, its next request waiting for a cold start); with "
+                                     "max_replicas, the replicas follow the load and num_replicas is ignored")
+    max_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS, description="autoscaling: the most replicas")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="autoscaling: the p90 time to first token to keep "
+                                      "under, in milliseconds")
+    slo_itl_ms: float | None = Field(None, gt=0, description="autoscaling: the p90 inter-token latency to keep "
+                                     "under, in milliseconds")
+    scale_down_after_s: float | None = Field(None, ge=0, description="autoscaling: a replica is given back once the "
+                                             "load has wanted fewer for this long (default 60)")
+
+    @property
+    def autoscales(self) -> bool:
+        """Whether the body asks for autoscaling: it names a bound or a target."""
+        return any(v is not None for v in (self.min_replicas, self.max_replicas, self.slo_ttft_ms, self.slo_itl_ms,
+                                            self.scale_down_after_s))
 
 
 class Replan(_Request):
@@ -174,6 +190,24 @@ class SpeculationView(BaseModel):
     acceptance_rate: float | None = None     # accepted / drafted; None before any draft
 
 
+class ReplicaPointView(BaseModel):
+    t: float            # unix seconds
+    desired: int        # the replicas the model wanted
+    ready: int          # ... and those serving
+
+
+class AutoscaleView(BaseModel):
+    """An autoscaled model's bounds and targets, its replicas over the last ten minutes and the last decision."""
+    min_replicas: int
+    max_replicas: int
+    slo_ttft_ms: float | None
+    slo_itl_ms: float | None
+    scale_down_after_s: float
+    history: list[ReplicaPointView] = []
+    last_decision: str = ""              # the autoscaler's last change and its reason
+    last_cold_start_s: float | None = None   # its last start from zero replicas, to a replica serving
+
+
 class ModelView(BaseModel):
     model_id: str
     path: str
@@ -189,6 +223,7 @@ class ModelView(BaseModel):
     created: float
     speculation: SpeculationView = SpeculationView()    # speculative decoding (--speculative-config)
     speculative_config: dict[str, Any] | None = None    # the model's own (None: the coordinator's default)
+    autoscale: AutoscaleView | None = None   # its replicas follow its load (None: num_replicas is fixed)
     load_errors: list[LoadErrorView] = []    # the stages of its plans that an agent could not load, and why
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,9 +17,9 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
                                               serving_cpu_of, smallest_stage_bytes)
-from stratamesh.coordinator.records import ModelRecord, PlanRecord, StageRecord
+from stratamesh.coordinator.records import Autoscale, ModelRecord, PlanRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
-from stratamesh.fleet.errors import InvalidInput, PlacementError
+from stratamesh.fleet.errors import InvalidInput, ModelNotFound, PlacementError
 from stratamesh.fleet.states import PlanState, StageState
 from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.stages import Assignment, StageSpec
@@ -66,26 +66,77 @@ class Plans:
 
     # ------------------------------------------------------------ models
     def add_model(self, model_id: str, path: str, num_stages: int, pins: SitePins = SitePins(),
-                  quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None) -> None:
-        """Registers a model (or updates its path, site pins, quantization, replicas and speculative decoding: a
-        served one takes the first three at its next re-plan, fewer replicas and its speculation at once) and asks
-        for a plan of num_stages stages for each of num_replicas replicas. quantize: "int8" or "int4" for quantized
-        weights (check_quantize); "": as stored (a GGUF file's nearest format: fleet.model_folder.stored_quantize).
-        speculation: its generations' (None: the coordinator's default)."""
+                  quantize: str = "", num_replicas: int = 1, speculation: Speculation | None = None,
+                  autoscale: Autoscale | None = None) -> None:
+        """Registers a model (or updates its path, site pins, quantization, replicas, speculative decoding and
+        autoscaling: a served one takes the first three at its next re-plan, fewer replicas and its speculation at
+        once) and asks for a plan of num_stages stages for each of num_replicas replicas. quantize: "int8" or
+        "int4" for quantized weights (check_quantize); "": as stored (a GGUF file's nearest format:
+        fleet.model_folder.stored_quantize). speculation: its generations' (None: the coordinator's default).
+        autoscale: its replicas follow its load within these bounds (coordinator/autoscaler.py), starting from
+        its minimum (one at least); num_replicas is then ignored."""
         config = check_model(path, num_stages)
         check_quantize(quantize)
         quantize = quantize or stored_quantize(path)
+        if autoscale is not None:
+            served = self._registry.model(model_id)
+            num_replicas = autoscale.bound(served.num_replicas) if served and served.autoscale else autoscale.start
         self._stage_bytes.pop(model_id, None)       # its config or quantization may be new
         self._least_stage_bytes = None
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
                                  config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize,
-                                 num_replicas=num_replicas, num_stages=num_stages, speculation=speculation)
+                                 num_replicas=num_replicas, num_stages=num_stages, speculation=speculation,
+                                 autoscale=autoscale)
         self._registry.drop_replicas(model_id, keep=num_replicas)
-        if self._registry.active_plan(model_id) is None:
-            self._pending[model_id] = num_stages
-            self._unplaceable.pop((model_id, 0), None)
+        self._wait_for_first_plan(model_id, num_stages)
         self.release_unplanned()
         self.reconcile()
+
+    def _wait_for_first_plan(self, model_id: str, num_stages: int) -> None:
+        """A model with replicas wanted and no plan waits for the agents of a first one; one scaled to zero waits
+        for nothing."""
+        model = self._registry.model(model_id)
+        if model.num_replicas == 0:
+            self._pending.pop(model_id, None)
+        elif self._registry.active_plan(model_id) is None:
+            self._pending[model_id] = num_stages
+            self._unplaceable.pop((model_id, 0), None)
+
+    def scale(self, model_id: str, num_replicas: int, give_back: Sequence[int] = ()) -> list[str]:
+        """An autoscaled model's replicas become num_replicas (within its bounds: InvalidInput). Fewer: the
+        replicas in give_back go first (then the last ones), each planned on no more, their stages kept while
+        generations still run on them (retired: none is aborted), and the rest numbered 0..n-1 again; more: the
+        new ones are planned on free agents as any replica is (one from zero waits for a first plan as a new
+        model does). Returns the assignment ids of the stages given back."""
+        model = self._registry.model(model_id)
+        if model is None:
+            raise ModelNotFound(f"the model '{model_id}' does not exist")
+        num_stages = self.num_stages(model_id) or model.num_stages or 1
+        self._registry.set_num_replicas(model_id, num_replicas)
+        plans = {plan.replica: plan for plan in self._registry.active_plans(model_id)}
+        replicas = range(model.num_replicas)
+        dropped = [r for r in give_back if r in replicas][:max(model.num_replicas - num_replicas, 0)]
+        fewer = model.num_replicas - num_replicas - len(dropped)
+        dropped += [r for r in reversed(replicas) if r not in dropped][:max(fewer, 0)]
+        given_back = [s.assignment_id for r in dropped if r in plans for s in plans[r].stages]
+        for replica in dropped:
+            self._registry.drop_replica(model_id, replica)
+        for to, replica in enumerate(r for r in replicas if r not in dropped):
+            if to != replica:
+                self._registry.move_replica(model_id, replica, to)
+        for key in [k for k in (*self._unplaceable, *self._considered) if k[0] == model_id]:
+            self._unplaceable.pop(key, None)
+            self._considered.pop(key, None)
+        self.retire(given_back, self._clock())
+        self._wait_for_first_plan(model_id, num_stages)
+        self.release_unplanned()
+        self.reconcile()
+        return given_back
+
+    def scaled_to_zero(self, model_id: str) -> bool:
+        """Whether the model is autoscaled to no replica (its next request asks for one)."""
+        model = self._registry.model(model_id)
+        return model is not None and model.autoscale is not None and model.num_replicas == 0
 
     def num_stages(self, model_id: str) -> int:
         """Stages of the model's serving plan, or of the plan it waits for (0 if neither)."""
@@ -181,7 +232,7 @@ class Plans:
         A model that was still waiting for its first plan waits again, for as many stages as it asked for."""
         agents = []
         for model in self._registry.models():
-            if self._registry.active_plan(model.model_id) is None:
+            if self._registry.active_plan(model.model_id) is None and model.num_replicas > 0:
                 self._pending.setdefault(model.model_id, model.num_stages or 1)
             for plan in self._registry.active_plans(model.model_id):
                 for stage in plan.stages:

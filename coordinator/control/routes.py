@@ -91,8 +91,14 @@ class Routes:
         return bool(self.ready_plans(model_id))
 
     def accepts(self, model_id: str) -> bool:
-        """Ready, or recovering from a lost agent after having been ready: requests wait for a route."""
-        return model_id in self._served or self.is_ready(model_id)
+        """Ready, or recovering from a lost agent after having been ready, or autoscaled to zero replicas (its
+        next request asks for one): requests wait for a route."""
+        return model_id in self._served or self.is_ready(model_id) or self.cold(model_id)
+
+    def cold(self, model_id: str) -> bool:
+        """Whether the model is autoscaled and has no replica serving: a request waits for one to start."""
+        model = self.registry.model(model_id)
+        return model is not None and model.autoscale is not None and not self.is_ready(model_id)
 
     def hops(self, plans: list[PlanRecord], avoid: Collection[str] = ()) -> list[tuple[PlanRecord, list[Hop]]]:
         """Each plan with its hops in pipeline order, less those through an address in avoid."""

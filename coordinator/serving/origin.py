@@ -25,6 +25,8 @@ from stratamesh.fleet.sessions import Hop, SamplingParams, Speculation
 
 # How long a request waits for a route: while its model recovers from a lost agent, or mid-generation.
 ROUTE_WAIT_S = 30.0
+# ... and for an autoscaled model with no replica serving, while one starts (a cold start loads its stages)
+COLD_START_WAIT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +92,10 @@ class Origin:
 
     def health(self) -> dict[str, Any]:
         models = {m.model_id: self._state(m.model_id) for m in model_infos(self._deployer.registry)}
-        ready = bool(models) and all(state == ModelState.READY for state in models.values())
-        serving = bool(models) and all(state in (ModelState.READY, ModelState.RECOVERING) for state in models.values())
+        ready = bool(models) and all(state in (ModelState.READY, ModelState.SCALED_TO_ZERO)
+                                     for state in models.values())
+        serving = bool(models) and all(state in (ModelState.READY, ModelState.RECOVERING, ModelState.SCALED_TO_ZERO)
+                                       for state in models.values())
         health = {"status": "ok" if ready else "degraded" if serving else "starting", "models": models,
                   "num_agents": self._deployer.roster.num_agents, "num_sessions": self.sessions.num_sessions}
         errors = [asdict(e) for model_id in models
@@ -99,10 +103,13 @@ class Origin:
         return {**health, "load_errors": errors} if errors else health
 
     def _state(self, model_id: str) -> ModelState:
-        """READY; RECOVERING (it lost an agent and requests wait for its new route); or STARTING."""
+        """READY; RECOVERING (it lost an agent and requests wait for its new route); SCALED_TO_ZERO (autoscaled to
+        no replica: a request starts one); or STARTING."""
         routes = self._deployer.routes
         if routes.is_ready(model_id):
             return ModelState.READY
+        if self._deployer.plans.scaled_to_zero(model_id):
+            return ModelState.SCALED_TO_ZERO
         return ModelState.RECOVERING if routes.accepts(model_id) else ModelState.STARTING
 
     def _run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, hidden_size: int,
@@ -113,11 +120,13 @@ class Origin:
                    chunk_tokens(hidden_size), speculation=speculation if params.verifiable else None)
 
     async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
-        """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers
-        (ModelNotReady after). The addresses in avoid are trusted again after an agent's lease: if nobody declared
-        their agent dead by then, the failure was the link's, and the route through them is the one there is."""
+        """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers, and up to
+        COLD_START_WAIT_S while an autoscaled one starts a replica (ModelNotReady after). The addresses in avoid are
+        trusted again after an agent's lease: if nobody declared their agent dead by then, the failure was the
+        link's, and the route through them is the one there is."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._route_wait_s
+        cold = self._deployer.routes.cold(model_id)
+        deadline = loop.time() + (max(self._route_wait_s, COLD_START_WAIT_S) if cold else self._route_wait_s)
         trust_at = loop.time() + self._deployer.roster.liveness.lease_s + 1.0
         while True:
             now = loop.time()

@@ -463,13 +463,16 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
                              spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
                              expert_tokens=s.expert_tokens, expert_imbalance=s.expert_imbalance)
                 for s in t.stages],
-        gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting)
+        gpus=[gpu_to_pb(g) for g in t.gpus], serving_cpu_per_token_s=t.serving_cpu_per_token_s, resting=t.resting,
+        limits_near=t.limits_near)
 
 
 def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
     """A heartbeat's telemetry; InvalidInput for negative counts or more blocks used than held."""
-    if msg.queue_depth < 0 or not msg.tokens_per_s >= 0 or not 0 <= msg.serving_cpu_per_token_s < math.inf:
-        raise InvalidInput("telemetry.queue_depth, tokens_per_s and serving_cpu_per_token_s must be >= 0")
+    if msg.queue_depth < 0 or not msg.tokens_per_s >= 0 or not 0 <= msg.serving_cpu_per_token_s < math.inf \
+            or not 0 <= msg.limits_near < math.inf:
+        raise InvalidInput("telemetry.queue_depth, tokens_per_s, serving_cpu_per_token_s and limits_near must be "
+                           ">= 0")
     stages = []
     for s in msg.stages:
         counts = (s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.prefix_query_tokens,
@@ -488,7 +491,8 @@ def telemetry_from_pb(msg: pb.Telemetry) -> Telemetry:
         stages.append(StageLoad(s.assignment_id, *counts, s.decode_step_s, s.decode_roofline, *spec,
                                 tuple(s.expert_tokens), s.expert_imbalance))
     return Telemetry(msg.unix_s, msg.queue_depth, msg.tokens_per_s, tuple(stages),
-                     tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON])
+                     tuple(gpu_from_pb(g) for g in msg.gpus), msg.serving_cpu_per_token_s, msg.resting[:MAX_REASON],
+                     msg.limits_near)
 
 
 def link_report_to_pb(links: list[LinkMeasurement]) -> pb.AgentMessage:

@@ -206,7 +206,7 @@ class Heartbeat(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., num_sessions: _Optional[int] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("unix_s", "queue_depth", "tokens_per_s", "stages", "gpus", "serving_cpu_per_token_s", "resting")
+    __slots__ = ("unix_s", "queue_depth", "tokens_per_s", "stages", "gpus", "serving_cpu_per_token_s", "resting", "limits_near")
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class Telemetry(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SERVING_CPU_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     RESTING_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_NEAR_FIELD_NUMBER: _ClassVar[int]
     unix_s: float
     queue_depth: int
     tokens_per_s: float
@@ -221,7 +222,8 @@ class Telemetry(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     serving_cpu_per_token_s: float
     resting: str
-    def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., serving_cpu_per_token_s: _Optional[float] = ..., resting: _Optional[str] = ...) -> None: ...
+    limits_near: float
+    def __init__(self, unix_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageLoad, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., serving_cpu_per_token_s: _Optional[float] = ..., resting: _Optional[str] = ..., limits_near: _Optional[float] = ...) -> None: ...
 
 class StageLoad(_message.Message):
     __slots__ = ("assignment_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens", "decode_step_s", "decode_roofline", "spec_draft_tokens", "spec_accepted_tokens", "expert_tokens", "expert_imbalance")

@@ -87,6 +87,15 @@ def test_the_agent_rests_after_the_grace_period_and_serves_after_the_cool_down()
     assert not policy.resting
 
 
+def test_how_near_a_reading_is_to_the_limits_is_its_nearest_one() -> None:
+    limits = OwnerLimits(max_gpu_temp_c=80, max_host_load=2.0, quiet_hours=(QuietHours.parse("13:00-14:00"),))
+    assert limits.nearness(Reading(0, NOON - 60, (40.0,), owner_load=0.5)) == pytest.approx(0.5)
+    assert limits.nearness(Reading(0, NOON - 60, (40.0,), owner_load=1.8)) == pytest.approx(0.9)
+    assert limits.nearness(Reading(0, NOON + 30, (20.0,))) == pytest.approx(0.5)     # half an hour before quiet hours
+    assert limits.nearness(Reading(0, 13 * 60 + 10)) == 1.0 and limits.nearness(Reading(0, NOON, (96.0,))) == 1.2
+    assert OwnerLimits().nearness(Reading(0, NOON, (99.0,), 500.0, 8.0)) == 0.0
+
+
 def test_the_watch_says_why_the_agent_rests_in_its_telemetry_while_it_does(tmp_path) -> None:
     sensors, clock = tmp_path / "sensors.json", [1000.0]
     watch = OwnerWatch(OwnerLimits(max_gpu_temp_c=80, grace_s=10, cooldown_s=20), str(sensors),
@@ -100,6 +109,8 @@ def test_the_watch_says_why_the_agent_rests_in_its_telemetry_while_it_does(tmp_p
     assert beat(90, 0) == "" and beat(90, 5) == ""
     assert beat(90, 5) == "at 90 C, above 80 C" and beat(60, 5) == "at 90 C, above 80 C"   # rests until cooled
     assert beat(60, 19) == "at 90 C, above 80 C" and beat(60, 1) == ""
+    sensors.write_text('{"temperatures_c": [72]}')
+    assert watch.check(Telemetry(clock[0])).limits_near == pytest.approx(0.9)
 
 
 def test_quiet_hours_rest_the_agent_and_their_end_lets_it_serve() -> None:

@@ -81,7 +81,19 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
             "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
             "ready_replicas": 0, "created": 0, "load_errors": [],
             "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None},
-            "speculative_config": None}
+            "speculative_config": None, "autoscale": None}
+        scaled = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m5", "num_stages": 1,
+                                                              "min_replicas": 0, "max_replicas": 2, "slo_itl_ms": 50})
+        assert scaled.status_code == 202 and scaled.json()["model"]["num_replicas"] == 1     # it starts with one
+        assert scaled.json()["model"]["autoscale"] == {
+            "min_replicas": 0, "max_replicas": 2, "slo_ttft_ms": None, "slo_itl_ms": 50.0, "scale_down_after_s": 60.0,
+            "history": [], "last_decision": "", "last_cold_start_s": None}
+        assert registry.model("m5").autoscale.slo_itl_ms == 50
+        for bad in ({"min_replicas": 3, "max_replicas": 2}, {"min_replicas": 0, "max_replicas": 0},
+                    {"slo_ttft_ms": -1}):
+            refused = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m6", **bad})
+            assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", bad
+        assert registry.model("m6") is None
         pinned = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m3",
                                                               "num_stages": 1, "first_site": "lab"})
         assert pinned.status_code == 202 and pinned.json()["model"]["state"] == "waiting"
@@ -95,7 +107,10 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
         assert event["kind"] == "placement_failed" and "'lab'" in event["detail"]
         report_ready(deployer, agents)
         states = {m["model_id"]: m["state"] for m in (await client.get("/admin/api/models")).json()["models"]}
-        assert states == {"m": "ready", "m2": "ready", "m3": "waiting", "m4": "waiting"}
+        assert states == {"m": "ready", "m2": "ready", "m3": "waiting", "m4": "waiting", "m5": "ready"}
+        deployer.plans.scale("m5", 0)
+        states = {m["model_id"]: m["state"] for m in (await client.get("/admin/api/models")).json()["models"]}
+        assert states["m5"] == "scaled_to_zero"
         plans = (await client.get("/admin/api/plans")).json()["plans"]
         assert sorted((p["model_id"], p["num_layers"], p["state"]) for p in plans) == [
             ("m", 6, "active"), ("m2", 6, "active")]

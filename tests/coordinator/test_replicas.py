@@ -9,6 +9,7 @@ import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.liveness import LivenessConfig
+from stratamesh.coordinator.records import Autoscale
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import InvalidInput
 from tests.coordinator.test_deployer import (Agent, OriginSessions, connect_all, heartbeats, model_dir,  # noqa: F401
@@ -81,3 +82,52 @@ def test_asking_for_fewer_replicas_retires_the_others(model_dir: Path) -> None:
     assert released == {s.assignment_id for s in second.stages}
     with pytest.raises(InvalidInput, match="num_replicas"):
         deployer.plans.add_model("m", str(model_dir), num_stages=2, num_replicas=0)
+
+
+def test_an_autoscaled_model_gives_back_a_replica_whose_stages_finish_their_generations_first(
+        model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    in_use: set[str] = set()
+    deployer = Deployer(registry, clock=lambda: 100.0, sessions=OriginSessions(in_use=in_use))
+    agents = [Agent(f"a{i}", 8) for i in range(1, 7)]
+    deployer.plans.add_model("m", str(model_dir), num_stages=2, autoscale=Autoscale(1, 3))
+    connect_all(deployer, agents)
+    assert len(registry.active_plans("m")) == 1              # it starts at its minimum
+    deployer.plans.scale("m", 3)
+    report_ready(deployer, agents)
+    plans = registry.active_plans("m")
+    assert [p.replica for p in plans] == [0, 1, 2] and len(deployer.routes.ready_plans("m")) == 3
+    middle, last = plans[1], plans[2]
+    in_use.add(middle.stages[0].assignment_id)               # a generation still runs on the middle one
+    given_back = deployer.plans.scale("m", 2, give_back=[1])
+    assert given_back == [s.assignment_id for s in middle.stages]
+    assert [(p.replica, p.plan_id) for p in registry.active_plans("m")] == [(0, plans[0].plan_id), (1, last.plan_id)]
+    assert registry.model("m").num_replicas == 2
+    released = {m.assignment_id for a in agents for m in a.sent if type(m).__name__ == "Release"}
+    assert released == {middle.stages[1].assignment_id}       # the stage in use stays until its generation ends
+    in_use.clear()
+    deployer.tick()
+    released = {m.assignment_id for a in agents for m in a.sent if type(m).__name__ == "Release"}
+    assert released == {s.assignment_id for s in middle.stages}
+    with pytest.raises(InvalidInput, match="autoscaling bounds"):
+        deployer.plans.scale("m", 4)
+
+
+def test_an_autoscaled_model_scales_to_zero_and_back_with_a_first_plan(model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent(f"a{i}", 8) for i in range(1, 3)]
+    deployer.plans.add_model("m", str(model_dir), num_stages=2, autoscale=Autoscale(0, 1))
+    connect_all(deployer, agents)
+    report_ready(deployer, agents)
+    assert deployer.routes.is_ready("m") and not deployer.routes.cold("m")
+    deployer.plans.scale("m", 0)
+    assert registry.active_plans("m") == [] and deployer.plans.scaled_to_zero("m")
+    assert deployer.routes.cold("m") and deployer.routes.accepts("m")     # a request waits for a cold start
+    deployer.tick()
+    assert registry.active_plans("m") == []                  # nothing plans a model scaled to zero
+    deployer.plans.scale("m", 1)
+    plan = registry.active_plan("m")
+    assert plan is not None and len(plan.stages) == 2 and not deployer.plans.scaled_to_zero("m")
+    report_ready(deployer, agents)
+    assert deployer.routes.is_ready("m") and not deployer.routes.cold("m")

@@ -243,7 +243,7 @@ def test_telemetry_links_and_probe_round_trip() -> None:
                           stages=(StageLoad("p-0", 2, 1, 40, 512, 96, 64),
                                   StageLoad("p-1", 0, 0, 0, 8, expert_tokens=(12, 0, 30, 6), expert_imbalance=2.5)),
                           gpus=(GpuInfo(0, "L4", 24 << 30, 20 << 30, "GPU-b", "8.9", 55.0, 61.0, 40.0, 72.0),),
-                          serving_cpu_per_token_s=1.3e-4)
+                          serving_cpu_per_token_s=1.3e-4, resting="", limits_near=0.85)
     wire = convert.heartbeat_to_pb(7, 2, telemetry).SerializeToString()
     heartbeat = pb.AgentMessage.FromString(wire).heartbeat
     assert heartbeat.seq == 7 and convert.telemetry_from_pb(heartbeat.telemetry) == telemetry
@@ -269,9 +269,11 @@ def test_inconsistent_telemetry_is_rejected(stage) -> None:
 
 
 @pytest.mark.parametrize("value", [-1e-4, float("nan"), float("inf")])
-def test_a_serving_cpu_figure_that_is_no_duration_is_rejected(value: float) -> None:
+def test_a_serving_cpu_figure_or_limits_nearness_that_is_no_fraction_is_rejected(value: float) -> None:
     with pytest.raises(InvalidInput, match="serving_cpu_per_token_s"):
         convert.telemetry_from_pb(pb.Telemetry(serving_cpu_per_token_s=value))
+    with pytest.raises(InvalidInput, match="limits_near"):
+        convert.telemetry_from_pb(pb.Telemetry(limits_near=value))
 
 
 @pytest.mark.parametrize("link, match", [
