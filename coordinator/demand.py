@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from stratamesh.coordinator.live_stats import percentile
 
-WINDOW_S = 20.0                 # rates and percentiles are taken over this many seconds up to now
+WINDOW_S = 10.0                 # rates and percentiles are taken over this many seconds up to now
 MAX_SAMPLES = 4096              # latency samples kept per model (the newest)
 TOKENS_PER_REQUEST_PRIOR = 128.0    # what a request is taken to generate before any has finished
 TOKENS_DECAY = 0.9              # each finished request's weight against the mean of those before

@@ -11,6 +11,24 @@ from stratamesh.bench.datasets import DATASETS
 from stratamesh.bench.metrics import BenchError, parse_goodput
 
 
+RateSchedule = tuple[tuple[float, float], ...]
+
+
+def parse_rate_schedule(text: str) -> RateSchedule:
+    """"RATE:SECONDS,RATE:SECONDS,...": Poisson arrivals at each rate (requests/s, 0 for none) for that long."""
+    schedule = []
+    for part in text.split(","):
+        rate, sep, seconds = part.partition(":")
+        try:
+            step = (float(rate), float(seconds))
+        except ValueError:
+            step = (-1.0, -1.0)
+        if not sep or not (0 <= step[0] < math.inf and 0 < step[1] < math.inf):
+            raise BenchError(f"--rate-schedule: {part!r} is not RATE:SECONDS (a rate >= 0, a time > 0)")
+        schedule.append(step)
+    return tuple(schedule)
+
+
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     """One `bench serve` run: where to send what, how fast, and the SLOs for goodput."""
@@ -22,6 +40,8 @@ class ServeOptions:
     dataset: str = "random"
     num_prompts: int = 100
     request_rate: float = math.inf         # requests per second, Poisson arrivals; inf: all at once
+    rate_schedule: RateSchedule = ()       # (requests/s, seconds) in turn: a load that rises and falls; it sets
+                                           # the number of requests and takes request_rate's place
     max_concurrency: int | None = None
     input_len: int = 128
     output_len: int = 64
@@ -59,6 +79,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
     parser.add_argument("--request-rate", type=float, default=d.request_rate,
                         help="requests/s, Poisson arrivals (seeded); inf sends all at once")
+    parser.add_argument("--rate-schedule", default="", metavar="RATE:SECONDS,...",
+                        help="a load that rises and falls: Poisson arrivals at each rate for its seconds, in turn "
+                             "(e.g. 1:30,6:60,0.5:30); it replaces --request-rate and --num-prompts")
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     parser.add_argument("--input-len", type=int, default=d.input_len)
     parser.add_argument("--output-len", type=int, default=d.output_len)
@@ -81,6 +104,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         api_key=args.api_key if args.api_key is not None else os.environ.get("STRATAMESH_API_KEY", ""),
         model=args.model, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         dataset=args.dataset, num_prompts=args.num_prompts, request_rate=args.request_rate,
+        rate_schedule=parse_rate_schedule(args.rate_schedule) if args.rate_schedule else (),
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, range_ratio=args.random_range_ratio,
         seed=args.seed, goodput_ms=parse_goodput(args.goodput), warmup=args.warmup)

@@ -32,7 +32,9 @@ def format_report(metrics: BenchMetrics, options: ServeOptions, drafts: tuple[in
             _row("Failed requests:", metrics.failed)]
     if options.max_concurrency is not None:
         rows.append(_row("Maximum request concurrency:", options.max_concurrency))
-    if not math.isinf(options.request_rate):
+    if options.rate_schedule:
+        rows.append(f"{'Rate schedule (RPS:s):':<40}" + ",".join(f"{r:g}:{t:g}" for r, t in options.rate_schedule))
+    elif not math.isinf(options.request_rate):
         rows.append(_row("Request rate configured (RPS):", float(options.request_rate)))
     rows += [_row("Benchmark duration (s):", metrics.duration_s),
              _row("Total input tokens:", metrics.total_input_tokens),
@@ -60,6 +62,7 @@ def format_json(metrics: BenchMetrics, options: ServeOptions, records: Sequence[
     server said (None otherwise) and, as vLLM's result file, per-request lists (s)."""
     settings = {"model": options.model, "dataset": options.dataset, "num_prompts": options.num_prompts,
                 "request_rate": None if math.isinf(options.request_rate) else options.request_rate,
+                "rate_schedule": [list(step) for step in options.rate_schedule],
                 "max_concurrency": options.max_concurrency, "input_len": options.input_len,
                 "output_len": options.output_len, "seed": options.seed, "goodput_ms": options.goodput_ms}
     if options.dataset == "shared-prefix":

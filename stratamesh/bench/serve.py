@@ -9,7 +9,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +27,7 @@ from stratamesh.bench.metrics import (
     RequestRecord,
     compute_metrics,
 )
-from stratamesh.bench.options import ServeOptions
+from stratamesh.bench.options import RateSchedule, ServeOptions
 from stratamesh.bench.report import format_json, format_report
 
 
@@ -49,6 +49,18 @@ def arrival_offsets_s(num_requests: int, request_rate: float, seed: int) -> list
     for _ in range(num_requests):
         offsets.append(now)
         now += rng.expovariate(request_rate)
+    return offsets
+
+
+def scheduled_offsets_s(schedule: RateSchedule, seed: int) -> list[float]:
+    """Send times from the start of a rate schedule: Poisson arrivals at each step's rate through its seconds."""
+    rng, offsets, begin = random.Random(seed), [], 0.0
+    for rate, seconds in schedule:
+        now = begin + (rng.expovariate(rate) if rate > 0 else seconds)
+        while now < begin + seconds:
+            offsets.append(now)
+            now += rng.expovariate(rate)
+        begin += seconds
     return offsets
 
 
@@ -125,10 +137,11 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
 
 
 async def run_requests(url: str, model: str, requests: list[BenchRequest], request_rate: float,
-                       max_concurrency: int | None, seed: int,
-                       timeout_s: float = 600.0, api_key: str = "") -> tuple[list[RequestRecord], float]:
-    """Sends requests on a Poisson schedule, at most max_concurrency in flight; (records, duration_s)."""
-    offsets = arrival_offsets_s(len(requests), request_rate, seed)
+                       max_concurrency: int | None, seed: int, timeout_s: float = 600.0, api_key: str = "",
+                       offsets: Sequence[float] | None = None) -> tuple[list[RequestRecord], float]:
+    """Sends requests on a Poisson schedule (or at offsets, seconds from the start, one per request), at most
+    max_concurrency in flight; (records, duration_s)."""
+    offsets = arrival_offsets_s(len(requests), request_rate, seed) if offsets is None else offsets
     in_flight = asyncio.Semaphore(max_concurrency or len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=auth_headers(api_key)) as client:
@@ -206,6 +219,11 @@ def bench_serve(options: ServeOptions, measuring: Callable[[], None] | None = No
     record)."""
     if not options.model:
         options = replace(options, model=first_model(options.url, options.api_key))
+    offsets = scheduled_offsets_s(options.rate_schedule, options.seed) if options.rate_schedule else None
+    if offsets is not None:
+        if not offsets:
+            raise BenchError("--rate-schedule makes no request")
+        options = replace(options, num_prompts=len(offsets))
     warmup, measured = build_requests(options)
     if warmup:
         asyncio.run(run_requests(options.url, options.model, warmup, math.inf, options.max_concurrency,
@@ -214,7 +232,7 @@ def bench_serve(options: ServeOptions, measuring: Callable[[], None] | None = No
         measuring()
     records, duration_s = asyncio.run(run_requests(
         options.url, options.model, measured, options.request_rate, options.max_concurrency, options.seed,
-        options.timeout_s, options.api_key))
+        options.timeout_s, options.api_key, offsets))
     return compute_metrics(records, duration_s, options.goodput_ms or None), records
 
 

@@ -27,10 +27,11 @@ from stratamesh.bench.metrics import (
     parse_goodput,
     percentile,
 )
-from stratamesh.bench.options import ServeOptions, add_serve_arguments, options_from_args
+from stratamesh.bench.options import ServeOptions, add_serve_arguments, options_from_args, parse_rate_schedule
 from stratamesh.bench.report import format_json, format_report
 from stratamesh.bench.serve import (
     arrival_offsets_s,
+    scheduled_offsets_s,
     auth_headers,
     parse_sse_line,
     record_from_stream,
@@ -238,6 +239,20 @@ def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate() -> None:
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.15)     # exponential: stdev == mean
     assert arrival_offsets_s(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_a_rate_schedule_rises_and_falls_step_by_step() -> None:
+    schedule = parse_rate_schedule("2:100,10:100,0:50,1:100")
+    assert schedule == ((2.0, 100.0), (10.0, 100.0), (0.0, 50.0), (1.0, 100.0))
+    offsets = scheduled_offsets_s(schedule, seed=3)
+    assert offsets == sorted(offsets) and offsets == scheduled_offsets_s(schedule, seed=3)
+    per_step = [sum(begin <= t < end for t in offsets) for begin, end in ((0, 100), (100, 200), (200, 250),
+                                                                         (250, 350))]
+    assert per_step[0] == pytest.approx(200, rel=0.2) and per_step[1] == pytest.approx(1000, rel=0.1)
+    assert per_step[2] == 0 and per_step[3] == pytest.approx(100, rel=0.3) and len(offsets) == sum(per_step)
+    for bad in ("2", "2:0", "-1:10", "a:b", "1:10,"):
+        with pytest.raises(BenchError, match="rate-schedule"):
+            parse_rate_schedule(bad)
 
 
 @pytest.mark.parametrize("kwargs", [{"num_prompts": 0}, {"max_concurrency": 0}, {"request_rate": 0.0},
