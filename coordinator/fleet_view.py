@@ -28,10 +28,13 @@ SITE_LINKS_MAX = 100        # pairs of sites a view sums links up for, those wit
 UP_STATES = frozenset({AgentState.ONLINE, AgentState.CONNECTED})
 
 
-def agent_json(agent: AgentRecord, metrics_address: str, telemetry: tuple[float, Telemetry] | None) -> dict[str, Any]:
-    """An agent as the admin API shows it (AgentView): its record, where its /metrics are, and its newest telemetry
+def agent_json(agent: AgentRecord, metrics_address: str, telemetry: tuple[float, Telemetry] | None,
+               versions: tuple[str, int] = ("", 0)) -> dict[str, Any]:
+    """An agent as the admin API shows it (AgentView): its record, where its /metrics are, the software and
+    data-plane protocol it last joined this coordinator with ("", 0: not since it started), and its newest telemetry
     with when the coordinator received it."""
-    return {**plain(agent), "metrics_address": metrics_address,
+    return {**plain(agent), "metrics_address": metrics_address, "software_version": versions[0],
+            "protocol_version": versions[1],
             "telemetry": None if telemetry is None else plain(telemetry[1]) | {"received": telemetry[0]}}
 
 

@@ -76,7 +76,9 @@ class MeshAdmin:
 
     def _agents_json(self, agents: Sequence[AgentRecord]) -> list[dict[str, Any]]:
         latest = self._newest_telemetry([a.agent_id for a in agents])
-        return [agent_json(a, self._metrics_addresses.get(a.agent_id, ""), latest.get(a.agent_id)) for a in agents]
+        versions = self._deployer.roster.versions if self._deployer is not None else {}
+        return [agent_json(a, self._metrics_addresses.get(a.agent_id, ""), latest.get(a.agent_id),
+                           versions.get(a.agent_id, ("", 0))) for a in agents]
 
     def _newest_telemetry(self, agent_ids: Sequence[str]) -> dict[str, tuple[float, Telemetry]]:
         """The newest telemetry of these agents and when it came: the deployer's in memory (connected agents; the

@@ -37,13 +37,27 @@ log = logging.getLogger("stratamesh")
 
 def main(argv: list[str] | None = None) -> None:
     use_classic_polling()   # before any command loads gRPC (nothing imported above does)
+    argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config", None) and getattr(args, "action", "") == "run":   # stratamesh agent --config FILE
+        args = parser.parse_args(_with_config(argv, args))
     configure_logging(args.log_level, args.log_format)
     if not hasattr(args, "func"):
         parser.print_help()
         raise SystemExit(2)
     args.func(args)
+
+
+def _with_config(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """argv with the agent's --config file's flags put before the command line's own (which win)."""
+    from stratamesh.service_command import config_argv
+
+    at = argv.index("agent") + 1
+    try:
+        return [*argv[:at], *config_argv(args.config, args.command_parser, argv[at:]), *argv[at:]]
+    except InvalidInput as e:
+        sys.exit(f"stratamesh agent: {e}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -155,6 +169,13 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
 def _add_agent(commands: argparse._SubParsersAction) -> None:
     """`stratamesh agent`: the daemon on every box."""
     agent = commands.add_parser("agent", help="run an agent daemon")
+    agent.add_argument("action", nargs="?", choices=("run", "service"), default="run",
+                       help="run (default): the daemon; service: print a systemd unit that runs it with --config")
+    agent.add_argument("--config", metavar="FILE",
+                       help="read every flag from a TOML file (keys: the flags' names, e.g. coordinator = "
+                            "\"10.0.0.2:7000\", quiet-hours = [\"22:00-07:00\"]); flags given here override it")
+    agent.add_argument("--service-user", default="", metavar="USER",
+                       help="service: the user the unit runs the agent as (default: a dynamic user)")
     agent.add_argument("--name", default=None)
     agent.add_argument("--agent-id", default=None,
                        help="a stable id for this box (default: a new one per start); the coordinator knows a "
@@ -211,7 +232,7 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port on --host (0: any free port; -1: none)")
     _add_trace_export_arguments(agent)
-    agent.set_defaults(func=_agent)
+    agent.set_defaults(func=_agent, command_parser=agent)
 
 
 def _add_autoscaling(parser: argparse.ArgumentParser, see: str = "") -> None:
@@ -578,6 +599,12 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 def _agent(args: argparse.Namespace) -> None:
+    if args.action == "service":
+        from stratamesh.service_command import systemd_unit
+        if not args.config:
+            sys.exit("stratamesh agent service: give the --config FILE the unit runs the agent with")
+        print(systemd_unit(args.config, args.service_user), end="")
+        return
     from stratamesh.agent.credentials import default_state_dir, stored_agent_id
     from stratamesh.agent.daemon import AgentOptions, exit_now, run_agent
     from stratamesh.agent.engine.stage_engine import EngineConfig

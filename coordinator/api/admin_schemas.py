@@ -90,6 +90,8 @@ class AgentView(BaseModel):
     last_seen: float
     state_since: float
     metrics_address: str
+    software_version: str = ""      # the build it last joined this coordinator with ("": not since it started)
+    protocol_version: int = 0       # ... and the data-plane protocol it speaks (fleet/versions.py)
     telemetry: TelemetryView | None
 
 

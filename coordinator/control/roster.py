@@ -48,6 +48,7 @@ class Roster:
         self._probes = PeerProbes(clock, link_probe_every_s)
         self._links: dict[str, AgentLink] = {}
         self._loaded: dict[str, set[str]] = {}  # agent id -> assignment ids it reported loaded
+        self.versions: dict[str, tuple[str, int]] = {}   # agent id -> (software, protocol) it last joined with
         self._addresses: dict[str, str] = {}   # Stage address -> the agent last seen serving there
         self._address_of: dict[str, str] = {}  # ... and the other way
         self.telemetry: dict[str, Telemetry] = {}  # agent id -> its newest heartbeat telemetry
@@ -121,6 +122,7 @@ class Roster:
         now = self._clock()
         self.liveness.heard(link.agent_id, now)
         self._links[link.agent_id] = link
+        self.versions[link.agent_id] = (registration.software_version, registration.protocol_version)
         self.membership += 1
         # A restarted agent listens on a new port: its old address points nowhere now.
         old = self._address_of.get(link.agent_id)

@@ -4,7 +4,7 @@
 // what will happen. A viewer gets none of these controls: the panels ask canOperate before drawing them.
 
 import { postJson, seg } from "./api.js";
-import { agentLabel, el, stateClass } from "./dom.js";
+import { agentLabel, el, fmtSeconds, shorten, stateClass, svg } from "./dom.js";
 
 const TOAST_MS = { ok: 6000, info: 6000, error: 12000 };
 
@@ -121,7 +121,7 @@ export class ModelsTable {
     const signature = JSON.stringify([this.actions.canOperate, models]);
     if (signature === this.signature) return;
     this.signature = signature;
-    const empty = el("tr", { class: "empty-row" }, el("td", { colspan: 8,
+    const empty = el("tr", { class: "empty-row" }, el("td", { colspan: 9,
       text: this.actions.canOperate ? "No model deployed yet: use the form below." : "No model deployed yet." }));
     this.tbody.replaceChildren(...(models.length ? models.map((m) => this.row(m)) : [empty]));
   }
@@ -141,12 +141,51 @@ export class ModelsTable {
       el("td", { class: "small" }, m.plans.map((p) => el("div", {},
         el("span", { class: `badge ${stateClass(p.state)}`, text: p.state }),
         el("span", { class: "mono muted", text: ` ${p.plan_id}` })))),
+      el("td", { class: "small", "data-testid": "model-replicas" }, ...replicasCell(m)),
       el("td", { class: "small", "data-testid": "model-speculation", text: draftsKept(m.speculation) }),
       el("td", { class: "actions" }, this.actions.canOperate ? el("button", { class: "btn small", type: "button",
         "data-testid": "replan-button", "data-model-id": m.model_id,
         title: "weigh the serving plan against the best plan for the agents now",
         onclick: () => this.actions.replan(m.model_id) }, "Re-plan") : null));
   }
+}
+
+/** "2 of 3 ready", and for an autoscaled model its bounds, its replicas over time (a step chart: wanted dashed,
+ * ready solid), the autoscaler's last decision and its last cold start. */
+function replicasCell(m) {
+  const count = el("div", { "data-testid": "replicas-count",
+    text: `${m.ready_replicas ?? 0} of ${m.num_replicas ?? 0} ready` });
+  const auto = m.autoscale;
+  if (!auto) return [count];
+  count.textContent += ` · autoscaled ${auto.min_replicas}–${auto.max_replicas}`;
+  const cells = [count];
+  if (auto.history && auto.history.length > 1) cells.push(replicasChart(auto.history, auto.max_replicas));
+  if (auto.last_decision) {
+    cells.push(el("div", { class: "muted small", "data-testid": "autoscale-decision", title: auto.last_decision,
+      text: shorten(auto.last_decision, 120) }));
+  }
+  if (auto.last_cold_start_s !== null && auto.last_cold_start_s !== undefined) {
+    cells.push(el("div", { class: "muted small", "data-testid": "cold-start",
+      text: `last cold start: ${fmtSeconds(auto.last_cold_start_s)}` }));
+  }
+  return cells;
+}
+
+const CHART_W = 140;
+const CHART_H = 30;
+
+function replicasChart(history, most) {
+  const t0 = history[0].t;
+  const span = Math.max(history[history.length - 1].t - t0, 1);
+  const x = (t) => (((t - t0) / span) * CHART_W).toFixed(1);
+  const y = (n) => (CHART_H - 2 - (n / Math.max(most, 1)) * (CHART_H - 4)).toFixed(1);
+  const path = (key) => history.map((p, i) => (i === 0 ? `M${x(p.t)} ${y(p[key])}` : `H${x(p.t)} V${y(p[key])}`))
+    .join(" ");
+  const peak = Math.max(...history.map((p) => p.ready));
+  return svg("svg", { class: "replicas-chart", "data-testid": "replicas-chart", width: CHART_W, height: CHART_H,
+    "data-peak-ready": peak, role: "img", "aria-label": `replicas over the last ${Math.round(span)} s` },
+  svg("title", {}, `replicas over the last ${Math.round(span)} s: wanted (dashed) and ready; at most ${peak} ready`),
+  svg("path", { class: "wanted", d: path("desired") }), svg("path", { class: "ready", d: path("ready") }));
 }
 
 /** "60% of 800 drafted": what the model's last stages kept of the tokens drafted for them; "–" before any. */

@@ -100,7 +100,7 @@ export function stateClass(state) {
   if (["draining", "moving_stages", "moving_sessions", "loading", "recovering", "waiting", "standby",
     "pending", "running", "resting"].includes(state)) return "warn";
   if (["dead", "lost", "failed", "disconnected"].includes(state)) return "down";
-  if (state === "drained" || state === "finished") return "muted";
+  if (state === "drained" || state === "finished" || state === "scaled_to_zero") return "muted";
   return "unknown";
 }
 

@@ -3,6 +3,7 @@ re-planned alone when one of its agents dies (the router that picks among them: 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,26 @@ def test_an_autoscaled_model_scales_to_zero_and_back_with_a_first_plan(model_dir
     assert plan is not None and len(plan.stages) == 2 and not deployer.plans.scaled_to_zero("m")
     report_ready(deployer, agents)
     assert deployer.routes.is_ready("m") and not deployer.routes.cold("m")
+
+
+def test_an_agent_id_that_comes_back_as_another_box_replaces_its_old_record(model_dir: Path) -> None:
+    """A stale identity (an id that reconnects with other capabilities: a reinstalled box, a disk moved to new
+    hardware) replaces what the registry and the roster knew of it; nothing of the old box lingers."""
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    old = Agent("a1", 8)
+    deployer.agent_connected(old.link, old.registration())
+    deployer.agent_disconnected(old.link)
+    new = Agent("a1", 32)
+    new.caps = replace(new.caps, hostname="box-a1-reinstalled", num_cpus=16)
+    new.link = replace(new.link, stage_address="127.0.0.1:6001", capabilities=new.caps)
+    deployer.agent_connected(new.link, new.registration())
+    (record,) = [a for a in registry.agents() if a.agent_id == "a1"]
+    assert record.capabilities == new.caps and record.address == "127.0.0.1:6001"
+    assert deployer.plans.plannable()["a1"] == new.caps
+    assert deployer.roster.stage_address("a1") == "127.0.0.1:6001"
+    # its old stream, still open when the new one came, ending later leaves the new one connected
+    deployer.agent_connected(old.link, old.registration())
+    deployer.agent_connected(new.link, new.registration())
+    deployer.agent_disconnected(old.link)
+    assert deployer.roster.is_connected("a1") and deployer.plans.plannable()["a1"] == new.caps

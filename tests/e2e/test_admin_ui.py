@@ -291,6 +291,15 @@ def fixture_snapshot(now: float) -> dict:
                "num_stages": k, "first_site": "lab" if m == "llama-8b" else None, "last_site": None,
                "created": now - 900} for m, n, k in (("llama-8b", 32, 4), ("qwen-0.5b", 24, 1))]
     models[0]["speculation"] = {"draft_tokens": 800, "accepted_tokens": 480, "acceptance_rate": 0.6}
+    models[0] |= {"num_replicas": 1, "ready_replicas": 1}
+    # qwen is autoscaled: 1 replica for a minute, 3 wanted under a burst (2 of them ready), back to 2
+    history = [(-600, 1, 1), (-300, 3, 1), (-280, 3, 2), (-250, 3, 3), (-60, 2, 3), (-55, 2, 2), (0, 2, 2)]
+    models[1] |= {"num_replicas": 2, "ready_replicas": 2, "autoscale": {
+        "min_replicas": 0, "max_replicas": 3, "slo_ttft_ms": 500.0, "slo_itl_ms": None, "scale_down_after_s": 60.0,
+        "history": [{"t": now + t, "desired": d, "ready": r} for t, d, r in history], "last_cold_start_s": 4.2,
+        "last_decision": "qwen-0.5b: 3 -> 2 replicas: for 60 s 0.40 requests/s x 50 tokens = 20 tokens/s want 1 "
+                         "replica(s) at 75% of the 300 tokens/s predicted for one; replica 2 goes first: its boxes "
+                         "are at 90% of their owners' limits"}}
     models[1]["load_errors"] = [{"model_id": "qwen-0.5b", "assignment_id": "q-s0", "agent_id": "s2", "at": now - 3,
                                  "error": f"CheckpointError: checkpoint has no tensor {EVIL}"}]   # a stage's failure
     events = [{"id": 2, "ts": now - 5, "kind": "agent_dead", "agent_id": "e3", "detail": EVIL},
@@ -414,6 +423,16 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
                ).to_have_text("60% of 800 drafted")
         expect(page.locator('[data-testid="model-row"][data-model-id="qwen-0.5b"] [data-testid="model-speculation"]')
                ).to_have_text("–")
+        # replicas: the count of each; the autoscaled one's bounds, its replicas over time, the last decision
+        qwen = page.locator('[data-testid="model-row"][data-model-id="qwen-0.5b"]')
+        expect(qwen.get_by_test_id("replicas-count")).to_have_text("2 of 2 ready · autoscaled 0–3")
+        expect(qwen.get_by_test_id("replicas-chart")).to_have_attribute("data-peak-ready", "3")
+        expect(qwen.get_by_test_id("autoscale-decision")).to_contain_text("3 -> 2 replicas")
+        expect(qwen.get_by_test_id("autoscale-decision")).to_have_attribute("title", re.compile("90% of their owners"))
+        expect(qwen.get_by_test_id("cold-start")).to_have_text("last cold start: 4.20 s")
+        llama = page.locator('[data-testid="model-row"][data-model-id="llama-8b"]')
+        expect(llama.get_by_test_id("replicas-count")).to_have_text("1 of 1 ready")
+        expect(llama.get_by_test_id("replicas-chart")).to_have_count(0)
         expect(page.get_by_test_id("stage-link-codec").filter(has_text="← int8")).to_have_count(1)
         experts = page.get_by_test_id("stage-experts")       # the mixture of experts' stage alone
         expect(experts).to_have_count(1)

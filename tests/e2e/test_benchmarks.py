@@ -115,6 +115,14 @@ def test_link_probe_benchmark_prints_its_table() -> None:
     assert "gRPC echo p50 us" in result.stdout and "raw TCP bulk MB/s" in result.stdout
 
 
+def test_autoscale_benchmark_prints_its_table() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autoscale.py"), "--quick"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| autoscaled 1..3 |" in result.stdout and "box-seconds" in result.stdout
+    assert "failed requests, all runs: 0" in result.stdout
+
+
 def test_probe_report_prints_the_box() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_report.py")],
                             capture_output=True, text=True, timeout=300)

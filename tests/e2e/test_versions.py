@@ -35,6 +35,9 @@ def test_an_agent_of_another_protocol_is_refused_and_one_of_another_build_joins(
             body = httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()
             return {a["agent_id"]: a["state"] for a in body["agents"]}
         wait_until(lambda: mesh.agent_ids[2] in agents(), 60)
+        body = httpx.get(f"{mesh.url}/admin/api/agents", headers=mesh.headers).json()
+        joined = {a["agent_id"]: (a["software_version"], a["protocol_version"]) for a in body["agents"]}
+        assert joined[mesh.agent_ids[2]] == ("0.0.1-older", PROTOCOL_VERSION)
         assert mesh.agent_ids[1] not in agents() and older_build.poll() is None
         events = httpx.get(f"{mesh.url}/admin/api/events", headers=mesh.headers).json()["events"]
         (event,) = [e for e in events if e["kind"] == "agent_refused"]
