@@ -74,6 +74,7 @@ class ModelRecord:
     num_stages: int = 0         # the stages its plans were asked for (0: unknown, a model of an older registry)
     speculation: Speculation | None = None      # its speculative decoding; None: the coordinator's default
     autoscale: Autoscale | None = None          # its replicas follow its load within these; None: num_replicas fixed
+    revision: str = ""          # which revision of its folder it was last deployed from (model_folder.revision_of)
 
 
 @dataclass(frozen=True, slots=True)

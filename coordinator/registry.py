@@ -172,6 +172,13 @@ def _m018_model_autoscale(db: Database) -> None:
     db["models"].add_column("autoscale_json", str, not_null_default="")
 
 
+def _m019_revisions(db: Database) -> None:
+    """Which revision of its folder each model is (model_folder.revision_of) and each stage serves ("": a model
+    or stage of an older registry)."""
+    db["models"].add_column("revision", str, not_null_default="")
+    db["stages"].add_column("revision", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
@@ -180,7 +187,7 @@ MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history
                                      _m010_plan_predictions, _m011_stage_runtime,
                                      _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages,
                                      _m016_stage_kv_cache_bytes, _m017_model_speculation,
-                                     _m018_model_autoscale)
+                                     _m018_model_autoscale, _m019_revisions)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -389,7 +396,7 @@ class Registry:
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
                   num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None,
-                  autoscale: Autoscale | None = None) -> None:
+                  autoscale: Autoscale | None = None, revision: str = "") -> None:
         """Add a model, or update its path, config, site pins, quantization, replicas, the stages its plans are
         asked for, its speculative decoding and its autoscaling if it exists (keeping created)."""
         if num_layers < 1:
@@ -403,7 +410,7 @@ class Registry:
                                            "quantize": quantize, "num_replicas": num_replicas,
                                            "num_stages": num_stages,
                                            "speculation_json": _speculation_json(speculation),
-                                           "autoscale_json": _autoscale_json(autoscale)})
+                                           "autoscale_json": _autoscale_json(autoscale), "revision": revision})
 
     def set_num_replicas(self, model_id: str, num_replicas: int) -> None:
         """The replicas an autoscaled model wants now (within its bounds: InvalidInput otherwise; ModelNotFound)."""
@@ -624,7 +631,7 @@ _UPSERT_FAILED_LINK = ("INSERT INTO links (agent_id, peer_id, error, ts) VALUES 
                        "ON CONFLICT (agent_id, peer_id) DO UPDATE SET error = excluded.error, ts = excluded.ts")
 
 _SPEC_COLUMNS = ("model_path", "start_layer", "end_layer", "num_layers", "dtype", "device",
-                 "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes")
+                 "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes", "revision")
 
 
 def _stage_row(plan_id: str, stage: StageRecord) -> dict[str, Any]:

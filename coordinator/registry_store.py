@@ -90,7 +90,7 @@ class PlanStore(Protocol):
     def add_model(self, model_id: str, path: str, num_layers: int, config: dict[str, Any],
                   now: float, first_site: str = "", last_site: str = "", quantize: str = "",
                   num_replicas: int = 1, num_stages: int = 0, speculation: Speculation | None = None,
-                  autoscale: Autoscale | None = None) -> None:
+                  autoscale: Autoscale | None = None, revision: str = "") -> None:
         """Adds a model, or replaces every field of an existing one but created (num_stages: what its plans are
         asked for, kept so that a model still waiting for its first plan is planned after a restart); InvalidInput, with nothing
         written, for num_layers < 1 or num_replicas outside 1..MAX_REPLICAS (or outside autoscale's bounds)."""

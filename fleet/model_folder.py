@@ -4,6 +4,7 @@ line, at once, rather than by every agent's failed load in a log."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -67,3 +68,22 @@ def stored_quantize(path: str | Path) -> str:
     """The weight format a model is served in where its operator names none: a GGUF file's nearest its own blocks
     (fleet.gguf_files.FORMAT_OF_TYPE: a Q4_0 file stays in 4 bits), else none (a folder's weights as stored)."""
     return GgufModel(path).stored_format() if is_gguf(path) else ""
+
+
+REVISED_BY = ("*.json", "*.safetensors", "*.gguf", "*.model", "*.txt")   # what a folder's revision is read from
+
+
+def revision_of(path: str | Path) -> str:
+    """Which revision a model folder (or GGUF file) is: 12 hex digits of a hash over its config's text and each
+    weight and tokenizer file's name, size and modification time, so that another folder, or the same folder with
+    a file replaced, is another revision. Cheap: no weight is read."""
+    resolved = Path(path).resolve()
+    digest = hashlib.sha256()
+    files = [resolved] if resolved.is_file() else sorted(
+        {f for pattern in REVISED_BY for f in resolved.glob(pattern) if f.is_file()})
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        if file.name == CONFIG_FILE:
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.stages import DTYPES
+from stratamesh.fleet.stages import DTYPES, check_revision
 
 HOP_CODECS = ("", *DTYPES, "int8")
 MAX_LOGPROBS = 20       # the likeliest tokens a pick may return with it (OpenAI's limit)
@@ -208,8 +208,10 @@ class SessionOpen:
     # The decode loop's steps carry drafted tokens its last stage verifies (None: a token a step); only for sampling
     # that is SamplingParams.verifiable
     speculation: Speculation | None = None
+    revision: str = ""          # the revision of the model its route serves: each stage refuses another
 
     def __post_init__(self) -> None:
+        check_revision(self.revision, "open.revision")
         if self.speculation is not None and not self.sampling.verifiable:
             raise InvalidInput("open.speculation is for sampling whose pick depends on the logits alone (no "
                                "penalties, bias, grammar or logprobs)")

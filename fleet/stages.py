@@ -41,6 +41,7 @@ MAX_TP_DEGREE = 8               # ranks of one tensor-parallel group, at most
 MAX_KV_BLOCK_SIZE = 1024        # tokens of one KV block, at most
 
 
+_REVISION = re.compile(r"[A-Za-z0-9._-]{0,64}")
 MAX_KV_CACHE_BYTES = 1 << 46    # a stage's KV cache per rank, at most (64 TiB: no box holds more)
 
 
@@ -265,6 +266,12 @@ def layer_windows(config: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(window if not layer_types or layer_types[i] == "sliding_attention" else 0 for i in range(num_layers))
 
 
+def check_revision(revision: str, where: str) -> None:
+    """A model revision's id: up to 64 letters, digits, dots, dashes and underscores ("": none said)."""
+    if not _REVISION.fullmatch(revision):
+        raise InvalidInput(f"{where} {revision[:80]!r} is not a revision (up to 64 of A-Z a-z 0-9 . _ -)")
+
+
 @dataclass(frozen=True, slots=True)
 class StageSpec:
     """A contiguous layer range [start_layer, end_layer) of one model, as one stage serves it."""
@@ -281,6 +288,8 @@ class StageSpec:
     runtime: str = "torch"      # what computes its layers: "torch", or "onnxruntime" (kernels.models.onnx_stage)
     quantize: str = ""          # "int8" / "int4": its matrices, LM head and embedding quantized (kernels.ops.quant)
     kv_cache_bytes: int = 0     # the KV cache its plan reserved for it, per rank; 0: the plan said nothing
+    revision: str = ""          # which revision of the model's folder it serves (model_folder.revision_of); a
+                                # stage takes sessions of its own revision only: a pipeline never mixes two
 
     def __post_init__(self) -> None:
         if not 1 <= self.tp_degree <= MAX_TP_DEGREE:
@@ -303,6 +312,7 @@ class StageSpec:
             raise InvalidInput("quantized weights are for single-process stages (tp_degree 1)")
         if not 0 <= self.kv_cache_bytes <= MAX_KV_CACHE_BYTES:
             raise InvalidInput(f"stage kv_cache_bytes must be in 0..{MAX_KV_CACHE_BYTES}, got {self.kv_cache_bytes}")
+        check_revision(self.revision, "stage revision")
 
     @property
     def is_first(self) -> bool:

@@ -235,6 +235,9 @@ class StageEngine:
         """Opens a session; passes the open on, or (last stage) answers the origin."""
         if message.session_id in self.sessions:
             raise InvalidInput(f"open.session_id {message.session_id!r} is already open")
+        if message.revision != self.assignment.stage.revision:
+            raise InvalidInput(f"open.revision {message.revision!r} is not this stage's revision "
+                               f"{self.assignment.stage.revision!r}: a pipeline never mixes revisions of a model")
         if self.is_last != (not message.route):
             raise InvalidInput("open.route must be empty exactly when this is the last stage")
         self._check_ids(message.prompt_token_ids, "open.prompt_token_ids")

@@ -11,7 +11,7 @@ from pathlib import Path
 from stratamesh.coordinator.control.drains import Drains, Move
 from stratamesh.coordinator.control.sessions import Sessions
 from stratamesh.coordinator.control.models import check_model, check_quantize, find_model
-from stratamesh.fleet.model_folder import stored_quantize
+from stratamesh.fleet.model_folder import revision_of, stored_quantize
 from stratamesh.fleet.sessions import Speculation
 from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
@@ -86,7 +86,7 @@ class Plans:
         self._registry.add_model(model_id, str(Path(path).resolve()), config["num_hidden_layers"],
                                  config, self._clock(), first_site=pins.first, last_site=pins.last, quantize=quantize,
                                  num_replicas=num_replicas, num_stages=num_stages, speculation=speculation,
-                                 autoscale=autoscale)
+                                 autoscale=autoscale, revision=revision_of(path))
         self._registry.drop_replicas(model_id, keep=num_replicas)
         self._wait_for_first_plan(model_id, num_stages)
         self.release_unplanned()
@@ -162,7 +162,8 @@ class Plans:
         outcome = ("unchanged", "")
         for plan in self._registry.active_plans(model_id):
             planned, placed = self._best_plan(model_id, num_stages, replica=plan.replica)
-            if [(agent, s.start_layer, s.end_layer, s.tp_degree) for agent, s in placed] == _placement(plan):
+            if [(agent, s.start_layer, s.end_layer, s.tp_degree, s.revision) for agent, s in placed] == [
+                    (*where, s.spec.revision) for where, s in zip(_placement(plan), plan.stages, strict=True)]:
                 if outcome[0] == "unchanged":
                     outcome = ("unchanged", f"the serving plan is still the best one. {planned.reason}")
                 continue
@@ -426,8 +427,9 @@ class Plans:
             raise PlacementError(f"cannot place {_named(model_id, replica)} yet: {len(agents)} of {num_stages} "
                                  f"agents")
         self.num_computed += 1
-        return plan_stages(model_id, model.path, model.config, agents, num_stages, self._roster.links(),
-                           previous, _pins(model), self._hosts(agents), model.quantize)
+        plan, placed = plan_stages(model_id, model.path, model.config, agents, num_stages, self._roster.links(),
+                                   previous, _pins(model), self._hosts(agents), model.quantize)
+        return plan, [(agent, replace(spec, revision=model.revision)) for agent, spec in placed]
 
     def _hosts(self, agents: Mapping[str, Capabilities]) -> Hosts:
         """Where the origin computes, and the serving path's CPU per token the agents' telemetry measured."""

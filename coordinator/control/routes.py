@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from stratamesh.fleet.sessions import Hop, wire_dtype
 from stratamesh.partitioner.wire_codec import check_policy, choose_codec
 
 log = logging.getLogger(__name__)
+
+MAX_REVISIONS_KEPT = 1 << 16    # stages whose revision routes remember (a fleet's live stages are fewer)
 
 
 def hop_codecs(plan: PlanRecord, policy: str, bandwidth: Callable[[str, str], float | None],
@@ -77,6 +80,9 @@ class Routes:
         self.prefixes = PrefixIndex(clock)     # what each replica's stages hold in their prefix caches (kv mode)
         self._served: set[str] = set()         # models that were ready since this coordinator started
         self._codecs: dict[tuple[str, int], str] = {}   # (plan id, stage) -> the codec into it routes used last
+        # assignment id -> the revision its stage serves, of the routes given newest (a retired plan's are kept: a
+        # session may open on a route given just before its plan was replaced)
+        self._revisions: OrderedDict[str, str] = OrderedDict()
         self._waiters: list[asyncio.Future[None]] = []
 
     def serves(self, plan: PlanRecord) -> bool:
@@ -103,11 +109,20 @@ class Routes:
     def hops(self, plans: list[PlanRecord], avoid: Collection[str] = ()) -> list[tuple[PlanRecord, list[Hop]]]:
         """Each plan with its hops in pipeline order, less those through an address in avoid."""
         roster = self._roster
+        for stage in (s for plan in plans for s in plan.stages):
+            self._revisions[stage.assignment_id] = stage.spec.revision
+            self._revisions.move_to_end(stage.assignment_id)
+        while len(self._revisions) > MAX_REVISIONS_KEPT:
+            self._revisions.popitem(last=False)
         routes = [(plan, [Hop(roster.stage_address(s.agent_id), s.assignment_id, s.spec.dtype, codec, s.agent_id,
                               roster.nat(s.agent_id))
                           for s, codec in zip(plan.stages, self.link_codecs(plan), strict=True)])
                   for plan in plans]
         return [(plan, hops) for plan, hops in routes if not any(hop.address in avoid for hop in hops)]
+
+    def revision_of(self, assignment_id: str) -> str:
+        """The revision the stage of a route hops() gave serves: what a session opened on that route says."""
+        return self._revisions.get(assignment_id, "")
 
     def link_codecs(self, plan: PlanRecord) -> list[str]:
         """The codec of the link into each stage of plan (hop_codecs); logs each link that narrows or changes codec."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from stratamesh.coordinator.serving.kv_moves import move_kv
@@ -42,6 +42,7 @@ class Run:
     span_id: str = field(default_factory=new_span_id)   # the request's root span: every stage's spans hang under it
     cached_tokens: int = 0      # prompt tokens the stages' prefix caches served (the first attempt's)
     speculation: Speculation | None = None      # its decode steps carry drafted tokens (a verifiable sampling's)
+    revision_of: Callable[[str], str] = lambda assignment_id: ""   # the revision a route's first stage serves
 
     def next_session_id(self) -> str:
         """The session of the next attempt: a new one per attempt, as the stages may still hold the last one."""
@@ -155,7 +156,8 @@ class Attempt:
             max_cached_tokens=len(token_ids) - 1 if cacheable else 0, resume_from=self._resume_from,
             feed=_feed(self._route[0]) if self._decode else None, max_new_tokens=max_new_tokens,
             stop_token_ids=stop_ids, output_start=self._output_start,
-            speculation=run.speculation if self._decode else None))
+            speculation=run.speculation if self._decode else None,
+            revision=run.revision_of(self._route[0].assignment_id)))
         cached = 0
         if cacheable:
             answer = await run.sessions.next_event(session, opened=True)

@@ -117,7 +117,8 @@ class Origin:
         """A request's run: its generation speculates so (its model's, or the coordinator's) where its sampling is
         verifiable."""
         return Run(self.sessions, self.log, self.address, self.log.begin(request_id, len(prompt_ids)), params,
-                   chunk_tokens(hidden_size), speculation=speculation if params.verifiable else None)
+                   chunk_tokens(hidden_size), speculation=speculation if params.verifiable else None,
+                   revision_of=self._deployer.routes.revision_of)
 
     async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
         """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers, and up to

@@ -105,7 +105,7 @@ def stage_spec_to_pb(spec: StageSpec) -> pb.StageSpec:
                         start_layer=spec.start_layer, end_layer=spec.end_layer,
                         num_layers=spec.num_layers, dtype=spec.dtype, device=spec.device,
                         kv_block_size=spec.kv_block_size, tp_degree=spec.tp_degree, runtime=spec.runtime,
-                        quantize=spec.quantize, kv_cache_bytes=spec.kv_cache_bytes)
+                        quantize=spec.quantize, kv_cache_bytes=spec.kv_cache_bytes, revision=spec.revision)
 
 
 def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
@@ -113,7 +113,7 @@ def stage_spec_from_pb(msg: pb.StageSpec) -> StageSpec:
     runtime, quantization and KV cache."""
     return StageSpec(msg.model_id, msg.model_path, msg.start_layer, msg.end_layer, msg.num_layers,
                      msg.dtype or "float32", msg.device or "cpu", msg.kv_block_size or 16, msg.tp_degree or 1,
-                     msg.runtime or "torch", msg.quantize, msg.kv_cache_bytes)
+                     msg.runtime or "torch", msg.quantize, msg.kv_cache_bytes, msg.revision)
 
 
 def assignment_to_pb(assignment: Assignment) -> pb.Assignment:
@@ -192,7 +192,8 @@ def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 feed_address=message.feed.address if message.feed else "",
                 feed_assignment=message.feed.assignment_id if message.feed else "",
                 max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids),
-                output_start=message.output_start, speculation=_speculation_to_pb(message.speculation)))
+                output_start=message.output_start, speculation=_speculation_to_pb(message.speculation),
+                revision=message.revision))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepChunks():
@@ -277,7 +278,7 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling_from_pb(msg.sampling),
                        msg.traceparent, tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from,
                        _feed_from_pb(msg), msg.max_new_tokens, tuple(msg.stop_token_ids), msg.output_start,
-                       speculation)
+                       speculation, msg.revision)
 
 
 def _speculation_to_pb(speculation: Speculation | None) -> pb.Speculation | None:

@@ -100,7 +100,7 @@ class Speed(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[str] = ..., flops: _Optional[float] = ..., mem_bandwidth: _Optional[float] = ..., step_overhead_s: _Optional[float] = ..., layer_overhead_s: _Optional[float] = ..., decode_flops: _Optional[float] = ..., decode_bandwidth: _Optional[float] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes")
+    __slots__ = ("model_id", "model_path", "start_layer", "end_layer", "num_layers", "dtype", "device", "kv_block_size", "tp_degree", "runtime", "quantize", "kv_cache_bytes", "revision")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class StageSpec(_message.Message):
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_path: str
     start_layer: int
@@ -125,7 +126,8 @@ class StageSpec(_message.Message):
     runtime: str
     quantize: str
     kv_cache_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ..., runtime: _Optional[str] = ..., quantize: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    revision: str
+    def __init__(self, model_id: _Optional[str] = ..., model_path: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., tp_degree: _Optional[int] = ..., runtime: _Optional[str] = ..., quantize: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "has_seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "has_logprobs", "prompt_logprobs", "has_prompt_logprobs", "grammar")
@@ -544,7 +546,7 @@ class WeightData(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat", "output_start", "speculation")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat", "output_start", "speculation", "revision")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +569,7 @@ class SessionOpen(_message.Message):
     FEED_NAT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -589,7 +592,8 @@ class SessionOpen(_message.Message):
     feed_nat: str
     output_start: int
     speculation: Speculation
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    revision: str
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")

@@ -454,6 +454,7 @@ BAD_OPENS = [
     ({"route": (LAST,)}, "open.route"),               # the whole model: this is the last stage
     ({"session_id": "good"}, "open.session_id"),
     ({"output_start": 9}, "open.output_start"),
+    ({"revision": "a1b2c3d4e5f6"}, "open.revision"),  # another revision of the model: a pipeline never mixes two
 ]
 BAD_CHUNKS = [
     (StepChunk("victim", 0, 0, (5, 6, VOCAB), True), "chunk.token_ids"),

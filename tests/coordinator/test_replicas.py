@@ -155,3 +155,20 @@ def test_an_agent_id_that_comes_back_as_another_box_replaces_its_old_record(mode
     deployer.agent_connected(new.link, new.registration())
     deployer.agent_disconnected(old.link)
     assert deployer.roster.is_connected("a1") and deployer.plans.plannable()["a1"] == new.caps
+
+
+def test_every_stage_of_a_plan_serves_its_models_revision_and_a_changed_folder_loads_beside(
+        model_dir: Path) -> None:
+    registry, deployer, agents = two_replicas(model_dir)
+    report_ready(deployer, agents)
+    revision = registry.model("m").revision
+    assert len(revision) == 12
+    assert {s.spec.revision for p in registry.active_plans("m") for s in p.stages} == {revision}
+    assert deployer.plans.replan("m")[0] == "unchanged"
+    (model_dir / "model.safetensors").write_bytes(b"new weights")          # the same folder, changed
+    deployer.plans.add_model("m", str(model_dir), num_stages=2, num_replicas=2)
+    changed = registry.model("m").revision
+    assert changed != revision
+    assert deployer.plans.replan("m")[0] == "standby"                       # the new revision loads beside the old
+    standbys = [registry.standby_plan("m", r) for r in (0, 1)]
+    assert all(p is not None and {s.spec.revision for s in p.stages} == {changed} for p in standbys)

@@ -43,7 +43,7 @@ STAGE_MESSAGES = [
                 SamplingParams(), feed=Hop("192.168.1.2:5000", "a1", agent_id="edge-1", nat="203.0.113.9"),
                 max_new_tokens=8),
     SessionOpen("s1", "a1", (), "o:1", SamplingParams(), prompt_token_ids=(5, 6), feed=Hop("10.0.0.1:5000", "a1"),
-                speculation=Speculation("ngram", 4, 2, 3)),
+                speculation=Speculation("ngram", 4, 2, 3), revision="0f3a9c21be77"),
     StepChunk("s1", 0, 0, token_ids=(1, 2, 3), sample=False),
     StepChunk("s1", 4, 9, (7, 8, 9), True, num_draft=2),
     StepChunk("s1", 0, 0, (1, 2, 3), True, TRACE_ID, sent_unix_ns=1_700_000_000_123_456_789),
@@ -68,8 +68,12 @@ def test_a_stage_spec_round_trips_with_its_runtime_and_refuses_one_it_does_not_k
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(spec)) == spec
     int8 = StageSpec("m", "/models/m", 2, 4, 6, quantize="int8")
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(int8)) == int8
-    reserved = StageSpec("m", "/models/m", 2, 4, 6, kv_cache_bytes=3 << 30)
+    reserved = StageSpec("m", "/models/m", 2, 4, 6, kv_cache_bytes=3 << 30, revision="0f3a9c21be77")
     assert convert.stage_spec_from_pb(convert.stage_spec_to_pb(reserved)) == reserved
+    for bad in ("r 1", "x" * 65, "../etc"):
+        with pytest.raises(InvalidInput, match="revision"):
+            convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
+                                                    num_layers=1, revision=bad))
     with pytest.raises(InvalidInput, match="kv_cache_bytes must be in"):
         convert.stage_spec_from_pb(pb.StageSpec(model_id="m", model_path="/p", start_layer=0, end_layer=1,
                                                 num_layers=1, kv_cache_bytes=-1))

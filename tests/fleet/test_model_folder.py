@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stratamesh.fleet.errors import CheckpointError
-from stratamesh.fleet.model_folder import check_model_folder
+from stratamesh.fleet.model_folder import check_model_folder, revision_of
 from stratamesh.fleet.stages import MODEL_TYPES, ROPE_TYPES, check_model_config, rope_types
 
 CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "dtype": "bfloat16",
@@ -91,3 +91,19 @@ def test_a_dynamic_ntk_model_is_served_to_its_scaled_context() -> None:
     assert served_context({"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic", "factor": 2.0}}) == 8192
     assert served_context({"max_position_embeddings": 4096,
                            "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}) == 4096
+
+
+def test_a_folders_revision_changes_with_its_config_or_a_weight_file_and_only_then(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model = folder(tmp_path / "a")
+    first = revision_of(model)
+    assert len(first) == 12 and revision_of(model) == first                    # read again: the same
+    (model / "README.md").write_text("notes")                                  # not a file the model is made of
+    assert revision_of(model) == first
+    (model / "model.safetensors").write_bytes(b"\0" * 8)                       # new weights
+    second = revision_of(model)
+    assert second != first
+    (model / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 3}))
+    assert revision_of(model) not in (first, second)
+    assert revision_of(folder(tmp_path / "b")) != revision_of(model)          # another folder
