@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,7 +256,8 @@ class StageRunner:
         logits, prompt_logits = every_logits[:len(rows)], every_logits[len(rows):len(every) - len(verified)]
         tokens = _pick(sampled, logits, picking) if rows else {}
         accepted = _verify([c for _, c in drafted], every_logits[len(every) - len(verified):], picking.params, tokens)
-        refused = picking.masks.wait().refused if picking.masks is not None and rows else {}
+        refused = {**(picking.masks.wait().refused if picking.masks is not None and rows else {}),
+                   **_not_finite(sampled, logits, drafted, every_logits[len(every) - len(verified):])}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:
             k = [picking.params[session_id].prompt_logprobs or 0 for session_id, _, _ in targets]
@@ -269,6 +270,27 @@ class StageRunner:
             [picking.params[sampled[i].session_id].logprobs for i in asked]), strict=True))
         return StepOutput(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, refused=refused,
                           accepted=accepted)
+
+
+NOT_FINITE = ("the model's logits are not finite (NaN or inf) for this session: its weights or its numerics are "
+              "broken")
+
+
+def _not_finite(sampled: Sequence[ScheduledChunk], logits: torch.Tensor,
+                drafted: Sequence[tuple[object, ScheduledChunk]], verifying: torch.Tensor) -> dict[str, str]:
+    """The sessions whose logits hold a NaN or an infinity, each with why it fails: a broken checkpoint (or a numeric
+    overflow) must not hand back tokens picked from garbage (argmax takes a NaN for the largest)."""
+    broken: dict[str, str] = {}
+    if len(sampled):
+        for i in (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist():
+            broken[sampled[i].session_id] = NOT_FINITE
+    row = 0
+    for _, chunk in drafted:
+        rows = verifying[row:row + chunk.item.num_draft + 1]
+        row += chunk.item.num_draft + 1
+        if not bool(torch.isfinite(rows).all()):
+            broken[chunk.session_id] = NOT_FINITE
+    return broken
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:

@@ -576,3 +576,17 @@ def test_a_session_closed_while_its_step_runs_gets_nothing_and_the_others_their_
     engine.postprocess(batch, output, outbox)
     assert [(e.session_id, e.token_id) for _, e in outbox.events] == [
         ("kept", hf_greedy(model_dir, prompts["kept"], 1)[0])]
+
+
+def test_a_session_whose_logits_are_not_finite_fails_saying_so_instead_of_picking_from_them(model_dir: Path) -> None:
+    """A broken checkpoint (NaN weights, an overflow) fails its sessions with why, rather than answering with the
+    tokens argmax makes of NaN: what rolls a bad canary revision back."""
+    engine = make_engine(model_dir)
+    head = engine.runner.model._lm_head
+    with torch.no_grad():
+        head[7].fill_(float("nan"))          # one vocabulary row: every row of logits holds a NaN
+    mesh = Mesh(engine)
+    start(mesh, generation("broken", random_prompt(34, 6), max_new_tokens=4))
+    mesh.run()
+    (error,) = [e.error for e in mesh.events_of("broken") if e.error]
+    assert "logits are not finite" in error and mesh.tokens("broken") == [] and "broken" not in engine.sessions
