@@ -37,6 +37,7 @@ from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import Autoscale
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
+from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.serving.origin import ROUTE_WAIT_S, Origin
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.router import Disaggregation, Router
@@ -123,13 +124,15 @@ async def _tick(deployer: Deployer, interval_s: float = 1.0) -> None:
             log.exception("placement tick failed")
 
 
-async def _autoscale(autoscaler: Autoscaler) -> None:
+async def _steer(autoscaler: Autoscaler, rollouts: Rollouts) -> None:
+    """The autoscaler's and the rollouts' decisions, every TICK_S."""
     while True:
         await asyncio.sleep(TICK_S)
-        try:
-            autoscaler.tick()
-        except Exception:  # a decision that fails is logged; the coordinator keeps serving
-            log.exception("autoscaler tick failed")
+        for name, tick in (("autoscaler", autoscaler.tick), ("rollouts", rollouts.tick)):
+            try:
+                tick()
+            except Exception:  # a decision that fails is logged; the coordinator keeps serving
+                log.exception("%s tick failed", name)
 
 
 async def _log_discovered(browser: discovery.Browser, mesh: str, registry: RegistryStore) -> None:
@@ -284,17 +287,18 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
     deployer.on_rest = drainer.rest     # an agent's owner asks it to rest: its stages move off as in a drain
     drainer.resume()                # drains a previous run of this coordinator left half done
     autoscaler = Autoscaler(deployer, metrics.demand, time.time)
+    rollouts = Rollouts(deployer, requests, time.time)
     metrics.register(ReplicaCollector(registry, deployer.routes))
     admin = MeshAdmin(registry, requests, control.metrics_addresses, drainer, deployer, metrics.live,
                       revoker=enrollment.revoker if enrollment else None, disaggregation=options.disaggregation,
-                      autoscaler=autoscaler)
+                      autoscaler=autoscaler, rollouts=rollouts)
     access = _access(options, registry, enrollment)
     http, http_task, http_port = await _serve_http(origin, admin, metrics, access, options)
 
     advertiser = await _advertise(options, advertise_host, grpc_port, http_port,
                                   enrollment.port if enrollment else None)
     ticker = asyncio.create_task(_tick(deployer))
-    scaler = asyncio.create_task(_autoscale(autoscaler))
+    scaler = asyncio.create_task(_steer(autoscaler, rollouts))
     origin_links = asyncio.create_task(OriginLinkProber(deployer.roster, time.time).run())
     browser = discovery.Browser(interfaces=list(options.interfaces))
     watcher = asyncio.create_task(_log_discovered(browser, options.mesh, registry))

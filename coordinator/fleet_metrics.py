@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from stratamesh.coordinator.liveness import Liveness
+from stratamesh.coordinator.records import CANARY_REPLICA, PlanRecord
 from stratamesh.coordinator.serving.records import OriginStats
 from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
 from stratamesh.fleet.boxes import Telemetry
@@ -17,7 +18,7 @@ from stratamesh.fleet.boxes import Telemetry
 HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 class ReadyPlans(Protocol):
-    def ready_plans(self, model_id: str) -> Sequence[object]:
+    def ready_plans(self, model_id: str) -> Sequence[PlanRecord]:
         """The model's replicas' plans that serve."""
 
 
@@ -133,7 +134,8 @@ class ReplicaCollector(Collector):
         yield _gauge("stratamesh:desired_replicas", "The replicas the model wants: its operator's count, or what its "
                      "autoscaler decided.", {m.model_id: m.num_replicas for m in models})
         yield _gauge("stratamesh:ready_replicas", "The model's replicas whose every stage is loaded.",
-                     {m.model_id: len(self._routes.ready_plans(m.model_id)) for m in models})
+                     {m.model_id: sum(p.replica != CANARY_REPLICA for p in self._routes.ready_plans(m.model_id))
+                      for m in models})
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from stratamesh.coordinator.autoscaler import Autoscaler
+from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.control.models import ModelInfo, find_model, model_infos
@@ -19,7 +20,7 @@ from stratamesh.coordinator.fleet_view import (AgentQuery, FleetView, agent_json
                                                site_links, site_summaries)
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.records import DRAIN_RUNNING, AgentRecord, Autoscale
+from stratamesh.coordinator.records import CANARY_REPLICA, DRAIN_RUNNING, AgentRecord, Autoscale
 from stratamesh.coordinator.registry import ModelRecord, Registry
 from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.router import Disaggregation
@@ -52,7 +53,8 @@ class MeshAdmin:
     def __init__(self, registry: Registry, requests: RequestLog, metrics_addresses: Mapping[str, str],
                  drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
                  clock: Callable[[], float] = time.time, revoker: Revoker | None = None,
-                 disaggregation: Disaggregation = Disaggregation(), autoscaler: Autoscaler | None = None):
+                 disaggregation: Disaggregation = Disaggregation(), autoscaler: Autoscaler | None = None,
+                 rollouts: Rollouts | None = None):
         self._registry = registry
         self._requests = requests
         self._disaggregation = disaggregation
@@ -60,6 +62,7 @@ class MeshAdmin:
         self._drainer = drainer
         self._deployer = deployer
         self._autoscaler = autoscaler
+        self._rollouts = rollouts
         self._live = live if live is not None else LiveStats()
         self._clock = clock
         self._revoker = revoker
@@ -150,6 +153,20 @@ class MeshAdmin:
                                         autoscale)
         return self._model_json(self._registry.model(served_id), find_model(self._registry, served_id))
 
+    def rollout(self, model_id: str, path: str, steps: Sequence[int] | None, step_s: float | None) -> dict[str, Any]:
+        """Starts rolling out another revision of a model (ModelNotFound; InvalidInput, CheckpointError)."""
+        if self._rollouts is None:
+            raise RuntimeError("this admin view was made without rollouts")
+        self._rollouts.start(model_id, path, steps, step_s)
+        return self._model_json(self._registry.model(model_id), find_model(self._registry, model_id))
+
+    def roll_back(self, model_id: str) -> dict[str, Any]:
+        """An operator's roll-back of a model's running rollout (ModelNotFound; InvalidInput if none runs)."""
+        if self._rollouts is None:
+            raise RuntimeError("this admin view was made without rollouts")
+        self._rollouts.roll_back(model_id, "rolled back by an operator")
+        return self._model_json(self._registry.model(model_id), find_model(self._registry, model_id))
+
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]:
         """Re-plans a model over the agents there are now (ModelNotFound; PlacementError if no plan fits)."""
         outcome, reason = self._planner().plans.replan(model_id, num_stages)
@@ -165,11 +182,23 @@ class MeshAdmin:
         return {"model_id": model_id, "path": model.path, "num_layers": model.num_layers,
                 "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
-                "num_replicas": model.num_replicas, "ready_replicas": len(routes.ready_plans(model_id)),
+                "num_replicas": model.num_replicas,
+                "ready_replicas": sum(p.replica != CANARY_REPLICA for p in routes.ready_plans(model_id)),
                 "created": model.created, "speculation": self._speculation(model_id),
                 "speculative_config": model.speculation.config() if model.speculation else None,
-                "autoscale": self._autoscale(model),
+                "autoscale": self._autoscale(model), "revision": model.revision,
+                "rollout": self._rollout(model),
                 "load_errors": [asdict(e) for e in deployer.load_errors.of_model(self._registry, model_id)]}
+
+    def _rollout(self, model: ModelRecord) -> dict[str, Any] | None:
+        """The model's newest rollout: its revision, steps and state, the share its canary takes now, and whether the
+        canary serves."""
+        rollout = model.rollout
+        if rollout is None:
+            return None
+        canary = self._registry.active_plan(model.model_id, CANARY_REPLICA)
+        return {**asdict(rollout), "share": rollout.share,
+                "canary_ready": canary is not None and self._planner().routes.serves(canary)}
 
     def _autoscale(self, model: ModelRecord) -> dict[str, Any] | None:
         """An autoscaled model's bounds and targets, its replicas over time and the autoscaler's last decision."""

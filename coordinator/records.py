@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput
-from stratamesh.fleet.states import DrainState
+from stratamesh.fleet.states import DrainState, RolloutState
 from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import MAX_REPLICAS, StageSpec
@@ -60,6 +60,43 @@ class Autoscale:
         return min(max(replicas, self.min_replicas), self.max_replicas)
 
 
+CANARY_REPLICA = 1000          # the replica number of a model's canary (a rollout's new revision): apart from 0..n-1
+ROLLOUT_STEPS = (5, 25, 100)     # the canary's shares of the requests, in percent, by default
+ROLLOUT_STEP_S = 60.0            # ... each held this long at least, while the canary does as well as the serving one
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """A new revision of a model on its way in: its folder, the shares of the requests it takes in turn (the last
+    100), and how far it got."""
+
+    path: str
+    revision: str
+    steps: tuple[int, ...] = ROLLOUT_STEPS
+    step_s: float = ROLLOUT_STEP_S
+    step: int = 0                   # the index of the share it takes now
+    state: RolloutState = RolloutState.CANARY
+    started_s: float = 0.0
+    step_since_s: float = 0.0       # when it took its current share (its figures are counted from then)
+    reason: str = ""                # why it stepped, was promoted or rolled back, last
+
+    def __post_init__(self) -> None:
+        if not self.steps or list(self.steps) != sorted(set(self.steps)) or self.steps[0] < 1 \
+                or self.steps[-1] != 100:
+            raise InvalidInput(f"a rollout's steps are rising percentages ending at 100, got {list(self.steps)}")
+        if not 0 <= self.step_s < float("inf"):
+            raise InvalidInput(f"a rollout's step_s must be >= 0 seconds, got {self.step_s}")
+
+    @property
+    def share(self) -> int:
+        """The percentage of new requests the canary takes now (0 once it ended)."""
+        return self.steps[self.step] if self.state == RolloutState.CANARY else 0
+
+    @property
+    def active(self) -> bool:
+        return self.state == RolloutState.CANARY
+
+
 @dataclass(frozen=True, slots=True)
 class ModelRecord:
     model_id: str
@@ -75,6 +112,7 @@ class ModelRecord:
     speculation: Speculation | None = None      # its speculative decoding; None: the coordinator's default
     autoscale: Autoscale | None = None          # its replicas follow its load within these; None: num_replicas fixed
     revision: str = ""          # which revision of its folder it was last deployed from (model_folder.revision_of)
+    rollout: Rollout | None = None      # its newest rollout of another revision (active, or how it ended)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,9 @@ from sqlite_utils import Database
 from stratamesh.fleet.errors import InvalidInput, MeshError, ModelNotFound
 from stratamesh.fleet.state import make_private_database
 from stratamesh.coordinator.plain import plain
-from stratamesh.coordinator.records import (AgentRecord, Autoscale, DrainStatus, EventRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, Autoscale, Rollout, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
-from stratamesh.fleet.states import PlanState
+from stratamesh.fleet.states import PlanState, RolloutState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, Speed, StageLoad, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.sessions import Speculation
@@ -179,6 +179,11 @@ def _m019_revisions(db: Database) -> None:
     db["stages"].add_column("revision", str, not_null_default="")
 
 
+def _m020_model_rollout(db: Database) -> None:
+    """Each model's newest rollout of another revision (records.Rollout as JSON; "": none)."""
+    db["models"].add_column("rollout_json", str, not_null_default="")
+
+
 # Append only: version N is MIGRATIONS[N - 1]. Each runs in one transaction with its version row.
 MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history_and_indexes,
                                      _m003_stage_kv_block_size, _m004_telemetry_and_links, _m005_stage_tp_degree,
@@ -187,7 +192,7 @@ MIGRATIONS: tuple[Migration, ...] = (_m001_core_tables, _m002_capability_history
                                      _m010_plan_predictions, _m011_stage_runtime,
                                      _m012_drain_rest, _m013_model_quantize, _m014_replicas, _m015_model_num_stages,
                                      _m016_stage_kv_cache_bytes, _m017_model_speculation,
-                                     _m018_model_autoscale, _m019_revisions)
+                                     _m018_model_autoscale, _m019_revisions, _m020_model_rollout)
 
 
 def _caps_to_json(caps: Capabilities) -> str:
@@ -230,9 +235,15 @@ def _agent(row: dict[str, Any]) -> AgentRecord:
 
 def _model(row: dict[str, Any]) -> ModelRecord:
     speculation, autoscale = row.pop("speculation_json", ""), row.pop("autoscale_json", "")
+    rollout = row.pop("rollout_json", "")
     return ModelRecord(config=json.loads(row.pop("config_json")), **row,
                        speculation=Speculation.of(json.loads(speculation)) if speculation else None,
-                       autoscale=Autoscale(**json.loads(autoscale)) if autoscale else None)
+                       autoscale=Autoscale(**json.loads(autoscale)) if autoscale else None,
+                       rollout=_rollout(json.loads(rollout)) if rollout else None)
+
+
+def _rollout(d: dict[str, Any]) -> Rollout:
+    return Rollout(**{**d, "steps": tuple(d["steps"]), "state": RolloutState(d["state"])})
 
 
 def _autoscale_json(autoscale: Autoscale | None) -> str:
@@ -420,6 +431,13 @@ class Registry:
         _check_replicas(num_replicas, model.autoscale)
         with self._tx() as db:
             db["models"].update(model_id, {"num_replicas": num_replicas})
+
+    def set_rollout(self, model_id: str, rollout: Rollout | None) -> None:
+        """Records the model's rollout (None: none); ModelNotFound."""
+        if self.model(model_id) is None:
+            raise ModelNotFound(f"no model {model_id!r}")
+        with self._tx() as db:
+            db["models"].update(model_id, {"rollout_json": json.dumps(asdict(rollout)) if rollout else ""})
 
     def drop_replica(self, model_id: str, replica: int) -> None:
         """Retires the live plans of one replica of the model (the autoscaler gives it back)."""

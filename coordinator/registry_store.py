@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from stratamesh.coordinator.records import (AgentRecord, Autoscale, DrainStatus, EventRecord, ModelRecord,
+from stratamesh.coordinator.records import (AgentRecord, Autoscale, Rollout, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
@@ -97,6 +97,9 @@ class PlanStore(Protocol):
 
     def set_num_replicas(self, model_id: str, num_replicas: int) -> None:
         """Sets the replicas an autoscaled model wants (InvalidInput outside its bounds; ModelNotFound)."""
+
+    def set_rollout(self, model_id: str, rollout: Rollout | None) -> None:
+        """Records the model's rollout of another revision (None: none); ModelNotFound."""
 
     def drop_replica(self, model_id: str, replica: int) -> None:
         """Retires the live plans of one replica of the model, as one transaction."""

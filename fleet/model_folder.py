@@ -74,11 +74,11 @@ REVISED_BY = ("*.json", "*.safetensors", "*.gguf", "*.model", "*.txt")   # what 
 
 
 def revision_of(path: str | Path) -> str:
-    """Which revision a model folder (or GGUF file) is: 12 hex digits of a hash over its config's text and each
-    weight and tokenizer file's name, size and modification time, so that another folder, or the same folder with
-    a file replaced, is another revision. Cheap: no weight is read."""
+    """Which revision a model folder (or GGUF file) is: 12 hex digits of a hash over where it is, its config's text
+    and each weight and tokenizer file's name, size and modification time, so that another folder, or the same
+    folder with a file replaced, is another revision. Cheap: no weight is read."""
     resolved = Path(path).resolve()
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"{resolved}\0".encode())
     files = [resolved] if resolved.is_file() else sorted(
         {f for pattern in REVISED_BY for f in resolved.glob(pattern) if f.is_file()})
     for file in files:

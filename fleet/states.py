@@ -56,6 +56,14 @@ class ModelState(StrEnum):
     SCALED_TO_ZERO = "scaled_to_zero"   # autoscaled to no replica: its next request starts one (a cold start)
 
 
+class RolloutState(StrEnum):
+    """A model's new revision on its way in (coordinator/rollouts.py)."""
+
+    CANARY = "canary"               # its replica takes a share of the requests, stepping up while it does well
+    PROMOTED = "promoted"           # it reached every request: the model's revision now
+    ROLLED_BACK = "rolled_back"     # it did worse than the serving revision (or did not load): given back
+
+
 class DrainState(StrEnum):
     """A drain of an agent (coordinator/control/drainer.py)."""
 

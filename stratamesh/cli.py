@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from stratamesh.bench.options import add_serve_arguments
 from stratamesh.drain_command import add_drain_arguments, run_drain
 from stratamesh.plan_command import add_plan_arguments, plan_main
+from stratamesh.rollout_command import add_rollback_arguments, add_rollout_arguments, run_rollback, run_rollout
 from stratamesh.security_commands import (add_key_arguments, add_revoke_arguments, add_token_arguments,
                                           add_user_arguments, run_key, run_revoke, run_token, run_user)
 from stratamesh.fleet import event_loop
@@ -401,6 +402,13 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
     tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="the dtype the weights are stored in")
     tiny.set_defaults(func=_model_tiny)
+    rollout = model_commands.add_parser("rollout", help="roll out another revision of a served model: a canary takes "
+                                        "a share of the requests that steps up, or rolls back by itself")
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(func=lambda args: sys.exit(run_rollout(args)))
+    rollback = model_commands.add_parser("rollback", help="roll a model's running rollout back")
+    add_rollback_arguments(rollback)
+    rollback.set_defaults(func=lambda args: sys.exit(run_rollback(args)))
     train_demo = model_commands.add_parser(
         "train-demo", help="train the demo model (the one `up` serves) on the bundled public-domain novel")
     train_demo.add_argument("--out", required=True)

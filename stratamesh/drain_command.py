@@ -51,10 +51,13 @@ def run_drain(args: argparse.Namespace, say: Callable[[str], None] = print) -> i
     return 0 if args.no_wait or drain["state"] == DrainState.DRAINED else 1
 
 
-def admin_call(url: str, method: str, api_key: str = "") -> dict[str, Any]:
-    """One admin API call; ValueError carries the error message the API answered."""
+def admin_call(url: str, method: str, api_key: str = "", body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One admin API call (body: its JSON); ValueError carries the error message the API answered."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=headers)
+    data = b"" if method == "POST" else None
+    if body is not None:
+        data, headers = json.dumps(body).encode(), {**headers, "Content-Type": "application/json"}
+    request = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())

@@ -18,7 +18,7 @@ from stratamesh.coordinator.api.errors import ApiError, error_response, error_re
 from stratamesh.coordinator.api.sse import SSEResponse, sse_event
 from stratamesh.coordinator.fleet_view import AgentQuery, FleetView, fleet_delta
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.records import SCALE_DOWN_AFTER_S, Autoscale
+from stratamesh.coordinator.records import SCALE_DOWN_AFTER_S, Autoscale, Rollout
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
 from stratamesh.fleet.sessions import Speculation
 
@@ -40,6 +40,10 @@ class Admin(Protocol):
                autoscale: Autoscale | None = None) -> dict[str, Any]: ...
 
     def replan(self, model_id: str, num_stages: int | None) -> dict[str, Any]: ...
+
+    def rollout(self, model_id: str, path: str, steps: list[int] | None, step_s: float | None) -> dict[str, Any]: ...
+
+    def roll_back(self, model_id: str) -> dict[str, Any]: ...
 
     def stats(self, seconds: int) -> list[dict[str, Any]]: ...
 
@@ -124,6 +128,36 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
                                           body.num_replicas, speculation, autoscale)}
         except (CheckpointError, InvalidInput) as exc:
             return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
+
+    @router.post("/models/{model_id:path}/rollout", status_code=202, response_model=schemas.DeployedModel,
+                 responses={409: {"description": "a rollout runs already, or the folder is the serving revision"}})
+    async def rollout(model_id: str, body: schemas.StartRollout) -> Any:
+        """Rolls out another revision of the model: a canary replica of it takes a share of the requests that steps
+        up while it does as well as the serving revision, and is rolled back by itself when it does not."""
+        if body.steps is not None:
+            try:
+                Rollout("", "", tuple(body.steps))
+            except InvalidInput as exc:
+                return error_response(ApiError(400, str(exc), param="steps", code="bad_rollout"))
+        try:
+            return {"model": admin.rollout(model_id, body.path, body.steps, body.step_s)}
+        except ModelNotFound as exc:
+            return error_response(ApiError(404, str(exc), param="model_id", code="model_not_found"))
+        except CheckpointError as exc:
+            return error_response(ApiError(400, str(exc), param="path", code="bad_model"))
+        except InvalidInput as exc:
+            return error_response(ApiError(409, str(exc), code="rollout_refused"))
+
+    @router.delete("/models/{model_id:path}/rollout", response_model=schemas.DeployedModel,
+                   responses={409: {"description": "no rollout of the model runs"}})
+    async def roll_back(model_id: str) -> Any:
+        """Rolls the model's running rollout back: its canary is given back, the serving revision serves on."""
+        try:
+            return {"model": admin.roll_back(model_id)}
+        except ModelNotFound as exc:
+            return error_response(ApiError(404, str(exc), param="model_id", code="model_not_found"))
+        except InvalidInput as exc:
+            return error_response(ApiError(409, str(exc), code="no_rollout"))
 
     @router.post("/models/{model_id:path}/replan", status_code=202, response_model=schemas.ReplanResult,
                  responses={409: {"description": "no plan fits the agents there are"}})

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stratamesh.fleet.states import AgentState, DrainState, ModelState, PlanState
+from stratamesh.fleet.states import AgentState, DrainState, ModelState, PlanState, RolloutState
 from stratamesh.fleet.boxes import Capabilities, GpuInfo, StageLoad
 from stratamesh.fleet.stages import MAX_REPLICAS, QUANTIZATIONS
 
@@ -20,6 +20,7 @@ LivePlanState = Literal[PlanState.ACTIVE.value, PlanState.STANDBY.value]     # t
 DrainStateName = Literal[tuple(s.value for s in DrainState)]                  # type: ignore[valid-type]
 # what the admin API says of a model (/health says STARTING where this says LOADING or WAITING)
 AdminModelState = Literal[tuple(s.value for s in ModelState if s != ModelState.STARTING)]   # type: ignore[valid-type]
+RolloutStateName = Literal[tuple(s.value for s in RolloutState)]             # type: ignore[valid-type]
 Tier = Literal["edge", "cloud"]
 
 
@@ -62,6 +63,18 @@ class DeployModel(_Request):
         """Whether the body asks for autoscaling: it names a bound or a target."""
         return any(v is not None for v in (self.min_replicas, self.max_replicas, self.slo_ttft_ms, self.slo_itl_ms,
                                             self.scale_down_after_s))
+
+
+class StartRollout(_Request):
+    """POST /admin/api/models/{model_id}/rollout: another revision of the model, rolled out as a canary."""
+
+    path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$",
+                      description="the new revision's folder (another one, or the model's own changed), as the agents "
+                                  "see it; the same shape of model")
+    steps: list[int] | None = Field(None, min_length=1, max_length=16, description="the canary's shares of the "
+                                    "requests in percent, rising, the last 100 (default [5, 25, 100])")
+    step_s: float | None = Field(None, ge=0, description="each share held at least this long, with 5 requests at "
+                                 "least, while the canary does as well as the serving revision (default 60)")
 
 
 class Replan(_Request):
@@ -210,6 +223,21 @@ class AutoscaleView(BaseModel):
     last_cold_start_s: float | None = None   # its last start from zero replicas, to a replica serving
 
 
+class RolloutView(BaseModel):
+    """A model's newest rollout of another revision."""
+    path: str
+    revision: str
+    steps: list[int]
+    step_s: float
+    step: int                   # the index of the share it takes now
+    share: int                  # the percentage of new requests its canary takes now (0 once it ended)
+    state: RolloutStateName
+    started_s: float
+    step_since_s: float
+    reason: str                 # why it stepped, was promoted or rolled back, last
+    canary_ready: bool          # whether the canary's every stage serves
+
+
 class ModelView(BaseModel):
     model_id: str
     path: str
@@ -226,6 +254,8 @@ class ModelView(BaseModel):
     speculation: SpeculationView = SpeculationView()    # speculative decoding (--speculative-config)
     speculative_config: dict[str, Any] | None = None    # the model's own (None: the coordinator's default)
     autoscale: AutoscaleView | None = None   # its replicas follow its load (None: num_replicas is fixed)
+    revision: str = ""                       # the revision of its folder it serves
+    rollout: RolloutView | None = None       # its newest rollout of another revision
     load_errors: list[LoadErrorView] = []    # the stages of its plans that an agent could not load, and why
 
 

@@ -17,10 +17,10 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
                                               serving_cpu_of, smallest_stage_bytes)
-from stratamesh.coordinator.records import Autoscale, ModelRecord, PlanRecord, StageRecord
+from stratamesh.coordinator.records import CANARY_REPLICA, Autoscale, ModelRecord, PlanRecord, Rollout, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, ModelNotFound, PlacementError
-from stratamesh.fleet.states import PlanState, StageState
+from stratamesh.fleet.states import PlanState, RolloutState, StageState
 from stratamesh.fleet.boxes import Capabilities
 from stratamesh.fleet.stages import Assignment, StageSpec
 from stratamesh.partitioner.plan import Plan
@@ -92,6 +92,72 @@ class Plans:
         self.release_unplanned()
         self.reconcile()
 
+    def start_rollout(self, model_id: str, path: str, steps: Sequence[int] | None = None,
+                      step_s: float | None = None) -> Rollout:
+        """Starts rolling out another revision of a served model (a folder of the same shape: another one, or its own
+        changed): a canary replica of it is planned on agents of its own and takes the first of steps' shares of the
+        requests (coordinator/rollouts.py steps it up, promotes or rolls it back). ModelNotFound; InvalidInput for a
+        model not serving yet, a rollout already running, a folder that is no other revision or bad steps."""
+        model = self._registry.model(model_id)
+        if model is None:
+            raise ModelNotFound(f"the model '{model_id}' does not exist")
+        if model.rollout is not None and model.rollout.active:
+            raise InvalidInput(f"a rollout of {model_id!r} (revision {model.rollout.revision}) is running: let it end, "
+                               "or roll it back, first")
+        if self._registry.active_plan(model_id) is None:
+            raise InvalidInput(f"{model_id!r} serves no replica yet: deploy it rather than roll it out")
+        num_stages = self.num_stages(model_id)
+        check_model(path, num_stages)
+        revision = revision_of(path)
+        if revision == model.revision:
+            raise InvalidInput(f"{path} is the revision {model_id!r} serves ({revision}): nothing to roll out")
+        now = self._clock()
+        defaults = Rollout("", "")
+        rollout = Rollout(str(Path(path).resolve()), revision, tuple(steps or defaults.steps),
+                          defaults.step_s if step_s is None else step_s, started_s=now, step_since_s=now)
+        self._registry.set_rollout(model_id, rollout)
+        self._unplaceable.pop((model_id, CANARY_REPLICA), None)
+        self.reconcile()
+        return rollout
+
+    def promote_canary(self, model_id: str, why: str) -> None:
+        """The rollout's revision serves the model from now: the canary becomes its first replica, the serving
+        replicas retire (their generations finish) and the others are planned again, of the new revision."""
+        model = self._registry.model(model_id)
+        rollout = model.rollout
+        num_stages = self.num_stages(model_id)
+        config = check_model(rollout.path, num_stages)
+        self._registry.add_model(model_id, rollout.path, config["num_hidden_layers"], config, self._clock(),
+                                 model.first_site, model.last_site, model.quantize, model.num_replicas,
+                                 model.num_stages, model.speculation, model.autoscale, rollout.revision)
+        serving = [plan for plan in self._registry.active_plans(model_id) if plan.replica != CANARY_REPLICA]
+        for plan in serving:
+            self._registry.drop_replica(model_id, plan.replica)
+        self._registry.move_replica(model_id, CANARY_REPLICA, 0)
+        self.retire([s.assignment_id for plan in serving for s in plan.stages], self._clock())
+        self._registry.set_rollout(model_id, replace(rollout, state=RolloutState.PROMOTED, reason=why))
+        self._forget_weighings(model_id)
+        self._stage_bytes.pop(model_id, None)
+        self.release_unplanned()
+        self.reconcile()
+
+    def roll_back(self, model_id: str, why: str) -> None:
+        """Gives the rollout's canary back (its generations finish); the serving revision serves on alone."""
+        model = self._registry.model(model_id)
+        canary = self._registry.active_plan(model_id, CANARY_REPLICA)
+        self._registry.drop_replica(model_id, CANARY_REPLICA)
+        self.retire([s.assignment_id for s in canary.stages] if canary else [], self._clock())
+        self._registry.set_rollout(model_id, replace(model.rollout, state=RolloutState.ROLLED_BACK, reason=why))
+        self._forget_weighings(model_id)
+        self.release_unplanned()
+        self.reconcile()
+
+    def _forget_weighings(self, model_id: str) -> None:
+        """Its replicas changed: the plans refused or weighed for them say nothing of them any more."""
+        for key in [k for k in (*self._unplaceable, *self._considered) if k[0] == model_id]:
+            self._unplaceable.pop(key, None)
+            self._considered.pop(key, None)
+
     def _wait_for_first_plan(self, model_id: str, num_stages: int) -> None:
         """A model with replicas wanted and no plan waits for the agents of a first one; one scaled to zero waits
         for nothing."""
@@ -124,9 +190,7 @@ class Plans:
         for to, replica in enumerate(r for r in replicas if r not in dropped):
             if to != replica:
                 self._registry.move_replica(model_id, replica, to)
-        for key in [k for k in (*self._unplaceable, *self._considered) if k[0] == model_id]:
-            self._unplaceable.pop(key, None)
-            self._considered.pop(key, None)
+        self._forget_weighings(model_id)
         self.retire(given_back, self._clock())
         self._wait_for_first_plan(model_id, num_stages)
         self.release_unplanned()
@@ -359,7 +423,8 @@ class Plans:
         replicas leave could hold one; one that did not fit waits for the plannable agents to change and settle."""
         for model in self._registry.models():
             first = self._registry.active_plan(model.model_id)
-            replicas = range(1, model.num_replicas if first else 0)
+            replicas = [*range(1, model.num_replicas if first else 0),
+                        *([CANARY_REPLICA] if first and model.rollout and model.rollout.active else [])]
             if not replicas:    # one replica (or none yet): no need to read every agent, as this runs every tick
                 continue
             plannable = self._capable_ids(model.model_id)
@@ -427,9 +492,13 @@ class Plans:
             raise PlacementError(f"cannot place {_named(model_id, replica)} yet: {len(agents)} of {num_stages} "
                                  f"agents")
         self.num_computed += 1
-        plan, placed = plan_stages(model_id, model.path, model.config, agents, num_stages, self._roster.links(),
+        path, config, revision = model.path, model.config, model.revision
+        if replica == CANARY_REPLICA and model.rollout is not None:     # a rollout's new revision
+            path, revision = model.rollout.path, model.rollout.revision
+            config = check_model(path, num_stages)
+        plan, placed = plan_stages(model_id, path, config, agents, num_stages, self._roster.links(),
                                    previous, _pins(model), self._hosts(agents), model.quantize)
-        return plan, [(agent, replace(spec, revision=model.revision)) for agent, spec in placed]
+        return plan, [(agent, replace(spec, revision=revision)) for agent, spec in placed]
 
     def _hosts(self, agents: Mapping[str, Capabilities]) -> Hosts:
         """Where the origin computes, and the serving path's CPU per token the agents' telemetry measured."""

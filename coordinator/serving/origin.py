@@ -13,7 +13,7 @@ from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.models import find_model, model_infos
 from stratamesh.coordinator.serving.attempt import Run, chunk_tokens
 from stratamesh.coordinator.serving.generation import Embedding, Generation
-from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.serving.records import RequestLog, RequestRecord
 from stratamesh.coordinator.serving.request import Request
 from stratamesh.coordinator.serving.router import Router
 from stratamesh.coordinator.serving.sessions import SessionTable
@@ -79,7 +79,8 @@ class Origin:
         run = self._run(request.request_id, request.prompt_ids, request.params, model.hidden_size,
                         model.speculation or self.speculation)
         trace_id_var.set(run.record.trace_id)
-        return Generation(run, partial(self.route, request.model_id), request.prompt_ids, request.stops,
+        return Generation(run, partial(self.route, request.model_id, record=run.record), request.prompt_ids,
+                          request.stops,
                           partial(self._prefill_route, request.model_id), self._deployer.report_unreachable)
 
     async def embed(self, model_id: str, prompt_ids: Sequence[int], request_id: str) -> tuple[float, ...]:
@@ -87,7 +88,8 @@ class Origin:
         model = find_model(self._deployer.registry, model_id)
         run = self._run(request_id, prompt_ids, SamplingParams(), model.hidden_size)
         trace_id_var.set(run.record.trace_id)
-        embedding = Embedding(run, partial(self.route, model_id), prompt_ids, self._deployer.report_unreachable)
+        embedding = Embedding(run, partial(self.route, model_id, record=run.record), prompt_ids,
+                              self._deployer.report_unreachable)
         return await embedding.vector()
 
     def health(self) -> dict[str, Any]:
@@ -120,23 +122,31 @@ class Origin:
                    chunk_tokens(hidden_size), speculation=speculation if params.verifiable else None,
                    revision_of=self._deployer.routes.revision_of)
 
-    async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int]) -> tuple[list[Hop], int]:
+    async def route(self, model_id: str, avoid: Collection[str], token_ids: Sequence[int],
+                    record: RequestRecord | None = None) -> tuple[list[Hop], int]:
         """The router's pick for an attempt, waiting up to route_wait_s while the model loads or recovers, and up to
         COLD_START_WAIT_S while an autoscaled one starts a replica (ModelNotReady after). The addresses in avoid are
         trusted again after an agent's lease: if nobody declared their agent dead by then, the failure was the
-        link's, and the route through them is the one there is."""
+        link's, and the route through them is the one there is. record: the request's, which keeps the revision of
+        the model its first route served, for every route after (a pipeline never mixes revisions, and a request
+        keeps its own through failover)."""
         loop = asyncio.get_running_loop()
         cold = self._deployer.routes.cold(model_id)
         deadline = loop.time() + (max(self._route_wait_s, COLD_START_WAIT_S) if cold else self._route_wait_s)
         trust_at = loop.time() + self._deployer.roster.liveness.lease_s + 1.0
         while True:
-            now = loop.time()
+            now, kept = loop.time(), (record.revision or None) if record is not None else None
             try:
-                return self._router.route(model_id, avoid if now < trust_at else (), token_ids, self.sessions.work())
+                hops, block_size = self._router.route(model_id, avoid if now < trust_at else (), token_ids,
+                                                      self.sessions.work(), kept)
             except ModelNotReady:
                 if now >= deadline:
                     raise
-            await self._deployer.routes.changed((min(deadline, trust_at) if now < trust_at else deadline) - now)
+                await self._deployer.routes.changed((min(deadline, trust_at) if now < trust_at else deadline) - now)
+                continue
+            if record is not None:
+                record.revision = self._deployer.routes.revision_of(hops[0].assignment_id)
+            return hops, block_size
 
     def _prefill_route(self, model_id: str, decode: Sequence[Hop], token_ids: Sequence[int],
                        avoid: Collection[str]) -> list[Hop] | None:

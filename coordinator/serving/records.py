@@ -33,6 +33,7 @@ class RequestRecord:
     num_replayed_tokens: int = 0    # tokens computed again after a failover, preemption or move (0 for a clean move)
     cached_tokens: int = 0
     error: str = ""
+    revision: str = ""          # the model's revision its route served (a request keeps it through failover)
 
     @property
     def state(self) -> RequestState:

@@ -4,12 +4,13 @@ hand as a value, the routes' readiness and the stages' prefix caches from the co
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from stratamesh.coordinator.control.models import find_model
 from stratamesh.coordinator.control.routes import Routes
-from stratamesh.coordinator.records import PlanRecord
+from stratamesh.coordinator.records import CANARY_REPLICA, PlanRecord
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
 from stratamesh.fleet.states import RouterMode
@@ -72,15 +73,18 @@ class Router:
         self.disaggregation = disaggregation
         self._routes = routes
         self._turns: dict[str, int] = {}       # model id -> routes handed out (whose turn is next)
+        self._rng = random.Random()             # which new requests a rollout's canary takes
 
     def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = (),
-              work: Work | None = None) -> tuple[list[Hop], int]:
+              work: Work | None = None, revision: str | None = None) -> tuple[list[Hop], int]:
         """The hops of a ready replica of the model in pipeline order, and its KV block size; ModelNotReady while
         none is (or every one runs through an address in avoid: Stage addresses just found unreachable).
 
-        token_ids: what the route will prefill; work: the origin's work in hand (kv mode weighs both)."""
+        token_ids: what the route will prefill; work: the origin's work in hand (kv mode weighs both). revision:
+        the one the request started on, which it keeps (None: a new request, which a rollout's canary takes its
+        share of)."""
         find_model(self._routes.registry, model_id)
-        ready = self._routes.ready_plans(model_id)
+        ready = self._lane(model_id, self._routes.ready_plans(model_id), revision)
         if not ready:
             raise ModelNotReady(f"the model '{model_id}' is not ready yet: its stages are loading")
         decoding = [plan for plan in ready if not self.disaggregation.prefills(plan)]
@@ -115,6 +119,22 @@ class Router:
             return None
         queued, _, hops = min(candidates, key=lambda c: c[:2])
         return hops if queued <= rules.max_queue_tokens else None
+
+    def _lane(self, model_id: str, ready: list[PlanRecord], revision: str | None) -> list[PlanRecord]:
+        """The ready plans a request may take: those of the revision it started on (while any plan of the model
+        serves it: a rolled-back canary's request goes on with the serving revision); a new request, the canary's
+        with the rollout's share of the chance, else the serving replicas'."""
+        canary = [plan for plan in ready if plan.replica == CANARY_REPLICA]
+        serving = [plan for plan in ready if plan.replica != CANARY_REPLICA]
+        registry = self._routes.registry
+        if revision is not None and any(s.spec.revision == revision for plan in registry.live_plans(model_id)
+                                        for s in plan.stages[:1]):
+            return [plan for plan in ready if plan.stages[0].spec.revision == revision]
+        model = registry.model(model_id)
+        rollout = model.rollout if model is not None else None
+        if canary and rollout is not None and rollout.active and self._rng.random() * 100 < rollout.share:
+            return canary
+        return serving
 
     def _choose(self, model_id: str, routes: list[Route], token_ids: Sequence[int], work: Work) -> Route:
         """The pick among the ready routes (by replica); ties go to the next in turn."""
