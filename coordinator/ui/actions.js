@@ -155,8 +155,9 @@ export class ModelsTable {
 function replicasCell(m) {
   const count = el("div", { "data-testid": "replicas-count",
     text: `${m.ready_replicas ?? 0} of ${m.num_replicas ?? 0} ready` });
+  const rollout = m.rollout ? [rolloutLine(m.rollout)] : [];
   const auto = m.autoscale;
-  if (!auto) return [count];
+  if (!auto) return [count, ...rollout];
   count.textContent += ` · autoscaled ${auto.min_replicas}–${auto.max_replicas}`;
   const cells = [count];
   if (auto.history && auto.history.length > 1) cells.push(replicasChart(auto.history, auto.max_replicas));
@@ -168,7 +169,26 @@ function replicasCell(m) {
     cells.push(el("div", { class: "muted small", "data-testid": "cold-start",
       text: `last cold start: ${fmtSeconds(auto.last_cold_start_s)}` }));
   }
-  return cells;
+  return [...cells, ...rollout];
+}
+
+/** A rollout's progress: the canary's share of the requests (a bar) while it runs, how it ended after; its last
+ * comparison with the serving revision in the tooltip and below. */
+function rolloutLine(r) {
+  const revision = String(r.revision || "").slice(0, 12);
+  let text;
+  if (r.state === "canary") {
+    text = `rollout ${revision}: canary ${r.canary_ready ? "serving" : "loading"} · ${r.share}% of requests`;
+  } else if (r.state === "promoted") {
+    text = `rollout ${revision}: promoted`;
+  } else {
+    text = `rollout ${revision}: rolled back`;
+  }
+  return el("div", { class: "small rollout", "data-testid": "rollout-progress", "data-state": r.state,
+    title: r.reason || "" },
+  el("span", { text }),
+  r.state === "canary" ? el("progress", { max: 100, value: r.share, "aria-label": "canary share" }) : null,
+  r.reason ? el("div", { class: "muted small", "data-testid": "rollout-reason", text: shorten(r.reason, 120) }) : null);
 }
 
 const CHART_W = 140;

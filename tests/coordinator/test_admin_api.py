@@ -3,6 +3,7 @@ document, and the admin UI's static files (pages of agents and the stream's delt
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,11 @@ from stratamesh.coordinator.api.ui import UI_DIR, mount_ui
 from stratamesh.coordinator.control.drainer import Drainer
 from stratamesh.coordinator.live_stats import LiveStats
 from stratamesh.coordinator.serving.records import RequestLog
+from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.serving.sessions import SessionTable
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.coordinator.control.models import find_model
+from stratamesh.fleet.model_folder import revision_of
 from stratamesh.fleet.sessions import Speculation
 from stratamesh.fleet.stages import StageStatus
 from tests.coordinator.test_deployer import model_dir, ready_pair, report_ready  # noqa: F401 (a fixture)
@@ -31,13 +34,44 @@ T0 = 1_700_000_000.0
 def mesh(model_dir: Path):
     registry, deployer, agents = ready_pair(model_dir, [100.0])
     live = LiveStats()
-    admin = MeshAdmin(registry, RequestLog(), {}, Drainer(deployer, SessionTable(), registry), deployer, live,
-                      clock=lambda: T0 + 10)
+    requests = RequestLog()
+    admin = MeshAdmin(registry, requests, {}, Drainer(deployer, SessionTable(), registry), deployer, live,
+                      clock=lambda: T0 + 10, rollouts=Rollouts(deployer, requests, clock=lambda: T0 + 10))
     app = FastAPI()
     app.include_router(admin_router(admin))
     mount_ui(app)
     install_error_handlers(app)
     return registry, deployer, agents, live, admin, app
+
+
+async def test_a_rollout_starts_through_the_api_is_shown_and_an_operator_rolls_it_back(mesh, model_dir: Path,
+                                                                                        tmp_path_factory) -> None:
+    registry, deployer, agents, _, _, app = mesh
+    following = tmp_path_factory.mktemp("next")
+    shutil.copy(model_dir / "config.json", following / "config.json")
+    async with await client_of(app) as client:
+        for body, status, code in (({"path": str(following), "steps": [50, 10]}, 400, "bad_rollout"),
+                                   ({"path": str(following / "nope")}, 400, "bad_model"),
+                                   ({"path": str(model_dir)}, 409, "rollout_refused")):     # the serving revision
+            refused = await client.post("/admin/api/models/m/rollout", json=body)
+            assert (refused.status_code, refused.json()["error"]["code"]) == (status, code), body
+        missing = await client.post("/admin/api/models/nope/rollout", json={"path": str(following)})
+        assert missing.status_code == 404
+        started = await client.post("/admin/api/models/m/rollout", json={"path": str(following), "step_s": 5})
+        assert started.status_code == 202, started.text
+        rollout = started.json()["model"]["rollout"]
+        assert (rollout["revision"], rollout["state"], rollout["share"], rollout["steps"], rollout["step_s"]) == (
+            registry.model("m").rollout.revision, "canary", 5, [5, 25, 100], 5.0)
+        assert rollout["path"] == str(following.resolve()) and rollout["canary_ready"] is False
+        again = await client.post("/admin/api/models/m/rollout", json={"path": str(following)})
+        assert again.status_code == 409 and "is running" in again.json()["error"]["message"]
+        events = (await client.get("/admin/api/events", params={"limit": 5})).json()["events"]
+        assert any(e["kind"] == "rollout_started" for e in events)
+        back = await client.delete("/admin/api/models/m/rollout")
+        assert back.status_code == 200 and back.json()["model"]["rollout"]["state"] == "rolled_back"
+        assert back.json()["model"]["rollout"]["reason"] == "rolled back by an operator"
+        none = await client.delete("/admin/api/models/m/rollout")
+        assert none.status_code == 409 and none.json()["error"]["code"] == "no_rollout"
 
 
 async def test_a_stage_an_agent_could_not_load_is_shown_with_its_model_until_it_loads(mesh, model_dir: Path) -> None:
@@ -81,7 +115,7 @@ async def test_models_are_listed_deployed_and_bad_folders_refused_by_name(mesh, 
             "state": "loading", "num_stages": 1, "first_site": "", "last_site": "", "quantize": "", "num_replicas": 1,
             "ready_replicas": 0, "created": 0, "load_errors": [],
             "speculation": {"draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None},
-            "speculative_config": None, "autoscale": None}
+            "speculative_config": None, "autoscale": None, "revision": revision_of(model_dir), "rollout": None}
         scaled = await client.post("/admin/api/models", json={"path": str(model_dir), "model_id": "m5", "num_stages": 1,
                                                               "min_replicas": 0, "max_replicas": 2, "slo_itl_ms": 50})
         assert scaled.status_code == 202 and scaled.json()["model"]["num_replicas"] == 1     # it starts with one

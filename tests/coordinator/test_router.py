@@ -4,12 +4,15 @@ message lists), with the origin's work in hand given as a value."""
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.control.prefix_index import EXPECTED_FOR_S
+from stratamesh.coordinator.records import CANARY_REPLICA
 from stratamesh.coordinator.registry import Registry
 from stratamesh.coordinator.serving.router import DECODE_WORK_TOKENS, Disaggregation, Router, RouteWork
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
@@ -199,3 +202,34 @@ def test_disaggregation_thresholds_must_be_sane() -> None:
     for bad in ((-1, 512, 10), (1, 0, 10), (1, 512, -1)):
         with pytest.raises(InvalidInput, match="disaggregation"):
             Disaggregation(*bad)
+
+
+def test_a_rollouts_canary_takes_its_share_of_new_requests_and_a_request_keeps_its_revision(
+        model_dir: Path) -> None:
+    registry = Registry(":memory:")
+    deployer = Deployer(registry, clock=lambda: 100.0)
+    agents = [Agent(f"a{i}", 8) for i in range(1, 5)]
+    deployer.plans.add_model("m", str(model_dir), num_stages=2)
+    connect_all(deployer, agents)
+    following = model_dir.parent / f"{model_dir.name}-next"       # the next revision: another folder
+    following.mkdir()
+    shutil.copy(model_dir / "config.json", following / "config.json")
+    rollout = deployer.plans.start_rollout("m", str(following), steps=(100,))
+    serving, canary = registry.active_plan("m"), registry.active_plan("m", CANARY_REPLICA)
+    assert canary is not None and {s.spec.revision for s in canary.stages} == {rollout.revision}
+    assert {s.spec.model_path for s in canary.stages} == {str(following.resolve())}
+    assert not {s.agent_id for s in canary.stages} & {s.agent_id for s in serving.stages}
+    report_ready(deployer, agents)
+    router = Router(deployer.routes)
+    first_of = lambda route: route[0][0].assignment_id      # noqa: E731
+    assert {first_of(router.route("m")) for _ in range(5)} == {canary.stages[0].assignment_id}    # 100%: all new
+    old = registry.model("m").revision
+    assert first_of(router.route("m", revision=old)) == serving.stages[0].assignment_id     # kept through failover
+    registry.set_rollout("m", replace(rollout, steps=(5, 100)))
+    router._rng.seed(1)
+    taken = sum(first_of(router.route("m")) == canary.stages[0].assignment_id for _ in range(400))
+    assert 5 <= taken <= 40                                                                 # about 5% of 400
+    deployer.plans.roll_back("m", "a test")
+    assert registry.model("m").rollout.state == "rolled_back"
+    # its revision is gone: a request that started on the canary goes on with the serving revision
+    assert first_of(router.route("m", revision=rollout.revision)) == serving.stages[0].assignment_id

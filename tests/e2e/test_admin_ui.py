@@ -291,7 +291,11 @@ def fixture_snapshot(now: float) -> dict:
                "num_stages": k, "first_site": "lab" if m == "llama-8b" else None, "last_site": None,
                "created": now - 900} for m, n, k in (("llama-8b", 32, 4), ("qwen-0.5b", 24, 1))]
     models[0]["speculation"] = {"draft_tokens": 800, "accepted_tokens": 480, "acceptance_rate": 0.6}
-    models[0] |= {"num_replicas": 1, "ready_replicas": 1}
+    models[0] |= {"num_replicas": 1, "ready_replicas": 1, "revision": "0a1b2c3d4e5f", "rollout": {
+        "path": "/models/llama-8b-v2", "revision": "9f8e7d6c5b4a", "steps": [5, 25, 100], "step_s": 60.0, "step": 1,
+        "share": 25, "state": "canary", "started_s": now - 200, "step_since_s": now - 30, "canary_ready": True,
+        "reason": "at 5% for 61 s: canary 9 requests, 0 failed, p90 31.0 ms a token; serving 171 requests, 0 failed, "
+                  "p90 29.5 ms a token"}}
     # qwen is autoscaled: 1 replica for a minute, 3 wanted under a burst (2 of them ready), back to 2
     history = [(-600, 1, 1), (-300, 3, 1), (-280, 3, 2), (-250, 3, 3), (-60, 2, 3), (-55, 2, 2), (0, 2, 2)]
     models[1] |= {"num_replicas": 2, "ready_replicas": 2, "autoscale": {
@@ -432,6 +436,12 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
         expect(qwen.get_by_test_id("cold-start")).to_have_text("last cold start: 4.20 s")
         llama = page.locator('[data-testid="model-row"][data-model-id="llama-8b"]')
         expect(llama.get_by_test_id("replicas-count")).to_have_text("1 of 1 ready")
+        # its rollout: the canary's share of the requests, and its last comparison with the serving revision
+        rollout = llama.get_by_test_id("rollout-progress")
+        expect(rollout).to_have_attribute("data-state", "canary")
+        expect(rollout).to_contain_text("rollout 9f8e7d6c5b4a: canary serving · 25% of requests")
+        expect(rollout.locator("progress")).to_have_attribute("value", "25")
+        expect(llama.get_by_test_id("rollout-reason")).to_contain_text("canary 9 requests, 0 failed")
         expect(llama.get_by_test_id("replicas-chart")).to_have_count(0)
         expect(page.get_by_test_id("stage-link-codec").filter(has_text="← int8")).to_have_count(1)
         experts = page.get_by_test_id("stage-experts")       # the mixture of experts' stage alone
