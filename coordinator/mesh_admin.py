@@ -109,7 +109,8 @@ class MeshAdmin:
                           else [""] * len(plan.stages))
                 out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                             "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
-                            "replica": plan.replica,
+                            "replica": plan.replica, "canary": plan.replica == CANARY_REPLICA,
+                            "revision": plan.stages[0].spec.revision,
                             "role": self._disaggregation.role(plan),
                             "predicted": _predicted(plan.prediction),
                             "stages": [{"assignment_id": s.assignment_id, "agent_id": s.agent_id,

@@ -178,6 +178,8 @@ class PlanView(BaseModel):
     reason: str
     num_layers: int
     replica: int = Field(0, description="which of the model's pipelines it plans")
+    canary: bool = Field(False, description="it plans a rollout's canary (the model's next revision)")
+    revision: str = Field("", description="the revision of the model's folder its stages serve")
     role: Literal["", "prefill", "decode"] = Field("", description="under prefill/decode disaggregation "
                                                    "(--prefill-replicas), what its replica serves; \"\" when off")
     predicted: PredictedView | None = None

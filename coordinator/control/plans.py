@@ -509,7 +509,8 @@ class Plans:
         plan_id = uuid.uuid4().hex[:12]
         stages = [StageRecord(f"{plan_id}-{i}", i, agent_id, spec)
                   for i, (agent_id, spec) in enumerate(placed)]
-        reason = planned.reason if replica == 0 else f"replica {replica}: {planned.reason}"
+        reason = planned.reason if replica == 0 else \
+            f"{'canary' if replica == CANARY_REPLICA else f'replica {replica}'}: {planned.reason}"
         self._registry.save_plan(plan_id, model_id, stages, reason, self._clock(), standby=standby,
                                  prediction=prediction(planned), replica=replica)
         self._registry.log_event("standby_plan" if standby else "plan", reason, self._clock())
@@ -524,7 +525,9 @@ def _placement(plan: PlanRecord) -> list[tuple[str, int, int, int]]:
 
 
 def _named(model_id: str, replica: int) -> str:
-    """The model, or its replica after the first: how logs name what they plan."""
+    """The model, its replica after the first, or its rollout's canary: how logs and plans name what they plan."""
+    if replica == CANARY_REPLICA:
+        return f"{model_id} (canary)"
     return model_id if replica == 0 else f"{model_id} (replica {replica})"
 
 

@@ -64,7 +64,8 @@ function renderPlan(plan, view, width) {
   return el("div", { class: `placement-plan ${plan.state}` },
     el("div", { class: "plan-meta" },
       el("span", { class: `badge ${plan.state === "active" ? "healthy" : "warn"}`, text: plan.state }),
-      el("span", { class: "badge", "data-testid": "plan-replica", text: `replica ${plan.replica || 0}` }),
+      el("span", { class: "badge", "data-testid": "plan-replica",
+        text: plan.canary ? `canary ${String(plan.revision || "").slice(0, 12)}` : `replica ${plan.replica || 0}` }),
       plan.role ? el("span", { class: "badge", "data-testid": "plan-role", title: "prefill/decode disaggregation: "
         + "a prefill replica prefills long prompts, whose KV then moves to a decode replica", text: plan.role }) : null,
       el("span", { class: "mono muted", text: `plan ${plan.plan_id}` }),

@@ -38,11 +38,12 @@ def build_wheel(out: Path) -> Path:
 
 
 def fresh_venv(path: Path, wheel: Path) -> Path:
-    """A new venv holding the wheel, this venv's packages behind it; its python."""
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=patient(120))
+    """A new venv holding the wheel, this venv's packages behind it; its python. (This venv's pip installs into it:
+    `pip --python`, so the new one needs no pip of its own.)"""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=patient(120))
     python = path / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
-                   timeout=patient(300))
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+                    str(wheel)], check=True, timeout=patient(300))
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (Path(site) / "zz-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
