@@ -126,6 +126,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
           f"autoscaled / fixed 3: box-seconds {auto.box_seconds / max(three.box_seconds, 1e-9):.2f}x, "
           f"SLO attainment {attainment(auto) / max(attainment(three), 1e-9):.2f}x")
     print(f"failed requests, all runs: {sum(r.metrics.failed for r in results)}")
+    for r in results:
+        for error in sorted(set(r.metrics.errors))[:3]:
+            print(f"  {r.name} failed: {error[:300]}")
     print("\nthe autoscaler's decisions:")
     for line in auto.decisions:
         print(f"  {line}")

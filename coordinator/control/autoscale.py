@@ -6,6 +6,11 @@ carries, at UTILIZATION of it; and, after they are missed with requests in fligh
 replica is ready and the window has seen the last one serve). A request waiting on a model scaled to zero wants one.
 Down, one at a time: once the load has wanted fewer for the policy's scale_down_after_s without a target missed;
 the replica whose boxes are nearest their owners' limits goes first.
+
+A replica added for a missed target is a trial: once it serves and the window has seen it, the miss must have
+shrunk (by HELPED of what it was, unless the arrivals grew by GREW meanwhile); else it is given back at once and
+no replica is added for a missed target for BACKOFF_S (boxes that share their cores, or a bottleneck replicas do
+not widen, such as the origin: more replicas would only hold more boxes, or slow every step).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from stratamesh.coordinator.demand import Demand
 from stratamesh.coordinator.records import Autoscale
 
 UTILIZATION = 0.75      # a replica is asked to carry at most this share of the tokens/s predicted for it
+HELPED = 0.9            # a replica added for a missed target helped if the miss fell below this share of it
+GREW = 1.2              # ... or the arrivals grew by this factor meanwhile (the miss then says nothing of it)
+BACKOFF_S = 300.0       # after a replica that did not help, none is added for a missed target for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +45,17 @@ class Scaling:
     fewer_since: float | None = None    # since when the load has wanted fewer replicas
     added_at: float = -math.inf         # when replicas were last added
     capacity: float | None = None       # a replica's predicted tokens/s, remembered through zero replicas
+    trial: Trial | None = None          # the last replica added for a missed target, until it is judged
+    backoff_until: float = -math.inf    # no replica is added for a missed target before then
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """A replica added for a missed target: the miss and the arrivals when it was added."""
+
+    replica: int
+    miss: float                 # the worst p90 over its target (1.2: 20% over)
+    arrivals_per_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +77,15 @@ def decide(policy: Autoscale, demand: Demand, replicas: Sequence[ReplicaLoad], c
     need, why = _by_rate(demand, state.capacity, current)
     missed = _missed(policy, demand)
     settled = len(replicas) == current and all(r.ready for r in replicas) and now - state.added_at >= demand.window_s
-    if missed and demand.in_flight and settled and need <= current:
+    if settled and state.trial is not None:
+        trial = state.trial
+        failed = _judge_trial(state, policy, demand, now)
+        if failed:
+            return _change(current - 1, current, replicas, state, now, failed, first=(trial.replica,))
+        state.trial = None
+    if missed and demand.in_flight and settled and need <= current and now >= state.backoff_until \
+            and current < policy.max_replicas:
+        state.trial = Trial(current, _miss(policy, demand), demand.arrivals_per_s)
         need, why = current + 1, f"{missed} with {demand.in_flight} request(s) in flight"
     if demand.in_flight and need < 1:
         need, why = 1, f"{demand.in_flight} request(s) in flight"
@@ -92,6 +119,24 @@ def _by_rate(demand: Demand, capacity: float | None, current: int) -> tuple[int,
                   "predicted for one")
 
 
+def _judge_trial(state: Scaling, policy: Autoscale, demand: Demand, now: float) -> str:
+    """Why the replica on trial did not help ("" if it did, or the arrivals grew too much to say)."""
+    trial, miss = state.trial, _miss(policy, demand)
+    if miss < HELPED * trial.miss or demand.arrivals_per_s > GREW * trial.arrivals_per_s:
+        return ""
+    state.trial, state.backoff_until = None, now + BACKOFF_S
+    return (f"replica {trial.replica}, added for a missed target, did not help: the worst p90 was {trial.miss:.2f}x "
+            f"its target then and is {miss:.2f}x now (the boxes may share their cores, or the bottleneck is one "
+            f"replicas do not widen); no replica is added for a missed target for {BACKOFF_S:g} s")
+
+
+def _miss(policy: Autoscale, demand: Demand) -> float:
+    """The worst of the window's p90s over its target (0 where none is measured or set)."""
+    return max([value * 1e3 / target for value, target in ((demand.ttft_p90_s, policy.slo_ttft_ms),
+                                                           (demand.itl_p90_s, policy.slo_itl_ms))
+                if value is not None and target is not None], default=0.0)
+
+
 def _missed(policy: Autoscale, demand: Demand) -> str:
     """The targets the window's p90s miss, in words ("" for none)."""
     missed = [f"the p90 {name} {value * 1e3:.0f} ms is above its target {target:g} ms"
@@ -102,16 +147,16 @@ def _missed(policy: Autoscale, demand: Demand) -> str:
 
 
 def _change(wanted: int, current: int, replicas: Sequence[ReplicaLoad], state: Scaling, now: float,
-            why: str) -> Decision:
-    """The decision from current to wanted replicas; those given back nearest their owners' limits first, then
-    the last."""
+            why: str, first: tuple[int, ...] = ()) -> Decision:
+    """The decision from current to wanted replicas; those given back: the replicas in first, then those whose
+    boxes are nearest their owners' limits, then the last."""
     if wanted > current:
         state.added_at, state.fewer_since = now, None
         return Decision(wanted, (), f"{current} -> {wanted} replicas: {why}")
     state.fewer_since = now if wanted > 0 else None     # the next step down waits a cool-down of its own
-    first = sorted(replicas, key=lambda r: (-r.limits_near, -r.replica))[:current - wanted]
-    give_back = tuple(r.replica for r in first)
-    near = [r for r in first if r.limits_near > 0]
+    order = sorted(replicas, key=lambda r: (r.replica not in first, -r.limits_near, -r.replica))
+    going = order[:current - wanted]
+    near = [r for r in going if r.limits_near > 0 and r.replica not in first]
     owners = f"; replica {near[0].replica} goes first: its boxes are at {near[0].limits_near:.0%} of their " \
         "owners' limits" if near else ""
-    return Decision(wanted, give_back, f"{current} -> {wanted} replicas: {why}{owners}")
+    return Decision(wanted, tuple(r.replica for r in going), f"{current} -> {wanted} replicas: {why}{owners}")

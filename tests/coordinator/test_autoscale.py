@@ -3,9 +3,11 @@ they are, down one at a time after a cool-down, the replica nearest its owners' 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from stratamesh.coordinator.control.autoscale import UTILIZATION, ReplicaLoad, Scaling, decide
+from stratamesh.coordinator.control.autoscale import BACKOFF_S, UTILIZATION, ReplicaLoad, Scaling, decide
 from stratamesh.coordinator.demand import Demand
 from stratamesh.coordinator.records import Autoscale
 from stratamesh.fleet.errors import InvalidInput
@@ -40,7 +42,28 @@ def test_a_missed_target_adds_one_replica_once_every_replica_serves_and_the_wind
     loading = [ReplicaLoad(0, True, 1000.0), ReplicaLoad(1, False)]
     assert decide(POLICY, slow, loading, 2, state, now=1001.0) is None
     assert decide(POLICY, slow, ready(1000.0, 1000.0), 2, state, now=1000.0 + slow.window_s - 1) is None
-    assert decide(POLICY, slow, ready(1000.0, 1000.0), 2, state, now=1000.0 + slow.window_s).replicas == 3
+    better = replace(slow, itl_p90_s=0.15)          # it helped (the miss shrank), and the target is still missed
+    assert decide(POLICY, better, ready(1000.0, 1000.0), 2, state, now=1000.0 + slow.window_s).replicas == 3
+
+
+def test_a_replica_added_for_a_missed_target_that_did_not_help_is_given_back_and_none_added_for_a_while() -> None:
+    """Replicas on boxes that share their cores make every step slower: the autoscaler finds it out and stops."""
+    slow = Demand(arrivals_per_s=4.0, tokens_per_request=32, running=9, itl_p90_s=0.115)
+    state = Scaling()
+    assert decide(POLICY, slow, ready(1000.0), 1, state, now=1000.0).replicas == 2
+    worse = replace(slow, itl_p90_s=0.178)
+    decision = decide(POLICY, worse, ready(1000.0, 1000.0), 2, state, now=1000.0 + slow.window_s)
+    assert (decision.replicas, decision.give_back) == (1, (1,))
+    assert "replica 1, added for a missed target, did not help: the worst p90 was 1.15x its target then and is " \
+           "1.78x now" in decision.reason
+    assert decide(POLICY, worse, ready(1000.0), 1, state, now=1000.0 + 2 * slow.window_s) is None    # backs off
+    later = 1000.0 + slow.window_s + BACKOFF_S
+    assert decide(POLICY, worse, ready(1000.0), 1, state, now=later).replicas == 2                  # tries again
+    # arrivals that grew meanwhile say nothing of the replica: it stays
+    state = Scaling()
+    decide(POLICY, slow, ready(1000.0), 1, state, now=1000.0)
+    busier = replace(worse, arrivals_per_s=6.0)
+    assert decide(POLICY, busier, ready(1000.0, 1000.0), 2, state, now=1000.0 + slow.window_s).replicas == 3
     # a missed target with nothing in flight is history, not load
     assert decide(POLICY, Demand(ttft_p90_s=2.0), ready(1000.0), 1, Scaling(), now=1000.0) is None
 

@@ -17,7 +17,7 @@ from tests.patience import patient, wait_until
 
 pytestmark = pytest.mark.slow
 
-NUM_CLIENTS = 3
+FIRST_CLIENTS, MORE_CLIENTS = 1, 3      # the load rises: one client, then four (its arrivals grow)
 
 
 def model_view(mesh: LocalMesh, model_id: str) -> dict[str, Any]:
@@ -54,15 +54,21 @@ def test_replicas_follow_the_load_up_and_down_and_an_idle_model_scales_to_zero_a
                         "model": model_id, "prompt": "the mesh follows its load", "max_tokens": 12})
                     statuses.append(response.status_code)
 
-        clients = [threading.Thread(target=client) for _ in range(NUM_CLIENTS)]
-        for thread in clients:
+        clients = [threading.Thread(target=client) for _ in range(FIRST_CLIENTS + MORE_CLIENTS)]
+        for thread in clients[:FIRST_CLIENTS]:
             thread.start()
         try:
+            # a replica added for a missed target must help, or the load must have grown, for the next to come
+            # (coordinator/control/autoscale.py): the load grows once the second replica is asked for
+            wait_until(lambda: replicas(mesh, model_id)[0] >= 2, 120)
+            for thread in clients[FIRST_CLIENTS:]:
+                thread.start()
             wait_until(lambda: replicas(mesh, model_id) == (3, 3), 180)
         finally:
             stop.set()
             for thread in clients:
-                thread.join()
+                if thread.is_alive():
+                    thread.join()
         wait_until(lambda: replicas(mesh, model_id) == (1, 1), 120)     # the load is gone: back to the minimum
         assert statuses and set(statuses) == {200}, statuses
         decisions = scaled(mesh)
