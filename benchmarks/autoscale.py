@@ -68,7 +68,9 @@ def boxes_held(mesh: LocalMesh) -> int:
 
 
 def run(model_dir: Path, name: str, coordinator_args: list[str], args: argparse.Namespace) -> Result:
-    mesh = LocalMesh(str(model_dir), num_agents=NUM_AGENTS, num_stages=NUM_STAGES, coordinator_args=coordinator_args)
+    agent_args = ["--kv-cache-gib", f"{args.kv_cache_gib:g}"] if args.kv_cache_gib else []
+    mesh = LocalMesh(str(model_dir), num_agents=NUM_AGENTS, num_stages=NUM_STAGES, coordinator_args=coordinator_args,
+                     agent_args=agent_args)
     mesh.start(timeout_s=300)
     try:
         want = 3 if name == "fixed 3" else 1
@@ -106,9 +108,10 @@ def run(model_dir: Path, name: str, coordinator_args: list[str], args: argparse.
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
+    kv = f"; KV cache {args.kv_cache_gib:g} GiB per agent" if args.kv_cache_gib else ""
     print(f"{NUM_AGENTS} agents, pipelines of {NUM_STAGES} stages; load: Poisson arrivals on the schedule "
           f"{args.schedule} (requests/s:seconds), {args.input_len} prompt and {args.output_len} output tokens; "
-          f"SLOs: TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms\n")
+          f"SLOs: TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms{kv}\n")
     print("| replicas | completed | failed | SLO attainment | goodput req/s | TTFT p90 ms | TPOT p90 ms | box-seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -142,6 +145,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
     parser.add_argument("--scale-down-after", type=float, default=10.0)
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0,
+                        help="each agent's KV cache (0: as the planner sizes it): a small one makes a replica hold "
+                             "few sequences at once, where replicas add memory rather than compute")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small model and a short schedule (a smoke run)")
     return parser.parse_args()
