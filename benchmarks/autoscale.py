@@ -112,7 +112,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"{NUM_AGENTS} agents, pipelines of {NUM_STAGES} stages; load: Poisson arrivals on the schedule "
           f"{args.schedule} (requests/s:seconds), {args.input_len} prompt and {args.output_len} output tokens; "
           f"SLOs: TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms{kv}\n")
-    print("| replicas | completed | failed | SLO attainment | goodput req/s | TTFT p90 ms | TPOT p90 ms | box-seconds |")
+    print("| replicas | completed | failed | SLO attainment | goodput req/s | TTFT p90 ms | TPOT p90 ms "
+          "| box-seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         m = r.metrics

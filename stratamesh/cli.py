@@ -357,26 +357,25 @@ def _add_owner_limits(agent: argparse.ArgumentParser) -> None:
 
 def _add_credentials_commands(commands: argparse._SubParsersAction) -> None:
     """`stratamesh drain`, `token`, `key`, `user` and `revoke`: commands on a running mesh and its registry."""
-    drain = commands.add_parser("drain", help="move an agent's stages and live sessions (with their KV) "
-                                "to other agents, then let it exit")
-    add_drain_arguments(drain)
-    drain.set_defaults(func=lambda args: sys.exit(run_drain(args)))
+    _exiting(commands, "drain", "move an agent's stages and live sessions (with their KV) to other agents, then let "
+             "it exit", add_drain_arguments, run_drain)
+    _exiting(commands, "token", "join tokens for new agents (run on the coordinator's box)", add_token_arguments,
+             run_token)
+    _exiting(commands, "key", "API keys for /v1 and /admin/api (run on the coordinator's box)", add_key_arguments,
+             run_key)
+    _exiting(commands, "user", "admin UI users and their roles (run on the coordinator's box)", add_user_arguments,
+             run_user)
+    _exiting(commands, "revoke", "revoke an agent's certificate: the mesh cuts it off at once", add_revoke_arguments,
+             run_revoke)
 
-    token = commands.add_parser("token", help="join tokens for new agents (run on the coordinator's box)")
-    add_token_arguments(token)
-    token.set_defaults(func=lambda args: sys.exit(run_token(args)))
 
-    key = commands.add_parser("key", help="API keys for /v1 and /admin/api (run on the coordinator's box)")
-    add_key_arguments(key)
-    key.set_defaults(func=lambda args: sys.exit(run_key(args)))
-
-    user = commands.add_parser("user", help="admin UI users and their roles (run on the coordinator's box)")
-    add_user_arguments(user)
-    user.set_defaults(func=lambda args: sys.exit(run_user(args)))
-
-    revoke = commands.add_parser("revoke", help="revoke an agent's certificate: the mesh cuts it off at once")
-    add_revoke_arguments(revoke)
-    revoke.set_defaults(func=lambda args: sys.exit(run_revoke(args)))
+def _exiting(commands: argparse._SubParsersAction, name: str, help_text: str,
+             add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    """A command whose flags add_arguments adds, which exits with the status run returns."""
+    parser = commands.add_parser(name, help=help_text)
+    add_arguments(parser)
+    parser.set_defaults(func=lambda args: sys.exit(run(args)))
 
 
 def _add_model(commands: argparse._SubParsersAction) -> None:
@@ -402,13 +401,9 @@ def _add_model(commands: argparse._SubParsersAction) -> None:
     tiny.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="the dtype the weights are stored in")
     tiny.set_defaults(func=_model_tiny)
-    rollout = model_commands.add_parser("rollout", help="roll out another revision of a served model: a canary takes "
-                                        "a share of the requests that steps up, or rolls back by itself")
-    add_rollout_arguments(rollout)
-    rollout.set_defaults(func=lambda args: sys.exit(run_rollout(args)))
-    rollback = model_commands.add_parser("rollback", help="roll a model's running rollout back")
-    add_rollback_arguments(rollback)
-    rollback.set_defaults(func=lambda args: sys.exit(run_rollback(args)))
+    _exiting(model_commands, "rollout", "roll out another revision of a served model: a canary takes a share of the "
+             "requests that steps up, or rolls back by itself", add_rollout_arguments, run_rollout)
+    _exiting(model_commands, "rollback", "roll a model's running rollout back", add_rollback_arguments, run_rollback)
     train_demo = model_commands.add_parser(
         "train-demo", help="train the demo model (the one `up` serves) on the bundled public-domain novel")
     train_demo.add_argument("--out", required=True)
