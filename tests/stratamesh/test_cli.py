@@ -248,3 +248,20 @@ def test_up_shows_a_call_a_gguf_model_serves(tiny_model, tmp_path: Path) -> None
 
     gguf = write_gguf(tiny_model("llama"), tmp_path / "tiny.gguf", "Q8_0")
     assert '"prompt"' in _example_call("http://127.0.0.1:8000", str(gguf), "tiny")
+
+
+def test_up_passes_its_autoscaling_to_the_coordinator_as_the_coordinator_reads_it() -> None:
+    from stratamesh import cli
+    from stratamesh.coordinator.records import Autoscale
+
+    parser = cli._parser()
+    up = parser.parse_args(["up", "--min-replicas", "0", "--max-replicas", "3", "--slo-itl-ms", "80",
+                            "--scale-down-after", "20"])
+    autoscale = cli._autoscale(up, "up")
+    assert autoscale == Autoscale(0, 3, None, 80.0, 20.0) and autoscale.start == 1
+    coordinator = parser.parse_args(["coordinator", *cli._autoscale_args(autoscale)])
+    assert cli._autoscale(coordinator, "coordinator") == autoscale
+    assert cli._autoscale(parser.parse_args(["coordinator"]), "coordinator") is None     # no flag: fixed replicas
+    assert cli._autoscale(parser.parse_args(["coordinator", "--max-replicas", "2"]), "coordinator") == Autoscale(1, 2)
+    with pytest.raises(SystemExit, match="min_replicas <= max_replicas"):
+        cli._autoscale(parser.parse_args(["up", "--min-replicas", "3", "--max-replicas", "2"]), "up")
