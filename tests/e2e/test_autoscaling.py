@@ -18,6 +18,7 @@ from tests.patience import patient, wait_until
 pytestmark = pytest.mark.slow
 
 FIRST_CLIENTS, MORE_CLIENTS = 1, 3      # the load rises: one client, then four (its arrivals grow)
+PAUSE_S = 0.05      # between a client's requests: load enough, and CPU left for the suite's other tests
 
 
 def model_view(mesh: LocalMesh, model_id: str) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def test_replicas_follow_the_load_up_and_down_and_an_idle_model_scales_to_zero_a
 
         def client() -> None:
             with httpx.Client(timeout=patient(120), headers=mesh.headers) as http:
-                while not stop.is_set():
+                while not stop.wait(PAUSE_S):
                     response = http.post(f"{mesh.url}/v1/completions", json={
                         "model": model_id, "prompt": "the mesh follows its load", "max_tokens": 12})
                     statuses.append(response.status_code)

@@ -22,6 +22,7 @@ from tests.patience import patient, wait_until
 pytestmark = pytest.mark.slow
 
 NUM_CLIENTS = 3
+PAUSE_S = 0.05      # between a client's requests: load enough, and CPU left for the suite's other tests
 
 
 def model_view(mesh: LocalMesh, model_id: str) -> dict[str, Any]:
@@ -50,7 +51,7 @@ class Clients:
 
     def _run(self, mesh: LocalMesh, model_id: str) -> None:
         with httpx.Client(timeout=patient(120), headers=mesh.headers) as http:
-            while not self._stop.is_set():
+            while not self._stop.wait(PAUSE_S):
                 self.statuses.append(http.post(f"{mesh.url}/v1/completions", json={
                     "model": model_id, "prompt": "a canary in the mesh", "max_tokens": 8}).status_code)
 
