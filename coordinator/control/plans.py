@@ -203,9 +203,14 @@ class Plans:
         return model is not None and model.autoscale is not None and model.num_replicas == 0
 
     def num_stages(self, model_id: str) -> int:
-        """Stages of the model's serving plan, or of the plan it waits for (0 if neither)."""
+        """Stages of the model's serving plan, of the plan it waits for, or (scaled to zero) of the plans it was asked
+        for; 0 if none."""
         plan = self._registry.active_plan(model_id)
-        return len(plan.stages) if plan else self._pending.get(model_id, 0)
+        if plan is not None:
+            return len(plan.stages)
+        if model_id in self._pending:
+            return self._pending[model_id]
+        return self._registry.model(model_id).num_stages if self.scaled_to_zero(model_id) else 0
 
     def replan(self, model_id: str, num_stages: int | None = None) -> tuple[str, str]:
         """An operator's re-plan: for each replica, the best plan over the agents there are now (and the other

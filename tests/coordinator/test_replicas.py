@@ -124,6 +124,7 @@ def test_an_autoscaled_model_scales_to_zero_and_back_with_a_first_plan(model_dir
     assert deployer.routes.is_ready("m") and not deployer.routes.cold("m")
     deployer.plans.scale("m", 0)
     assert registry.active_plans("m") == [] and deployer.plans.scaled_to_zero("m")
+    assert deployer.plans.num_stages("m") == 2                   # what its plans were asked for, still
     assert deployer.routes.cold("m") and deployer.routes.accepts("m")     # a request waits for a cold start
     deployer.tick()
     assert registry.active_plans("m") == []                  # nothing plans a model scaled to zero
