@@ -92,7 +92,7 @@ def test_replicas_follow_the_load_up_and_down_and_an_idle_model_scales_to_zero_a
         assert replicas(mesh, model_id) == (0, 0) and "no request for 1 s" in scaled(mesh)[-1]
         assert httpx.get(f"{mesh.url}/health").json()["models"][model_id] == "scaled_to_zero"
         answer = httpx.post(f"{mesh.url}/v1/completions", headers=mesh.headers, timeout=patient(300), json={
-            "model": model_id, "prompt": "a cold start", "max_tokens": 4})
+            "model": model_id, "prompt": "a cold start", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         assert "cold start: 1 request(s) wait for a replica" in scaled(mesh)[-1]
         # the autoscaler's next look finds the replica serving, and says how long the start took

@@ -77,7 +77,8 @@ def test_the_wheel_installs_in_a_fresh_venv_and_its_agent_joins_with_a_config_fi
             (box,) = agents
             assert box["name"] == "edge-box" and box["capabilities"]["site"] == "shop"   # the file's, and the flag's
             answer = httpx.post(f"{mesh.url}/v1/completions", headers=mesh.headers, timeout=patient(120),
-                                json={"model": demo.name, "prompt": "Once upon a time", "max_tokens": 8})
+                                json={"model": demo.name, "prompt": "Once upon a time", "max_tokens": 8,
+                                      "temperature": 0, "ignore_eos": True})    # 8 tokens, whatever it says
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
         finally:
             agent.terminate()
