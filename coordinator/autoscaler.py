@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from stratamesh.coordinator.control.autoscale import ReplicaLoad, Scaling, decide
 from stratamesh.coordinator.control.deployer import Deployer
 from stratamesh.coordinator.demand import DemandMeter
-from stratamesh.coordinator.records import CANARY_REPLICA, ModelRecord, PlanRecord
+from stratamesh.coordinator.records import ModelRecord, PlanRecord
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Autoscaler:
         if scaled is None:
             scaled = self._models[model.model_id] = _ModelScaling(Scaling(), deque())
         routes, registry = self._deployer.routes, self._deployer.registry
-        plans = [p for p in registry.active_plans(model.model_id) if p.replica != CANARY_REPLICA]   # (a rollout's)
+        plans = [p for p in registry.active_plans(model.model_id) if not p.canary]
         replicas = [ReplicaLoad(plan.replica, routes.serves(plan), plan.prediction.get("tokens_per_s"),
                                 self._limits_near(plan)) for plan in plans]
         ready = sum(r.ready for r in replicas)

@@ -29,7 +29,6 @@ class Demand:
     running: int = 0            # generating
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
-    last_arrival_s: float | None = None
     window_s: float = WINDOW_S
 
     @property
@@ -50,7 +49,6 @@ class _ModelLoad:
     tokens_per_request: float = TOKENS_PER_REQUEST_PRIOR
     waiting: int = 0
     running: int = 0
-    last_arrival_s: float | None = None
 
 
 class DemandMeter:
@@ -63,7 +61,6 @@ class DemandMeter:
     def arrived(self, model_id: str, now: float) -> None:
         load = self._load(model_id)
         load.arrivals.append(now)
-        load.last_arrival_s = now
         load.waiting += 1
 
     def first_token(self, model_id: str, now: float, ttft_s: float) -> None:
@@ -96,7 +93,7 @@ class DemandMeter:
                 samples.popleft()
         return Demand(len(load.arrivals) / self._window_s, load.tokens_per_request, load.waiting, load.running,
                       percentile(sorted(v for _, v in load.ttft), 90), percentile(sorted(v for _, v in load.itl), 90),
-                      load.last_arrival_s, self._window_s)
+                      self._window_s)
 
     def _load(self, model_id: str) -> _ModelLoad:
         load = self._models.get(model_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -10,16 +10,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from stratamesh.coordinator.liveness import Liveness
-from stratamesh.coordinator.records import CANARY_REPLICA, PlanRecord
 from stratamesh.coordinator.serving.records import OriginStats
 from stratamesh.coordinator.registry_store import PlanStore, RegistryStore
 from stratamesh.fleet.boxes import Telemetry
 
 HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-class ReadyPlans(Protocol):
-    def ready_plans(self, model_id: str) -> Sequence[PlanRecord]:
-        """The model's replicas' plans that serve."""
+class ReadyReplicas(Protocol):
+    def ready_replicas(self, model_id: str) -> int:
+        """The model's serving replicas that serve."""
 
 
 # assignment id -> (model id, stage index) of every stage of an active plan
@@ -125,7 +124,7 @@ class ControlPlaneCollector(Collector):
 class ReplicaCollector(Collector):
     """Per model: the replicas it wants (the operator's count, or the autoscaler's) and those ready to serve."""
 
-    def __init__(self, registry: PlanStore, routes: ReadyPlans):
+    def __init__(self, registry: PlanStore, routes: ReadyReplicas):
         self._registry = registry
         self._routes = routes
 
@@ -134,8 +133,7 @@ class ReplicaCollector(Collector):
         yield _gauge("stratamesh:desired_replicas", "The replicas the model wants: its operator's count, or what its "
                      "autoscaler decided.", {m.model_id: m.num_replicas for m in models})
         yield _gauge("stratamesh:ready_replicas", "The model's replicas whose every stage is loaded.",
-                     {m.model_id: sum(p.replica != CANARY_REPLICA for p in self._routes.ready_plans(m.model_id))
-                      for m in models})
+                     {m.model_id: self._routes.ready_replicas(m.model_id) for m in models})
 
 
 def _gauge(name: str, doc: str, values: Mapping[str, float]) -> GaugeMetricFamily:

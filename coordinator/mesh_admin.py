@@ -109,7 +109,7 @@ class MeshAdmin:
                           else [""] * len(plan.stages))
                 out.append({"plan_id": plan.plan_id, "model_id": plan.model_id, "state": plan.state,
                             "created": plan.created, "reason": plan.reason, "num_layers": model.num_layers,
-                            "replica": plan.replica, "canary": plan.replica == CANARY_REPLICA,
+                            "replica": plan.replica, "canary": plan.canary,
                             "revision": plan.stages[0].spec.revision,
                             "role": self._disaggregation.role(plan),
                             "predicted": _predicted(plan.prediction),
@@ -184,7 +184,7 @@ class MeshAdmin:
                 "max_context": info.max_context, "state": state, "num_stages": deployer.plans.num_stages(model_id),
                 "first_site": model.first_site, "last_site": model.last_site, "quantize": model.quantize,
                 "num_replicas": model.num_replicas,
-                "ready_replicas": sum(p.replica != CANARY_REPLICA for p in routes.ready_plans(model_id)),
+                "ready_replicas": routes.ready_replicas(model_id),
                 "created": model.created, "speculation": self._speculation(model_id),
                 "speculative_config": model.speculation.config() if model.speculation else None,
                 "autoscale": self._autoscale(model), "revision": model.revision,

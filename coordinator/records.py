@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,6 +52,18 @@ class Autoscale:
         if not 0 <= self.scale_down_after_s < float("inf"):
             raise InvalidInput(f"scale_down_after_s must be >= 0 seconds, got {self.scale_down_after_s}")
 
+    @classmethod
+    def of(cls, min_replicas: int | None = None, max_replicas: int | None = None, slo_ttft_ms: float | None = None,
+           slo_itl_ms: float | None = None, scale_down_after_s: float | None = None) -> Autoscale | None:
+        """The autoscaling an operator's optional settings ask for (the flags', the admin API's): None where they
+        name no bound nor target; min_replicas defaults to 1, max_replicas to the minimum (one at least)
+        (InvalidInput for bad ones)."""
+        if all(v is None for v in (min_replicas, max_replicas, slo_ttft_ms, slo_itl_ms, scale_down_after_s)):
+            return None
+        low = 1 if min_replicas is None else min_replicas
+        return cls(low, max(low, 1) if max_replicas is None else max_replicas, slo_ttft_ms, slo_itl_ms,
+                   SCALE_DOWN_AFTER_S if scale_down_after_s is None else scale_down_after_s)
+
     @property
     def start(self) -> int:
         """The replicas a model starts with: its minimum, and one at least (a model deployed serves)."""
@@ -81,11 +94,15 @@ class Rollout:
     reason: str = ""                # why it stepped, was promoted or rolled back, last
 
     def __post_init__(self) -> None:
-        if not self.steps or list(self.steps) != sorted(set(self.steps)) or self.steps[0] < 1 \
-                or self.steps[-1] != 100:
-            raise InvalidInput(f"a rollout's steps are rising percentages ending at 100, got {list(self.steps)}")
+        self.check_steps(self.steps)
         if not 0 <= self.step_s < float("inf"):
             raise InvalidInput(f"a rollout's step_s must be >= 0 seconds, got {self.step_s}")
+
+    @staticmethod
+    def check_steps(steps: Sequence[int]) -> None:
+        """A rollout's shares: rising percentages from 1, ending at 100 (InvalidInput otherwise)."""
+        if not steps or list(steps) != sorted(set(steps)) or steps[0] < 1 or steps[-1] != 100:
+            raise InvalidInput(f"a rollout's steps are rising percentages ending at 100, got {list(steps)}")
 
     @property
     def share(self) -> int:
@@ -138,6 +155,11 @@ class PlanRecord:
     stages: tuple[StageRecord, ...]
     prediction: dict[str, Any] = field(default_factory=dict)   # see coordinator/placement.py prediction()
     replica: int = 0            # which of the model's pipelines it plans (ModelRecord.num_replicas)
+
+    @property
+    def canary(self) -> bool:
+        """Whether it plans a rollout's canary rather than one of the model's serving replicas."""
+        return self.replica == CANARY_REPLICA
 
 
 @dataclass(frozen=True, slots=True)

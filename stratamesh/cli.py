@@ -255,14 +255,9 @@ def _add_autoscaling(parser: argparse.ArgumentParser, see: str = "") -> None:
 
 def _autoscale(args: argparse.Namespace, command: str) -> Autoscale | None:
     """The autoscaling the flags ask for (None if they name no bound nor target)."""
-    named = (args.min_replicas, args.max_replicas, args.slo_ttft_ms, args.slo_itl_ms, args.scale_down_after)
-    if all(v is None for v in named):
-        return None
-    low = 1 if args.min_replicas is None else args.min_replicas
     try:
-        return Autoscale(low, max(low, 1) if args.max_replicas is None else args.max_replicas, args.slo_ttft_ms,
-                         args.slo_itl_ms, SCALE_DOWN_AFTER_S if args.scale_down_after is None
-                         else args.scale_down_after)
+        return Autoscale.of(args.min_replicas, args.max_replicas, args.slo_ttft_ms, args.slo_itl_ms,
+                            args.scale_down_after)
     except InvalidInput as e:
         sys.exit(f"stratamesh {command}: {e}")
 

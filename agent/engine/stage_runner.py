@@ -257,7 +257,7 @@ class StageRunner:
         tokens = _pick(sampled, logits, picking) if rows else {}
         accepted = _verify([c for _, c in drafted], every_logits[len(every) - len(verified):], picking.params, tokens)
         refused = {**(picking.masks.wait().refused if picking.masks is not None and rows else {}),
-                   **_not_finite(sampled, logits, drafted, every_logits[len(every) - len(verified):])}
+                   **_not_finite(sampled, drafted, every_logits, len(every) - len(verified))}
         prompt_logprobs: dict[str, list[Logprobs]] = {}
         if targets:
             k = [picking.params[session_id].prompt_logprobs or 0 for session_id, _, _ in targets]
@@ -276,21 +276,20 @@ NOT_FINITE = ("the model's logits are not finite (NaN or inf) for this session: 
               "broken")
 
 
-def _not_finite(sampled: Sequence[ScheduledChunk], logits: torch.Tensor,
-                drafted: Sequence[tuple[object, ScheduledChunk]], verifying: torch.Tensor) -> dict[str, str]:
+def _not_finite(sampled: Sequence[ScheduledChunk], drafted: Sequence[tuple[object, ScheduledChunk]],
+                every_logits: torch.Tensor, verified_from: int) -> dict[str, str]:
     """The sessions whose logits hold a NaN or an infinity, each with why it fails: a broken checkpoint (or a numeric
-    overflow) must not hand back tokens picked from garbage (argmax takes a NaN for the largest)."""
-    broken: dict[str, str] = {}
-    if len(sampled):
-        for i in (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist():
-            broken[sampled[i].session_id] = NOT_FINITE
-    row = 0
+    overflow) must not hand back tokens picked from garbage (argmax takes a NaN for the largest). every_logits: the
+    step's rows, the sampled ones first (in sampled's order), the drafted chunks' from verified_from; read back from
+    the device once."""
+    finite = torch.isfinite(every_logits).all(dim=-1).tolist()
+    broken = [c.session_id for c, ok in zip(sampled, finite) if not ok]
+    row = verified_from
     for _, chunk in drafted:
-        rows = verifying[row:row + chunk.item.num_draft + 1]
+        if not all(finite[row:row + chunk.item.num_draft + 1]):
+            broken.append(chunk.session_id)
         row += chunk.item.num_draft + 1
-        if not bool(torch.isfinite(rows).all()):
-            broken[chunk.session_id] = NOT_FINITE
-    return broken
+    return dict.fromkeys(broken, NOT_FINITE)
 
 
 def _load_rank_0(spec: StageSpec, config: ModelConfig, group: list[Collectives]) -> StageModel:

@@ -18,7 +18,7 @@ from stratamesh.coordinator.api.errors import ApiError, error_response, error_re
 from stratamesh.coordinator.api.sse import SSEResponse, sse_event
 from stratamesh.coordinator.fleet_view import AgentQuery, FleetView, fleet_delta
 from stratamesh.coordinator.placement import SitePins
-from stratamesh.coordinator.records import SCALE_DOWN_AFTER_S, Autoscale, Rollout
+from stratamesh.coordinator.records import Autoscale, Rollout
 from stratamesh.fleet.errors import CheckpointError, InvalidInput, MeshError, ModelNotFound, PlacementError
 from stratamesh.fleet.sessions import Speculation
 
@@ -119,7 +119,8 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
         except InvalidInput as exc:
             return error_response(ApiError(400, str(exc), param="speculative_config", code="bad_speculative_config"))
         try:
-            autoscale = _autoscale(body)
+            autoscale = Autoscale.of(body.min_replicas, body.max_replicas, body.slo_ttft_ms, body.slo_itl_ms,
+                                     body.scale_down_after_s)
         except InvalidInput as exc:
             return error_response(ApiError(400, str(exc), param="max_replicas", code="bad_autoscale"))
         try:
@@ -136,7 +137,7 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
         up while it does as well as the serving revision, and is rolled back by itself when it does not."""
         if body.steps is not None:
             try:
-                Rollout("", "", tuple(body.steps))
+                Rollout.check_steps(body.steps)
             except InvalidInput as exc:
                 return error_response(ApiError(400, str(exc), param="steps", code="bad_rollout"))
         try:
@@ -170,17 +171,6 @@ def _add_model_routes(router: APIRouter, admin: Admin) -> None:
             return error_response(ApiError(404, str(exc), param="model_id", code="model_not_found"))
         except (PlacementError, InvalidInput) as exc:
             return error_response(ApiError(409, str(exc), code="replan_refused"))
-
-
-def _autoscale(body: schemas.DeployModel) -> Autoscale | None:
-    """The body's autoscaling (None where it names no bound nor target): min_replicas defaults to 1, max_replicas
-    to the minimum (and one at least)."""
-    if not body.autoscales:
-        return None
-    low = 1 if body.min_replicas is None else body.min_replicas
-    return Autoscale(low, body.max_replicas if body.max_replicas is not None else max(low, 1), body.slo_ttft_ms,
-                     body.slo_itl_ms, SCALE_DOWN_AFTER_S if body.scale_down_after_s is None
-                     else body.scale_down_after_s)
 
 
 def _add_live_routes(router: APIRouter, admin: Admin, views: SharedView) -> None:

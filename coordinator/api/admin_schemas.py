@@ -58,11 +58,6 @@ class DeployModel(_Request):
     scale_down_after_s: float | None = Field(None, ge=0, description="autoscaling: a replica is given back once the "
                                              "load has wanted fewer for this long (default 60)")
 
-    @property
-    def autoscales(self) -> bool:
-        """Whether the body asks for autoscaling: it names a bound or a target."""
-        return any(v is not None for v in (self.min_replicas, self.max_replicas, self.slo_ttft_ms, self.slo_itl_ms,
-                                            self.scale_down_after_s))
 
 
 class StartRollout(_Request):

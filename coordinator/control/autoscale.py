@@ -130,20 +130,23 @@ def _judge_trial(state: Scaling, policy: Autoscale, demand: Demand, now: float) 
             f"replicas do not widen); no replica is added for a missed target for {BACKOFF_S:g} s")
 
 
+def _p90s(policy: Autoscale, demand: Demand) -> list[tuple[str, float, float]]:
+    """(name, the window's p90 in ms, its target in ms) of each target set and measured."""
+    return [(name, value * 1e3, target)
+            for name, value, target in (("time to first token", demand.ttft_p90_s, policy.slo_ttft_ms),
+                                        ("inter-token latency", demand.itl_p90_s, policy.slo_itl_ms))
+            if value is not None and target is not None]
+
+
 def _miss(policy: Autoscale, demand: Demand) -> float:
     """The worst of the window's p90s over its target (0 where none is measured or set)."""
-    return max([value * 1e3 / target for value, target in ((demand.ttft_p90_s, policy.slo_ttft_ms),
-                                                           (demand.itl_p90_s, policy.slo_itl_ms))
-                if value is not None and target is not None], default=0.0)
+    return max((ms / target for _, ms, target in _p90s(policy, demand)), default=0.0)
 
 
 def _missed(policy: Autoscale, demand: Demand) -> str:
     """The targets the window's p90s miss, in words ("" for none)."""
-    missed = [f"the p90 {name} {value * 1e3:.0f} ms is above its target {target:g} ms"
-              for name, value, target in (("time to first token", demand.ttft_p90_s, policy.slo_ttft_ms),
-                                          ("inter-token latency", demand.itl_p90_s, policy.slo_itl_ms))
-              if value is not None and target is not None and value * 1e3 > target]
-    return "; ".join(missed)
+    return "; ".join(f"the p90 {name} {ms:.0f} ms is above its target {target:g} ms"
+                     for name, ms, target in _p90s(policy, demand) if ms > target)
 
 
 def _change(wanted: int, current: int, replicas: Sequence[ReplicaLoad], state: Scaling, now: float,

@@ -17,7 +17,8 @@ from stratamesh.coordinator.control.roster import Roster
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.placement import (Hosts, Placement, SitePins, plan_stages, prediction, repair_stages,
                                               serving_cpu_of, smallest_stage_bytes)
-from stratamesh.coordinator.records import CANARY_REPLICA, Autoscale, ModelRecord, PlanRecord, Rollout, StageRecord
+from stratamesh.coordinator.records import (CANARY_REPLICA, ROLLOUT_STEP_S, ROLLOUT_STEPS, Autoscale, ModelRecord,
+                                            PlanRecord, Rollout, StageRecord)
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.errors import InvalidInput, ModelNotFound, PlacementError
 from stratamesh.fleet.states import PlanState, RolloutState, StageState
@@ -112,9 +113,8 @@ class Plans:
         if revision == model.revision:
             raise InvalidInput(f"{path} is the revision {model_id!r} serves ({revision}): nothing to roll out")
         now = self._clock()
-        defaults = Rollout("", "")
-        rollout = Rollout(str(Path(path).resolve()), revision, tuple(steps or defaults.steps),
-                          defaults.step_s if step_s is None else step_s, started_s=now, step_since_s=now)
+        rollout = Rollout(str(Path(path).resolve()), revision, tuple(steps or ROLLOUT_STEPS),
+                          ROLLOUT_STEP_S if step_s is None else step_s, started_s=now, step_since_s=now)
         self._registry.set_rollout(model_id, rollout)
         self._unplaceable.pop((model_id, CANARY_REPLICA), None)
         self.reconcile()
@@ -130,7 +130,7 @@ class Plans:
         self._registry.add_model(model_id, rollout.path, config["num_hidden_layers"], config, self._clock(),
                                  model.first_site, model.last_site, model.quantize, model.num_replicas,
                                  model.num_stages, model.speculation, model.autoscale, rollout.revision)
-        serving = [plan for plan in self._registry.active_plans(model_id) if plan.replica != CANARY_REPLICA]
+        serving = [plan for plan in self._registry.active_plans(model_id) if not plan.canary]
         for plan in serving:
             self._registry.drop_replica(model_id, plan.replica)
         self._registry.move_replica(model_id, CANARY_REPLICA, 0)

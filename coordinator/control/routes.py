@@ -93,6 +93,10 @@ class Routes:
         """The active plans of the model's replicas that serve, by replica."""
         return [plan for plan in self.registry.active_plans(model_id) if self.serves(plan)]
 
+    def ready_replicas(self, model_id: str) -> int:
+        """The model's serving replicas that serve (a rollout's canary is none of them)."""
+        return sum(not plan.canary for plan in self.ready_plans(model_id))
+
     def is_ready(self, model_id: str) -> bool:
         return bool(self.ready_plans(model_id))
 

@@ -131,15 +131,18 @@ class Origin:
         the model its first route served, for every route after (a pipeline never mixes revisions, and a request
         keeps its own through failover)."""
         loop = asyncio.get_running_loop()
-        cold = self._deployer.routes.cold(model_id)
-        deadline = loop.time() + (max(self._route_wait_s, COLD_START_WAIT_S) if cold else self._route_wait_s)
-        trust_at = loop.time() + self._deployer.roster.liveness.lease_s + 1.0
+        start, cold = loop.time(), None
+        deadline = start + self._route_wait_s
+        trust_at = start + self._deployer.roster.liveness.lease_s + 1.0
         while True:
             now, kept = loop.time(), (record.revision or None) if record is not None else None
             try:
                 hops, block_size = self._router.route(model_id, avoid if now < trust_at else (), token_ids,
                                                       self.sessions.work(), kept)
             except ModelNotReady:
+                if cold is None:    # (asked once, and only of a model with no route: no registry read per request)
+                    cold = self._deployer.routes.cold(model_id)
+                    deadline = start + max(self._route_wait_s, COLD_START_WAIT_S) if cold else deadline
                 if now >= deadline:
                     raise
                 await self._deployer.routes.changed((min(deadline, trust_at) if now < trust_at else deadline) - now)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from stratamesh.coordinator.control.models import find_model
 from stratamesh.coordinator.control.routes import Routes
-from stratamesh.coordinator.records import CANARY_REPLICA, PlanRecord
+from stratamesh.coordinator.records import PlanRecord
 from stratamesh.fleet.errors import InvalidInput, ModelNotReady
 from stratamesh.fleet.prefix import block_hashes
 from stratamesh.fleet.states import RouterMode
@@ -124,17 +124,19 @@ class Router:
         """The ready plans a request may take: those of the revision it started on (while any plan of the model
         serves it: a rolled-back canary's request goes on with the serving revision); a new request, the canary's
         with the rollout's share of the chance, else the serving replicas'."""
-        canary = [plan for plan in ready if plan.replica == CANARY_REPLICA]
-        serving = [plan for plan in ready if plan.replica != CANARY_REPLICA]
         registry = self._routes.registry
-        if revision is not None and any(s.spec.revision == revision for plan in registry.live_plans(model_id)
-                                        for s in plan.stages[:1]):
-            return [plan for plan in ready if plan.stages[0].spec.revision == revision]
-        model = registry.model(model_id)
-        rollout = model.rollout if model is not None else None
-        if canary and rollout is not None and rollout.active and self._rng.random() * 100 < rollout.share:
-            return canary
-        return serving
+        if revision is not None:
+            kept = [plan for plan in ready if plan.stages[0].spec.revision == revision]
+            # (the registry is read only when no ready plan serves it: whether one still loads or recovers)
+            if kept or any(plan.stages[0].spec.revision == revision for plan in registry.live_plans(model_id)):
+                return kept
+        canary = [plan for plan in ready if plan.canary]
+        if canary:      # (a rollout runs: the registry is read for its share only then)
+            model = registry.model(model_id)
+            rollout = model.rollout if model is not None else None
+            if rollout is not None and rollout.active and self._rng.random() * 100 < rollout.share:
+                return canary
+        return [plan for plan in ready if not plan.canary]
 
     def _choose(self, model_id: str, routes: list[Route], token_ids: Sequence[int], work: Work) -> Route:
         """The pick among the ready routes (by replica); ties go to the next in turn."""
@@ -172,6 +174,8 @@ class Router:
         return chosen
 
 
-def _layout(plan: PlanRecord) -> list[tuple[int, int, str, int]]:
-    """How a plan's stages split and keep the KV: a session's KV moves between two plans only where they agree."""
-    return [(s.spec.start_layer, s.spec.end_layer, s.spec.dtype, s.spec.kv_block_size) for s in plan.stages]
+def _layout(plan: PlanRecord) -> list[tuple[int, int, str, int, str]]:
+    """How a plan's stages split and keep the KV, and of which revision: a session's KV moves between two plans
+    only where they agree (KV one revision computed means nothing to another's weights)."""
+    return [(s.spec.start_layer, s.spec.end_layer, s.spec.dtype, s.spec.kv_block_size, s.spec.revision)
+            for s in plan.stages]

@@ -233,3 +233,15 @@ def test_a_rollouts_canary_takes_its_share_of_new_requests_and_a_request_keeps_i
     assert registry.model("m").rollout.state == "rolled_back"
     # its revision is gone: a request that started on the canary goes on with the serving revision
     assert first_of(router.route("m", revision=rollout.revision)) == serving.stages[0].assignment_id
+
+
+def test_a_prompt_prefills_apart_only_on_a_replica_of_its_decode_replicas_revision(model_dir: Path) -> None:
+    """KV one revision computed means nothing to another's weights: no hand-off between revisions."""
+    registry, deployer, router = disaggregated(model_dir)
+    long_prompt = list(range(1, 101))
+    route, _ = router.route("m", token_ids=long_prompt)
+    assert router.prefill_route("m", route, long_prompt) is not None
+    prefill_plan = next(p for p in registry.active_plans("m") if p.replica == 0)
+    for stage in prefill_plan.stages:        # its stages serve another revision now
+        registry.replace_stage(stage.assignment_id, replace(stage, spec=replace(stage.spec, revision="other")))
+    assert router.prefill_route("m", route, long_prompt) is None
