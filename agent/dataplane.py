@@ -23,8 +23,8 @@ from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.errors import InvalidInput, MeshError, StageFailed
 from stratamesh.fleet.logs import trace_context
 from stratamesh.fleet.tracing import parse_traceparent
-from stratamesh.fleet.sessions import (SessionClose, SessionHold, SessionOpen, StepBatch, StepChunk, StepChunks,
-                                       TokenEvent)
+from stratamesh.fleet.sessions import (SessionClose, SessionHold, SessionOpen, SessionRewind, StepBatch, StepChunk,
+                                       StepChunks, TokenEvent)
 from stratamesh.fleet.wire import convert
 from stratamesh.fleet.wire import mesh_pb2 as pb
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
@@ -68,7 +68,8 @@ class _Call:
             self.done.set_exception(exc)
 
 
-Inbound = SessionOpen | StepChunk | StepChunks | StepBatch | SessionClose | SessionHold | _Poison | _Call
+Inbound = (SessionOpen | StepChunk | StepChunks | StepBatch | SessionClose | SessionHold | SessionRewind | _Poison
+           | _Call)
 # a message, when it arrived (Unix ns), and the assignment it is for ("": the stage its session is open on here)
 Arrival = tuple[Inbound, int, str]
 
@@ -287,6 +288,10 @@ class StageService(pb_grpc.StageServicer):
                     engine = self._host.engine_of(message.session_id, to)
                     if engine is not None:
                         engine.hold(message.session_id, outbox)
+                case SessionRewind():
+                    engine = self._host.engine_of(message.session_id, to)
+                    if engine is not None:
+                        engine.rewind(message, outbox)
                 case _Poison():
                     self._fail(message.session_id, message.exc, outbox, message.unreachable, to)
         except MeshError as exc:
@@ -363,6 +368,10 @@ class StageService(pb_grpc.StageServicer):
                 engine.postprocess(batch, output, outbox)
                 self.observer.verified(engine, batch)
             self._send(outbox, sent_ns=end_ns)
+            if engine.is_last and output is not None:
+                outbox = Outbox()
+                engine.follow(outbox)           # the runs that follow those just sent into the pipeline
+                self._send(outbox)
             ran = ran or bool(batch.chunks)
         return ran
 

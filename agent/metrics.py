@@ -63,6 +63,12 @@ class AgentMetrics:
                                          STAGE_LABELS, registry=r)
         self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
                                             "Drafted tokens the model agreed with (kept).", STAGE_LABELS, registry=r)
+        # runs a last stage sent into the pipeline behind an unverified one (keeping the ring full), and of those,
+        # the ones verified (the others were dropped where they had got to)
+        self.spec_follow_runs = Counter("stratamesh:spec_decode_follow_runs", "Runs of drafted tokens sent following "
+                                        "an unverified one.", STAGE_LABELS, registry=r)
+        self.spec_follow_runs_verified = Counter("stratamesh:spec_decode_follow_runs_verified", "Runs that followed "
+                                                 "an unverified one and were verified.", STAGE_LABELS, registry=r)
         # a mixture of experts' stage: where its routers send tokens
         self.expert_tokens = Counter("stratamesh:expert_tokens", "Tokens a stage's routers sent to each expert, over "
                                      "its sparse layers.", (*STAGE_LABELS, "expert"), registry=r)

@@ -34,6 +34,8 @@ class _StageMetrics(NamedTuple):
     spec_drafts: MetricWrapperBase
     spec_draft_tokens: MetricWrapperBase
     spec_accepted_tokens: MetricWrapperBase
+    spec_follow_runs: MetricWrapperBase
+    spec_follow_runs_verified: MetricWrapperBase
 
 
 class _ExpertMetrics(NamedTuple):
@@ -76,7 +78,7 @@ class StageObserver:
         self.read_bandwidth = read_bandwidth
         self.decode: dict[str, DecodeSpeed] = {}         # assignment id -> its decode steps' speed
         self._children: dict[str, _StageMetrics] = {}    # assignment id -> its bound metric children
-        self._spec_seen: dict[str, tuple[int, int, int]] = {}   # assignment id -> its speculation counts exported
+        self._spec_seen: dict[str, tuple[int, ...]] = {}   # assignment id -> its speculation counts exported
         self._experts_bound: dict[str, _ExpertMetrics] = {}    # assignment id -> its experts' metric children
 
     def arrived(self, engine: StageEngine, chunk: StepChunk, arrived_ns: int, sent_ns: int) -> None:
@@ -137,9 +139,11 @@ class StageObserver:
         if not engine.is_last or not any(chunk.item.num_draft for chunk in batch.chunks):
             return
         bound, counts = self._bound(engine), engine.speculation
-        seen = self._spec_seen.get(engine.assignment.assignment_id, (0, 0, 0))
-        now = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens)
-        for counter, before, after in zip((bound.spec_drafts, bound.spec_draft_tokens, bound.spec_accepted_tokens),
+        seen = self._spec_seen.get(engine.assignment.assignment_id, (0,) * 5)
+        now = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_followers,
+               counts.num_followers_verified)
+        for counter, before, after in zip((bound.spec_drafts, bound.spec_draft_tokens, bound.spec_accepted_tokens,
+                                           bound.spec_follow_runs, bound.spec_follow_runs_verified),
                                           seen, now, strict=True):
             if after > before:
                 counter.inc(after - before)
@@ -188,5 +192,6 @@ class StageObserver:
             children = self._children[key] = _StageMetrics(*(
                 family.labels(*labels) for family in (m.compute_s, m.queue_s, m.hop_s, m.batch_tokens, m.tokens,
                                                       m.prefill_tokens, m.preemptions, m.spec_drafts,
-                                                      m.spec_draft_tokens, m.spec_accepted_tokens)))
+                                                      m.spec_draft_tokens, m.spec_accepted_tokens,
+                                                      m.spec_follow_runs, m.spec_follow_runs_verified)))
         return children

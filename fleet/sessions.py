@@ -209,6 +209,10 @@ class SessionOpen:
     # that is SamplingParams.verifiable
     speculation: Speculation | None = None
     revision: str = ""          # the revision of the model its route serves: each stage refuses another
+    # Set by the origin of a speculating session and kept only by stages that can take runs following one another
+    # into the pipeline before the first is verified (StepChunk.pending_from, SessionRewind; an older build drops
+    # it on the way): the last stage sends such runs only where it reaches it set.
+    follow_runs: bool = False
 
     def __post_init__(self) -> None:
         check_revision(self.revision, "open.revision")
@@ -242,6 +246,9 @@ class StepChunk:
     # Its last num_draft token ids are drafted, not sampled (speculative decoding): the last stage verifies them,
     # and every stage forgets those it rejects when the session's next step starts before their end.
     num_draft: int = 0
+    # A run following another into the pipeline before the last stage verified it (PipeInfer's; its first token is
+    # a guess too): where the session's unverified tokens start, before this chunk; 0 for any other chunk.
+    pending_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +270,16 @@ class StepChunks:
 @dataclass(frozen=True, slots=True)
 class SessionClose:
     session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRewind:
+    """Travels the route from the first stage: the session's tokens from position on were drafted and rejected, and
+    so were the runs that followed them into the pipeline: each stage drops those it holds queued and forgets the
+    positions (the next step of the session starts there)."""
+
+    session_id: str
+    position: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,4 +322,4 @@ class TokenEvent:
 
 
 # What one stage sends another (or the origin its route's first stage) on a session's stream.
-StageMessage = SessionOpen | StepChunk | StepChunks | SessionClose | SessionHold | StepBatch
+StageMessage = SessionOpen | StepChunk | StepChunks | SessionClose | SessionHold | SessionRewind | StepBatch

@@ -13,7 +13,7 @@ import os
 from functools import cache
 from importlib import metadata
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2    # 2: runs that follow one another into the pipeline (StepChunk.pending_from, SessionRewind)
 COMPATIBLE_PROTOCOLS = range(1, PROTOCOL_VERSION + 1)     # oldest..newest a coordinator of this build plans with
 REPORT_PROTOCOL_ENV = "STRATAMESH_REPORT_PROTOCOL"
 REPORT_VERSION_ENV = "STRATAMESH_REPORT_VERSION"

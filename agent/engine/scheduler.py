@@ -76,6 +76,7 @@ class Scheduler:
         session = self.sessions.get(session_id)
         if session is None:
             return None
+        self.drop_unverified(session_id)            # runs that followed its last verified one: nothing verifies them
         prompt = list(prompt_token_ids)
         if session.drafted_from is not None and not session.queue:   # its drafts: those the prompt keeps stay
             position = min(shared_prefix(prompt, session.token_ids), len(prompt) - 1, session.num_computed)
@@ -120,14 +121,15 @@ class Scheduler:
 
     def add(self, item: WorkItem) -> None:
         """Queues a chunk after checking it continues its session exactly where the last one ended, or (after
-        drafted tokens) where the last stage's verification of them ended: the rejected ones are forgotten."""
+        drafted tokens) where the last stage's verification of them ended: the rejected ones are forgotten, and the
+        runs queued behind them dropped."""
         session = self._live(item.session_id)
         if (item.token_ids and session.drafted_from is not None
                 and session.drafted_from <= item.start_pos < (session.next_pos or 0)):
             self._forget_drafts(session, item.start_pos)
         self._check_start(session, item)
         new_ids = self._new_token_ids(session, item)
-        session.drafted_from = item.draft_start if item.num_draft else None
+        session.drafted_from = item.unverified_from
         if session.next_pos is None and item.start_pos < session.num_computed:
             # The origin settled on fewer cached tokens than this stage pinned: another stage had less.
             self.block_manager.truncate(item.session_id, item.start_pos)
@@ -147,16 +149,43 @@ class Scheduler:
         self._forget_drafts(session, position)
         session.drafted_from = None
 
-    def _forget_drafts(self, session: Session, position: int) -> None:
+    def reject(self, session_id: str, position: int) -> list[WorkItem]:
+        """The last stage rejected the session's drafted tokens from position on, and the runs that followed them
+        (SessionRewind): the runs queued from there are dropped (and returned), the positions forgotten; the next
+        item starts there. InvalidInput if position lies among its verified tokens."""
+        session = self._live(session_id)
+        if session.next_pos is None or position >= session.next_pos:
+            return []                                   # nothing of it here (its runs were dropped on the way)
+        if session.drafted_from is None or position < session.drafted_from:
+            raise InvalidInput(f"session {session_id!r}: a rewind to {position} would forget verified tokens")
+        dropped = self._forget_drafts(session, position)
+        session.drafted_from = None
+        return dropped
+
+    def drop_unverified(self, session_id: str) -> list[WorkItem]:
+        """Drops (and returns) the session's queued runs when each followed another into the pipeline (whose loop
+        ended before them: nothing will verify them); their positions are forgotten."""
+        session = self._live(session_id)
+        if not session.queue or not all(item.pending_from for item in session.queue):
+            return []
+        return self._forget_drafts(session, session.queue[0].start_pos)
+
+    def _forget_drafts(self, session: Session, position: int) -> list[WorkItem]:
         """Forgets the session's tokens from position on: drafted ones the last stage rejected (their KV, computed,
-        is overwritten by the next tokens'; the blocks past them go back)."""
-        if session.queue:
+        is overwritten by the next tokens'; the blocks past them go back), and drops (and returns) the runs queued
+        from there on, which followed them into the pipeline."""
+        if any(item.start_pos < position for item in session.queue):
             raise InvalidInput(f"session {session.session_id!r}: a chunk at {position} came while its drafted tokens "
                                "were still queued")
+        dropped = list(session.queue)
+        session.queue.clear()
+        session.arrivals.clear()
+        session.offset = 0
         del session.token_ids[position:]
         session.num_computed = min(session.num_computed, position)
         session.next_pos = position
         self.block_manager.truncate(session.session_id, position)
+        return dropped
 
     @staticmethod
     def _check_start(session: Session, item: WorkItem) -> None:

@@ -25,11 +25,19 @@ class WorkItem:
     arrived_ns: int = 0         # when the chunk reached this stage (Unix ns; 0 when nobody said)
     trace_id: str = ""          # the request's trace, if it is traced
     num_draft: int = 0          # its last num_draft tokens are drafted, for the last stage to verify
+    pending_from: int = 0       # a run following an unverified one: where the unverified tokens start (else 0)
 
     @property
     def draft_start(self) -> int:
         """The position of its first drafted token (end_pos when it has none)."""
         return self.end_pos - self.num_draft
+
+    @property
+    def unverified_from(self) -> int | None:
+        """Where the session's tokens the last stage has not verified start, once this item is in; None: nowhere."""
+        if self.pending_from:
+            return self.pending_from
+        return self.draft_start if self.num_draft else None
 
     @property
     def end_pos(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
@@ -18,7 +19,8 @@ from stratamesh.agent.engine.scheduler import Batch, ScheduledChunk, Scheduler, 
 from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutput
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.kv import KvLayout
-from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, Speculation, StepBatch,
+from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, SessionRewind,
+                                       Speculation, StepBatch,
                                        StepChunk, StepChunks, TokenEvent, wire_dtype)
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
@@ -56,8 +58,8 @@ class Outbox:
     """What a step or a message asks the data plane to send, in order."""
 
     # each to the stage its hop names: the address it listens on and the assignment it serves there
-    stage_messages: list[tuple[Hop, StepBatch | StepChunks | SessionOpen | SessionClose | SessionHold]] = field(
-        default_factory=list)
+    stage_messages: list[tuple[Hop, StepBatch | StepChunks | SessionOpen | SessionClose | SessionHold
+                               | SessionRewind]] = field(default_factory=list)
     events: list[tuple[str, TokenEvent]] = field(default_factory=list)
 
 
@@ -68,6 +70,14 @@ class Outbox:
 ACCEPTANCE_DECAY = 0.9      # each step, the weight left to what the steps before said of a session's drafts
 DRAFT_WORTH = 0.25          # the n-th token is drafted while a^n is at least this
 BUSY_DECODES = 8            # a last stage decoding more sessions than this drafts none
+# Keeping the ring full (PipeInfer's continuous speculation): while a session's run is on its way around the
+# pipeline, the last stage sends the next one behind it, drafted on as if the run were kept whole (its first token
+# the draft's guess at the pick after it), while that guess is likely enough to be right (a^(its unverified tokens
+# ahead + 1) >= DRAFT_WORTH), up to MAX_RUNS in the pipeline, on a last stage decoding at most FOLLOW_DECODES
+# sessions (the stages would otherwise idle through the trip), never on a pipeline of one stage. A run whose guess
+# was wrong is dropped wherever it has got to (SessionRewind, sent ahead of the next run).
+FOLLOW_DECODES = 2
+MAX_RUNS = 4
 CYCLE_DECAY = 0.95          # each cycle, the weight left to the cycles before in a session's CycleFit
 MIN_DRAFT_SPREAD = 0.5      # a CycleFit says what a drafted token costs once its counts vary this much (variance)
 
@@ -101,6 +111,21 @@ class CycleFit:
         return max(mean_y - per_token * mean_x, 1e-6), per_token
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A step a decode loop fed the first stage and has not verified yet."""
+
+    step: int
+    start_pos: int
+    token_ids: tuple[int, ...]
+    after_ns: int = 0           # a verification's answer: when the chunk verified reached the last stage
+    follows: bool = False       # it followed an unverified run in (its first token a guess too)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
 @dataclass(slots=True)
 class DecodeLoop:
     """A generation's decode loop as its last stage runs it: each sampled token goes on to the first stage (feed)
@@ -111,17 +136,81 @@ class DecodeLoop:
     stop_token_ids: frozenset[int]
     held: bool = False                  # the origin asked for a hold: the next token is the last one fed nowhere
     speculation: Speculation | None = None      # each step it feeds carries tokens drafted so
+    follow: bool = False        # every stage of its route takes runs following unverified ones (open.follow_runs)
     kept: float = 0.0           # drafted tokens kept, and steps whose drafts were not all kept, decayed by
     missed: float = 0.0         # ACCEPTANCE_DECAY a step
     cycles: CycleFit = field(default_factory=CycleFit)
-    last_arrival_ns: int = 0    # when its last decode chunk reached this stage (0: none yet)
+    runs: deque[Run] = field(default_factory=deque)     # fed and not verified yet, oldest first
+    stale: set[int] = field(default_factory=set)        # steps of runs that will not be verified: dropped on arrival
+    next_step: int = 0
+    over: bool = False          # its last token is sampled: it waits only for its stale runs to arrive
 
     @classmethod
     def of(cls, message: SessionOpen) -> DecodeLoop | None:
         if message.feed is None:
             return None
         return cls(message.feed, message.max_new_tokens or None, frozenset(message.stop_token_ids),
-                   speculation=message.speculation)
+                   speculation=message.speculation, follow=message.follow_runs)
+
+    def fed(self, run: Run) -> None:
+        """It sent run to the first stage."""
+        self.runs.append(run)
+        self.next_step = run.step + 1
+
+    def drops(self, step: int) -> bool:
+        """Whether its chunk of step, arriving at the last stage, is dropped: a run that followed one whose drafts
+        were rejected, or one still on its way when the loop ended."""
+        if step in self.stale:
+            self.stale.discard(step)
+            return True
+        return self.over
+
+    def verifying(self, step: int) -> Run | None:
+        """The run of step is being verified: it leaves the runs in flight (None: a chunk the loop did not feed)."""
+        if self.runs and self.runs[0].step == step:
+            return self.runs.popleft()
+        return None
+
+    def goes_on(self, num_draft: int, num_kept: int, token: int) -> bool:
+        """After a verification that kept num_kept of num_draft drafted tokens and picked token: whether the next
+        run in flight goes on from there (all kept, and its first token is that pick)."""
+        return bool(self.runs) and num_kept == num_draft and self.runs[0].token_ids[0] == token
+
+    def abandon(self) -> bool:
+        """The runs in flight will never be verified (a rejection before them, or the loop's end): their chunks are
+        dropped as they arrive; whether there were any."""
+        self.stale.update(run.step for run in self.runs)
+        abandoned = bool(self.runs)
+        self.runs.clear()
+        return abandoned
+
+    def num_to_follow(self, most: int) -> int:
+        """How many tokens the next run following those in flight carries (its guessed first token and at least one
+        drafted after it; 0: none follows): while the guess is likely enough to be right, within MAX_RUNS, before
+        any stop token, and none past the generation's end."""
+        if not self.follow or self.held or self.over or not self.runs or len(self.runs) >= MAX_RUNS:
+            return 0
+        ahead = sum(len(run.token_ids) for run in self.runs) - 1    # (the first run's first token is verified)
+        if self.acceptance ** (ahead + 1) < DRAFT_WORTH:
+            return 0
+        if any(token in self.stop_token_ids for run in self.runs for token in run.token_ids):
+            return 0
+        room = most if self.tokens_left is None else self.tokens_left - ahead - 2
+        drafts = min(self.num_to_draft(most), room)
+        return 1 + drafts if drafts > 0 else 0
+
+    def frontier(self, known: list[int]) -> list[int]:
+        """Its tokens as if every run in flight were kept whole: the known ones up to the first run's start (whose
+        first token, the pick after them, is verified), then the runs'."""
+        tokens = known[:self.runs[0].start_pos] if self.runs else list(known)
+        for run in self.runs:
+            tokens.extend(run.token_ids)
+        return tokens
+
+    @property
+    def unverified_from(self) -> int:
+        """Where its tokens the last stage has not verified start (it has runs in flight)."""
+        return self.runs[0].start_pos + 1
 
     def verified(self, num_draft: int, num_kept: int) -> None:
         """Its last step carried num_draft drafted tokens, of which num_kept were kept."""
@@ -130,11 +219,11 @@ class DecodeLoop:
             self.kept += num_kept
             self.missed += num_kept < num_draft
 
-    def arrived(self, arrived_ns: int, num_draft: int) -> None:
-        """A decode chunk of it, carrying num_draft drafted tokens, reached this stage at arrived_ns: a cycle ended."""
-        if self.last_arrival_ns and arrived_ns > self.last_arrival_ns:
-            self.cycles.add(num_draft, (arrived_ns - self.last_arrival_ns) / 1e9)
-        self.last_arrival_ns = arrived_ns
+    def arrived(self, run: Run | None, arrived_ns: int, num_draft: int) -> None:
+        """Its run, carrying num_draft drafted tokens, reached this stage at arrived_ns: where the run was sent as a
+        verification's answer (not following another), a cycle ended (that chunk's arrival to this one's)."""
+        if run is not None and not run.follows and run.after_ns and arrived_ns > run.after_ns:
+            self.cycles.add(num_draft, (arrived_ns - run.after_ns) / 1e9)
 
     @property
     def acceptance(self) -> float:
@@ -174,6 +263,8 @@ class SpeculationCounts:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_followers: int = 0              # runs sent following an unverified one into the pipeline
+    num_followers_verified: int = 0     # ... that were verified (the others were dropped where they had got to)
 
     def counted(self, num_draft: int, num_accepted: int) -> None:
         if num_draft:
@@ -212,6 +303,7 @@ class StageEngine:
         self.micro_batching = MicroBatches()     # first stage: how many micro-batches its decodes circulate in
         self._left_ns: dict[str, tuple[int, int]] = {}   # first stage: session -> (batch size, end ns) of its step
         self.speculation = SpeculationCounts()   # last stage: what its verifications of drafted tokens kept
+        self._to_follow: list[str] = []         # last stage: sessions whose loops went on in its last step
         stage = assignment.stage
         self.proposers = Proposers(stage.model_path, config.vocab_size, stage.device,   # last stage: drafts
                                    stage.dtype if stage.device != "cpu" else "float32")
@@ -270,8 +362,15 @@ class StageEngine:
         self._check_ids(chunk.token_ids, "chunk.token_ids")
         if not self.is_first and rows is None:
             raise InvalidInput("chunk without hidden states on a stage after the first")
+        if (loop := self.loops.get(chunk.session_id)) is not None and loop.drops(chunk.step):
+            log.debug("session %s: run %d dropped (it followed drafts that were rejected)", chunk.session_id,
+                      chunk.step)
+            if loop.over and not loop.stale:
+                del self.loops[chunk.session_id]
+            return
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
-                                    chunk.step, rows, arrived_ns, chunk.trace_id, chunk.num_draft))
+                                    chunk.step, rows, arrived_ns, chunk.trace_id, chunk.num_draft,
+                                    chunk.pending_from))
         left = self._left_ns.pop(chunk.session_id, None) if self.is_first else None
         if left is not None and arrived_ns > left[1]:       # its token came back around the pipeline
             self.micro_batching.returned(left[0], (arrived_ns - left[1]) / 1e9)
@@ -290,6 +389,16 @@ class StageEngine:
         if message.route:
             outbox.stage_messages.append((message.route[0], SessionClose(session_id)))
         return message
+
+    def rewind(self, message: SessionRewind, outbox: Outbox) -> None:
+        """Drops the session's rejected drafts and the runs that followed them here, and passes the rewind on up to the
+        stage before the last (which sent it, having dropped its own)."""
+        opened = self.sessions.get(message.session_id)
+        if opened is None:
+            return                      # it ended already
+        self.scheduler.reject(message.session_id, message.position)
+        if len(opened.route) > 1:
+            outbox.stage_messages.append((opened.route[0], message))
 
     def hold(self, session_id: str, outbox: Outbox) -> None:
         """Passes a hold on to the last stage, which feeds the first stage no further token of the session."""
@@ -331,6 +440,7 @@ class StageEngine:
         """A quiet session's state and KV (InvalidInput if it is not open here or has work queued)."""
         if session_id not in self.sessions:
             raise InvalidInput(f"session_id {session_id!r} is not open on {self.assignment.assignment_id}")
+        self.scheduler.drop_unverified(session_id)     # runs that followed the loop's last verified one
         session = self.scheduler.quiet(session_id)
         table = self.scheduler.block_manager.block_table(session_id)
         tokens, num_computed = session.token_ids, session.num_computed
@@ -459,7 +569,8 @@ class StageEngine:
 
     def _deliver_tokens(self, batch: Batch, output: StepOutput, outbox: Outbox) -> None:
         """Each sampled token to its origin and, while its decode loop goes on, as the next step to the first stage
-        (one message per first stage), with the tokens drafted after it where the loop speculates."""
+        (one message per first stage), with the tokens drafted after it where the loop speculates; where the next
+        run in flight already goes on from it (it followed this one in), nothing: that run is next."""
         going_on: list[tuple[ScheduledChunk, DecodeLoop, int, int]] = []   # (chunk, loop, token, its position)
         for session_id, logprobs in output.prompt_logprobs.items():
             if session_id in self.sessions:
@@ -478,30 +589,40 @@ class StageEngine:
             if loop is None:
                 outbox.events.extend((origin, replace(event, token_id=t)) for t in tokens)
                 continue
+            num_draft = chunk.item.num_draft
+            run = loop.verifying(chunk.item.step)
+            self.speculation.num_followers_verified += run is not None and run.follows
+            if chunk.is_decode:
+                loop.arrived(run, chunk.item.arrived_ns, num_draft)
+            goes_on = loop.goes_on(num_draft, len(accepted), event.token_id)
             # each token the loop samples goes to the origin, up to the one that ends it (those after are dropped)
             for token in tokens:
                 if not loop.sampled(token):                             # over: its last token, or held
-                    del self.loops[chunk.session_id]
+                    self._end(chunk.session_id, loop)
                     outbox.events.append((origin, replace(event, token_id=token, held=loop.held)))
                     break
                 outbox.events.append((origin, replace(event, token_id=token)))
             else:
+                loop.verified(num_draft, len(accepted))
                 # the next step starts at the token just sampled, after the accepted drafts (the rejected ones'
                 # positions are rewritten: each stage forgets them as this step reaches it)
-                loop.verified(chunk.item.num_draft, len(accepted))
-                if chunk.is_decode:
-                    loop.arrived(chunk.item.arrived_ns, chunk.item.num_draft)
-                position = chunk.start_pos + chunk.num_tokens - chunk.item.num_draft + len(accepted)
-                going_on.append((chunk, loop, event.token_id, position))
-            self.speculation.counted(chunk.item.num_draft, len(accepted))
+                position = chunk.start_pos + chunk.num_tokens - num_draft + len(accepted)
+                if not goes_on:
+                    if loop.abandon():          # runs followed the rejected drafts in: dropped where they are
+                        self._reject(chunk.session_id, loop, position, outbox)
+                    going_on.append((chunk, loop, event.token_id, position))
+                self._to_follow.append(chunk.session_id)
+            self.speculation.counted(num_draft, len(accepted))
         drafts = self._drafts(going_on)
         feeds: dict[Hop, list[StepChunk]] = {}
         sent_ns = time.time_ns()
         for chunk, loop, token, position in going_on:
             drafted = drafts.get(chunk.session_id, ())
+            step = max(loop.next_step, chunk.item.step + 1)
+            loop.fed(Run(step, position, (token, *drafted), chunk.item.arrived_ns))
             feeds.setdefault(loop.feed, []).append(StepChunk(
-                chunk.session_id, chunk.item.step + 1, position, (token, *drafted), True, chunk.item.trace_id,
-                sent_ns, len(drafted)))
+                chunk.session_id, step, position, (token, *drafted), True, chunk.item.trace_id, sent_ns,
+                len(drafted)))
         for feed, chunks in feeds.items():
             outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
 
@@ -517,6 +638,51 @@ class StageEngine:
             if count and loop.speculation is not None:
                 requests[chunk.session_id] = (loop.speculation, [*session.token_ids[:position], token], count)
         return self.proposers.propose(requests) if requests else {}
+
+    def _end(self, session_id: str, loop: DecodeLoop) -> None:
+        """The loop sampled its last token: the runs that followed it in are dropped, here if queued, else as they
+        arrive (and the loop is forgotten with the last of them)."""
+        loop.over = True
+        loop.abandon()
+        for item in self.scheduler.drop_unverified(session_id):
+            loop.stale.discard(item.step)
+        if not loop.stale:
+            del self.loops[session_id]
+
+    def _reject(self, session_id: str, loop: DecodeLoop, position: int, outbox: Outbox) -> None:
+        """Runs followed drafts rejected from position on: those queued here are dropped, and a rewind goes around
+        the ring ahead of the next run to drop the others where they are."""
+        for item in self.scheduler.reject(session_id, position):
+            loop.stale.discard(item.step)
+        outbox.stage_messages.append((loop.feed, SessionRewind(session_id, position)))
+
+    def follow(self, outbox: Outbox) -> None:
+        """Keeps the ring full: behind the runs this stage's last step sent, the runs that follow them in, drafted on
+        from their tokens (after the step's results are out: drafting them does not hold those back)."""
+        sessions, self._to_follow = self._to_follow, []
+        if self.is_first or self.scheduler.num_decoding > FOLLOW_DECODES:
+            return
+        feeds: dict[Hop, list[StepChunk]] = {}
+        while sessions:             # a run more each round, for the sessions that took one the round before
+            requests: dict[str, tuple[Speculation, list[int], int]] = {}
+            for session_id in sessions:
+                loop, session = self.loops.get(session_id), self.scheduler.sessions.get(session_id)
+                if loop is not None and session is not None and loop.speculation is not None and (
+                        count := loop.num_to_follow(self.scheduler.max_batch_tokens - 1)):
+                    requests[session_id] = (loop.speculation, loop.frontier(session.token_ids), count)
+            drafts = self.proposers.propose(requests) if requests else {}
+            sessions = [session_id for session_id, drafted in drafts.items() if len(drafted) >= 2]  # a guess, a draft
+            sent_ns = time.time_ns()
+            for session_id in sessions:
+                loop, drafted = self.loops[session_id], drafts[session_id]
+                run = Run(loop.next_step, loop.runs[-1].end_pos, drafted, follows=True)
+                self.speculation.num_followers += 1
+                feeds.setdefault(loop.feed, []).append(StepChunk(
+                    session_id, run.step, run.start_pos, drafted, True, "", sent_ns, len(drafted) - 1,
+                    loop.unverified_from))
+                loop.fed(run)
+        for feed, chunks in feeds.items():
+            outbox.stage_messages.append((feed, StepChunks(tuple(chunks))))
 
     def _refuse(self, session_id: str, why: str, outbox: Outbox) -> None:
         """Ends a session its grammar gave no token (the rest of its step goes on), telling its origin why."""
@@ -541,7 +707,7 @@ class StageEngine:
             chunks, rows = groups.setdefault(session.route[0], ([], []))
             chunks.append(StepChunk(chunk.session_id, chunk.item.step, chunk.start_pos,
                                     chunk.item.token_ids[chunk.begin:chunk.end], chunk.sample, chunk.item.trace_id,
-                                    num_draft=chunk.item.num_draft))
+                                    num_draft=chunk.item.num_draft, pending_from=chunk.item.pending_from))
             rows.append(output.hidden[row:row + length])
             row += length
         for hop, (chunks, rows) in groups.items():

@@ -157,7 +157,8 @@ class Attempt:
             feed=_feed(self._route[0]) if self._decode else None, max_new_tokens=max_new_tokens,
             stop_token_ids=stop_ids, output_start=self._output_start,
             speculation=run.speculation if self._decode else None,
-            revision=run.revision_of(self._route[0].assignment_id)))
+            revision=run.revision_of(self._route[0].assignment_id),
+            follow_runs=bool(self._decode) and run.speculation is not None))
         cached = 0
         if cacheable:
             answer = await run.sessions.next_event(session, opened=True)

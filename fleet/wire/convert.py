@@ -17,8 +17,8 @@ from stratamesh.fleet.control_messages import (AgentMessage, ControlMessage, Coo
                                                RevokedSerials, RtcAnswer, RtcOffer, Shutdown, Welcome)
 from stratamesh.fleet.kv import KvEvents, KvExportRequest, KvHeader, KvImportRequest, KvImportSummary, KvLayout, KvPiece
 from stratamesh.fleet.sessions import (HOP_CODECS, MAX_LOGPROBS, Hop, Logprobs, SamplingParams, SessionClose,
-                                       SessionHold, SessionOpen, Speculation, StageMessage, StepBatch, StepChunk,
-                                       StepChunks, TensorBlob, TokenEvent)
+                                       SessionHold, SessionOpen, SessionRewind, Speculation, StageMessage, StepBatch,
+                                       StepChunk, StepChunks, TensorBlob, TokenEvent)
 from stratamesh.fleet.stages import (AGENT_RUNTIMES, DTYPES, MAX_KV_BLOCK_SIZE, MAX_TP_DEGREE, Assignment, StageSpec,
                                      StageStatus)
 from stratamesh.fleet.tracing import Span
@@ -193,7 +193,7 @@ def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
                 feed_assignment=message.feed.assignment_id if message.feed else "",
                 max_new_tokens=message.max_new_tokens, stop_token_ids=list(message.stop_token_ids),
                 output_start=message.output_start, speculation=_speculation_to_pb(message.speculation),
-                revision=message.revision))
+                revision=message.revision, follow_runs=message.follow_runs))
         case StepChunk():
             return pb.StageMessage(chunk=_chunk_to_pb(message))
         case StepChunks():
@@ -206,6 +206,8 @@ def _stage_message_to_pb(message: StageMessage) -> pb.StageMessage:
             return pb.StageMessage(close=pb.SessionClose(session_id=message.session_id))
         case SessionHold():
             return pb.StageMessage(hold=pb.SessionHold(session_id=message.session_id))
+        case SessionRewind():
+            return pb.StageMessage(rewind=pb.SessionRewind(session_id=message.session_id, position=message.position))
     raise TypeError(f"not a stage message: {type(message).__name__}")
 
 
@@ -228,6 +230,11 @@ def stage_message_from_pb(msg: pb.StageMessage) -> StageMessage:
     if kind == "hold":
         _require_session_id(msg.hold.session_id, "hold")
         return SessionHold(msg.hold.session_id)
+    if kind == "rewind":
+        _require_session_id(msg.rewind.session_id, "rewind")
+        if msg.rewind.position <= 0:
+            raise InvalidInput("rewind.position must be > 0")
+        return SessionRewind(msg.rewind.session_id, msg.rewind.position)
     raise InvalidInput("stage message has no kind set")
 
 
@@ -278,7 +285,7 @@ def _open_from_pb(msg: pb.SessionOpen) -> SessionOpen:
     return SessionOpen(msg.session_id, msg.assignment_id, route, msg.origin, sampling_from_pb(msg.sampling),
                        msg.traceparent, tuple(msg.prompt_token_ids), msg.max_cached_tokens, msg.resume_from,
                        _feed_from_pb(msg), msg.max_new_tokens, tuple(msg.stop_token_ids), msg.output_start,
-                       speculation, msg.revision)
+                       speculation, msg.revision, msg.follow_runs and speculation is not None)
 
 
 def _speculation_to_pb(speculation: Speculation | None) -> pb.Speculation | None:
@@ -313,7 +320,7 @@ def _feed_from_pb(msg: pb.SessionOpen) -> Hop | None:
 def _chunk_to_pb(chunk: StepChunk) -> pb.StepChunk:
     return pb.StepChunk(session_id=chunk.session_id, step=chunk.step, start_pos=chunk.start_pos,
                         token_ids=list(chunk.token_ids), sample=chunk.sample, trace_id=chunk.trace_id,
-                        sent_unix_ns=chunk.sent_unix_ns, num_draft=chunk.num_draft)
+                        sent_unix_ns=chunk.sent_unix_ns, num_draft=chunk.num_draft, pending_from=chunk.pending_from)
 
 
 def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
@@ -328,8 +335,10 @@ def _chunk_from_pb(msg: pb.StepChunk) -> StepChunk:
         raise InvalidInput("chunk.sent_unix_ns must be >= 0")
     if not 0 <= msg.num_draft < len(msg.token_ids) or (msg.num_draft and not msg.sample):
         raise InvalidInput("chunk.num_draft must be in [0, len(token_ids)) and only on a chunk that samples")
+    if not 0 <= msg.pending_from <= msg.start_pos or (msg.pending_from and not msg.sample):
+        raise InvalidInput("chunk.pending_from must be in [0, start_pos] and only on a chunk that samples")
     return StepChunk(msg.session_id, msg.step, msg.start_pos, tuple(msg.token_ids), msg.sample,
-                     msg.trace_id, msg.sent_unix_ns, msg.num_draft)
+                     msg.trace_id, msg.sent_unix_ns, msg.num_draft, msg.pending_from)
 
 
 def _batch_from_pb(msg: pb.StepBatch) -> StepBatch:

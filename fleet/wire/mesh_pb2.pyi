@@ -546,7 +546,7 @@ class WeightData(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat", "output_start", "speculation", "revision")
+    __slots__ = ("session_id", "assignment_id", "route", "route_assignments", "origin", "sampling", "traceparent", "prompt_token_ids", "max_cached_tokens", "resume_from", "route_dtypes", "feed_address", "feed_assignment", "max_new_tokens", "stop_token_ids", "route_codecs", "route_agents", "route_nats", "feed_agent", "feed_nat", "output_start", "speculation", "revision", "follow_runs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
@@ -570,6 +570,7 @@ class SessionOpen(_message.Message):
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_RUNS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     assignment_id: str
     route: _containers.RepeatedScalarFieldContainer[str]
@@ -593,7 +594,8 @@ class SessionOpen(_message.Message):
     output_start: int
     speculation: Speculation
     revision: str
-    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., revision: _Optional[str] = ...) -> None: ...
+    follow_runs: bool
+    def __init__(self, session_id: _Optional[str] = ..., assignment_id: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_assignments: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_cached_tokens: _Optional[int] = ..., resume_from: _Optional[str] = ..., route_dtypes: _Optional[_Iterable[str]] = ..., feed_address: _Optional[str] = ..., feed_assignment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., route_codecs: _Optional[_Iterable[str]] = ..., route_agents: _Optional[_Iterable[str]] = ..., route_nats: _Optional[_Iterable[str]] = ..., feed_agent: _Optional[str] = ..., feed_nat: _Optional[str] = ..., output_start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., revision: _Optional[str] = ..., follow_runs: _Optional[bool] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -610,7 +612,7 @@ class Speculation(_message.Message):
     def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StepChunk(_message.Message):
-    __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns", "num_draft")
+    __slots__ = ("session_id", "step", "start_pos", "token_ids", "sample", "trace_id", "sent_unix_ns", "num_draft", "pending_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +621,7 @@ class StepChunk(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     start_pos: int
@@ -627,7 +630,8 @@ class StepChunk(_message.Message):
     trace_id: str
     sent_unix_ns: int
     num_draft: int
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., trace_id: _Optional[str] = ..., sent_unix_ns: _Optional[int] = ..., num_draft: _Optional[int] = ...) -> None: ...
+    pending_from: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., trace_id: _Optional[str] = ..., sent_unix_ns: _Optional[int] = ..., num_draft: _Optional[int] = ..., pending_from: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("chunks", "hidden", "sent_unix_ns")
@@ -657,14 +661,23 @@ class SessionHold(_message.Message):
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
+class SessionRewind(_message.Message):
+    __slots__ = ("session_id", "position")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
 class StageMessage(_message.Message):
-    __slots__ = ("open", "chunk", "close", "batch", "chunks", "hold", "to")
+    __slots__ = ("open", "chunk", "close", "batch", "chunks", "hold", "rewind", "to")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: StepChunk
@@ -672,8 +685,9 @@ class StageMessage(_message.Message):
     batch: StepBatch
     chunks: StepChunks
     hold: SessionHold
+    rewind: SessionRewind
     to: str
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ..., chunks: _Optional[_Union[StepChunks, _Mapping]] = ..., hold: _Optional[_Union[SessionHold, _Mapping]] = ..., to: _Optional[str] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[StepChunk, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., batch: _Optional[_Union[StepBatch, _Mapping]] = ..., chunks: _Optional[_Union[StepChunks, _Mapping]] = ..., hold: _Optional[_Union[SessionHold, _Mapping]] = ..., rewind: _Optional[_Union[SessionRewind, _Mapping]] = ..., to: _Optional[str] = ...) -> None: ...
 
 class PushSummary(_message.Message):
     __slots__ = ("num_messages",)

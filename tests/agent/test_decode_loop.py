@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from stratamesh.fleet.sessions import (Hop, SamplingParams, SessionClose, SessionHold, SessionOpen, Speculation,
                                        StepChunk)
-from stratamesh.agent.engine.stage_engine import DecodeLoop
+from stratamesh.agent.engine.stage_engine import MAX_RUNS, CycleFit, DecodeLoop, Run, StageEngine
 from stratamesh.fleet.stages import Assignment, StageSpec
 from tests.agent.test_dataplane import greedy_reference, send, serving
 from tests.patience import eventually
@@ -27,11 +28,12 @@ def tiny_spec(tiny_model, start: int, end: int) -> StageSpec:
 
 def start(stream, session_id: str, first: Hop, origin_address: str, prompt: list[int], route: tuple[Hop, ...] = (),
           max_new_tokens: int = 0, stop_token_ids: tuple[int, ...] = (),
-          speculation: Speculation | None = None, sampling: SamplingParams = SamplingParams()) -> None:
+          speculation: Speculation | None = None, sampling: SamplingParams = SamplingParams(),
+          follow_runs: bool = False) -> None:
     """Opens a generation whose last stage feeds first, and sends its whole prompt as one chunk."""
     send(stream, SessionOpen(session_id, first.assignment_id, route, origin_address, sampling,
                              prompt_token_ids=tuple(prompt), feed=first, max_new_tokens=max_new_tokens,
-                             stop_token_ids=stop_token_ids, speculation=speculation))
+                             stop_token_ids=stop_token_ids, speculation=speculation, follow_runs=follow_runs))
     send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True), to=first.assignment_id)
 
 
@@ -299,8 +301,9 @@ def test_a_session_drafts_fewer_tokens_where_its_cycles_say_a_drafted_token_cost
         arrived_ns = 1
         for step in range(24):                             # cycles carrying 0 to 3 drafted tokens
             num_draft = step % 4
+            sent = Run(step, 10 + step, (1,) * (num_draft + 1), after_ns=arrived_ns)   # the answer to a chunk
             arrived_ns += int(1e9 * (base_s + per_token_s * num_draft))
-            loop.arrived(arrived_ns, num_draft)
+            loop.arrived(sent, arrived_ns, num_draft)
         return loop
 
     unfit = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
@@ -315,9 +318,13 @@ def test_a_session_drafts_fewer_tokens_where_its_cycles_say_a_drafted_token_cost
     fit = loop_after(0.010, 0.004).cycles.line()
     assert fit is not None and fit == pytest.approx((0.010, 0.004), rel=1e-3)
     steady = DecodeLoop(Hop("a:1", "a0"), None, frozenset(), speculation=Speculation("ngram", 8, 1, 1))
-    for step in range(1, 20):
-        steady.arrived(step * 10**7, 2)                    # always 2: no spread to tell a token's cost by
+    for step in range(1, 20):                              # always 2: no spread to tell a token's cost by
+        steady.arrived(Run(step, 10 + step, (1, 2, 3), after_ns=step * 10**7), (step + 1) * 10**7, 2)
     assert steady.cycles.line() is None
+    followed = loop_after(0.010, 0.004)
+    before = followed.cycles.line()
+    followed.arrived(Run(99, 200, (1, 2, 3)), 10**12, 2)  # a run that followed another in: no cycle of its own
+    assert followed.cycles.line() == before
 
 
 async def test_a_sampled_speculating_session_draws_the_tokens_of_one_a_step_for_its_seed(one_stage) -> None:
@@ -336,3 +343,97 @@ async def test_a_sampled_speculating_session_draws_the_tokens_of_one_a_step_for_
     assert len({tuple(tokens) for tokens in runs.values()}) > 1       # guards it: the seeds draw differently
     counts = host.engine("a0").speculation
     assert counts.num_accepted_tokens > 0 and counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def close_draft(tiny_model, target: StageSpec, tmp_path: Path, noise: float = 0.1) -> str:
+    """The target with its final norm's weights shaken by a factor of 1 + noise x N(0, 1): a draft that agrees with
+    most of its picks (about 88% of this test's at 0.1) and not all: its runs are sometimes rejected."""
+    folder = Path(shutil.copytree(target.model_path, tmp_path / "close-draft"))
+    weights = load_file(folder / "model.safetensors")
+    norm = weights["model.norm.weight"]
+    shake = torch.randn(norm.shape, generator=torch.Generator().manual_seed(3))
+    weights["model.norm.weight"] = norm * (1 + noise * shake)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+async def ring(stack: AsyncExitStack, specs: list[StageSpec]) -> list:
+    """Each stage served by an agent of its own over real gRPC: their (host, service, origin, address, stream)."""
+    return [await stack.enter_async_context(serving(spec, f"a{i}", f"agent-{i}")) for i, spec in enumerate(specs)]
+
+
+def route_of(agents: list) -> tuple[Hop, ...]:
+    return tuple(Hop(address, f"a{i}", "float32") for i, (_, _, _, address, _) in enumerate(agents))[1:]
+
+
+@pytest.mark.parametrize("name", ["close-draft", "draft-is-target"])
+async def test_runs_follow_each_other_into_a_3_stage_ring_and_the_rejected_are_dropped_where_they_are(
+        tiny_model, tmp_path: Path, monkeypatch, name: str) -> None:
+    """With follow_runs set (every stage takes them), the last stage sends runs behind the one on its way, drafted
+    on as if it were kept whole; a run whose guess was wrong is dropped by a rewind wherever it has got to, and the
+    tokens are greedy decoding's, one a step, through all of it."""
+    path = tiny_model("llama", num_layers=3, hidden_size=64, intermediate_size=128)
+    whole = StageSpec("m", str(path), 0, 3, 3, kv_block_size=4)
+    draft = str(path) if name == "draft-is-target" else close_draft(tiny_model, whole, tmp_path)
+    rewinds: list[tuple[str, int]] = []
+    rewind = StageEngine.rewind
+
+    def spied(engine, message, outbox) -> None:
+        rewinds.append((engine.assignment.assignment_id, message.position))
+        rewind(engine, message, outbox)
+
+    monkeypatch.setattr(StageEngine, "rewind", spied)
+    monkeypatch.setattr(CycleFit, "line", lambda self: None)   # drafts by acceptance alone: no timing in the counts
+    async with AsyncExitStack() as stack:
+        agents = await ring(stack, [replace(whole, start_layer=i, end_layer=i + 1) for i in range(3)])
+        _, _, origin, first_address, stream = agents[0]
+        prompts = {"g1": [5, 17, 42, 99, 7], "g2": [3, 9, 27, 81, 3, 9, 27, 81, 3, 9], "g3": [11, 12, 13]}
+        results = {}
+        for session_id, prompt in prompts.items():      # one at a time: runs follow only on a quiet last stage
+            send(stream, SessionOpen(session_id, "a0", route_of(agents), first_address, SamplingParams(),
+                                     prompt_token_ids=tuple(prompt), feed=Hop(first_address, "a0"),
+                                     max_new_tokens=32, speculation=Speculation("draft_model", 4, model=draft),
+                                     follow_runs=True))
+            send(stream, StepChunk(session_id, 0, 0, tuple(prompt), sample=True), to="a0")
+            results[session_id] = [e.token_id for e in await tokens_of(origin, session_id, 32)]
+            assert results[session_id] == greedy_reference(whole, prompt, 32), session_id
+            last = agents[2][0].engine("a2")
+            await eventually(lambda: not last.loops and not any(a[0].engine(f"a{i}").scheduler.has_work
+                                                                for i, a in enumerate(agents)))
+            for i, (host, *_) in enumerate(agents):     # each stage holds the KV of the tokens kept, whatever it
+                session = host.engine(f"a{i}").scheduler.sessions[session_id]       # dropped
+                kept = len(prompt) + 31
+                assert session.num_computed >= kept
+                assert session.token_ids[:kept] == prompt + results[session_id][:31]
+            send(stream, SessionClose(session_id), to="a0")
+            await eventually(lambda: agents[2][0].num_sessions == 0)
+        counts = last.speculation
+        assert 0 < counts.num_followers_verified <= counts.num_followers
+        if name == "draft-is-target":        # every guess right: only those on their way at a generation's end drop
+            assert not rewinds and counts.num_followers - counts.num_followers_verified <= 3 * (MAX_RUNS - 1)
+        else:                                # guesses go wrong: the rewinds go around the ring, ahead of the next run
+            assert {stage for stage, _ in rewinds} == {"a0", "a1"}
+
+
+async def test_a_hold_while_runs_follow_leaves_every_stage_quiet_with_verified_kv_to_export(
+        tiny_model, tmp_path: Path) -> None:
+    """The model that says 0 keeps every draft: runs follow each other in; a hold ends the loop, the runs still on
+    their way are dropped (queued ones before an export, the others as they arrive), and each stage exports only
+    tokens the origin has."""
+    spec = says_zero(tiny_model, tmp_path)
+    spec = replace(spec, num_layers=2)
+    async with AsyncExitStack() as stack:
+        agents = await ring(stack, [replace(spec, end_layer=1), replace(spec, start_layer=1)])
+        _, _, origin, first_address, stream = agents[0]
+        prompt = [0] * 8
+        start(stream, "g", Hop(first_address, "a0"), first_address, prompt, route=route_of(agents),
+              speculation=Speculation("ngram", 4, 1, 3), follow_runs=True)
+        tokens = await held_after(stream, origin, "g", 12)
+        assert tokens == [0] * len(tokens)
+        last = agents[1][0].engine("a1")
+        assert last.speculation.num_followers_verified > 0
+        await eventually(lambda: "g" not in last.loops)         # the runs on their way came, and were dropped
+        for i, (host, *_) in enumerate(agents):
+            exported = host.engine(f"a{i}").export_session("g")
+            assert 0 < exported.num_computed <= len(prompt) + len(tokens) - 1
+            assert list(exported.token_ids) == (prompt + tokens)[:exported.num_computed]

@@ -492,3 +492,58 @@ def test_a_refused_chunk_after_drafts_leaves_the_session_as_it_was() -> None:
     assert (list(session.token_ids), session.num_computed, session.next_pos, session.drafted_from) == state
     s.add(item("a", 8, [60]))                              # the first draft kept, the second rejected
     assert session.token_ids == [1, 2, 3, 4, 5, 6, 50, 51, 60] and session.drafted_from is None
+
+
+def follower(sid: str, start: int, tokens: list[int], pending_from: int) -> WorkItem:
+    """A run that followed another into the pipeline: its first token a guess too, unverified from pending_from."""
+    return WorkItem(sid, start, tuple(tokens), True, step=0, payload=None, num_draft=len(tokens) - 1,
+                    pending_from=pending_from)
+
+
+def test_runs_following_unverified_ones_keep_their_drafts_unverified_and_a_rejection_drops_those_queued() -> None:
+    s = make(num_blocks=8)
+    prefilled(s, "a", list(range(1, 7)))                   # positions 0..5
+    s.add(drafted("a", 6, [50, 51, 52], 2))                # 50 verified, drafts at 7..8
+    step(s)
+    s.add(follower("a", 9, [53, 54, 55], 7))               # follows it in: unverified from 7, still
+    session = s.sessions["a"]
+    assert session.drafted_from == 7 and session.next_pos == 12
+    s.add(follower("a", 12, [56, 57], 7))                  # and another, queued behind it
+    assert len(session.queue) == 2
+    # the first run's second draft was rejected (the pick at 8 was 60): both followers are dropped here, queued
+    dropped = s.reject("a", 8)
+    assert [d.start_pos for d in dropped] == [9, 12] and not session.queue and not s.has_work
+    assert session.token_ids == [1, 2, 3, 4, 5, 6, 50, 51] and session.next_pos == 8 and session.drafted_from is None
+    s.add(item("a", 8, [60]))                              # the next run starts where the rewind said
+    assert spans(step(s)) == [("a", 8, 1, True)]
+    assert s.reject("a", 9) == []                          # a rewind past what it holds: nothing of it here
+    with pytest.raises(InvalidInput, match="would forget verified tokens"):
+        s.reject("a", 7)
+
+
+def test_a_verified_follower_moves_the_verified_frontier_and_the_prefix_cache_takes_only_what_is_verified() -> None:
+    s = make(num_blocks=8)
+    prefilled(s, "a", list(range(1, 7)))
+    s.add(drafted("a", 6, [50, 51], 1))                    # 50 verified, 51 drafted at 7
+    step(s)
+    s.add(follower("a", 8, [52, 53], 7))                   # 52 guessed at 8, 53 drafted
+    step(s)
+    assert len(s.block_manager.hashes["a"]) == 1           # 4..7 holds an unverified token (51)
+    # the first run was kept whole and 52 was its pick: the next run follows the second, verified up to 9
+    s.add(follower("a", 10, [54, 55], 9))
+    session = s.sessions["a"]
+    assert session.drafted_from == 9
+    step(s)
+    assert len(s.block_manager.hashes["a"]) == 2           # 4..7 verified now; 8..11 is not (53 at 9)
+
+
+def test_runs_queued_after_their_loop_ended_are_dropped_before_a_move() -> None:
+    s = make(num_blocks=8)
+    prefilled(s, "a", list(range(1, 7)))
+    s.add(drafted("a", 6, [50, 51], 1))
+    step(s)
+    s.add(follower("a", 8, [52, 53], 7))
+    assert [d.start_pos for d in s.drop_unverified("a")] == [8]
+    assert s.quiet("a").token_ids == [1, 2, 3, 4, 5, 6, 50, 51] and s.sessions["a"].num_computed == 8
+    s.add(drafted("a", 8, [60, 61], 1))                    # a run of its own (not following): never dropped so
+    assert s.drop_unverified("a") == [] and s.sessions["a"].queue

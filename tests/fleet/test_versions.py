@@ -21,7 +21,8 @@ def test_an_agent_of_a_compatible_protocol_joins_whatever_its_build() -> None:
 def test_an_agent_of_another_protocol_is_refused_naming_both_versions(protocol: int, says: str) -> None:
     refusal = incompatibility("box-7", protocol, "9.9.9")
     assert refusal is not None and refusal.startswith("agent box-7 (stratamesh 9.9.9) " + says)
-    assert f"{versions.software_version()}) speaks data-plane protocol {PROTOCOL_VERSION}" in refusal
+    assert (f"{versions.software_version()}) speaks data-plane protocols {COMPATIBLE_PROTOCOLS.start}-"
+            f"{PROTOCOL_VERSION}") in refusal          # (protocol 1 agents still join: a fleet upgrades box by box)
     assert refusal.endswith("upgrade the agent" if protocol < PROTOCOL_VERSION else "upgrade the coordinator")
 
 
