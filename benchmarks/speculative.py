@@ -65,18 +65,23 @@ class Run:
 
     c1: dict[str, list[BenchMetrics]] = field(default_factory=lambda: {name: [] for name in WORKLOADS})
     c16: list[BenchMetrics] = field(default_factory=list)
-    counts: dict[str, list[float]] = field(default_factory=lambda: {name: [0.0, 0.0, 0.0] for name in WORKLOADS})
+    counts: dict[str, list[float]] = field(default_factory=lambda: {name: [0.0] * 5 for name in WORKLOADS})
 
     def tok_s(self, workload: str) -> float:
         return _pooled(self.c1[workload])
 
     def acceptance(self, workload: str) -> float:
-        _, drafted, kept = self.counts[workload]
+        _, drafted, kept, _, _ = self.counts[workload]
         return kept / drafted if drafted else 0.0
 
     def per_trip(self, workload: str) -> float:
-        steps, _, kept = self.counts[workload]
+        steps, _, kept, _, _ = self.counts[workload]
         return 1 + kept / steps if steps else 1.0
+
+    def followed(self, workload: str) -> str:
+        """Runs that followed an unverified one in: verified / sent."""
+        *_, sent, verified = self.counts[workload]
+        return f"{verified:.0f}/{sent:.0f}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +110,11 @@ def grounded_requests(tokens: list[int], num_prompts: int, output_len: int, seed
 
 
 def spec_counts(mesh: LocalMesh) -> list[float]:
-    """The agents' vllm:spec_decode counters: [steps with drafts, drafted tokens, tokens kept]."""
-    return [sum(mesh.agent_sums(f"vllm:spec_decode_num_{name}_total", "stage").values())
-            for name in ("drafts", "draft_tokens", "accepted_tokens")]
+    """The agents' spec_decode counters: [steps with drafts, drafted tokens, tokens kept, runs that followed an
+    unverified one in, those of them verified]."""
+    names = [f"vllm:spec_decode_num_{name}_total" for name in ("drafts", "draft_tokens", "accepted_tokens")]
+    names += ["stratamesh:spec_decode_follow_runs_total", "stratamesh:spec_decode_follow_runs_verified_total"]
+    return [sum(mesh.agent_sums(name, "stage").values()) for name in names]
 
 
 def run_bed(model_dir: Path, book: list[int], profile: str, stages: int, args: argparse.Namespace) -> Row:
@@ -165,9 +172,9 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
           f"{args.num_prompts} prompts a workload at concurrency 1, {2 * args.num_prompts} at 16, {args.output_len} "
           f"output tokens each, greedy; {args.rounds} rounds, alternating the meshes' order; output tokens/s over "
           "all the rounds\n")
-    print("| link profile | stages | workload | tok/s c1 | ngram | ratio | acceptance | tokens/trip | draft model "
-          "| ratio | acceptance | tokens/trip |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| link profile | stages | workload | tok/s c1 | ngram | ratio | acceptance | tokens/trip | followed "
+          "| draft model | ratio | acceptance | tokens/trip | followed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         plain = row.runs["plain"]
         for workload in WORKLOADS:
@@ -175,7 +182,7 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
             for name in PROPOSERS:
                 run = row.runs[name]
                 cells += [f"{run.tok_s(workload):.1f}", f"{run.tok_s(workload) / plain.tok_s(workload):.2f}x",
-                          f"{run.acceptance(workload):.0%}", f"{run.per_trip(workload):.2f}"]
+                          f"{run.acceptance(workload):.0%}", f"{run.per_trip(workload):.2f}", run.followed(workload)]
             print(f"| {row.profile} | {row.stages} | {workload} | " + " | ".join(cells) + " |")
     print("\n| link profile | stages | tok/s c16 | ngram | ratio | draft model | ratio |")
     print("|---|---|---|---|---|---|---|")

@@ -371,7 +371,8 @@ class StageEngine:
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
                                     chunk.step, rows, arrived_ns, chunk.trace_id, chunk.num_draft,
                                     chunk.pending_from))
-        left = self._left_ns.pop(chunk.session_id, None) if self.is_first else None
+        # (a run that followed another in came right behind it, not around the pipeline: it says nothing of a trip)
+        left = self._left_ns.pop(chunk.session_id, None) if self.is_first and not chunk.pending_from else None
         if left is not None and arrived_ns > left[1]:       # its token came back around the pipeline
             self.micro_batching.returned(left[0], (arrived_ns - left[1]) / 1e9)
 
