@@ -141,9 +141,9 @@ class DecodeLoop:
     missed: float = 0.0         # ACCEPTANCE_DECAY a step
     cycles: CycleFit = field(default_factory=CycleFit)
     runs: deque[Run] = field(default_factory=deque)     # fed and not verified yet, oldest first
-    stale: set[int] = field(default_factory=set)        # steps of runs that will not be verified: dropped on arrival
     next_step: int = 0
-    over: bool = False          # its last token is sampled: it waits only for its stale runs to arrive
+    valid_from: int = 0         # chunks of earlier steps followed drafts that were rejected: dropped on arrival
+    over: bool = False          # its last token is sampled (kept only to drop the runs still on their way)
 
     @classmethod
     def of(cls, message: SessionOpen) -> DecodeLoop | None:
@@ -160,10 +160,7 @@ class DecodeLoop:
     def drops(self, step: int) -> bool:
         """Whether its chunk of step, arriving at the last stage, is dropped: a run that followed one whose drafts
         were rejected, or one still on its way when the loop ended."""
-        if step in self.stale:
-            self.stale.discard(step)
-            return True
-        return self.over
+        return self.over or step < self.valid_from
 
     def verifying(self, step: int) -> Run | None:
         """The run of step is being verified: it leaves the runs in flight (None: a chunk the loop did not feed)."""
@@ -178,8 +175,8 @@ class DecodeLoop:
 
     def abandon(self) -> bool:
         """The runs in flight will never be verified (a rejection before them, or the loop's end): their chunks are
-        dropped as they arrive; whether there were any."""
-        self.stale.update(run.step for run in self.runs)
+        dropped as they arrive (every step fed so far); whether there were any."""
+        self.valid_from = self.next_step
         abandoned = bool(self.runs)
         self.runs.clear()
         return abandoned
@@ -365,8 +362,6 @@ class StageEngine:
         if (loop := self.loops.get(chunk.session_id)) is not None and loop.drops(chunk.step):
             log.debug("session %s: run %d dropped (it followed drafts that were rejected)", chunk.session_id,
                       chunk.step)
-            if loop.over and not loop.stale:
-                del self.loops[chunk.session_id]
             return
         self.scheduler.add(WorkItem(chunk.session_id, chunk.start_pos, chunk.token_ids, chunk.sample,
                                     chunk.step, rows, arrived_ns, chunk.trace_id, chunk.num_draft,
@@ -641,20 +636,18 @@ class StageEngine:
         return self.proposers.propose(requests) if requests else {}
 
     def _end(self, session_id: str, loop: DecodeLoop) -> None:
-        """The loop sampled its last token: the runs that followed it in are dropped, here if queued, else as they
-        arrive (and the loop is forgotten with the last of them)."""
+        """The loop sampled its last token: it is forgotten, or, where runs followed it in, kept over until the
+        session closes, to drop them (here if queued, else as they arrive)."""
         loop.over = True
-        loop.abandon()
-        for item in self.scheduler.drop_unverified(session_id):
-            loop.stale.discard(item.step)
-        if not loop.stale:
+        if loop.abandon():
+            self.scheduler.drop_unverified(session_id)
+        else:
             del self.loops[session_id]
 
     def _reject(self, session_id: str, loop: DecodeLoop, position: int, outbox: Outbox) -> None:
         """Runs followed drafts rejected from position on: those queued here are dropped, and a rewind goes around
         the ring ahead of the next run to drop the others where they are."""
-        for item in self.scheduler.reject(session_id, position):
-            loop.stale.discard(item.step)
+        self.scheduler.reject(session_id, position)
         outbox.stage_messages.append((loop.feed, SessionRewind(session_id, position)))
 
     def follow(self, outbox: Outbox) -> None:

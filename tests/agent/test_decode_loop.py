@@ -398,8 +398,7 @@ async def test_runs_follow_each_other_into_a_3_stage_ring_and_the_rejected_are_d
             results[session_id] = [e.token_id for e in await tokens_of(origin, session_id, 32)]
             assert results[session_id] == greedy_reference(whole, prompt, 32), session_id
             last = agents[2][0].engine("a2")
-            await eventually(lambda: not last.loops and not any(a[0].engine(f"a{i}").scheduler.has_work
-                                                                for i, a in enumerate(agents)))
+            await eventually(lambda: not any(a[0].engine(f"a{i}").scheduler.has_work for i, a in enumerate(agents)))
             for i, (host, *_) in enumerate(agents):     # each stage holds the KV of the tokens kept, whatever it
                 session = host.engine(f"a{i}").scheduler.sessions[session_id]       # dropped
                 kept = len(prompt) + 31
@@ -407,6 +406,7 @@ async def test_runs_follow_each_other_into_a_3_stage_ring_and_the_rejected_are_d
                 assert session.token_ids[:kept] == prompt + results[session_id][:31]
             send(stream, SessionClose(session_id), to="a0")
             await eventually(lambda: agents[2][0].num_sessions == 0)
+            assert not last.loops           # (one over, kept to drop the runs still on their way, went with it)
         counts = last.speculation
         assert 0 < counts.num_followers_verified <= counts.num_followers
         if name == "draft-is-target":        # every guess right: only those on their way at a generation's end drop
@@ -432,8 +432,38 @@ async def test_a_hold_while_runs_follow_leaves_every_stage_quiet_with_verified_k
         assert tokens == [0] * len(tokens)
         last = agents[1][0].engine("a1")
         assert last.speculation.num_followers_verified > 0
-        await eventually(lambda: "g" not in last.loops)         # the runs on their way came, and were dropped
+        await eventually(lambda: not any(host.engine(f"a{i}").scheduler.has_work
+                                         for i, (host, *_) in enumerate(agents)))
         for i, (host, *_) in enumerate(agents):
             exported = host.engine(f"a{i}").export_session("g")
             assert 0 < exported.num_computed <= len(prompt) + len(tokens) - 1
             assert list(exported.token_ids) == (prompt + tokens)[:exported.num_computed]
+
+
+def test_a_run_follows_while_its_guess_is_likely_right_within_the_runs_the_stop_tokens_and_max_tokens() -> None:
+    def loop_with(kept: float, tokens_left: int | None = None, stop: frozenset[int] = frozenset(),
+                  follow: bool = True) -> DecodeLoop:
+        loop = DecodeLoop(Hop("a:1", "a0"), tokens_left, stop, speculation=Speculation("ngram", 4, 1, 1),
+                          follow=follow, kept=kept)
+        loop.fed(Run(1, 10, (7, 8, 9, 10, 11), after_ns=1))     # a token and 4 drafts on their way
+        return loop
+
+    assert loop_with(0.0).num_to_follow(64) == 0                   # 3 in 4 (the prior): 0.75^5 < 1/4
+    sure = loop_with(1000.0)                                        # every draft kept so far
+    assert sure.num_to_follow(64) == 5                              # a guess and 4 drafts
+    sure.fed(Run(2, 15, (12, 13, 14, 15, 16), follows=True))
+    sure.fed(Run(3, 20, (17, 18, 19, 20, 21), follows=True))
+    assert sure.num_to_follow(64) == 5 and sure.unverified_from == 11
+    sure.fed(Run(4, 25, (22, 23, 24, 25, 26), follows=True))
+    assert sure.num_to_follow(64) == 0                              # MAX_RUNS in the pipeline
+    assert loop_with(1000.0, follow=False).num_to_follow(64) == 0   # a stage on the route cannot take them
+    assert loop_with(1000.0, stop=frozenset({9})).num_to_follow(64) == 0      # a draft ahead would end it
+    # 8 tokens left: the run on its way gives 5 (4 drafts, and the pick after them: the guess), a follower with 2
+    # drafts 3 more
+    assert loop_with(1000.0, tokens_left=8).num_to_follow(64) == 3
+    assert loop_with(1000.0, tokens_left=6).num_to_follow(64) == 0
+    # runs abandoned (a rejection before them) are dropped as they arrive, and only they
+    assert not sure.drops(4) and sure.verifying(1).step == 1
+    assert sure.abandon() and sure.drops(4) and not sure.drops(5) and not sure.runs
+    sure.over = True
+    assert sure.drops(9)                                            # over: whatever still comes
