@@ -149,10 +149,15 @@ def run_bed(model_dir: Path, book: list[int], profile: str, stages: int, args: a
                     runs[name].counts[workload] = [t + b - a for t, a, b in
                                                    zip(runs[name].counts[workload], before, after, strict=True)]
         for r in range(args.rounds):
-            requests = random_requests(vocab, 2 * args.num_prompts, 16, args.output_len, args.seed + 10 * r + 1)
+            requests = random_requests(vocab, c16_prompts(args), 16, args.output_len, args.seed + 10 * r + 1)
             for name in (MESHES if r % 2 == 0 else MESHES[::-1]):
                 runs[name].c16.append(checked(serve(meshes[name], model_dir.name, requests, 16)))
     return Row(profile, stages, runs)
+
+
+def c16_prompts(args: argparse.Namespace) -> int:
+    """The prompts at concurrency 16: twice a workload's, and enough that 16 generations run at once."""
+    return max(16, 2 * args.num_prompts)
 
 
 def _pooled(rounds: list[BenchMetrics]) -> float:
@@ -169,7 +174,7 @@ def checked(metrics: BenchMetrics) -> BenchMetrics:
 def report(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"the built-in demo model (6 layers of 256) in 2 or 3 stages, 1 thread per agent; --speculative-config "
           f"ngram {json.dumps(PROPOSERS['ngram'])}, draft: its built-in draft, {DRAFT_TOKENS} tokens; "
-          f"{args.num_prompts} prompts a workload at concurrency 1, {2 * args.num_prompts} at 16, {args.output_len} "
+          f"{args.num_prompts} prompts a workload at concurrency 1, {c16_prompts(args)} at 16, {args.output_len} "
           f"output tokens each, greedy; {args.rounds} rounds, alternating the meshes' order; output tokens/s over "
           "all the rounds\n")
     print("| link profile | stages | workload | tok/s c1 | ngram | ratio | acceptance | tokens/trip | followed "
@@ -212,7 +217,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profiles", default="lan,wan-100mbit-20ms,wan-20mbit-80ms",
                         help="comma-separated, from stratamesh/testbed/netbed.py")
     parser.add_argument("--stages", default="2,3", help="comma-separated numbers of stages")
-    parser.add_argument("--num-prompts", type=int, default=8, help="a workload's at concurrency 1 (twice at 16)")
+    parser.add_argument("--num-prompts", type=int, default=8,
+                        help="a workload's at concurrency 1 (twice, and 16 at least, at 16)")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="of each run, alternating which mesh goes first")
