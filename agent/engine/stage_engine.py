@@ -69,14 +69,14 @@ class Outbox:
 # costs more than the trips it saves.
 ACCEPTANCE_DECAY = 0.9      # each step, the weight left to what the steps before said of a session's drafts
 DRAFT_WORTH = 0.25          # the n-th token is drafted while a^n is at least this
-BUSY_DECODES = 8            # a last stage decoding more sessions than this drafts none
+BUSY_SESSIONS = 8           # a last stage holding more sessions than this (decoding or prefilling) drafts none
 # Keeping the ring full (PipeInfer's continuous speculation): while a session's run is on its way around the
 # pipeline, the last stage sends the next one behind it, drafted on as if the run were kept whole (its first token
 # the draft's guess at the pick after it), while that guess is likely enough to be right (a^(its unverified tokens
-# ahead + 1) >= DRAFT_WORTH), up to MAX_RUNS in the pipeline, on a last stage decoding at most FOLLOW_DECODES
+# ahead + 1) >= DRAFT_WORTH), up to MAX_RUNS in the pipeline, on a last stage holding at most FOLLOW_SESSIONS
 # sessions (the stages would otherwise idle through the trip), never on a pipeline of one stage. A run whose guess
 # was wrong is dropped wherever it has got to (SessionRewind, sent ahead of the next run).
-FOLLOW_DECODES = 2
+FOLLOW_SESSIONS = 2
 MAX_RUNS = 4
 CYCLE_DECAY = 0.95          # each cycle, the weight left to the cycles before in a session's CycleFit
 MIN_DRAFT_SPREAD = 0.5      # a CycleFit says what a drafted token costs once its counts vary this much (variance)
@@ -625,7 +625,7 @@ class StageEngine:
     def _drafts(self, going_on: list[tuple[ScheduledChunk, DecodeLoop, int, int]]) -> dict[str, tuple[int, ...]]:
         """The tokens drafted after each going-on session's new token, as many as its loop says (none on a busy
         stage), by its proposer."""
-        if self.scheduler.num_decoding > BUSY_DECODES:
+        if self.scheduler.num_sessions > BUSY_SESSIONS:
             return {}
         requests: dict[str, tuple[Speculation, list[int], int]] = {}
         for chunk, loop, token, position in going_on:
@@ -654,7 +654,7 @@ class StageEngine:
         """Keeps the ring full: behind the runs this stage's last step sent, the runs that follow them in, drafted on
         from their tokens (after the step's results are out: drafting them does not hold those back)."""
         sessions, self._to_follow = self._to_follow, []
-        if self.is_first or self.scheduler.num_decoding > FOLLOW_DECODES:
+        if self.is_first or self.scheduler.num_sessions > FOLLOW_SESSIONS:
             return
         feeds: dict[Hop, list[StepChunk]] = {}
         while sessions:             # a run more each round, for the sessions that took one the round before
