@@ -47,13 +47,21 @@ XDIST := -n $(WORKERS) --dist worksteal
 # set, as on some CI boxes, each would compile this project's modules again (~0.1-0.15 s of CPU an agent).
 export PYTHONDONTWRITEBYTECODE :=
 
+# The coordinators' lease runs on a real PostgreSQL server, Debian's (its tests skip, saying why, where it cannot be
+# installed or started).
+PG := /usr/bin/pg_lsclusters
+$(PG):
+	apt-get install -y -q --no-install-recommends postgresql >/dev/null \
+	  || (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends postgresql >/dev/null) \
+	  || echo "postgresql could not be installed: the PostgreSQL tests will be skipped"
+
 # The suite leaves out the benchmarks' smoke runs (marked bench: a script under benchmarks/, a `stratamesh bench`
 # command; 770 s of a worker's time, a third of the suite's, on a slow 2-core VM); `make test-bench` runs them.
-test: $(STAMP) $(BROWSER) $(NFT)
+test: $(STAMP) $(BROWSER) $(NFT) $(PG)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
 
 # The suite as on a shared CI box: another process keeps one core busy all along (`.ci/run --busy`).
-test-busy: $(STAMP) $(BROWSER) $(NFT)
+test-busy: $(STAMP) $(BROWSER) $(NFT) $(PG)
 	$(PY) -c 'while True: pass' & busy=$$!; trap "kill $$busy" EXIT; \
 	  HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -ra --durations=25 -m "not bench" $(XDIST)
 

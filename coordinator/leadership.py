@@ -1,0 +1,115 @@
+"""Who of several coordinators on one PostgreSQL leads: a lease row, not consensus written here, and not an advisory
+lock (docs/registry.md section 5 says why).
+
+One row per mesh holds the leader's name, an epoch that grows by one at every takeover (the fencing token), and when
+the lease expires, on the database's clock only (so the coordinators' clocks do not matter). A coordinator takes the
+lease when it has expired (or was never held), keeps it by renewing it well within its time, and checks it at the
+start of every write transaction (`fence`): the check holds a share lock on the row, so a takeover waits for the
+leader's writes in flight, and once a takeover has committed every later write of the old leader fails with Deposed.
+This module needs psycopg 3 (the `postgres` extra)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from stratamesh.fleet.errors import InvalidInput, MeshError
+
+LEASE_TTL_S = 10.0          # a lease not renewed for this long passes to whoever takes it
+RENEW_EVERY_S = 2.0         # how often a leader renews its lease
+_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS coordinator_lease (
+    mesh text PRIMARY KEY,
+    holder text NOT NULL,
+    epoch bigint NOT NULL,
+    expires timestamptz NOT NULL)"""
+
+
+class Deposed(MeshError):
+    """This coordinator no longer holds the lease: another took it over. It must stop writing, and exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """The lease as the database has it: who holds it, its epoch, and the seconds until it expires (< 0: expired)."""
+
+    holder: str
+    epoch: int
+    expires_in_s: float
+
+
+class Lease:
+    """This coordinator's view of its mesh's lease, over a connection of its own (each statement commits at once)."""
+
+    def __init__(self, conninfo: str, mesh: str, holder: str, ttl_s: float = LEASE_TTL_S) -> None:
+        for what, value in (("mesh", mesh), ("holder", holder)):
+            if not _NAME.fullmatch(value):
+                raise InvalidInput(f"lease {what} {value!r} must be 1..200 letters, digits or ._:@-")
+        if ttl_s <= 0:
+            raise InvalidInput(f"lease ttl_s must be > 0, got {ttl_s}")
+        import psycopg     # (the postgres extra: only a coordinator on PostgreSQL needs it)
+
+        self.mesh, self.holder, self.ttl_s = mesh, holder, ttl_s
+        self.epoch: int | None = None       # the epoch it holds the lease in; None: it does not hold it
+        self._conn = psycopg.connect(conninfo, autocommit=True)
+        self._conn.execute(_SCHEMA)
+
+    def acquire(self) -> bool:
+        """Takes the lease if it is free (never held, or expired), in a new epoch; whether this coordinator holds it
+        now (it may hold it already)."""
+        if self.epoch is not None and self.renew():
+            return True
+        ttl = f"{self.ttl_s} seconds"
+        row = self._conn.execute(
+            "INSERT INTO coordinator_lease (mesh, holder, epoch, expires) "
+            "VALUES (%s, %s, 1, clock_timestamp() + %s::interval) ON CONFLICT (mesh) DO NOTHING RETURNING epoch",
+            (self.mesh, self.holder, ttl)).fetchone()
+        if row is None:
+            row = self._conn.execute(
+                "UPDATE coordinator_lease SET holder = %s, epoch = epoch + 1, expires = clock_timestamp() + "
+                "%s::interval WHERE mesh = %s AND expires < clock_timestamp() RETURNING epoch",
+                (self.holder, ttl, self.mesh)).fetchone()
+        self.epoch = row[0] if row is not None else None
+        return self.epoch is not None
+
+    def renew(self) -> bool:
+        """Extends the lease this coordinator holds; False (and it holds none) if it was taken over meanwhile."""
+        if self.epoch is None:
+            return False
+        renewed = self._conn.execute(
+            "UPDATE coordinator_lease SET expires = clock_timestamp() + %s::interval "
+            "WHERE mesh = %s AND holder = %s AND epoch = %s", (f"{self.ttl_s} seconds", self.mesh, self.holder,
+                                                              self.epoch)).rowcount
+        if not renewed:
+            self.epoch = None
+        return bool(renewed)
+
+    def fence(self, cursor: Any) -> None:
+        """Checks, inside the caller's write transaction (a psycopg cursor or connection of the same database), that
+        this coordinator still holds the lease, and keeps it share-locked to the transaction's end; Deposed if not
+        (the caller rolls back)."""
+        row = None if self.epoch is None else cursor.execute(
+            "SELECT 1 FROM coordinator_lease WHERE mesh = %s AND holder = %s AND epoch = %s FOR SHARE",
+            (self.mesh, self.holder, self.epoch)).fetchone()
+        if row is None:
+            self.epoch = None
+            raise Deposed(f"coordinator {self.holder} no longer leads mesh {self.mesh}: another took its lease over")
+
+    def release(self) -> None:
+        """Gives the lease up at once (a clean shutdown: a standby takes over without waiting for it to expire)."""
+        if self.epoch is not None:
+            self._conn.execute("UPDATE coordinator_lease SET expires = clock_timestamp() WHERE mesh = %s AND "
+                               "holder = %s AND epoch = %s", (self.mesh, self.holder, self.epoch))
+            self.epoch = None
+
+    def state(self) -> LeaseState | None:
+        """The lease as it stands (None: never held)."""
+        row = self._conn.execute(
+            "SELECT holder, epoch, extract(epoch FROM expires - clock_timestamp()) FROM coordinator_lease "
+            "WHERE mesh = %s", (self.mesh,)).fetchone()
+        return None if row is None else LeaseState(row[0], row[1], float(row[2]))
+
+    def close(self) -> None:
+        self._conn.close()
