@@ -364,13 +364,21 @@ class StageService(pb_grpc.StageServicer):
                 self.observer.stepped(engine, batch, start_ns, end_ns)
             self.observer.preempted(engine, len(batch.preempted))
             outbox = Outbox()
-            if output is not None or not batch.chunks:
-                engine.postprocess(batch, output, outbox)
-                self.observer.verified(engine, batch)
-            self._send(outbox, sent_ns=end_ns)
-            if engine.is_last and output is not None:
+            try:
+                if output is not None or not batch.chunks:
+                    engine.postprocess(batch, output, outbox)
+                    self.observer.verified(engine, batch)
+                self._send(outbox, sent_ns=end_ns)
+                if engine.is_last and output is not None:
+                    outbox = Outbox()
+                    engine.follow(outbox)           # the runs that follow those just sent into the pipeline
+                    self._send(outbox)
+            except Exception as exc:    # a bug: the step's sessions fail, saying why, and the stage serves on
+                log.exception("after a step of %s", engine.assignment.assignment_id)
                 outbox = Outbox()
-                engine.follow(outbox)           # the runs that follow those just sent into the pipeline
+                for chunk in batch.chunks:
+                    self._fail(chunk.session_id, StageFailed(f"{type(exc).__name__}: {exc}"), outbox,
+                               to=engine.assignment.assignment_id)
                 self._send(outbox)
             ran = ran or bool(batch.chunks)
         return ran

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.agent.dataplane import StageService
-from stratamesh.agent.engine.stage_engine import EngineConfig
+from stratamesh.agent.engine.stage_engine import EngineConfig, StageEngine
 from stratamesh.agent.stages import StageHost
 from stratamesh.fleet.sessions import SamplingParams, SessionClose, SessionOpen, StepChunk
 from stratamesh.fleet.stages import Assignment, StageSpec
@@ -233,3 +233,24 @@ async def test_a_mixture_of_experts_stage_exports_its_experts_tokens_and_each_st
     imbalance = {s.name: s for s in families["stratamesh:expert_step_imbalance"].samples}
     assert imbalance["stratamesh:expert_step_imbalance_count"].value == steps
     assert 1.0 <= imbalance["stratamesh:expert_step_imbalance_sum"].value / steps <= 5 / 2
+
+
+async def test_a_bug_after_a_step_fails_its_sessions_saying_so_and_the_stage_serves_on(stage, monkeypatch) -> None:
+    """An exception out of the engine after a step (a bug, not a bad message) fails the step's sessions with its
+    name, instead of ending the stage's worker (which left every later message unanswered)."""
+    spec, stream, origin, address, host = stage
+    postprocess, failed = StageEngine.postprocess, []
+
+    def broken_once(engine, batch, output, outbox) -> None:
+        if not failed:
+            failed.append(batch)
+            raise RuntimeError("a bug")
+        postprocess(engine, batch, output, outbox)
+
+    monkeypatch.setattr(StageEngine, "postprocess", broken_once)
+    await open_session(stream, origin, address, "broken", [5, 17, 42])
+    send(stream, StepChunk("broken", 0, 0, token_ids=(5, 17, 42), sample=True))
+    event = await origin.next("broken")
+    assert event.error == "RuntimeError: a bug"
+    await open_session(stream, origin, address, "after", [5, 17, 42])
+    assert await decode(stream, origin, "after", [5, 17, 42], 0, 3) == greedy_reference(spec, [5, 17, 42], 3)
