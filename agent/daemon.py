@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -11,7 +12,6 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import grpc
 import torch
@@ -53,7 +53,7 @@ class AgentOptions:
     host: str = "127.0.0.1"             # where the Stage service listens
     port: int = 0
     advertise_host: str | None = None   # the address peers dial; defaults to host
-    coordinator: str | None = None      # host:port; None finds it on zeroconf
+    coordinator: str | None = None      # host:port, or several comma-separated (tried in turn); None: zeroconf
     mesh: str = "default"
     interfaces: tuple[str, ...] = ("127.0.0.1",)
     agent_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -152,12 +152,23 @@ async def _serve_stages(options: AgentOptions, host: StageHost, metrics: AgentMe
     return _StageServer(server, service, signalling, weights, port, service.address)
 
 
-async def _find_coordinator(options: AgentOptions, browser: discovery.Browser) -> str:
-    """The coordinator's host:port: --coordinator, else the one of the agent's mesh that zeroconf finds."""
+def coordinator_finder(options: AgentOptions, browser: discovery.Browser) -> Callable[[], Awaitable[str]]:
+    """Where the control stream dials, asked anew at each (re)connection: the --coordinator addresses in turn (a
+    coordinator and its standbys, comma-separated: a stream that failed or ended goes on at the next), else the one
+    of the agent's mesh that zeroconf finds."""
     if options.coordinator:
-        return options.coordinator
-    record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
-    return f"{record.host}:{record.port}"
+        addresses = itertools.cycle([a.strip() for a in options.coordinator.split(",") if a.strip()])
+
+        async def listed() -> str:
+            return next(addresses)
+
+        return listed
+
+    async def found() -> str:
+        record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
+        return f"{record.host}:{record.port}"
+
+    return found
 
 
 def _on_group_failure(stop: asyncio.Event, failures: list[str]) -> Callable[[str], None]:
@@ -243,7 +254,7 @@ async def run_agent(options: AgentOptions, stop: asyncio.Event) -> None:
         # sessions' runs, on the cores the sessions need.
         torch.set_num_threads(1)
     identity = Identity(options.agent_id, options.name, stages.address, options.mesh, capabilities, metrics_address)
-    control_client = ControlClient(identity, host, partial(_find_coordinator, options, browser),
+    control_client = ControlClient(identity, host, coordinator_finder(options, browser),
                                    telemetry=_telemetry(options, host, stages, metrics, capabilities),
                                    on_shutdown=lambda reason: stop.set(), weights=stages.weights,
                                    signalling=stages.signalling)

@@ -184,7 +184,8 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--host", default="127.0.0.1")
     agent.add_argument("--port", type=int, default=0)
     agent.add_argument("--advertise-host")
-    agent.add_argument("--coordinator", help="host:port of the coordinator; default: zeroconf")
+    agent.add_argument("--coordinator", help="host:port of the coordinator, or several comma-separated (a coordinator "
+                       "and its standbys: the control stream goes on at the next when one fails); default: zeroconf")
     agent.add_argument("--join-token", default=os.environ.get("STRATAMESH_JOIN_TOKEN", ""),
                        help="from `stratamesh token create`: enrolls the agent if it holds no certificate "
                        "(default: $STRATAMESH_JOIN_TOKEN)")

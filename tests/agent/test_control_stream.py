@@ -4,10 +4,13 @@ reported failed), and the stream goes on."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from stratamesh.agent.control import ControlClient, Identity
+from stratamesh.agent.daemon import AgentOptions, coordinator_finder
 from stratamesh.agent.engine.stage_engine import EngineConfig
 from stratamesh.agent.stages import StageHost
+from stratamesh.fleet import discovery
 from stratamesh.fleet.boxes import Capabilities, Registration
 from stratamesh.fleet.control_messages import AgentMessage, Heartbeat, Welcome
 from stratamesh.fleet.stages import StageStatus
@@ -74,3 +77,31 @@ async def test_bad_messages_from_the_coordinator_are_skipped_and_the_stream_goes
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await server.stop(grace=None)
+
+
+async def test_an_agent_given_several_coordinators_goes_on_at_the_next_when_one_cannot_be_reached() -> None:
+    """--coordinator A,B: the control stream dials A, which is down, then B, where the agent registers."""
+    coordinator = ScriptedCoordinator([convert.coordinator_message_to_pb(Welcome("a1", 0.05))])
+    server = make_server()
+    pb_grpc.add_ControlServicer_to_server(coordinator, server)
+    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
+    await server.start()
+    with socket.socket() as free:                         # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{free.getsockname()[1]}"
+    options = AgentOptions(mesh="m1", coordinator=f"{dead}, {address}")
+    browser = discovery.Browser(["127.0.0.1"])              # (never asked: the addresses were given)
+    find = coordinator_finder(options, browser)
+    assert [await find() for _ in range(3)] == [dead, address, dead]       # in turn, round and round
+    client = ControlClient(Identity("a1", "a1", "127.0.0.1:1", "m1", CAPS), StageHost(EngineConfig()),
+                           coordinator_finder(options, browser), retry_s=0.01)
+    task = asyncio.create_task(client.run())
+    try:
+        async with asyncio.timeout(10):
+            await client.connected.wait()
+            registration = await coordinator.received.get()
+        assert isinstance(registration, Registration) and registration.agent_id == "a1"
+    finally:
+        task.cancel()
+        await server.stop(None)
+        await browser.close()
