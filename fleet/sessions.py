@@ -274,9 +274,10 @@ class SessionClose:
 
 @dataclass(frozen=True, slots=True)
 class SessionRewind:
-    """Travels the route from the first stage: the session's tokens from position on were drafted and rejected, and
-    so were the runs that followed them into the pipeline: each stage drops those it holds queued and forgets the
-    positions (the next step of the session starts there)."""
+    """Sent by the last stage to the first, and on along the route up to the stage before the last: the session's
+    tokens from position on were drafted and rejected, and so were the runs that followed them into the pipeline:
+    each stage drops those it holds queued and forgets the positions (the next step of the session starts there;
+    the last stage, which sent it, has dropped its own)."""
 
     session_id: str
     position: int

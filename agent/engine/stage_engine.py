@@ -20,8 +20,7 @@ from stratamesh.agent.engine.stage_runner import Picking, StageRunner, StepOutpu
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.kv import KvLayout
 from stratamesh.fleet.sessions import (Hop, Logprobs, SessionClose, SessionHold, SessionOpen, SessionRewind,
-                                       Speculation, StepBatch,
-                                       StepChunk, StepChunks, TokenEvent, wire_dtype)
+                                       Speculation, StepBatch, StepChunk, StepChunks, TokenEvent, wire_dtype)
 from stratamesh.fleet.stages import Assignment
 from stratamesh.kernels import codec
 from stratamesh.kernels.models.decoder import run_through
@@ -118,7 +117,7 @@ class Run:
     step: int
     start_pos: int
     token_ids: tuple[int, ...]
-    after_ns: int = 0           # a verification's answer: when the chunk verified reached the last stage
+    after_ns: int = 0           # a verification's answer: when the chunk verified reached the last stage (else 0)
     follows: bool = False       # it followed an unverified run in (its first token a guess too)
 
     @property
@@ -219,7 +218,7 @@ class DecodeLoop:
     def arrived(self, run: Run | None, arrived_ns: int, num_draft: int) -> None:
         """Its run, carrying num_draft drafted tokens, reached this stage at arrived_ns: where the run was sent as a
         verification's answer (not following another), a cycle ended (that chunk's arrival to this one's)."""
-        if run is not None and not run.follows and run.after_ns and arrived_ns > run.after_ns:
+        if run is not None and 0 < run.after_ns < arrived_ns:
             self.cycles.add(num_draft, (arrived_ns - run.after_ns) / 1e9)
 
     @property
