@@ -36,7 +36,8 @@ from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import Autoscale
-from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
+from stratamesh.coordinator.registry_store import RegistryStore, is_postgres, open_registry, sqlite_path
+from stratamesh.fleet.errors import InvalidInput
 from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.serving.origin import ROUTE_WAIT_S, Origin
 from stratamesh.coordinator.serving.records import RequestLog
@@ -77,7 +78,7 @@ class ModelRequest:
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorOptions:
-    db: str = "stratamesh.db"          # the registry: an SQLite file or sqlite:/// URL (registry_store.open_registry)
+    db: str = "stratamesh.db"    # the registry: SQLite file or URL, or PostgreSQL URL (registry_store.open_registry)
     host: str = "127.0.0.1"
     grpc_port: int = 0
     http_port: int = 8000
@@ -186,6 +187,9 @@ def _mesh_tls(options: CoordinatorOptions) -> MeshCa | None:
         warn_insecure("coordinator")
         use_tls(None)
         return None
+    if not options.pki_dir and is_postgres(options.db):
+        raise InvalidInput("a coordinator on a PostgreSQL registry needs --pki-dir: every coordinator of the mesh "
+                           "signs with the same CA (docs/registry.md section 7)")
     ca = MeshCa.load_or_create(options.pki_dir or default_pki_dir(sqlite_path(options.db)), options.mesh,
                                time.time())
     use_tls(ca.coordinator_tls(time.time()))

@@ -1,10 +1,11 @@
 """What the coordinator needs of the store behind its registry (RegistryStore), and open_registry(), which opens
-the one store built in: SQLite in the coordinator's own process (coordinator/registry.py).
+one of the two stores built in: SQLite in the coordinator's own process (coordinator/registry.py, the default), or
+a PostgreSQL database that several coordinators share (coordinator/registry_postgres.py).
 
 The contract is split by what the data is. Plans, models, drains, credentials and events are durable: a restarted
 coordinator (or a standby taking over) must find them. Agents' heartbeats, telemetry and links are soft: they are
 rebuilt within seconds from what the agents report. docs/registry.md maps each part onto a replicated store
-(PostgreSQL or etcd) with a standby coordinator. The SQLite class offers a few methods no caller uses
+(PostgreSQL or etcd) with a standby coordinator. The SQL stores offer a few methods no caller uses
 (touch_agent, expire, capability_history, record_telemetry); they are not part of the contract.
 """
 
@@ -23,14 +24,18 @@ from stratamesh.fleet.boxes import Capabilities, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.sessions import Speculation
 
-__all__ = ["AgentStore", "EventLog", "PlanStore", "RegistryStore", "SqlTables", "TelemetryStore",
-           "UnsupportedStore", "open_registry", "sqlite_path"]
+__all__ = ["AgentStore", "EventLog", "PlanStore", "RegistryStore", "RegistryUnavailable", "SqlTables", "TelemetryStore",
+           "UnsupportedStore", "is_postgres", "open_registry", "sqlite_path"]
 
 DESIGN_NOTE = "docs/registry.md"
 
 
 class UnsupportedStore(MeshError):
-    """A registry location names a store this coordinator cannot open (only SQLite is built in)."""
+    """A registry location names a store this coordinator cannot open (SQLite and PostgreSQL are built in)."""
+
+
+class RegistryUnavailable(MeshError):
+    """The registry's server (PostgreSQL) cannot be reached or refused the connection."""
 
 
 @runtime_checkable
@@ -212,12 +217,19 @@ class RegistryStore(AgentStore, TelemetryStore, PlanStore, EventLog, SqlTables, 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SQLITE = "sqlite://"
+_POSTGRES = ("postgresql", "postgres")
+
+
+def is_postgres(location: str) -> bool:
+    """Whether a registry location is a PostgreSQL URL (postgresql:// or postgres://)."""
+    match = _SCHEME.match(location)
+    return match is not None and match.group(1).lower() in _POSTGRES
 
 
 def sqlite_path(location: str) -> str:
     """The SQLite database a registry location names: a file path, ":memory:", or an SQLite URL (sqlite:///x.db is
-    x.db, relative; sqlite:////var/x.db is /var/x.db; sqlite:// is in memory). UnsupportedStore for any other URL,
-    naming DESIGN_NOTE for PostgreSQL and etcd."""
+    x.db, relative; sqlite:////var/x.db is /var/x.db; sqlite:// is in memory). UnsupportedStore for any other URL
+    (a PostgreSQL one names no file), naming DESIGN_NOTE for etcd."""
     match = _SCHEME.match(location)
     if match is None:
         return location
@@ -230,13 +242,37 @@ def sqlite_path(location: str) -> str:
             return path[1:]
         raise UnsupportedStore(f"the registry URL {location!r} names no SQLite file: write sqlite:///RELATIVE/PATH, "
                                "sqlite:////ABSOLUTE/PATH or sqlite:// (in memory)")
-    if scheme in ("postgresql", "postgres", "etcd"):
-        raise UnsupportedStore(f"the registry {location!r} is on {scheme}, which this coordinator cannot open: only "
-                               f"SQLite is built in. {DESIGN_NOTE} says how a coordinator and its standby would run "
-                               "on PostgreSQL or etcd")
-    raise UnsupportedStore(f"cannot open a registry at {location!r}: give an SQLite file path or sqlite:///PATH")
+    if scheme in _POSTGRES:
+        raise UnsupportedStore("a registry on PostgreSQL is no SQLite file")
+    if scheme == "etcd":
+        raise UnsupportedStore(f"the registry {location!r} is on etcd, which this coordinator cannot open: SQLite "
+                               f"and PostgreSQL are built in. {DESIGN_NOTE} says how a coordinator and its standby "
+                               "would run on etcd")
+    raise UnsupportedStore(f"cannot open a registry at {location!r}: give an SQLite file path, sqlite:///PATH or "
+                           "postgresql://USER@HOST/DATABASE")
 
 
 def open_registry(location: str) -> RegistryStore:
-    """Opens the registry at location (see sqlite_path), migrating it to this code's schema; the caller closes it."""
-    return Registry(sqlite_path(location))
+    """Opens the registry at location (a PostgreSQL URL, or see sqlite_path), migrating it to this code's schema;
+    the caller closes it."""
+    if not is_postgres(location):
+        return Registry(sqlite_path(location))
+    try:
+        from stratamesh.coordinator.registry_postgres import PostgresRegistry
+    except ImportError as exc:       # psycopg is the postgres extra
+        raise UnsupportedStore(f"a registry on PostgreSQL needs psycopg 3: pip install 'stratamesh[postgres]' "
+                               f"({exc})") from None
+    import psycopg
+
+    try:
+        return PostgresRegistry(location)
+    except psycopg.OperationalError as exc:
+        raise RegistryUnavailable(f"cannot open the registry at {postgres_name(location)}: {exc}") from None
+
+
+def postgres_name(location: str) -> str:
+    """A PostgreSQL URL without its password or options, fit for an error or a log line: HOST:PORT/DATABASE."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = conninfo_to_dict(location)
+    return f"{parts.get('host', 'localhost')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"

@@ -104,9 +104,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
 def _add_coordinator(commands: argparse._SubParsersAction) -> None:
     """`stratamesh coordinator`: the daemon of the control plane, the origin and the HTTP API."""
     coordinator = commands.add_parser("coordinator", help="run the coordinator")
-    coordinator.add_argument("--db", default="stratamesh.db",
-                             help="the registry: an SQLite file path or sqlite:///PATH (docs/registry.md)")
-    coordinator.add_argument("--pki-dir", default="", help="the mesh's CA, made on first start (default: <db>.pki)")
+    coordinator.add_argument("--registry", "--db", dest="db", default="stratamesh.db", metavar="LOCATION",
+                             help="the registry: an SQLite file path, sqlite:///PATH, or postgresql://USER@HOST/DB "
+                                  "(shared by a mesh's coordinators: docs/registry.md)")
+    coordinator.add_argument("--pki-dir", default="",
+                             help="the mesh's CA, made on first start (default: <registry>.pki beside an SQLite "
+                                  "file; required with PostgreSQL, the same on every coordinator)")
     coordinator.add_argument("--enroll-port", type=int, default=0,
                              help="where agents present join tokens (0: any free port; advertised on zeroconf)")
     _add_insecure_argument(coordinator)

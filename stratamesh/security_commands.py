@@ -44,9 +44,12 @@ def add_token_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_token(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller, parse_duration
+    from stratamesh.coordinator.registry_store import is_postgres
 
     try:
         db = registry_file(args)
+        if not args.pki_dir and is_postgres(db):
+            raise NoRegistry("a registry on PostgreSQL keeps no CA beside it: give the coordinators' --pki-dir")
         enroller, registry = open_enroller(db, args.pki_dir or default_pki_dir(db), args.mesh, time.time)
     except NoRegistry as exc:
         print(f"stratamesh token: {exc}", file=sys.stderr)
@@ -169,8 +172,12 @@ class NoRegistry(MeshError):
 
 
 def registry_file(args: argparse.Namespace) -> str:
-    """The registry the command works on (--db, $STRATAMESH_DB, `up`'s); NoRegistry if it is missing and no
-    --create."""
+    """The registry the command works on (--db, $STRATAMESH_DB, `up`'s: a file, or a PostgreSQL URL taken as it
+    is); NoRegistry if the file is missing and no --create."""
+    from stratamesh.coordinator.registry_store import is_postgres
+
+    if is_postgres(args.db or os.environ.get(DB_ENV, "")):
+        return args.db or os.environ[DB_ENV]
     path = default_registry(args.db, os.environ)
     if args.create and not path.parent.exists():
         make_private_dir(path.parent)
@@ -182,8 +189,9 @@ def registry_file(args: argparse.Namespace) -> str:
 
 
 def _add_registry_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default="", metavar="PATH", help=f"the coordinator's registry file (default: "
-                        f"${DB_ENV}, else the one `stratamesh up` keeps in its state folder)")
+    parser.add_argument("--db", default="", metavar="LOCATION", help=f"the coordinator's registry: a file or a "
+                        f"postgresql:// URL (default: ${DB_ENV}, else the one `stratamesh up` keeps in its state "
+                        "folder)")
     parser.add_argument("--create", action="store_true",
                         help="make the registry if there is none at that path (for a coordinator not started yet)")
 
@@ -191,16 +199,16 @@ def _add_registry_arguments(parser: argparse.ArgumentParser) -> None:
 def _with_access(command: str, args: argparse.Namespace, act: Callable[[AccessStore], None],
                  say: Callable[[str], None]) -> int:
     from stratamesh.coordinator.access import AccessStore
-    from stratamesh.coordinator.registry import Registry
+    from stratamesh.coordinator.registry_store import open_registry
 
     try:
         db = registry_file(args)
-        registry = Registry(db)
+        registry = open_registry(db)
     except NoRegistry as exc:
         print(f"stratamesh {command}: {exc}", file=sys.stderr)
         return 1
     except MeshError as exc:
-        say(f"cannot open the registry {db}: {exc}")
+        say(f"cannot open the registry: {exc}")
         return 1
     try:
         act(AccessStore(registry))

@@ -15,6 +15,9 @@ from stratamesh.forked import FORK_SERVER_ENV
 from stratamesh.kernels.tiny_model import write_tiny_model
 from tests.patience import patience, patient
 
+# postgres_url and postgres_database: a real PostgreSQL server, started when a test first asks for it
+pytest_plugins = ["tests.postgres"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     # the paged-decode kernel's tests run in Triton's interpreter; it must be chosen before anything imports Triton

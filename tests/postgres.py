@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import socket
 import subprocess
@@ -81,3 +82,15 @@ def _serve(bin_dir: Path, folder: Path, data: Path, port: int, owner: str | None
     finally:
         subprocess.run(_as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], owner),
                        capture_output=True)
+
+
+@pytest.fixture
+def postgres_database(postgres_url: str) -> Iterator[str]:
+    """postgresql://... of a database of one test's own on the session's server, dropped after it."""
+    psycopg = pytest.importorskip("psycopg")
+    name = f"test_{secrets.token_hex(6)}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")

@@ -17,6 +17,7 @@ from stratamesh.coordinator.control.sessions import NoSessions, Sessions
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import DEFAULT_SERVING_CPU_PER_TOKEN_S, SitePins
 from stratamesh.coordinator.registry import Registry
+from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.coordinator.serving.origin import Origin
 from stratamesh.coordinator.serving.records import RequestLog
 from stratamesh.coordinator.serving.router import Router
@@ -174,10 +175,11 @@ def test_a_model_folder_without_a_usable_config_is_refused(tmp_path: Path) -> No
         deployer.plans.add_model("m", str(tmp_path), 1)
 
 
-def ready_pair(model_dir: Path, now: list[float],
-               sessions: Sessions = NoSessions()) -> tuple[Registry, Deployer, list[Agent]]:
-    """A 2-stage model served by a1 and a2, with a3 connected as a spare; the clock reads now[0]."""
-    registry = Registry(":memory:")
+def ready_pair(model_dir: Path, now: list[float], sessions: Sessions = NoSessions(),
+               registry: RegistryStore | None = None) -> tuple[RegistryStore, Deployer, list[Agent]]:
+    """A 2-stage model served by a1 and a2, with a3 connected as a spare; the clock reads now[0]; the registry is
+    an SQLite one in memory unless given."""
+    registry = registry if registry is not None else Registry(":memory:")
     deployer = Deployer(registry, clock=lambda: now[0], liveness=LivenessConfig(lease_s=2.0), sessions=sessions)
     agents = [Agent("a1", 8), Agent("a2", 8)]
     deployer.plans.add_model("m", str(model_dir), num_stages=2)

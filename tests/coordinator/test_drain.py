@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from stratamesh.coordinator.mesh_admin import MeshAdmin
@@ -80,17 +81,29 @@ def test_kv_moves_only_to_stages_that_replace_one_at_the_same_position() -> None
     assert replaced_hops(old, new[:2]) == []          # another stage count: other layer ranges, nothing moves
 
 
-async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_dir: Path) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the coordinators of a test keep their registry: an SQLite file, or a PostgreSQL database."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_database")
+    return str(tmp_path / "registry.db")
+
+
+async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_dir: Path,
+                                                                          registry_location: str) -> None:
     from stratamesh.coordinator.control.deployer import Deployer
     from stratamesh.coordinator.liveness import LivenessConfig
+    from stratamesh.coordinator.registry_store import open_registry
 
-    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0])
+    registry, deployer, (a1, a2, spare) = ready_pair(model_dir, [100.0], registry=open_registry(registry_location))
     first = Drainer(deployer, SessionTable(), registry)
     first.start("a2")
     await first.close()                          # it stops before the replacement loaded
-    assert [(d.agent_id, d.state, d.resumed) for d in registry.drains()] == [("a2", "moving_stages", 0)]
+    registry.close()
 
-    # The next coordinator, on the same registry; the agents connect again, the only spare last.
+    # The next coordinator, on the registry it opens anew; the agents connect again, the only spare last.
+    registry = open_registry(registry_location)
+    assert [(d.agent_id, d.state, d.resumed) for d in registry.drains()] == [("a2", "moving_stages", 0)]
     deployer = Deployer(registry, clock=lambda: 200.0, liveness=LivenessConfig(lease_s=2.0))
     drainer = Drainer(deployer, SessionTable(), registry)
     assert [d.agent_id for d in drainer.resume()] == ["a2"]
@@ -108,6 +121,7 @@ async def test_a_restarted_coordinator_takes_up_a_drain_it_left_half_done(model_
     assert (stored.state, stored.resumed, stored.finished_unix_s > 0) == ("drained", 1, True)
     assert [m["to"] for m in stored.stages] == ["a3"]
     await drainer.close()
+    registry.close()
 
 
 async def test_an_agent_whose_owner_asks_it_to_rest_moves_its_stages_stays_and_serves_again(model_dir: Path) -> None:

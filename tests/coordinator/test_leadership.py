@@ -10,7 +10,6 @@ import pytest
 from stratamesh.coordinator.leadership import Deposed, Lease
 from stratamesh.fleet.errors import InvalidInput
 from tests.patience import wait_until
-from tests.postgres import postgres_url  # noqa: F401  (the fixture)
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -21,7 +20,7 @@ def mesh() -> str:
 
 
 def test_one_coordinator_holds_the_lease_until_it_gives_it_up_and_each_takeover_is_a_new_epoch(
-        postgres_url: str, mesh: str) -> None:  # noqa: F811
+        postgres_url: str, mesh: str) -> None:
     a, b = Lease(postgres_url, mesh, "coord-a"), Lease(postgres_url, mesh, "coord-b")
     try:
         assert a.acquire() and a.epoch == 1
@@ -38,7 +37,7 @@ def test_one_coordinator_holds_the_lease_until_it_gives_it_up_and_each_takeover_
 
 
 def test_an_expired_lease_passes_to_a_standby_and_the_deposed_leaders_writes_are_refused(
-        postgres_url: str, mesh: str) -> None:  # noqa: F811
+        postgres_url: str, mesh: str) -> None:
     leader, standby = Lease(postgres_url, mesh, "coord-a", ttl_s=0.5), Lease(postgres_url, mesh, "coord-b")
     try:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
@@ -63,7 +62,7 @@ def test_an_expired_lease_passes_to_a_standby_and_the_deposed_leaders_writes_are
         standby.close()
 
 
-def test_a_lease_refuses_names_a_row_could_not_hold(postgres_url: str) -> None:  # noqa: F811
+def test_a_lease_refuses_names_a_row_could_not_hold(postgres_url: str) -> None:
     with pytest.raises(InvalidInput, match="holder"):
         Lease(postgres_url, "mesh", "a holder with spaces")
     with pytest.raises(InvalidInput, match="ttl_s"):
