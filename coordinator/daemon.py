@@ -36,8 +36,9 @@ from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import Autoscale
-from stratamesh.coordinator.registry_store import RegistryStore, is_postgres, open_registry, sqlite_path
+from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
 from stratamesh.fleet.errors import InvalidInput
+from stratamesh.fleet.state import is_postgres
 from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.serving.origin import ROUTE_WAIT_S, Origin
 from stratamesh.coordinator.serving.records import RequestLog

@@ -20,12 +20,13 @@ from stratamesh.coordinator.records import (AgentRecord, Autoscale, Rollout, Dra
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
 from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.state import is_postgres
 from stratamesh.fleet.boxes import Capabilities, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
 from stratamesh.fleet.sessions import Speculation
 
 __all__ = ["AgentStore", "EventLog", "PlanStore", "RegistryStore", "RegistryUnavailable", "SqlTables", "TelemetryStore",
-           "UnsupportedStore", "is_postgres", "open_registry", "sqlite_path"]
+           "UnsupportedStore", "open_registry", "sqlite_path"]
 
 DESIGN_NOTE = "docs/registry.md"
 
@@ -218,12 +219,6 @@ class RegistryStore(AgentStore, TelemetryStore, PlanStore, EventLog, SqlTables, 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SQLITE = "sqlite://"
 _POSTGRES = ("postgresql", "postgres")
-
-
-def is_postgres(location: str) -> bool:
-    """Whether a registry location is a PostgreSQL URL (postgresql:// or postgres://)."""
-    match = _SCHEME.match(location)
-    return match is not None and match.group(1).lower() in _POSTGRES
 
 
 def sqlite_path(location: str) -> str:

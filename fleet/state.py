@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["CACHE_ENV", "DB_ENV", "HOME_ENV", "UP_FOLDER", "UP_REGISTRY", "cache_home", "default_registry",
-           "make_private_database", "make_private_dir", "make_private_file", "state_home", "up_folder",
+           "is_postgres", "make_private_database", "make_private_dir", "make_private_file", "state_home", "up_folder",
            "write_private"]
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,11 @@ def cache_home(env: Mapping[str, str]) -> Path:
 def up_folder(env: Mapping[str, str]) -> Path:
     """Where `stratamesh up` keeps its mesh: registry, CA, agents' keys, bootstrap credentials and logs."""
     return state_home(env) / UP_FOLDER
+
+
+def is_postgres(location: str) -> bool:
+    """Whether a registry location is a PostgreSQL URL (postgresql:// or postgres://): a database, not a file."""
+    return location.lower().startswith(("postgresql://", "postgres://"))
 
 
 def default_registry(db: str, env: Mapping[str, str]) -> Path:

@@ -461,6 +461,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     control.add_argument("--churn-per-min", type=float, default=0.0,
                          help="times per minute each simulated agent drops its stream and comes back")
     control.add_argument("--mtls", action="store_true", help="a secure mesh: certificates issued in bulk")
+    control.add_argument("--registry", default="", metavar="POSTGRESQL_URL",
+                         help="also run each size on a database of its own on this PostgreSQL server (its user may "
+                              "create databases), against SQLite in the same run")
     control.add_argument("--capable", action="store_true",
                          help="simulated boxes with the RAM for a stage (but slow): the planner weighs their joins")
     control.add_argument("--log-dir", default="",
@@ -701,7 +704,7 @@ def _bench_control(args: argparse.Namespace) -> None:
     from stratamesh.sdk.local import builtin_model_dir
 
     control_main(str(builtin_model_dir()), [int(n) for n in args.agents.split(",")], args.processes, args.window,
-                 args.join_timeout, args.churn_per_min, args.mtls, args.log_dir, args.capable)
+                 args.join_timeout, args.churn_per_min, args.mtls, args.log_dir, args.capable, args.registry)
 
 
 def _bench_chaos(args: argparse.Namespace) -> None:

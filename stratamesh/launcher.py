@@ -29,7 +29,7 @@ from stratamesh.agent.cpus import cpu_shares, format_cpus
 from stratamesh.fleet.errors import MeshError
 from stratamesh.forked import ForkedProcess
 from stratamesh.testbed.netbed import Host
-from stratamesh.fleet.state import make_private_dir
+from stratamesh.fleet.state import is_postgres, make_private_dir
 from stratamesh.fleet.wire.channels import MeshTls, make_channel
 from stratamesh.supervisor import Supervisor
 from stratamesh.fleet.wire.enroll import enroll
@@ -171,6 +171,8 @@ class LocalMesh:
 
     def _spawn_coordinator(self, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
         args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
+        if is_postgres(self.registry_path()) and not self.insecure:
+            args += ["--pki-dir", self.pki_dir()]
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
         if self.coordinator_host is not None:
@@ -193,8 +195,16 @@ class LocalMesh:
             self.admin_login = (bootstrap["admin_user"], bootstrap["admin_password"])
 
     def registry_path(self) -> str:
-        """The coordinator's SQLite registry; its CA lies beside it."""
+        """The coordinator's registry: an SQLite file in its state folder unless db names another (a file, or a
+        PostgreSQL database)."""
         return self.db or str(Path(self._state(), "registry.db"))
+
+    def pki_dir(self) -> str:
+        """The mesh's CA: beside an SQLite registry, in the state folder with a PostgreSQL one."""
+        registry = self.registry_path()
+        if is_postgres(registry):
+            return str(Path(self._state(), "pki"))
+        return f"{registry}.pki"
 
     def agent_state_dir(self, index: int) -> str:
         """Where agent number index keeps its key and certificate."""
@@ -415,7 +425,7 @@ class LocalMesh:
         agents' keys, the bootstrap key and password): the logs stay for reading, the keys die with the mesh."""
         logs = Path(self.log_dir).resolve()
         secrets = [logs / "bootstrap.json", *(logs / agent_id for agent_id in self.agent_ids),
-                   Path(f"{self.registry_path()}.pki").resolve()]
+                   Path(self.pki_dir()).resolve()]
         for path in secrets:
             if path.is_relative_to(logs) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from stratamesh.drain_command import add_api_arguments, admin_call
 from stratamesh.fleet.errors import MeshError
-from stratamesh.fleet.state import DB_ENV, default_registry, make_private_dir
+from stratamesh.fleet.state import DB_ENV, default_registry, is_postgres, make_private_dir
 
 if TYPE_CHECKING:
     from stratamesh.coordinator.access import AccessStore
@@ -44,7 +44,6 @@ def add_token_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_token(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     from stratamesh.coordinator.enrollment import default_pki_dir, open_enroller, parse_duration
-    from stratamesh.coordinator.registry_store import is_postgres
 
     try:
         db = registry_file(args)
@@ -174,8 +173,6 @@ class NoRegistry(MeshError):
 def registry_file(args: argparse.Namespace) -> str:
     """The registry the command works on (--db, $STRATAMESH_DB, `up`'s: a file, or a PostgreSQL URL taken as it
     is); NoRegistry if the file is missing and no --create."""
-    from stratamesh.coordinator.registry_store import is_postgres
-
     if is_postgres(args.db or os.environ.get(DB_ENV, "")):
         return args.db or os.environ[DB_ENV]
     path = default_registry(args.db, os.environ)

@@ -16,6 +16,11 @@ interval the coordinator asks for and, with --churn-per-min, drop and come back.
   /admin/api/snapshot (what the UI's live stream sends first: the sites summed up, the agents that matter in full),
   with the snapshot's size, and how many of them failed;
 - what the load client itself cost (its processes' CPU), since it shares this machine with the coordinator.
+
+With --registry postgresql://..., each size runs twice in the one invocation: on SQLite (the default registry, the
+baseline) and on a database of its own made on that PostgreSQL server (dropped after), and the table ends with
+PostgreSQL's coordinator cores and commits against SQLite's. Where the server runs on this machine the database's
+own CPU (its backends serving the coordinator) is measured too.
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.metrics import percentile
 from stratamesh.bench.sim_agents import issue_certificates
+from stratamesh.fleet.state import is_postgres
 from stratamesh.launcher import LocalMesh
 
 log = logging.getLogger(__name__)
@@ -69,6 +78,9 @@ class ControlRow:
     snapshot_bytes: int         # the largest snapshot of the API_REQUESTS
     api_errors: int             # API requests that failed (each kind: API_REQUESTS)
     load_cores: float           # the simulated agents' processes, over the window
+    store: str = "sqlite"       # the registry's store: "sqlite" or "postgresql"
+    database_cores: float = math.nan    # PostgreSQL's backends serving the coordinator, over the window (nan: none,
+                                        # or a server on another machine)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -137,9 +149,42 @@ def timed(call) -> tuple[float, httpx.Response | None]:  # noqa: ANN001
     return (time.perf_counter() - started) * 1e3, response
 
 
+@contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A database of its own on the PostgreSQL server of server_url (whose user may create databases), dropped
+    after: the URL of it."""
+    import psycopg
+
+    name = f"stratamesh_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield urlunsplit(urlsplit(server_url)._replace(path=f"/{name}"))
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def database_cpu_s(url: str) -> float:
+    """CPU seconds so far of the PostgreSQL backends connected to url's database, where they run on this machine
+    (nan otherwise, or for an SQLite registry)."""
+    if not is_postgres(url):
+        return math.nan
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        pids = [row[0] for row in conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                                               "AND pid <> pg_backend_pid()")]
+    try:
+        return sum(process_cpu_s(pid) for pid in pids)
+    except (FileNotFoundError, ProcessLookupError):
+        return math.nan
+
+
 def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, join_timeout_s: float,
-             churn_per_min: float, mtls: bool, log_dir: str | None, capable: bool = False) -> ControlRow:
-    mesh = LocalMesh(model_dir, num_agents=1, insecure=not mtls, log_dir=log_dir, keep_logs=False)
+             churn_per_min: float, mtls: bool, log_dir: str | None, capable: bool = False,
+             registry: str | None = None) -> ControlRow:
+    mesh = LocalMesh(model_dir, num_agents=1, insecure=not mtls, log_dir=log_dir, keep_logs=False, db=registry)
     # the simulated agents' processes end with the run however it ends (a run that failed left thousands running)
     with mesh, tempfile.TemporaryDirectory() as tmp, ExitStack() as running:
         pid = mesh.coordinator.pid
@@ -149,7 +194,7 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
         plans_before = counter(mesh, "stratamesh:plans_computed_total")
         deaths_before = counter(mesh, "stratamesh:agents_declared_dead_total")
         if mtls:
-            pki_dir = f"{mesh.registry_path()}.pki"
+            pki_dir = mesh.pki_dir()
             started = time.monotonic()
             issue_certificates(pki_dir, mesh.mesh, range(num_agents), tmp)
             log.warning("issued %d certificates in %.1f s", num_agents, time.monotonic() - started)
@@ -170,10 +215,12 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
 
         # a quiet window: what the fleet alone costs the coordinator
         before = (time.monotonic(), process_cpu_s(pid), counter(mesh, "stratamesh:registry_commits_total"),
-                  sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
+                  sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads),
+                  database_cpu_s(mesh.registry_path()))
         time.sleep(window_s)
         after = (time.monotonic(), process_cpu_s(pid), counter(mesh, "stratamesh:registry_commits_total"),
-                 sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads))
+                 sum(p.latest()["heartbeats"] for p in loads), sum(p.latest()["cpu_s"] for p in loads),
+                 database_cpu_s(mesh.registry_path()))
         rss = process_rss_mib(pid)
         plans = int(counter(mesh, "stratamesh:plans_computed_total") - plans_before)
         deaths = int(counter(mesh, "stratamesh:agents_declared_dead_total") - deaths_before)
@@ -196,7 +243,8 @@ def run_size(model_dir: str, num_agents: int, processes: int, window_s: float, j
                       percentile(completion_ms, 50), percentile(completion_ms, 99), percentile(page_ms, 50),
                       percentile(page_ms, 99), percentile(snapshot_ms, 50), percentile(snapshot_ms, 99),
                       max((len(r.content) for _, r in snapshots if r is not None), default=0), errors,
-                      (after[4] - before[4]) / elapsed)
+                      (after[4] - before[4]) / elapsed, "postgresql" if registry else "sqlite",
+                      (after[5] - before[5]) / elapsed)
 
 
 def per_heartbeat_us(row: ControlRow) -> float:
@@ -209,28 +257,48 @@ def report(rows: list[ControlRow], mtls: bool, window_s: float, capable: bool) -
     boxes = "boxes that could each hold a stage" if capable else "boxes too small for any stage"
     print(f"\nsimulated agents ({boxes}) against one coordinator ({'mTLS' if mtls else 'insecure'}), one real "
           f"agent serving the demo model; steady window {window_s:.0f} s on this {os.cpu_count()}-core machine\n")
-    print("| agents | welcomed | join all s | join p50 s | coordinator cores | RSS MiB | registry commits/s | "
-          "plans computed | declared dead | heartbeats/s | CPU µs per heartbeat | completion p50/p99 ms | "
-          "agents page p50/p99 ms | UI snapshot p50/p99 ms | UI snapshot KiB | API errors | load client cores |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| agents | registry | welcomed | join all s | join p50 s | coordinator cores | database cores | RSS MiB | "
+          "registry commits/s | plans computed | declared dead | heartbeats/s | CPU µs per heartbeat | "
+          "completion p50/p99 ms | agents page p50/p99 ms | UI snapshot p50/p99 ms | UI snapshot KiB | API errors | "
+          "load client cores |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.num_agents:,} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
-              f"{r.coordinator_cores:.2f} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | {r.plans_computed} | "
+        database = "-" if math.isnan(r.database_cores) else f"{r.database_cores:.2f}"
+        print(f"| {r.num_agents:,} | {r.store} | {r.welcomed:,} | {r.join_s:.1f} | {r.join_p50_s:.2f} | "
+              f"{r.coordinator_cores:.2f} | {database} | {r.coordinator_rss_mib:.0f} | {r.commits_per_s:.0f} | "
+              f"{r.plans_computed} | "
               f"{r.declared_dead:,} | "
               f"{r.heartbeats_per_s:.0f} | {per_heartbeat_us(r):.0f} | {r.completion_p50_ms:.0f} / {r.completion_p99_ms:.0f} | "
               f"{r.page_api_p50_ms:.0f} / {r.page_api_p99_ms:.0f} | "
               f"{r.snapshot_api_p50_ms:.0f} / {r.snapshot_api_p99_ms:.0f} | {r.snapshot_bytes / 1024:.1f} | {r.api_errors} | "
               f"{r.load_cores:.2f} |")
+    against = {r.num_agents: r for r in rows if r.store == "sqlite"}
+    for r in rows:
+        if r.store != "sqlite" and r.num_agents in against:
+            base = against[r.num_agents]
+            print(f"\n{r.num_agents:,} agents, {r.store} against sqlite: coordinator cores "
+                  f"{_ratio(r.coordinator_cores, base.coordinator_cores)}, registry commits/s "
+                  f"{_ratio(r.commits_per_s, base.commits_per_s)}, completion p50 "
+                  f"{_ratio(r.completion_p50_ms, base.completion_p50_ms)}, join all "
+                  f"{_ratio(r.join_s, base.join_s)}")
+
+
+def _ratio(value: float, baseline: float) -> str:
+    return f"{value / baseline:.2f}x" if baseline and math.isfinite(value) and math.isfinite(baseline) else "-"
 
 
 def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s: float = 20.0,
                  join_timeout_s: float = 60.0, churn_per_min: float = 0.0, mtls: bool = False,
-                 log_dir: str = "", capable: bool = False) -> list[ControlRow]:
+                 log_dir: str = "", capable: bool = False, registry: str = "") -> list[ControlRow]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     rows = []
     for size in sizes:
-        rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
-                             f"{log_dir}/{size}-agents" if log_dir else None, capable))   # a mesh of its own
-        log.warning("%d simulated agents: done", size)
+        for store in ("sqlite", "postgresql") if registry else ("sqlite",):
+            logs = f"{log_dir}/{size}-agents-{store}" if log_dir else None
+            with ExitStack() as database:        # a mesh of its own, on a registry of its own
+                url = database.enter_context(scratch_database(registry)) if store == "postgresql" else None
+                rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
+                                     logs, capable, url))
+            log.warning("%d simulated agents on %s: done", size, store)
     report(rows, mtls, window_s, capable)
     return rows
