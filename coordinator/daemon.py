@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -36,6 +38,8 @@ from stratamesh.coordinator.linkprobe import OriginLinkProber
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.placement import SitePins
 from stratamesh.coordinator.records import Autoscale
+from stratamesh.coordinator import leadership
+from stratamesh.coordinator.leadership import LEASE_TTL_S, Deposed, open_lease
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry, sqlite_path
 from stratamesh.fleet.errors import InvalidInput
 from stratamesh.fleet.state import is_postgres
@@ -103,6 +107,8 @@ class CoordinatorOptions:
     route_wait_s: float = ROUTE_WAIT_S   # how long a request waits for its model to load or recover (--route-wait)
     tool_call_parser: str | None = None  # how models write tool calls (--tool-call-parser); None: their templates'
     speculation: Speculation | None = None   # speculative decoding of generations (--speculative-config)
+    name: str = ""                       # this coordinator's name in its mesh's lease (PostgreSQL); default_name
+    lease_ttl_s: float = LEASE_TTL_S     # a leader that does not renew its lease for this long is taken over
 
 
 # How often agents' leases are checked: the delay it adds to declaring a hung agent dead.
@@ -259,8 +265,37 @@ async def _advertise(options: CoordinatorOptions, host: str, grpc_port: int, htt
 
 
 async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> None:
-    """Runs the coordinator until stop is set."""
-    registry = open_registry(options.db)
+    """Runs the coordinator until stop is set. On a PostgreSQL registry it leads only while it holds the mesh's
+    lease: until it takes it, a standby that binds nothing; Deposed once it lost it (docs/registry.md)."""
+    if not is_postgres(options.db):
+        await _lead(options, stop, open_registry(options.db))
+        return
+    lease = open_lease(options.db, options.mesh, options.name or default_name(options), options.lease_ttl_s)
+    try:
+        if not await leadership.take(lease, stop):
+            return
+        log.info("coordinator %s leads mesh %s (epoch %d)", lease.holder, lease.mesh, lease.epoch)
+        lost: list[str] = []
+        keeper = asyncio.create_task(leadership.keep(lease, lambda why: (lost.append(why), stop.set())))
+        try:
+            await _lead(options, stop, open_registry(options.db, fence=lease.fence))
+        finally:
+            keeper.cancel()
+        if lost:
+            raise Deposed(lost[0])
+        await asyncio.to_thread(lease.release)     # a clean stop: a standby takes over at once
+    finally:
+        lease.close()
+
+
+def default_name(options: CoordinatorOptions) -> str:
+    """This coordinator's name in its mesh's lease when not given one: its host's, and its HTTP port."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100]
+    return f"{host}:{options.http_port}" if options.http_port else f"{host}-{os.getpid()}"
+
+
+async def _lead(options: CoordinatorOptions, stop: asyncio.Event, registry: RegistryStore) -> None:
+    """Runs the coordinator on its registry until stop is set."""
     for model in options.models:  # a bad model folder fails here, before anything listens
         check_model(model.path, model.num_stages)
     ca = _mesh_tls(options)
@@ -321,6 +356,7 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
         await asyncio.gather(http_task, return_exceptions=True)
         await sessions.close()
         await server.stop(grace=1.0)
+        await control.streams_ended(timeout_s=5.0)   # each records its agent's disconnection in the registry
         if enrollment is not None:
             await enrollment.server.stop(grace=None)
         spans.close()

@@ -10,14 +10,22 @@ This module needs psycopg 3 (the `postgres` extra)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from stratamesh.fleet.errors import InvalidInput, MeshError
 
 LEASE_TTL_S = 10.0          # a lease not renewed for this long passes to whoever takes it
-RENEW_EVERY_S = 2.0         # how often a leader renews its lease
+RENEW_SHARE = 0.2           # a leader renews its lease every this share of its time (2 s of 10)
+GIVE_UP_SHARE = 0.7         # ... and stops leading once it could not renew it for this share (7 s of 10), before
+                            # a standby can take it over: a leader cut off from the database stops by itself
+log = logging.getLogger(__name__)
+
 _NAME = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS coordinator_lease (
@@ -53,8 +61,23 @@ class Lease:
 
         self.mesh, self.holder, self.ttl_s = mesh, holder, ttl_s
         self.epoch: int | None = None       # the epoch it holds the lease in; None: it does not hold it
-        self._conn = psycopg.connect(conninfo, autocommit=True)
+        self._conninfo = conninfo
+        self._conn = psycopg.connect(conninfo, autocommit=True, application_name="stratamesh-lease")
         self._conn.execute(_SCHEMA)
+
+    def _execute(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """One statement on the lease's own connection, connecting again first if the last one broke (the database
+        restarted, or failed over to its standby)."""
+        if self._conn.closed:
+            import psycopg
+
+            self._conn = psycopg.connect(self._conninfo, autocommit=True, application_name="stratamesh-lease")
+        try:
+            return self._conn.execute(sql, params)
+        except Exception:
+            if self._conn.broken:
+                self._conn.close()
+            raise
 
     def acquire(self) -> bool:
         """Takes the lease if it is free (never held, or expired), in a new epoch; whether this coordinator holds it
@@ -62,12 +85,12 @@ class Lease:
         if self.epoch is not None and self.renew():
             return True
         ttl = f"{self.ttl_s} seconds"
-        row = self._conn.execute(
+        row = self._execute(
             "INSERT INTO coordinator_lease (mesh, holder, epoch, expires) "
             "VALUES (%s, %s, 1, clock_timestamp() + %s::interval) ON CONFLICT (mesh) DO NOTHING RETURNING epoch",
             (self.mesh, self.holder, ttl)).fetchone()
         if row is None:
-            row = self._conn.execute(
+            row = self._execute(
                 "UPDATE coordinator_lease SET holder = %s, epoch = epoch + 1, expires = clock_timestamp() + "
                 "%s::interval WHERE mesh = %s AND expires < clock_timestamp() RETURNING epoch",
                 (self.holder, ttl, self.mesh)).fetchone()
@@ -78,7 +101,7 @@ class Lease:
         """Extends the lease this coordinator holds; False (and it holds none) if it was taken over meanwhile."""
         if self.epoch is None:
             return False
-        renewed = self._conn.execute(
+        renewed = self._execute(
             "UPDATE coordinator_lease SET expires = clock_timestamp() + %s::interval "
             "WHERE mesh = %s AND holder = %s AND epoch = %s", (f"{self.ttl_s} seconds", self.mesh, self.holder,
                                                               self.epoch)).rowcount
@@ -100,16 +123,71 @@ class Lease:
     def release(self) -> None:
         """Gives the lease up at once (a clean shutdown: a standby takes over without waiting for it to expire)."""
         if self.epoch is not None:
-            self._conn.execute("UPDATE coordinator_lease SET expires = clock_timestamp() WHERE mesh = %s AND "
+            self._execute("UPDATE coordinator_lease SET expires = clock_timestamp() WHERE mesh = %s AND "
                                "holder = %s AND epoch = %s", (self.mesh, self.holder, self.epoch))
             self.epoch = None
 
     def state(self) -> LeaseState | None:
         """The lease as it stands (None: never held)."""
-        row = self._conn.execute(
+        row = self._execute(
             "SELECT holder, epoch, extract(epoch FROM expires - clock_timestamp()) FROM coordinator_lease "
             "WHERE mesh = %s", (self.mesh,)).fetchone()
         return None if row is None else LeaseState(row[0], row[1], float(row[2]))
 
     def close(self) -> None:
         self._conn.close()
+
+
+def open_lease(conninfo: str, mesh: str, holder: str, ttl_s: float = LEASE_TTL_S) -> Lease:
+    """A coordinator's view of its mesh's lease on the registry's PostgreSQL (RegistryUnavailable if it does not
+    answer, naming it without its password)."""
+    import psycopg
+
+    from stratamesh.coordinator.registry_store import RegistryUnavailable, postgres_name
+
+    try:
+        return Lease(conninfo, mesh, holder, ttl_s)
+    except psycopg.OperationalError as exc:
+        raise RegistryUnavailable(f"cannot reach the lease at {postgres_name(conninfo)}: {exc}") from None
+
+
+async def take(lease: Lease, stop: asyncio.Event) -> bool:
+    """Waits until this coordinator holds the lease (True), trying every RENEW_SHARE of its time, or until stop is
+    set (False). A database that does not answer is tried again."""
+    said = False
+    while not stop.is_set():
+        try:
+            if await asyncio.to_thread(lease.acquire):
+                return True
+            if not said:
+                state = await asyncio.to_thread(lease.state)
+                log.info("standing by for mesh %s: %s leads (epoch %d)", lease.mesh, state.holder if state else "-",
+                         state.epoch if state else 0)
+                said = True
+        except Exception as exc:  # (psycopg's errors: the database is down or failing over)
+            log.warning("cannot reach the lease of mesh %s: %s", lease.mesh, exc)
+        try:
+            await asyncio.wait_for(stop.wait(), lease.ttl_s * RENEW_SHARE)
+        except TimeoutError:
+            pass
+    return False
+
+
+async def keep(lease: Lease, on_lost: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+    """Renews the lease this coordinator holds every RENEW_SHARE of its time until cancelled; calls on_lost(why)
+    and returns once another took it over, or it could not be renewed for GIVE_UP_SHARE of its time."""
+    renewed_at = clock()
+    while True:
+        await asyncio.sleep(lease.ttl_s * RENEW_SHARE)
+        try:
+            if not await asyncio.to_thread(lease.renew):
+                on_lost(f"coordinator {lease.holder} lost the lease of mesh {lease.mesh}: another took it over")
+                return
+            renewed_at = clock()
+        except Exception as exc:  # (psycopg's errors)
+            log.warning("could not renew the lease of mesh %s: %s", lease.mesh, exc)
+            if clock() - renewed_at >= lease.ttl_s * GIVE_UP_SHARE:
+                lease.epoch = None      # it may have expired by now: this coordinator writes nothing more
+                on_lost(f"coordinator {lease.holder} could not renew the lease of mesh {lease.mesh} for "
+                        f"{clock() - renewed_at:.1f} s: it stops leading before another may take it over")
+                return

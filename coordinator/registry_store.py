@@ -12,14 +12,14 @@ rebuilt within seconds from what the agents report. docs/registry.md maps each p
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from stratamesh.coordinator.records import (AgentRecord, Autoscale, Rollout, DrainStatus, EventRecord, ModelRecord,
                                             PlanRecord, StageRecord)
 from stratamesh.coordinator.registry import Registry
-from stratamesh.fleet.errors import MeshError
+from stratamesh.fleet.errors import InvalidInput, MeshError
 from stratamesh.fleet.state import is_postgres
 from stratamesh.fleet.boxes import Capabilities, Telemetry
 from stratamesh.fleet.control_messages import LinkMeasurement
@@ -247,10 +247,12 @@ def sqlite_path(location: str) -> str:
                            "postgresql://USER@HOST/DATABASE")
 
 
-def open_registry(location: str) -> RegistryStore:
+def open_registry(location: str, fence: Callable[[Any], None] | None = None) -> RegistryStore:
     """Opens the registry at location (a PostgreSQL URL, or see sqlite_path), migrating it to this code's schema;
-    the caller closes it."""
+    the caller closes it. fence (a leader's leadership.Lease.fence) starts every write transaction on PostgreSQL."""
     if not is_postgres(location):
+        if fence is not None:
+            raise InvalidInput("only a registry on PostgreSQL is shared by coordinators and fenced by a lease")
         return Registry(sqlite_path(location))
     try:
         from stratamesh.coordinator.registry_postgres import PostgresRegistry
@@ -260,7 +262,7 @@ def open_registry(location: str) -> RegistryStore:
     import psycopg
 
     try:
-        return PostgresRegistry(location)
+        return PostgresRegistry(location, fence=fence)
     except psycopg.OperationalError as exc:
         raise RegistryUnavailable(f"cannot open the registry at {postgres_name(location)}: {exc}") from None
 

@@ -110,6 +110,12 @@ def _add_coordinator(commands: argparse._SubParsersAction) -> None:
     coordinator.add_argument("--pki-dir", default="",
                              help="the mesh's CA, made on first start (default: <registry>.pki beside an SQLite "
                                   "file; required with PostgreSQL, the same on every coordinator)")
+    coordinator.add_argument("--name", default="",
+                             help="this coordinator's name among its mesh's on a PostgreSQL registry (default: "
+                                  "HOSTNAME:HTTP_PORT)")
+    coordinator.add_argument("--lease-ttl", type=_seconds, default=10.0, metavar="S",
+                             help="on PostgreSQL the coordinators share a lease: a standby takes over a leader that "
+                                  "did not renew it for S seconds; the leader stops by itself before (default 10)")
     coordinator.add_argument("--enroll-port", type=int, default=0,
                              help="where agents present join tokens (0: any free port; advertised on zeroconf)")
     _add_insecure_argument(coordinator)
@@ -521,7 +527,8 @@ def _coordinator(args: argparse.Namespace) -> None:
         disaggregation=Disaggregation(args.prefill_replicas, args.disagg_min_prompt, args.disagg_max_queue),
         limits=Limits(max_requests=args.max_requests, max_requests_per_caller=args.max_requests_per_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens),
-        tool_call_parser=args.tool_call_parser, speculation=args.speculative_config)
+        tool_call_parser=args.tool_call_parser, speculation=args.speculative_config, name=args.name,
+        lease_ttl_s=args.lease_ttl)
     set_process_fields(component="coordinator", mesh=args.mesh)
     _run_daemon(lambda stop: run_coordinator(options, stop))
 

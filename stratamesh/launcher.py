@@ -90,6 +90,7 @@ class LocalMesh:
     mesh: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
     db: str | None = None
     http_port: int = 0
+    grpc_port: int = 0                  # the coordinator's (0: any free port)
     log_dir: str | None = None          # None: a folder of its own under /tmp (see keep_logs)
     state_dir: str | None = None        # registry, CA, agents' keys and bootstrap credentials, kept after stop();
                                         # None: the log folder, and stop() deletes the credentials there
@@ -113,6 +114,7 @@ class LocalMesh:
     coordinator_host: Host | None = None
     agent_hosts: dict[int, Host] = field(default_factory=dict)
     coordinator: subprocess.Popen | None = None
+    standbys: list[Process] = field(default_factory=list)    # other coordinators of the mesh (start_standby)
     agents: list[Process] = field(default_factory=list)
     agent_addresses: list[str] = field(default_factory=list)
     agent_metrics: list[str] = field(default_factory=list)   # host:port of each agent's /metrics
@@ -138,7 +140,7 @@ class LocalMesh:
         # them seconds of CPU, which the coordinator's own start (~1 s) overlaps. They read the join token from the
         # coordinator's bootstrap file when they enroll, once they found it: it wrote the file before advertising.
         early = self._agents_find_coordinator()
-        self._spawn_coordinator(True, ["--http-port", str(self.http_port)])
+        self._spawn_coordinator(True, ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)])
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)] if early else []
         self._coordinator_started(timeout_s)
         if not early:
@@ -151,7 +153,8 @@ class LocalMesh:
 
     def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
         """Starts the coordinator; deploy=False relies on the registry to remember the model."""
-        self._start_coordinator(timeout_s, deploy, ["--http-port", str(self.http_port)])
+        self._start_coordinator(timeout_s, deploy, ["--http-port", str(self.http_port),
+                                                    "--grpc-port", str(self.grpc_port)])
 
     def restart_coordinator(self, timeout_s: float = 60.0) -> None:
         """Starts the coordinator again where it was (its HTTP, gRPC and enrollment ports), from its registry alone:
@@ -160,6 +163,22 @@ class LocalMesh:
         if not self.insecure:
             ports += ["--enroll-port", self.enroll_address.rsplit(":", 1)[1]]
         self._start_coordinator(timeout_s, False, ports, bootstrap=False)
+
+    def start_standby(self, http_port: int, grpc_port: int) -> Process:
+        """Starts another coordinator of this mesh on its PostgreSQL registry (the model and everything else from
+        there): a standby that binds nothing until it takes the mesh's lease over (take_over waits for that)."""
+        args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), "--http-port", str(http_port),
+                "--grpc-port", str(grpc_port), *(["--insecure"] if self.insecure else ["--pki-dir", self.pki_dir()])]
+        standby = self._spawn(f"coordinator-{http_port}", [*args, *patient_coordinator_args(), *self.coordinator_args])
+        self.standbys.append(standby)
+        return standby
+
+    def take_over(self, standby: Process, timeout_s: float) -> None:
+        """Waits until standby leads (it prints its addresses once it took the lease and bound its ports); this mesh
+        talks to it as its coordinator from then on."""
+        self.url, self.grpc_address, self.enroll_address = self._await_line(standby, _COORDINATOR_LINE, timeout_s)
+        self.standbys.remove(standby)
+        self.coordinator = standby
 
     def _start_coordinator(self, timeout_s: float, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
         self._spawn_coordinator(deploy, ports, bootstrap)
@@ -410,8 +429,9 @@ class LocalMesh:
         for process in self.agents:
             _signal(process, signal.SIGTERM)
         self.stop_coordinator()
-        for process in self.agents:
+        for process in [*self.standbys, *self.agents]:
             _terminate(process)
+        self.standbys.clear()
         self.agents.clear()
         self.agent_addresses.clear()
         self.agent_metrics.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -43,6 +44,16 @@ class ControlService(pb_grpc.ControlServicer):
         self._nats: dict[str, str] = {}     # agent id -> the address it is behind NAT at, as its welcome says
         self.metrics_addresses: dict[str, str] = {}   # agent id -> its /metrics host:port, last known
         self.rtc = RtcRelay(self._signal, COORDINATOR_NAME)
+        self._num_streams = 0               # agents' streams whose handler has not ended
+        self._no_streams = asyncio.Event()  # set while there are none
+
+    async def streams_ended(self, timeout_s: float) -> None:
+        """Waits (up to timeout_s) until every agent's stream handler has ended, each having recorded its agent's
+        disconnection: what a stopping coordinator awaits after its server cancelled them, before it closes the
+        registry they write to."""
+        if self._num_streams:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._no_streams.wait(), timeout_s)
 
     def _pace(self) -> None:
         """Stretches (or, as the fleet shrinks, shortens) the heartbeat interval for the agents connected now, and
@@ -108,17 +119,24 @@ class ControlService(pb_grpc.ControlServicer):
         self.metrics_addresses[registration.agent_id] = registration.metrics_address
         reader = asyncio.create_task(self._read(registration.agent_id, request_iterator))
         closer = asyncio.create_task(cut_off.wait())
+        self._num_streams += 1
+        self._no_streams.clear()
         try:
             await asyncio.wait((reader, closer), return_when=asyncio.FIRST_COMPLETED)
         finally:
             reader.cancel()
             closer.cancel()
-            self._deployer.agent_disconnected(link)
-            if self._outboxes.get(registration.agent_id) == outbox.put_nowait:
-                del self._outboxes[registration.agent_id]
-                del self._nats[registration.agent_id]
-                self._pace()
-            writer.cancel()
+            try:
+                self._deployer.agent_disconnected(link)
+            finally:
+                if self._outboxes.get(registration.agent_id) == outbox.put_nowait:
+                    del self._outboxes[registration.agent_id]
+                    del self._nats[registration.agent_id]
+                    self._pace()
+                writer.cancel()
+                self._num_streams -= 1
+                if not self._num_streams:
+                    self._no_streams.set()
 
     async def GetWeightManifest(self, request: pb.WeightManifestRequest,
                                 context: grpc.aio.ServicerContext) -> pb.WeightManifest:

@@ -1,0 +1,102 @@
+"""Several coordinators of one mesh on one PostgreSQL registry (docs/registry.md): one leads while it holds the
+mesh's lease, a standby binds nothing until it takes a dead leader's lease over, and the mesh serves on from it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stratamesh.bench.chaos import StreamJob, make_jobs, run_streams
+from stratamesh.bench.datasets import regular_token_ids
+from stratamesh.bench.margins import decisive, whole_model
+from stratamesh.kernels.models.decoder import greedy_tokens
+from stratamesh.launcher import LocalMesh
+from tests.patience import patient, wait_until
+
+pytestmark = pytest.mark.slow
+psycopg = pytest.importorskip("psycopg")
+
+LEASE_TTL_S = 3.0
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _lease(url: str, mesh: str) -> tuple[str, int]:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT holder, epoch FROM coordinator_lease WHERE mesh = %s", (mesh,)).fetchone()
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_standby_takes_a_killed_leaders_lease_over_and_the_mesh_serves_on_from_it(
+        tiny_models: dict[str, Path], tmp_path: Path, postgres_database: str) -> None:
+    model_dir, other_dir = tiny_models["llama"], tiny_models["qwen2"]
+    jobs = decisive(make_jobs(4, regular_token_ids(model_dir), prompt_len=16, max_tokens=12, seed=11), model_dir)
+    http_a, grpc_a, http_b, grpc_b = _free_ports(4)
+    with LocalMesh(str(model_dir), num_agents=2, num_stages=2, db=postgres_database, http_port=http_a,
+                   grpc_port=grpc_a, use_zeroconf=False, log_dir=str(tmp_path / "logs"),
+                   coordinator_args=["--lease-ttl", str(LEASE_TTL_S)],
+                   agent_args=["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}"]) as mesh:
+        standby = mesh.start_standby(http_b, grpc_b)
+        before = asyncio.run(run_streams(mesh.url, "tiny-llama", jobs, headers=mesh.headers))
+        plan = _plan_ids(mesh)
+        assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_a}", 1)
+        assert not _listens(http_b) and not _listens(grpc_b), "a standby binds nothing"
+
+        mesh.kill_coordinator()             # kill -9: no release, the lease runs out
+        mesh.take_over(standby, patient(60))
+        mesh.wait_ready(patient(60))
+        mesh.wait_connected(2, patient(60))     # the agents moved to the next address they were given
+        after = asyncio.run(run_streams(mesh.url, "tiny-llama", jobs, headers=mesh.headers))
+        assert [o.tokens for o in after] == [o.tokens for o in before] and all(not o.error for o in after)
+        assert _plan_ids(mesh) == plan, "the same boxes: the plan is kept, its stages re-adopted as they are"
+        assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_b}", 2)
+
+        # a model deployed on the new leader loads and serves
+        deployed = httpx.post(f"{mesh.url}/admin/api/models", headers=mesh.headers,
+                              json={"path": str(other_dir), "num_stages": 1})
+        assert deployed.status_code == 202, deployed.text
+        wait_until(lambda: httpx.get(f"{mesh.url}/health").json()["models"].get("tiny-qwen2") == "ready",
+                   timeout_s=60)
+        prompt = jobs[0].prompt_ids
+        (answer,) = asyncio.run(run_streams(mesh.url, "tiny-qwen2", [StreamJob(prompt, 8)], headers=mesh.headers))
+        assert answer.tokens == greedy_tokens(whole_model(other_dir), list(prompt), 8)
+
+
+def _plan_ids(mesh: LocalMesh) -> dict[str, str]:
+    plans = httpx.get(f"{mesh.url}/admin/api/plans", headers=mesh.headers).json()["plans"]
+    return {p["model_id"]: p["plan_id"] for p in plans if p.get("state", "active") == "active"}
+
+
+def test_a_leader_whose_lease_was_taken_over_stops_and_says_why(postgres_database: str) -> None:
+    leader = subprocess.Popen([sys.executable, "-m", "stratamesh.cli", "coordinator", "--registry", postgres_database,
+                               "--insecure", "--mesh", "m", "--name", "coord-a", "--lease-ttl", "2",
+                               "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = iter(leader.stdout)
+        assert any(line.startswith("stratamesh coordinator: http=") for line in lines), "it never led"
+        with psycopg.connect(postgres_database, autocommit=True) as conn:     # another took the lease over
+            conn.execute("UPDATE coordinator_lease SET holder = 'coord-b', epoch = epoch + 1 WHERE mesh = 'm'")
+        assert leader.wait(timeout=patient(30)) == 1
+        assert any("coord-a lost the lease of mesh m: another took it over" in line for line in lines)
+    finally:
+        leader.kill()
+        leader.wait()
