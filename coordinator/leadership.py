@@ -32,11 +32,31 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS coordinator_lease (
     mesh text PRIMARY KEY,
     holder text NOT NULL,
     epoch bigint NOT NULL,
-    expires timestamptz NOT NULL)"""
+    expires timestamptz NOT NULL);
+CREATE TABLE IF NOT EXISTS coordinators (
+    mesh text NOT NULL,
+    name text NOT NULL,
+    http_url text NOT NULL,
+    grpc_address text NOT NULL,
+    seen timestamptz NOT NULL,
+    PRIMARY KEY (mesh, name))"""
+MEMBER_FOR_TTLS = 3         # a coordinator not heard from for this many lease times is no longer listed
 
 
 class Deposed(MeshError):
     """This coordinator no longer holds the lease: another took it over. It must stop writing, and exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A coordinator of the mesh, as it last announced itself: where its APIs listen, whether it leads, and how long
+    ago it was last heard of."""
+
+    name: str
+    http_url: str
+    grpc_address: str
+    leads: bool
+    seen_s_ago: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +81,7 @@ class Lease:
 
         self.mesh, self.holder, self.ttl_s = mesh, holder, ttl_s
         self.epoch: int | None = None       # the epoch it holds the lease in; None: it does not hold it
+        self.addresses: tuple[str, str] | None = None   # its (HTTP URL, gRPC address): take and keep announce them
         self._conninfo = conninfo
         self._conn = psycopg.connect(conninfo, autocommit=True, application_name="stratamesh-lease")
         self._conn.execute(_SCHEMA)
@@ -134,6 +155,23 @@ class Lease:
             "WHERE mesh = %s", (self.mesh,)).fetchone()
         return None if row is None else LeaseState(row[0], row[1], float(row[2]))
 
+    def announce(self, http_url: str, grpc_address: str) -> None:
+        """Says where this coordinator's APIs listen (what members() lists, and where a follower forwards writes)."""
+        self._execute("INSERT INTO coordinators (mesh, name, http_url, grpc_address, seen) VALUES "
+                      "(%s, %s, %s, %s, clock_timestamp()) ON CONFLICT (mesh, name) DO UPDATE SET http_url = "
+                      "excluded.http_url, grpc_address = excluded.grpc_address, seen = excluded.seen",
+                      (self.mesh, self.holder, http_url, grpc_address))
+
+    def members(self) -> list[Member]:
+        """The mesh's coordinators heard of within MEMBER_FOR_TTLS lease times, the leader first, then by name."""
+        rows = self._execute(
+            "SELECT c.name, c.http_url, c.grpc_address, l.holder IS NOT NULL, "
+            "extract(epoch FROM clock_timestamp() - c.seen) FROM coordinators c LEFT JOIN coordinator_lease l ON "
+            "l.mesh = c.mesh AND l.holder = c.name AND l.expires > clock_timestamp() WHERE c.mesh = %s AND "
+            "c.seen > clock_timestamp() - %s::interval ORDER BY 4 DESC, c.name",
+            (self.mesh, f"{self.ttl_s * MEMBER_FOR_TTLS} seconds")).fetchall()
+        return [Member(name, http_url, grpc, leads, float(ago)) for name, http_url, grpc, leads, ago in rows]
+
     def close(self) -> None:
         self._conn.close()
 
@@ -157,6 +195,8 @@ async def take(lease: Lease, stop: asyncio.Event) -> bool:
     said = False
     while not stop.is_set():
         try:
+            if lease.addresses is not None:
+                await asyncio.to_thread(lease.announce, *lease.addresses)
             if await asyncio.to_thread(lease.acquire):
                 return True
             if not said:
@@ -180,6 +220,8 @@ async def keep(lease: Lease, on_lost: Callable[[str], None], clock: Callable[[],
     while True:
         await asyncio.sleep(lease.ttl_s * RENEW_SHARE)
         try:
+            if lease.addresses is not None:
+                await asyncio.to_thread(lease.announce, *lease.addresses)
             if not await asyncio.to_thread(lease.renew):
                 on_lost(f"coordinator {lease.holder} lost the lease of mesh {lease.mesh}: another took it over")
                 return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -54,8 +54,12 @@ class MeshAdmin:
                  drainer: Drainer | None = None, deployer: Deployer | None = None, live: LiveStats | None = None,
                  clock: Callable[[], float] = time.time, revoker: Revoker | None = None,
                  disaggregation: Disaggregation = Disaggregation(), autoscaler: Autoscaler | None = None,
-                 rollouts: Rollouts | None = None):
+                 rollouts: Rollouts | None = None,
+                 coordinators: Callable[[], Awaitable[dict[str, Any]]] | None = None):
+        """Without a deployer (a standby coordinator's view) it answers only what the registry and its own request
+        log hold; coordinators: the mesh's coordinators and their lease, as /admin/api/coordinators shows them."""
         self._registry = registry
+        self._coordinators = coordinators
         self._requests = requests
         self._disaggregation = disaggregation
         self._metrics_addresses = metrics_addresses   # agent id -> host:port of its /metrics, last known
@@ -68,6 +72,18 @@ class MeshAdmin:
         self._revoker = revoker
         # (when, links, their sums per pair of sites)
         self._links_read: tuple[float, list[LinkMeasurement], list[dict[str, Any]]] | None = None
+
+    def lead(self, deployer: Deployer, drainer: Drainer, metrics_addresses: Mapping[str, str],
+             revoker: Revoker | None, autoscaler: Autoscaler, rollouts: Rollouts) -> None:
+        """A standby's view becomes the leader's: what it forwarded to the leader, it answers and does itself."""
+        self._deployer, self._drainer, self._metrics_addresses = deployer, drainer, metrics_addresses
+        self._revoker, self._autoscaler, self._rollouts = revoker, autoscaler, rollouts
+
+    async def coordinators(self) -> dict[str, Any]:
+        """The mesh's coordinators, the leader first, and their lease (None: one coordinator, no lease)."""
+        if self._coordinators is None:
+            return {"coordinators": [], "lease": None}
+        return await self._coordinators()
 
     async def agents_page(self, query: AgentQuery) -> dict[str, Any]:
         """One page of the agents the registry knows, in id order: each with its state, capabilities and newest

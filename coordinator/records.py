@@ -131,6 +131,11 @@ class ModelRecord:
     revision: str = ""          # which revision of its folder it was last deployed from (model_folder.revision_of)
     rollout: Rollout | None = None      # its newest rollout of another revision (active, or how it ended)
 
+    @property
+    def scaled_to_zero(self) -> bool:
+        """Whether it is autoscaled to no replica (its next request asks for one)."""
+        return self.autoscale is not None and self.num_replicas == 0
+
 
 @dataclass(frozen=True, slots=True)
 class StageRecord:

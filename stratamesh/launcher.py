@@ -37,6 +37,7 @@ from stratamesh.fleet.wire.enroll import enroll
 log = logging.getLogger(__name__)
 
 _COORDINATOR_LINE = re.compile(r"stratamesh coordinator: http=(\S+) grpc=(\S+) enroll=(\S+)")
+_STANDBY_LINE = re.compile(r"stratamesh coordinator standing by: http=(\S+) grpc=(\S+)")
 _AGENT_LINE = re.compile(r"stratamesh agent: id=(\S+) stage=(\S+) metrics=(\S+)")
 
 
@@ -127,6 +128,7 @@ class LocalMesh:
     admin_login: tuple[str, str] = ("", "")   # an operator's user name and password for the admin UI
     supervisor: Supervisor | None = None          # set by supervise()
     _own_logs: str = field(default="", repr=False)   # the log folder this mesh made itself
+    _printed: dict[Process, list[str]] = field(default_factory=dict, repr=False)   # each process's stdout lines
     _client_tls: MeshTls | None = field(default=None, repr=False)
 
     def start(self, timeout_s: float = 120.0) -> LocalMesh:
@@ -164,14 +166,16 @@ class LocalMesh:
             ports += ["--enroll-port", self.enroll_address.rsplit(":", 1)[1]]
         self._start_coordinator(timeout_s, False, ports, bootstrap=False)
 
-    def start_standby(self, http_port: int, grpc_port: int) -> Process:
+    def start_standby(self, http_port: int, grpc_port: int, timeout_s: float = 60.0) -> tuple[Process, str]:
         """Starts another coordinator of this mesh on its PostgreSQL registry (the model and everything else from
-        there): a standby that binds nothing until it takes the mesh's lease over (take_over waits for that)."""
+        there), and waits until it stands by; returns it and the URL of its HTTP API, which serves while it stands
+        by. take_over waits for it to lead."""
         args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), "--http-port", str(http_port),
                 "--grpc-port", str(grpc_port), *(["--insecure"] if self.insecure else ["--pki-dir", self.pki_dir()])]
         standby = self._spawn(f"coordinator-{http_port}", [*args, *patient_coordinator_args(), *self.coordinator_args])
         self.standbys.append(standby)
-        return standby
+        url, _ = self._await_line(standby, _STANDBY_LINE, timeout_s)
+        return standby, url
 
     def take_over(self, standby: Process, timeout_s: float) -> None:
         """Waits until standby leads (it prints its addresses once it took the lease and bound its ports); this mesh
@@ -488,25 +492,26 @@ class LocalMesh:
 
     def _await_line(self, process: Process, pattern: re.Pattern[str],
                     timeout_s: float) -> tuple[str, ...]:
-        """Waits for the process to print its addresses; keeps draining its stdout after."""
-        found: list[tuple[str, ...]] = []
+        """Waits for the process to print a line pattern matches (one it printed before counts: a standby says
+        where it stands by, then where it leads); one thread drains its stdout for as long as it runs."""
+        printed = self._printed.get(process)
+        if printed is None:
+            printed = self._printed[process] = []
 
-        def read() -> None:
-            assert process.stdout is not None
-            for raw in process.stdout:
-                match = pattern.search(raw.decode(errors="replace"))
-                if match and not found:
-                    found.append(match.groups())
+            def read() -> None:
+                assert process.stdout is not None
+                for raw in process.stdout:
+                    printed.append(raw.decode(errors="replace"))
 
-        threading.Thread(target=read, daemon=True).start()
+            threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + _limit_s(timeout_s)
-        while not found and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if found := next((m.groups() for line in list(printed) if (m := pattern.search(line))), None):
+                return found
             if process.poll() is not None:
                 raise LaunchError(f"{_role(process)} exited with {process.returncode}; see {self.log_dir}")
             time.sleep(0.05)
-        if not found:
-            raise LaunchError(f"{_role(process)} printed no address in {_limit_s(timeout_s):.0f} s")
-        return found[0]
+        raise LaunchError(f"{_role(process)} printed no address in {_limit_s(timeout_s):.0f} s")
 
     def _check_alive(self) -> None:
         for process in [self.coordinator, *self.agents]:

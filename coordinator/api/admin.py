@@ -35,6 +35,8 @@ class Admin(Protocol):
 
     def models(self) -> list[dict[str, Any]]: ...
 
+    async def coordinators(self) -> dict[str, Any]: ...
+
     def deploy(self, path: str, model_id: str | None, num_stages: int, pins: SitePins, quantize: str = "",
                num_replicas: int = 1, speculation: Speculation | None = None,
                autoscale: Autoscale | None = None) -> dict[str, Any]: ...
@@ -179,6 +181,11 @@ def _add_live_routes(router: APIRouter, admin: Admin, views: SharedView) -> None
     async def stats(seconds: int = Query(300, ge=1, le=600)) -> dict[str, Any]:
         """Tokens/s, requests/s, TTFT and ITL p50/p99 (over 10 s) and the queue, one point per second."""
         return {"interval_s": STATS_INTERVAL_S, "points": admin.stats(seconds)}
+
+    @router.get("/coordinators", response_model=schemas.Coordinators)
+    async def coordinators() -> dict[str, Any]:
+        """The mesh's coordinators (on a PostgreSQL registry: the leader, and its standbys) and their lease."""
+        return await admin.coordinators()
 
     @router.get("/events", response_model=schemas.Events)
     async def events(limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:

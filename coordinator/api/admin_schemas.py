@@ -303,6 +303,25 @@ class Events(BaseModel):
     events: list[EventView]
 
 
+class CoordinatorView(BaseModel):
+    name: str
+    http_url: str
+    grpc_address: str
+    leads: bool
+    seen_s_ago: float = Field(description="since it last announced itself (0: the one answering)")
+
+
+class LeaseView(BaseModel):
+    holder: str
+    epoch: int = Field(description="grows by one at each takeover: the fencing token of the leader's writes")
+    expires_in_s: float = Field(description="until it passes to a standby unless renewed (< 0: expired)")
+
+
+class Coordinators(BaseModel):
+    coordinators: list[CoordinatorView] = Field(description="the mesh's coordinators, the leader first")
+    lease: LeaseView | None = Field(description="the coordinators' lease (null: one coordinator on SQLite)")
+
+
 class LinkView(BaseModel):
     agent_id: str
     peer_id: str

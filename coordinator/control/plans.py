@@ -200,7 +200,7 @@ class Plans:
     def scaled_to_zero(self, model_id: str) -> bool:
         """Whether the model is autoscaled to no replica (its next request asks for one)."""
         model = self._registry.model(model_id)
-        return model is not None and model.autoscale is not None and model.num_replicas == 0
+        return model is not None and model.scaled_to_zero
 
     def num_stages(self, model_id: str) -> int:
         """Stages of the model's serving plan, of the plan it waits for, or (scaled to zero) of the plans it was asked

@@ -8,13 +8,13 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 from stratamesh.coordinator.control.prefix_index import PrefixIndex
-from stratamesh.coordinator.control.roster import Roster
-from stratamesh.coordinator.records import PlanRecord
+from stratamesh.coordinator.records import PlanRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
+from stratamesh.fleet.boxes import Telemetry
 from stratamesh.fleet.kv import KvEvents
 from stratamesh.fleet.sessions import Hop, wire_dtype
 from stratamesh.partitioner.wire_codec import check_policy, choose_codec
@@ -67,12 +67,34 @@ def _predicted(plan: PlanRecord, name: str, index: int) -> Any:
     return values[index] if index < len(values) else None
 
 
+class RosterReads(Protocol):
+    """What routes read of the agents: the leader's Roster (control/roster.py), from their streams; a standby's
+    RegistryRoster (coordinator/standby.py), from the registry the leader writes."""
+
+    telemetry: Mapping[str, Telemetry]      # agent id -> its newest heartbeat telemetry
+
+    def serving(self, stage: StageRecord) -> bool:
+        """Whether the stage is loaded on a connected agent."""
+
+    def stage_address(self, agent_id: str) -> str:
+        """Where a connected agent's Stage service listens (AgentNotConnected otherwise)."""
+
+    def nat(self, agent_id: str) -> str:
+        """The address a connected agent is behind NAT at ("": it is not, or is not connected)."""
+
+    def bandwidth(self, sender: str, receiver: str) -> float | None:
+        """The measured bandwidth between two agents (bytes/s), or None."""
+
+    def same_box(self, a: str, b: str) -> bool:
+        """Whether two connected agents run on one box."""
+
+
 class Routes:
     """The models ready to serve and the route through each: a model is ready once every stage of one of its
     replicas' active plans is loaded on a connected agent. It remembers the models that were ever ready (they
     accept requests while recovering) and wakes the callers of changed() when a plan, a stage or an agent changes."""
 
-    def __init__(self, registry: RegistryStore, roster: Roster, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, registry: RegistryStore, roster: RosterReads, clock: Callable[[], float] = time.monotonic,
                  codec_policy: str = "auto"):
         self.codec_policy = check_policy(codec_policy)  # "auto": each link's codec as the measured bandwidth allows
         self.registry = registry

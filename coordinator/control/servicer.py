@@ -193,3 +193,28 @@ def _registration(first: pb.AgentMessage | None) -> Registration:
 async def _write(context: grpc.aio.ServicerContext, outbox: asyncio.Queue[CoordinatorMessage]) -> None:
     while True:
         await context.write(convert.coordinator_message_to_pb(await outbox.get()))
+
+
+class ControlGate(pb_grpc.ControlServicer):
+    """The Control service of a coordinator that may not lead yet (a standby on a shared registry): UNAVAILABLE,
+    which an agent retries at the next coordinator it knows (not a refusal), until open() hands it the leader's
+    ControlService."""
+
+    def __init__(self) -> None:
+        self._service: ControlService | None = None
+
+    def open(self, service: ControlService) -> None:
+        self._service = service
+
+    async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
+                      context: grpc.aio.ServicerContext) -> None:
+        await (await self._leader(context)).Connect(request_iterator, context)
+
+    async def GetWeightManifest(self, request: pb.WeightManifestRequest,
+                                context: grpc.aio.ServicerContext) -> pb.WeightManifest:
+        return await (await self._leader(context)).GetWeightManifest(request, context)
+
+    async def _leader(self, context: grpc.aio.ServicerContext) -> ControlService:
+        if self._service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator stands by: another one leads the mesh")
+        return self._service

@@ -75,6 +75,10 @@ class Router:
         self._turns: dict[str, int] = {}       # model id -> routes handed out (whose turn is next)
         self._rng = random.Random()             # which new requests a rollout's canary takes
 
+    def use(self, routes: Routes) -> None:
+        """Picks among these routes from now on (a standby's, then its Deployer's once it leads)."""
+        self._routes = routes
+
     def route(self, model_id: str, avoid: Collection[str] = (), token_ids: Sequence[int] = (),
               work: Work | None = None, revision: str | None = None) -> tuple[list[Hop], int]:
         """The hops of a ready replica of the model in pipeline order, and its KV block size; ModelNotReady while

@@ -1,5 +1,6 @@
 """Several coordinators of one mesh on one PostgreSQL registry (docs/registry.md): one leads while it holds the
-mesh's lease, a standby binds nothing until it takes a dead leader's lease over, and the mesh serves on from it."""
+mesh's lease; a standby serves the API from its own origin, over the routes the leader writes, and its streams
+outlive the leader; it takes a dead leader's lease over, and the mesh serves on from it."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stratamesh.bench.chaos import StreamJob, make_jobs, run_streams
+from stratamesh.bench.chaos import StreamJob, StreamOutcome, make_jobs, run_streams, wait_for_tokens
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive, whole_model
 from stratamesh.kernels.models.decoder import greedy_tokens
 from stratamesh.launcher import LocalMesh
 from tests.patience import patient, wait_until
+from .streams import held, which_diverged
 
 pytestmark = pytest.mark.slow
 psycopg = pytest.importorskip("psycopg")
 
 LEASE_TTL_S = 3.0
+MODEL = "tiny-llama"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -41,34 +44,44 @@ def _lease(url: str, mesh: str) -> tuple[str, int]:
         return conn.execute("SELECT holder, epoch FROM coordinator_lease WHERE mesh = %s", (mesh,)).fetchone()
 
 
-def _listens(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def test_a_standby_takes_a_killed_leaders_lease_over_and_the_mesh_serves_on_from_it(
+def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serves_on(
         tiny_models: dict[str, Path], tmp_path: Path, postgres_database: str) -> None:
+    """The acceptance of issue 53: 8 streams through the standby, kill -9 of the leader mid-way: the standby takes
+    the lease over, the streams finish as they did undisturbed, the agents move to it, and a model deployed after
+    the failover serves."""
     model_dir, other_dir = tiny_models["llama"], tiny_models["qwen2"]
-    jobs = decisive(make_jobs(4, regular_token_ids(model_dir), prompt_len=16, max_tokens=12, seed=11), model_dir)
+    jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=16, max_tokens=24, seed=11), model_dir)
     http_a, grpc_a, http_b, grpc_b = _free_ports(4)
     with LocalMesh(str(model_dir), num_agents=2, num_stages=2, db=postgres_database, http_port=http_a,
                    grpc_port=grpc_a, use_zeroconf=False, log_dir=str(tmp_path / "logs"),
                    coordinator_args=["--lease-ttl", str(LEASE_TTL_S)],
                    agent_args=["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}"]) as mesh:
-        standby = mesh.start_standby(http_b, grpc_b)
-        before = asyncio.run(run_streams(mesh.url, "tiny-llama", jobs, headers=mesh.headers))
-        plan = _plan_ids(mesh)
+        standby, standby_url = mesh.start_standby(http_b, grpc_b)
         assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_a}", 1)
-        assert not _listens(http_b) and not _listens(grpc_b), "a standby binds nothing"
+        wait_until(lambda: httpx.get(f"{standby_url}/health").json()["models"].get(MODEL) == "ready")
+        undisturbed = asyncio.run(run_streams(standby_url, MODEL, jobs, headers=mesh.headers))
+        assert all(not o.error for o in undisturbed)
+        plan = _plan_ids(mesh)
 
-        mesh.kill_coordinator()             # kill -9: no release, the lease runs out
-        mesh.take_over(standby, patient(60))
-        mesh.wait_ready(patient(60))
+        async def fail_over(outcomes: list[StreamOutcome]) -> None:
+            await wait_for_tokens(outcomes, 4)
+            mesh.kill_coordinator()                 # kill -9: no release, its lease runs out
+            await asyncio.to_thread(mesh.take_over, standby, patient(60))
+            taken_over_at = [len(o.arrivals) for o in outcomes]     # (held: none of them has ended)
+            await asyncio.wait_for(_more_tokens(outcomes, taken_over_at), patient(60))
+            release.set()
+
+        release = asyncio.Event()
+        through = asyncio.run(run_streams(standby_url, MODEL, held(jobs), during=fail_over, headers=mesh.headers,
+                                          release=release))
+        assert [o.error for o in through] == [""] * len(jobs)
+        assert [o.tokens for o in through] == [o.tokens for o in undisturbed], \
+            which_diverged(model_dir, jobs, undisturbed=undisturbed, failed_over=through)
+        assert mesh.url == standby_url and _lease(postgres_database, mesh.mesh) == (
+            f"{socket.gethostname()}:{http_b}", 2)
         mesh.wait_connected(2, patient(60))     # the agents moved to the next address they were given
-        after = asyncio.run(run_streams(mesh.url, "tiny-llama", jobs, headers=mesh.headers))
-        assert [o.tokens for o in after] == [o.tokens for o in before] and all(not o.error for o in after)
+        mesh.wait_ready(patient(60))
         assert _plan_ids(mesh) == plan, "the same boxes: the plan is kept, its stages re-adopted as they are"
-        assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_b}", 2)
 
         # a model deployed on the new leader loads and serves
         deployed = httpx.post(f"{mesh.url}/admin/api/models", headers=mesh.headers,
@@ -79,6 +92,13 @@ def test_a_standby_takes_a_killed_leaders_lease_over_and_the_mesh_serves_on_from
         prompt = jobs[0].prompt_ids
         (answer,) = asyncio.run(run_streams(mesh.url, "tiny-qwen2", [StreamJob(prompt, 8)], headers=mesh.headers))
         assert answer.tokens == greedy_tokens(whole_model(other_dir), list(prompt), 8)
+
+
+async def _more_tokens(outcomes: list[StreamOutcome], than: list[int]) -> None:
+    """Returns once every stream has had more tokens than it had (than), none of them ended."""
+    while any(len(o.arrivals) <= n for o, n in zip(outcomes, than)):
+        assert not any(o.end_s for o in outcomes), "a held stream ended"
+        await asyncio.sleep(0.01)
 
 
 def _plan_ids(mesh: LocalMesh) -> dict[str, str]:
