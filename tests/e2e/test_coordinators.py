@@ -62,6 +62,7 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         undisturbed = asyncio.run(run_streams(standby_url, MODEL, jobs, headers=mesh.headers))
         assert all(not o.error for o in undisturbed)
         plan = _plan_ids(mesh)
+        _check_the_standbys_admin_api(mesh, standby_url, http_a, http_b)
 
         async def fail_over(outcomes: list[StreamOutcome]) -> None:
             await wait_for_tokens(outcomes, 4)
@@ -92,6 +93,24 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         prompt = jobs[0].prompt_ids
         (answer,) = asyncio.run(run_streams(mesh.url, "tiny-qwen2", [StreamJob(prompt, 8)], headers=mesh.headers))
         assert answer.tokens == greedy_tokens(whole_model(other_dir), list(prompt), 8)
+
+
+def _check_the_standbys_admin_api(mesh: LocalMesh, standby_url: str, http_a: int, http_b: int) -> None:
+    """What a standby answers itself (the coordinators), what it forwards to the leader (a read of what only the
+    leader holds, and a write: an operator's login, whose session then works on both)."""
+    coordinators = httpx.get(f"{standby_url}/admin/api/coordinators", headers=mesh.headers).json()
+    host = socket.gethostname()
+    assert [(c["name"], c["leads"]) for c in coordinators["coordinators"]] == [(f"{host}:{http_a}", True),
+                                                                                (f"{host}:{http_b}", False)]
+    assert (coordinators["lease"]["holder"], coordinators["lease"]["epoch"]) == (f"{host}:{http_a}", 1)
+    agents = httpx.get(f"{standby_url}/admin/api/agents", headers=mesh.headers).json()["agents"]
+    assert sorted(a["state"] for a in agents) == ["connected", "connected"]
+    user, password = mesh.admin_login
+    with httpx.Client() as browser:
+        login = browser.post(f"{standby_url}/admin/api/login", json={"username": user, "password": password})
+        assert login.status_code == 200, login.text
+        for url in (standby_url, mesh.url):
+            assert browser.get(f"{url}/admin/api/whoami").json()["user"]["name"] == user
 
 
 async def _more_tokens(outcomes: list[StreamOutcome], than: list[int]) -> None:
