@@ -291,6 +291,8 @@ class OpenAIApi:
     async def _run(self, request: Request, req: GenerationRequest, card: ModelCard, tokenizer: Tokenizer,
                    prompt_ids: list[int], max_tokens: int | None, fmt: ResponseFormat, arrival_s: float,
                    tools: ToolUse | None = None) -> Response:
+        if req.resume_token_ids:
+            prompt_ids, max_tokens, req = _resumed(req, tokenizer, prompt_ids, max_tokens, tools)
         self._check_prompt(prompt_ids, "prompt" if isinstance(fmt, CompletionFormat) else "messages")
         cap = self._limits.max_tokens
         if cap and max_tokens is not None and max_tokens > cap:
@@ -384,6 +386,26 @@ def _prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], param: str = "pro
         raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {tokenizer.vocab_size})",
                        param=param)
     return ids
+
+
+def _resumed(req: GenerationRequest, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int | None,
+             tools: ToolUse | None) -> tuple[list[int], int | None, GenerationRequest]:
+    """A request that goes on after the tokens it already generated (resume_token_ids): its prompt followed by them,
+    max_tokens and min_tokens counting them. Sampling keyed by (seed, position) draws what it would have drawn;
+    what would see them as the output's (penalties on it, a constraint's or a tool parser's state, several
+    choices, echo) is refused, naming it."""
+    resumed = _prompt_ids(tokenizer, req.resume_token_ids, "resume_token_ids")
+    why = ("n or best_of above 1" if req.num_candidates > 1 else "echo" if getattr(req, "echo", False)
+           else "tools" if tools is not None else "structured output" if grammar_of(req, tokenizer)
+           else "presence or frequency penalties" if req.presence_penalty or req.frequency_penalty else "")
+    if why:
+        raise ApiError(400, f"resume_token_ids cannot go with {why}: the tokens resumed would not count as the "
+                            "output's", param="resume_token_ids")
+    if max_tokens is not None and len(resumed) >= max_tokens:
+        raise ApiError(400, f"resume_token_ids holds {len(resumed)} tokens: max_tokens {max_tokens} leaves none to "
+                            "generate", param="resume_token_ids")
+    left = None if max_tokens is None else max_tokens - len(resumed)
+    return [*prompt_ids, *resumed], left, req.model_copy(update={"min_tokens": max(req.min_tokens - len(resumed), 0)})
 
 
 def _wrong_task(card: ModelCard) -> ApiError:

@@ -43,6 +43,9 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS
     return_token_ids: bool = False  # vLLM extension: choices carry the token ids they decode
+    # stratamesh's extension: the tokens this same request already generated (on a coordinator that went away); it
+    # goes on after them, max_tokens and min_tokens counting them (docs/registry.md: the SDK's resume)
+    resume_token_ids: list[TokenId] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)

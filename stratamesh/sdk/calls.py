@@ -28,8 +28,8 @@ T = TypeVar("T")
 
 class SamplingOptions(TypedDict, total=False):
     """The settings generate() and chat() take, named and meant as in the API (OpenAI's, and vLLM's for top_k,
-    min_p, repetition_penalty, min_tokens and the guided_* constraints); what is left out takes the API's default,
-    but max_tokens (64 here) and temperature (0 here: greedy)."""
+    min_p, repetition_penalty, min_tokens, ignore_eos and the guided_* constraints); what is left out takes the
+    API's default, but max_tokens (64 here) and temperature (0 here: greedy)."""
 
     max_tokens: int
     temperature: float
@@ -43,6 +43,7 @@ class SamplingOptions(TypedDict, total=False):
     repetition_penalty: float
     logit_bias: Mapping[int, float]     # token id -> added to its logit
     min_tokens: int
+    ignore_eos: bool    # generate past the end-of-text token, up to max_tokens
     logprobs: int       # each generated token's log-probability, and this many likeliest tokens' with it
     n: int              # answers to the prompt: the result's choices
     response_format: Mapping[str, Any]      # {"type": "json_object"} or {"type": "json_schema", "json_schema": ...}
@@ -100,8 +101,8 @@ def generation_body(model: str, sampling: Mapping[str, Any], stream: bool, **fie
     """The body of /v1/completions (fields: prompt) or /v1/chat/completions (fields: messages); sampling: the API's
     fields of the call's options (sampling_json)."""
     body = {"model": model, **fields, **sampling, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    if stream:      # (the token ids: what a resume elsewhere goes on after, Mesh.resume)
+        body.update(stream_options={"include_usage": True}, return_token_ids=True)
     return body
 
 

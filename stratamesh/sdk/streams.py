@@ -12,7 +12,7 @@ import httpx
 from stratamesh.sdk.calls import shaped
 from stratamesh.sdk.errors import MeshConnectionError, UnexpectedResponseError, error_from_event, transport_error
 
-__all__ = ["AsyncStream", "EventParser", "SSEDecoder", "Stream"]
+__all__ = ["AsyncStream", "EventParser", "Resumable", "SSEDecoder", "Stream"]
 
 T = TypeVar("T")
 DONE = "[DONE]"
@@ -41,6 +41,26 @@ class SSEDecoder:
             return None
         data, self._data = "\n".join(self._data), []
         return data
+
+
+class Resumable(Generic[T]):
+    """What a generation's stream keeps to go on elsewhere (Mesh.resume): its request, and the token ids of its
+    answer received so far (each event's, a chunk with no text yet among them)."""
+
+    def __init__(self, path: str, body: dict[str, Any], parse: Callable[[dict[str, Any]], T | None]) -> None:
+        self.path, self.body, self.parse = path, body, parse
+        self.token_ids: list[int] = []
+
+    def record(self, event: dict[str, Any]) -> T | None:
+        """parse(event), having kept its token ids (those of the first choice: a resumed request has one)."""
+        for choice in event.get("choices") or ():
+            if isinstance(choice, dict) and not choice.get("index"):
+                self.token_ids += choice.get("token_ids") or ()
+        return self.parse(event)
+
+    def resumed_body(self) -> dict[str, Any]:
+        """The same request, going on after every token it generated (the server's resume_token_ids)."""
+        return {**self.body, "resume_token_ids": [*self.body.get("resume_token_ids", ()), *self.token_ids]}
 
 
 class EventParser(Generic[T]):
@@ -80,11 +100,14 @@ class EventParser(Generic[T]):
 
 
 class Stream(Generic[T]):
-    """The chunks of a streamed response: an iterator and a context manager; closes the response when done."""
+    """The chunks of a streamed response: an iterator and a context manager; closes the response when done.
+    resumable: a generation's, which Mesh.resume can go on with on another coordinator."""
 
-    def __init__(self, response: httpx.Response, parse: Callable[[dict[str, Any]], T | None], what: str) -> None:
+    def __init__(self, response: httpx.Response, parse: Callable[[dict[str, Any]], T | None], what: str,
+                 resumable: Resumable[T] | None = None) -> None:
         self._response = response
-        self._chunks = _chunks(response, EventParser(parse), what)
+        self.resumable = resumable
+        self._chunks = _chunks(response, EventParser(resumable.record if resumable else parse), what)
 
     @property
     def closed(self) -> bool:
@@ -111,11 +134,14 @@ class Stream(Generic[T]):
 
 
 class AsyncStream(Generic[T]):
-    """The chunks of a streamed response for `async for` and `async with`; closes the response when done."""
+    """The chunks of a streamed response for `async for` and `async with`; closes the response when done.
+    resumable: as Stream's (AsyncMesh.resume)."""
 
-    def __init__(self, response: httpx.Response, parse: Callable[[dict[str, Any]], T | None], what: str) -> None:
+    def __init__(self, response: httpx.Response, parse: Callable[[dict[str, Any]], T | None], what: str,
+                 resumable: Resumable[T] | None = None) -> None:
         self._response = response
-        self._chunks = _async_chunks(response, EventParser(parse), what)
+        self.resumable = resumable
+        self._chunks = _async_chunks(response, EventParser(resumable.record if resumable else parse), what)
 
     @property
     def closed(self) -> bool:

@@ -517,6 +517,33 @@ async def test_return_token_ids_whole_and_streamed(client: httpx.AsyncClient, ge
     assert "token_ids" not in plain["choices"][0]
 
 
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"prompt": "Hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+])
+async def test_a_resumed_request_goes_on_after_its_tokens_which_count_against_max_tokens(
+        client: httpx.AsyncClient, gen: FakeServing, path: str, extra: dict) -> None:
+    body = {"model": "tiny", "max_tokens": 20, "min_tokens": 5, "seed": 3, "temperature": 0.7, **extra}
+    await client.post(path, json=body)
+    _, prompt, _, _ = gen.calls[-1]
+    resumed = (await client.post(path, json={**body, "resume_token_ids": [7, 8, 9]})).json()
+    assert gen.calls[-1][1] == [*prompt, 7, 8, 9] and gen.calls[-1][2].min_tokens == 2
+    assert gen.limits[-1][0] == 17 and resumed["usage"]["completion_tokens"] == 17
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"n": 2}, "n or best_of"), ({"presence_penalty": 0.5}, "penalties"), ({"frequency_penalty": 0.5}, "penalties"),
+    ({"guided_regex": "[a-z]+"}, "structured output"), ({"echo": True}, "echo"),
+    ({"max_tokens": 3}, "leaves none"), ({"resume_token_ids": [1, 10**9]}, "outside the vocabulary"),
+])
+async def test_a_resume_whose_tokens_would_not_count_as_the_outputs_is_refused_by_name(
+        client: httpx.AsyncClient, change: dict, says: str) -> None:
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "resume_token_ids": [7, 8, 9], **change}
+    refused = await client.post("/v1/completions", json=body)
+    assert refused.status_code == 400 and says in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "resume_token_ids"
+
+
 async def test_embeddings_of_a_text_generation_model_are_refused_by_name(client: httpx.AsyncClient) -> None:
     refused = await client.post("/v1/embeddings", json={"model": "tiny", "input": "hello"})
     assert refused.status_code == 400

@@ -18,6 +18,7 @@ from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive, whole_model
 from stratamesh.kernels.models.decoder import greedy_tokens
 from stratamesh.launcher import LocalMesh
+from stratamesh.sdk import Mesh, MeshConnectionError, Stream
 from tests.patience import patient, wait_until
 from .streams import held, which_diverged
 
@@ -64,9 +65,14 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         plan = _plan_ids(mesh)
         _check_the_standbys_admin_api(mesh, standby_url, http_a, http_b)
 
+        resume = SdkResume(jobs[1].prompt_ids, seed=5)      # seeded sampling: drawn by (seed, position)
+        resume.reference = resume.undisturbed(standby_url, mesh.api_key)
+
         async def fail_over(outcomes: list[StreamOutcome]) -> None:
             await wait_for_tokens(outcomes, 4)
+            await asyncio.to_thread(resume.start, mesh.url, mesh.api_key)    # an SDK stream on the leader
             mesh.kill_coordinator()                 # kill -9: no release, its lease runs out
+            await asyncio.to_thread(resume.finish, standby_url, mesh.api_key)    # ... resumed on the standby
             await asyncio.to_thread(mesh.take_over, standby, patient(60))
             taken_over_at = [len(o.arrivals) for o in outcomes]     # (held: none of them has ended)
             await asyncio.wait_for(_more_tokens(outcomes, taken_over_at), patient(60))
@@ -76,6 +82,7 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         through = asyncio.run(run_streams(standby_url, MODEL, held(jobs), during=fail_over, headers=mesh.headers,
                                           release=release))
         assert [o.error for o in through] == [""] * len(jobs)
+        assert resume.broke_after >= 4 and resume.tokens == resume.reference, "the SDK's resume elsewhere"
         assert [o.tokens for o in through] == [o.tokens for o in undisturbed], \
             which_diverged(model_dir, jobs, undisturbed=undisturbed, failed_over=through)
         assert mesh.url == standby_url and _lease(postgres_database, mesh.mesh) == (
@@ -93,6 +100,52 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         prompt = jobs[0].prompt_ids
         (answer,) = asyncio.run(run_streams(mesh.url, "tiny-qwen2", [StreamJob(prompt, 8)], headers=mesh.headers))
         assert answer.tokens == greedy_tokens(whole_model(other_dir), list(prompt), 8)
+
+
+class SdkResume:
+    """An SDK stream on the coordinator that dies, resumed on another (Mesh.resume): its tokens against the same
+    request's undisturbed ones."""
+
+    NUM_TOKENS = 24     # compared
+    ASKED = 1900        # asked for: a stream far from its end when its coordinator dies (as StreamJob.hold_tokens)
+
+    def __init__(self, prompt_ids: tuple[int, ...], seed: int) -> None:
+        self.prompt, self.seed = list(prompt_ids), seed
+        self.reference: list[int] = []
+        self.tokens: list[int] = []
+        self.broke_after = 0
+        self._stream: Stream | None = None
+
+    def _open(self, client: Mesh) -> Stream:
+        return client.generate(self.prompt, model=MODEL, stream=True, max_tokens=self.ASKED, temperature=0.8,
+                               seed=self.seed, ignore_eos=True)
+
+    def undisturbed(self, url: str, api_key: str) -> list[int]:
+        with Mesh(url, api_key) as client, self._open(client) as stream:
+            return self._read(stream, stream.resumable.token_ids)
+
+    def start(self, url: str, api_key: str) -> None:
+        """Opens the stream and reads its first tokens."""
+        self._client = Mesh(url, api_key)
+        self._stream = self._open(self._client)
+        self._read(self._stream, self._stream.resumable.token_ids, 4)
+
+    def finish(self, url: str, api_key: str) -> None:
+        """Reads until the stream breaks, then resumes it on the coordinator at url."""
+        with pytest.raises(MeshConnectionError):
+            for _ in self._stream:
+                pass
+        self.broke_after = len(self._stream.resumable.token_ids)
+        self._client.close()
+        with Mesh(url, api_key) as client, client.resume(self._stream) as resumed:
+            self.tokens = self._stream.resumable.token_ids + self._read(
+                resumed, resumed.resumable.token_ids, self.NUM_TOKENS - self.broke_after)
+
+    def _read(self, stream: Stream, token_ids: list[int], count: int = NUM_TOKENS) -> list[int]:
+        for _ in stream:
+            if len(token_ids) >= count:
+                break
+        return token_ids[:count]
 
 
 def _check_the_standbys_admin_api(mesh: LocalMesh, standby_url: str, http_a: int, http_b: int) -> None:

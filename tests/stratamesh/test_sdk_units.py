@@ -174,6 +174,37 @@ def test_chat_stream_skips_empty_chunks_and_ends_with_usage() -> None:
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
 
 
+def test_a_broken_stream_is_resumed_elsewhere_as_the_same_request_after_the_tokens_it_received() -> None:
+    def event(text: str, ids: list[int], index: int = 0) -> dict[str, Any]:
+        return {"id": "c", "object": "text_completion", "model": "m",
+                "choices": [{"index": index, "text": text, "token_ids": ids, "finish_reason": None}]}
+
+    # the first coordinator sends 3 tokens (one with no text yet), then its connection drops: no [DONE]
+    broken = sse(event("a", [5]), event("", [6]), event("b", [7]))
+    sent: list[dict[str, Any]] = []
+
+    def first(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=broken)
+
+    def second(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(event("c", [8]), "[DONE]"))
+
+    with serve(first) as a, serve(second) as b:
+        stream = a.generate("hi", model="m", stream=True, max_tokens=9, seed=4, temperature=0.5)
+        texts = []
+        with pytest.raises(MeshConnectionError, match="before the server sent"):
+            for chunk in stream:
+                texts.append(chunk.text)
+        assert texts == ["a", "b"]      # (the token with no text yet made no chunk, and is resumed after)
+        resumed = b.resume(stream)
+        assert [chunk.text for chunk in resumed] == ["c"] and resumed.resumable.token_ids == [8]
+    assert sent[0]["return_token_ids"] is True and stream.resumable.token_ids == [5, 6, 7]
+    assert sent[1] == {**sent[0], "resume_token_ids": [5, 6, 7]}     # the same request, after its tokens
+    assert resumed.resumable.resumed_body()["resume_token_ids"] == [5, 6, 7, 8]     # and again, after those too
+
+
 @pytest.mark.parametrize("status, error, cls, match", [
     (400, error_body("'m' generates text", param="model", code="model_not_embedding"), EmbeddingsNotSupportedError,
      "'m' generates text"),
