@@ -92,6 +92,7 @@ class LocalMesh:
     db: str | None = None
     http_port: int = 0
     grpc_port: int = 0                  # the coordinator's (0: any free port)
+    enroll_port: int = 0                # ... and its enrollment endpoint's
     log_dir: str | None = None          # None: a folder of its own under /tmp (see keep_logs)
     state_dir: str | None = None        # registry, CA, agents' keys and bootstrap credentials, kept after stop();
                                         # None: the log folder, and stop() deletes the credentials there
@@ -142,7 +143,7 @@ class LocalMesh:
         # them seconds of CPU, which the coordinator's own start (~1 s) overlaps. They read the join token from the
         # coordinator's bootstrap file when they enroll, once they found it: it wrote the file before advertising.
         early = self._agents_find_coordinator()
-        self._spawn_coordinator(True, ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)])
+        self._spawn_coordinator(True, self._ports())
         spawned = [self._spawn_agent(index) for index in range(self.num_agents)] if early else []
         self._coordinator_started(timeout_s)
         if not early:
@@ -155,8 +156,12 @@ class LocalMesh:
 
     def start_coordinator(self, timeout_s: float = 60.0, deploy: bool = True) -> None:
         """Starts the coordinator; deploy=False relies on the registry to remember the model."""
-        self._start_coordinator(timeout_s, deploy, ["--http-port", str(self.http_port),
-                                                    "--grpc-port", str(self.grpc_port)])
+        self._start_coordinator(timeout_s, deploy, self._ports())
+
+    def _ports(self) -> list[str]:
+        """The coordinator's ports as this mesh asks for them (0: any free one)."""
+        ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        return ports if self.insecure else [*ports, "--enroll-port", str(self.enroll_port)]
 
     def restart_coordinator(self, timeout_s: float = 60.0) -> None:
         """Starts the coordinator again where it was (its HTTP, gRPC and enrollment ports), from its registry alone:
@@ -189,8 +194,11 @@ class LocalMesh:
         self._coordinator_started(timeout_s)
 
     def _agents_find_coordinator(self) -> bool:
-        """Whether every agent finds the coordinator by zeroconf: then it may start before the coordinator listens."""
-        return self.use_zeroconf and all(self._same_site(self.agent_hosts.get(i)) for i in range(self.num_agents))
+        """Whether every agent finds the coordinator by zeroconf: then it may start before the coordinator listens (one
+        told its address, in its own arguments, dials it at once)."""
+        told = any("--coordinator" in args for args in (self.agent_args, *self.agent_args_by_index.values()))
+        return (self.use_zeroconf and not told
+                and all(self._same_site(self.agent_hosts.get(i)) for i in range(self.num_agents)))
 
     def _spawn_coordinator(self, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
         args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]

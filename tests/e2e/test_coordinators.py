@@ -52,11 +52,13 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
     the failover serves."""
     model_dir, other_dir = tiny_models["llama"], tiny_models["qwen2"]
     jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=16, max_tokens=24, seed=11), model_dir)
-    http_a, grpc_a, http_b, grpc_b = _free_ports(4)
+    http_a, grpc_a, enroll_a, http_b, grpc_b = _free_ports(5)
+    # agent 0 finds the leader on zeroconf (only a leader advertises), agent 1 is given both addresses
     with LocalMesh(str(model_dir), num_agents=2, num_stages=2, db=postgres_database, http_port=http_a,
-                   grpc_port=grpc_a, use_zeroconf=False, log_dir=str(tmp_path / "logs"),
+                   grpc_port=grpc_a, enroll_port=enroll_a, log_dir=str(tmp_path / "logs"),
                    coordinator_args=["--lease-ttl", str(LEASE_TTL_S)],
-                   agent_args=["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}"]) as mesh:
+                   agent_args_by_index={1: ["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}",
+                                            "--enroll", f"127.0.0.1:{enroll_a}"]}) as mesh:
         standby, standby_url = mesh.start_standby(http_b, grpc_b)
         assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_a}", 1)
         wait_until(lambda: httpx.get(f"{standby_url}/health").json()["models"].get(MODEL) == "ready")
@@ -87,7 +89,7 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
             which_diverged(model_dir, jobs, undisturbed=undisturbed, failed_over=through)
         assert mesh.url == standby_url and _lease(postgres_database, mesh.mesh) == (
             f"{socket.gethostname()}:{http_b}", 2)
-        mesh.wait_connected(2, patient(60))     # the agents moved to the next address they were given
+        mesh.wait_connected(2, patient(60))     # the agents moved to it: found on zeroconf, or given its address
         mesh.wait_ready(patient(60))
         assert _plan_ids(mesh) == plan, "the same boxes: the plan is kept, its stages re-adopted as they are"
 
