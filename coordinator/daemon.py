@@ -109,7 +109,8 @@ async def run_coordinator(options: CoordinatorOptions, stop: asyncio.Event) -> N
 async def _serve(options: CoordinatorOptions, stop: asyncio.Event, registry: RegistryStore, lease: Lease | None,
                  lost: list[str]) -> None:
     """Serves from the front, leading once the lease is held (at once without one), until stop is set."""
-    front = await open_front(options, registry, _coordinators(lease), _leader_url(lease) if lease else None)
+    front = await open_front(options, registry, _coordinators(lease), _leader_url(lease) if lease else None,
+                             (lambda: lease.epoch) if lease else lambda: None)
     leader, tasks = None, []
     try:
         if lease is not None:

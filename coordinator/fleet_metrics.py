@@ -121,6 +121,21 @@ class ControlPlaneCollector(Collector):
                                       value=self._liveness.num_declared_dead)
 
 
+class LeadershipCollector(Collector):
+    """Whether this coordinator leads its mesh (1) or stands by (0), and the epoch of the lease it leads in (on a
+    PostgreSQL registry; a lone coordinator leads, with no lease)."""
+
+    def __init__(self, leading: Callable[[], bool], epoch: Callable[[], int | None]) -> None:
+        self._leading, self._epoch = leading, epoch
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("stratamesh:coordinator_leader", "1 while this coordinator leads its mesh, 0 while it "
+                                "stands by.", value=float(self._leading()))
+        if (epoch := self._epoch()) is not None:
+            yield GaugeMetricFamily("stratamesh:coordinator_lease_epoch", "The epoch of the lease this coordinator "
+                                    "leads in (one more at each takeover).", value=epoch)
+
+
 class ReplicaCollector(Collector):
     """Per model: the replicas it wants (the operator's count, or the autoscaler's) and those ready to serve."""
 

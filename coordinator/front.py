@@ -26,7 +26,7 @@ from stratamesh.coordinator.api.ui import mount_ui
 from stratamesh.coordinator.control.servicer import ControlGate, ControlService
 from stratamesh.coordinator.credentials import CredentialStore
 from stratamesh.coordinator.enrollment import MeshCa, default_pki_dir
-from stratamesh.coordinator.fleet_metrics import hop_histogram
+from stratamesh.coordinator.fleet_metrics import LeadershipCollector, hop_histogram
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.metrics import ApiMetrics
 from stratamesh.coordinator.registry_store import RegistryStore, sqlite_path
@@ -111,9 +111,11 @@ def mesh_tls(options: CoordinatorOptions) -> MeshCa | None:
 
 async def open_front(options: CoordinatorOptions, registry: RegistryStore,
                      coordinators: Callable[[], Awaitable[dict]] | None,
-                     leader_url: Callable[[], Awaitable[str | None]] | None) -> Front:
+                     leader_url: Callable[[], Awaitable[str | None]] | None,
+                     lease_epoch: Callable[[], int | None] = lambda: None) -> Front:
     """Binds the gRPC server and the HTTP API; the origin serves from a Standby until the coordinator leads.
-    leader_url: where a standby forwards the admin calls it does not answer itself (None: it never stands by)."""
+    leader_url: where a standby forwards the admin calls it does not answer itself (None: it never stands by);
+    lease_epoch: the epoch of the lease it leads in, if any (what /metrics shows)."""
     ca = mesh_tls(options)
     if ca is not None:      # what the leader revoked (it broadcasts revocations to its agents; a standby reads them)
         revoked.replace(CredentialStore(registry).revoked_serials(time.time()))
@@ -149,6 +151,7 @@ async def open_front(options: CoordinatorOptions, registry: RegistryStore,
     holder.append(Front(server, f"{advertise_host}:{grpc_port}", f"http://{advertise_host}:{http_port}", http,
                         http_task, spans, metrics, sessions, requests, router, origin, standby, gate, admin, access,
                         ca))
+    metrics.register(LeadershipCollector(lambda: holder[0].leading, lease_epoch))
     return holder[0]
 
 

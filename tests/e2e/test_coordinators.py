@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stratamesh.bench.chaos import StreamJob, StreamOutcome, make_jobs, run_streams, wait_for_tokens
 from stratamesh.bench.datasets import regular_token_ids
@@ -66,6 +67,9 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         assert all(not o.error for o in undisturbed)
         plan = _plan_ids(mesh)
         _check_the_standbys_admin_api(mesh, standby_url, http_a, http_b)
+        assert _gauges(standby_url, mesh.headers) == {"stratamesh:coordinator_leader": 0.0}
+        assert _gauges(mesh.url, mesh.headers) == {"stratamesh:coordinator_leader": 1.0,
+                                                   "stratamesh:coordinator_lease_epoch": 1.0}
 
         resume = SdkResume(jobs[1].prompt_ids, seed=5)      # seeded sampling: drawn by (seed, position)
         resume.reference = resume.undisturbed(standby_url, mesh.api_key)
@@ -92,6 +96,8 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
         mesh.wait_connected(2, patient(60))     # the agents moved to it: found on zeroconf, or given its address
         mesh.wait_ready(patient(60))
         assert _plan_ids(mesh) == plan, "the same boxes: the plan is kept, its stages re-adopted as they are"
+        assert _gauges(mesh.url, mesh.headers) == {"stratamesh:coordinator_leader": 1.0,
+                                                   "stratamesh:coordinator_lease_epoch": 2.0}
 
         # a model deployed on the new leader loads and serves
         deployed = httpx.post(f"{mesh.url}/admin/api/models", headers=mesh.headers,
@@ -173,6 +179,13 @@ async def _more_tokens(outcomes: list[StreamOutcome], than: list[int]) -> None:
     while any(len(o.arrivals) <= n for o, n in zip(outcomes, than)):
         assert not any(o.end_s for o in outcomes), "a held stream ended"
         await asyncio.sleep(0.01)
+
+
+def _gauges(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The coordinator's leadership gauges on /metrics."""
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("stratamesh:coordinator_le")}
 
 
 def _plan_ids(mesh: LocalMesh) -> dict[str, str]:
