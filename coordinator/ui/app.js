@@ -13,6 +13,7 @@ import { AgentsTable } from "./agents.js";
 import { RequestsPanel } from "./trace.js";
 import { Actions, ModelsTable } from "./actions.js";
 import { EventsLog } from "./events.js";
+import { CoordinatorsPanel } from "./coordinators.js";
 import { Auth } from "./login.js";
 
 const STREAM_FRESH_MS = 4000;   // a stream that sent nothing for this long is treated as down
@@ -47,6 +48,7 @@ const panels = [
   new EventsLog($("events-body")),
 ];
 const requests = new RequestsPanel($("requests-body"), $("trace-body"));
+const coordinators = new CoordinatorsPanel($("coordinators-body"), $("coordinators-lease"));
 
 /** A snapshot (the stream's first event, or a poll) replaces the fleet; a delta changes it. */
 function onUpdate(kind, data) {
@@ -239,8 +241,13 @@ function startDashboard(user) {
   agentsTable.start();
   loadStatsHistory();
   requests.refresh();
+  coordinators.refresh();
   clearInterval(requestsTimer);
-  requestsTimer = setInterval(() => { if (!document.hidden) requests.refresh(); }, REQUESTS_EVERY_MS);
+  requestsTimer = setInterval(() => {
+    if (document.hidden) return;
+    requests.refresh();
+    coordinators.refresh();
+  }, REQUESTS_EVERY_MS);
   clearInterval(pagesTimer);
   pagesTimer = setInterval(() => {
     if (document.hidden) return;
@@ -264,6 +271,7 @@ function stopDashboard() {
   actions.setRole(null);
   render();
   requests.clear();
+  coordinators.clear();
 }
 
 const auth = new Auth({

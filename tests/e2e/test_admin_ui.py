@@ -126,6 +126,7 @@ def test_the_ui_shows_the_mesh_and_a_drain_from_it_moves_the_stage(mesh: LocalMe
         expect(page.locator('[data-testid="placement-segment"][data-plan-state="active"]')).to_have_count(2)
         expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "live", timeout=10_000)
         expect(page.get_by_test_id("topology-node")).to_have_count(3)
+        expect(page.get_by_test_id("coordinator-lease")).to_have_text("one coordinator (SQLite registry): no lease")
         serving = {active_segment(page, s).get_attribute("data-agent-id") for s in (0, 1)}
         (spare,) = set(mesh.agent_ids) - serving
         drained = active_segment(page, 0).get_attribute("data-agent-id")
@@ -357,6 +358,14 @@ def agents_page(agents: list[dict], query: dict[str, list[str]]) -> dict:
             "total": len(matching)}
 
 
+# two coordinators on one PostgreSQL registry: the leader, and a standby with a name from the network
+COORDINATORS = {"coordinators": [
+    {"name": "coord-a:8000", "http_url": "http://10.0.0.1:8000", "grpc_address": "10.0.0.1:7000", "leads": True,
+     "seen_s_ago": 0.4},
+    {"name": EVIL, "http_url": "http://10.0.0.2:8000", "grpc_address": "10.0.0.2:7000", "leads": False,
+     "seen_s_ago": 1.5}], "lease": {"holder": "coord-a:8000", "epoch": 3, "expires_in_s": 8.5}}
+
+
 def fixture_api(route, snapshot: dict, user: dict = INSECURE_USER, refuse: str = "") -> None:
     """Serves the UI's files and the admin API's answers from fixed data, as the coordinator would: /whoami
     names user (the insecure development mode's by default); refuse: every POST gets 403 with this message."""
@@ -376,6 +385,7 @@ def fixture_api(route, snapshot: dict, user: dict = INSECURE_USER, refuse: str =
     now = snapshot["ts"]
     points = [{**snapshot["stats"], "t": now - 120 + i, "tokens_per_s": 2000 + 400 * (i % 7)} for i in range(120)]
     answers = {"/admin/api/stats": {"interval_s": 1.0, "points": points}, "/admin/api/requests": {"requests": []},
+               "/admin/api/coordinators": COORDINATORS,
                "/admin/api/snapshot": snapshot,
                "/admin/api/agents": agents_page(snapshot["agents"],
                                                 parse_qs(urlparse(route.request.url).query, keep_blank_values=True))}
@@ -460,6 +470,11 @@ def test_a_larger_mesh_renders_and_names_from_the_network_stay_text() -> None:
             expect(page.locator(f'[data-testid="drain-button"][data-agent-id="{disabled}"]')).to_be_disabled()
         expect(page.locator('[data-testid="drain-button"][data-agent-id="c1"]')).to_be_enabled()
         expect(page.get_by_test_id("event").first).to_contain_text(EVIL)
+        # the coordinators: the leader first, a standby, and their lease
+        expect(page.get_by_test_id("coordinator-role")).to_have_text(["leader", "standby"])
+        expect(page.get_by_test_id("coordinator-row").nth(1)).to_have_attribute("data-name", EVIL)
+        expect(page.get_by_test_id("coordinator-lease")).to_have_text(
+            "lease held by coord-a:8000 · epoch 3 · runs out in 8.50 s unless renewed")
         page.get_by_test_id("topology-node").first.hover()
         shot = ARTIFACTS / "fixture-mesh-dark.png"
         page.screenshot(path=str(shot), full_page=True)
