@@ -14,7 +14,7 @@ from stratamesh.sdk import calls
 from stratamesh.sdk.calls import ChatOptions, MessageLike, SamplingOptions
 from stratamesh.sdk.errors import MeshAPIError, error_from_response, transport_error
 from stratamesh.sdk.results import Agent, ChatChunk, ChatCompletion, Completion, CompletionChunk, Model
-from stratamesh.sdk.streams import Resumable, Stream
+from stratamesh.sdk.streams import Resumable, Stream, resumed_request
 
 if TYPE_CHECKING:
     from stratamesh.launcher import LocalMesh
@@ -133,15 +133,10 @@ class Mesh:
         return calls.parse(response.content)
 
     def resume(self, stream: Stream[T]) -> Stream[T]:
-        """Goes on with a generation whose stream broke (another coordinator's, which died: MeshConnectionError)
-        here, from the tokens it received: the same request, after them (the server's resume_token_ids), giving
-        the chunks that follow. Greedy and seeded sampling give what the stream would have given; a request
-        whose output the resumed tokens would have to count as (penalties on it, structured output, tools, n > 1,
-        echo) is refused with MeshAPIError, saying so."""
-        resumable = stream.resumable
-        if resumable is None:
-            raise ValueError("only a stream of generate() or chat() can be resumed")
-        return self._stream(resumable.path, resumable.resumed_body(), resumable.parse)
+        """Goes on here with a generation whose stream broke (its coordinator died: MeshConnectionError), from the
+        tokens it received: Resumable.resumed_body says how, and what is refused."""
+        path, body, parse = resumed_request(stream.resumable)
+        return self._stream(path, body, parse)
 
     def _stream(self, path: str, body: dict[str, Any], parse: Callable[[dict[str, Any]], T | None]) -> Stream[T]:
         return Stream(self._send("POST", path, body, stream=True), parse, f"POST {self.url}{path}",

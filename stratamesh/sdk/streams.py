@@ -12,7 +12,7 @@ import httpx
 from stratamesh.sdk.calls import shaped
 from stratamesh.sdk.errors import MeshConnectionError, UnexpectedResponseError, error_from_event, transport_error
 
-__all__ = ["AsyncStream", "EventParser", "Resumable", "SSEDecoder", "Stream"]
+__all__ = ["AsyncStream", "EventParser", "Resumable", "SSEDecoder", "Stream", "resumed_request"]
 
 T = TypeVar("T")
 DONE = "[DONE]"
@@ -59,8 +59,17 @@ class Resumable(Generic[T]):
         return self.parse(event)
 
     def resumed_body(self) -> dict[str, Any]:
-        """The same request, going on after every token it generated (the server's resume_token_ids)."""
+        """The same request, going on after every token it generated (the server's resume_token_ids). Greedy and
+        seeded sampling give what the broken stream would have given; a request whose output those tokens would
+        have to count as (penalties on it, structured output, tools, n > 1, echo) is refused (MeshAPIError)."""
         return {**self.body, "resume_token_ids": [*self.body.get("resume_token_ids", ()), *self.token_ids]}
+
+
+def resumed_request(resumable: Resumable[T] | None) -> tuple[str, dict[str, Any], Callable[[dict[str, Any]], T | None]]:
+    """The path, body and parser of a broken generation's stream, resumed (ValueError for another stream)."""
+    if resumable is None:
+        raise ValueError("only a stream of generate() or chat() can be resumed")
+    return resumable.path, resumable.resumed_body(), resumable.parse
 
 
 class EventParser(Generic[T]):

@@ -48,18 +48,20 @@ def _lease(url: str, mesh: str) -> tuple[str, int]:
 
 def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serves_on(
         tiny_models: dict[str, Path], tmp_path: Path, postgres_database: str) -> None:
-    """The acceptance of issue 53: 8 streams through the standby, kill -9 of the leader mid-way: the standby takes
-    the lease over, the streams finish as they did undisturbed, the agents move to it, and a model deployed after
-    the failover serves."""
+    """The acceptance of issue 53: 2 coordinators on one PostgreSQL, 4 agents, 8 streams through the standby, kill -9
+    of the leader mid-way: the standby takes the lease over, the streams finish as they did undisturbed, the agents
+    move to it, a model deployed after the failover serves, and an SDK stream broken on the leader is resumed on
+    the standby with the same tokens."""
     model_dir, other_dir = tiny_models["llama"], tiny_models["qwen2"]
     jobs = decisive(make_jobs(8, regular_token_ids(model_dir), prompt_len=16, max_tokens=24, seed=11), model_dir)
     http_a, grpc_a, enroll_a, http_b, grpc_b = _free_ports(5)
-    # agent 0 finds the leader on zeroconf (only a leader advertises), agent 1 is given both addresses
-    with LocalMesh(str(model_dir), num_agents=2, num_stages=2, db=postgres_database, http_port=http_a,
+    # agents 0 and 2 find the leader on zeroconf (only a leader advertises), 1 and 3 are given both addresses;
+    # two serve the model's 2 stages, two are spares
+    listed = ["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}", "--enroll", f"127.0.0.1:{enroll_a}"]
+    with LocalMesh(str(model_dir), num_agents=4, num_stages=2, db=postgres_database, http_port=http_a,
                    grpc_port=grpc_a, enroll_port=enroll_a, log_dir=str(tmp_path / "logs"),
                    coordinator_args=["--lease-ttl", str(LEASE_TTL_S)],
-                   agent_args_by_index={1: ["--coordinator", f"127.0.0.1:{grpc_a},127.0.0.1:{grpc_b}",
-                                            "--enroll", f"127.0.0.1:{enroll_a}"]}) as mesh:
+                   agent_args_by_index={1: listed, 3: listed}) as mesh:
         standby, standby_url = mesh.start_standby(http_b, grpc_b)
         assert _lease(postgres_database, mesh.mesh) == (f"{socket.gethostname()}:{http_a}", 1)
         wait_until(lambda: httpx.get(f"{standby_url}/health").json()["models"].get(MODEL) == "ready")
@@ -93,7 +95,7 @@ def test_streams_through_a_standby_outlive_the_leader_and_it_takes_over_and_serv
             which_diverged(model_dir, jobs, undisturbed=undisturbed, failed_over=through)
         assert mesh.url == standby_url and _lease(postgres_database, mesh.mesh) == (
             f"{socket.gethostname()}:{http_b}", 2)
-        mesh.wait_connected(2, patient(60))     # the agents moved to it: found on zeroconf, or given its address
+        mesh.wait_connected(4, patient(60))     # the agents moved to it: found on zeroconf, or given its address
         mesh.wait_ready(patient(60))
         assert _plan_ids(mesh) == plan, "the same boxes: the plan is kept, its stages re-adopted as they are"
         assert _gauges(mesh.url, mesh.headers) == {"stratamesh:coordinator_leader": 1.0,
@@ -165,7 +167,7 @@ def _check_the_standbys_admin_api(mesh: LocalMesh, standby_url: str, http_a: int
                                                                                 (f"{host}:{http_b}", False)]
     assert (coordinators["lease"]["holder"], coordinators["lease"]["epoch"]) == (f"{host}:{http_a}", 1)
     agents = httpx.get(f"{standby_url}/admin/api/agents", headers=mesh.headers).json()["agents"]
-    assert sorted(a["state"] for a in agents) == ["connected", "connected"]
+    assert [a["state"] for a in agents] == ["connected"] * 4
     user, password = mesh.admin_login
     with httpx.Client() as browser:
         login = browser.post(f"{standby_url}/admin/api/login", json={"username": user, "password": password})

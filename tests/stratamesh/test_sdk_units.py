@@ -36,7 +36,7 @@ from stratamesh import (
 )
 from stratamesh.sdk.errors import error_from_event, parse_retry_after
 from stratamesh.sdk.local import builtin_model_dir
-from stratamesh.sdk.streams import SSEDecoder
+from stratamesh.sdk.streams import AsyncStream, SSEDecoder, Stream
 
 MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "created": 1, "max_model_len": 512,
                                       "ready": True}]}
@@ -174,35 +174,57 @@ def test_chat_stream_skips_empty_chunks_and_ends_with_usage() -> None:
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
 
 
-def test_a_broken_stream_is_resumed_elsewhere_as_the_same_request_after_the_tokens_it_received() -> None:
-    def event(text: str, ids: list[int], index: int = 0) -> dict[str, Any]:
+class _DyingThenLive:
+    """Two coordinators for a resumed stream: the first sends 3 tokens (one with no text yet), then its connection
+    drops (no [DONE]); the second sends one more and ends. sent: the bodies each was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    @staticmethod
+    def event(text: str, ids: list[int]) -> dict[str, Any]:
         return {"id": "c", "object": "text_completion", "model": "m",
-                "choices": [{"index": index, "text": text, "token_ids": ids, "finish_reason": None}]}
+                "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": None}]}
 
-    # the first coordinator sends 3 tokens (one with no text yet), then its connection drops: no [DONE]
-    broken = sse(event("a", [5]), event("", [6]), event("b", [7]))
-    sent: list[dict[str, Any]] = []
+    def first(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(self.event("a", [5]), self.event("", [6]), self.event("b", [7])))
 
-    def first(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content))
-        return httpx.Response(200, content=broken)
+    def second(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(self.event("c", [8]), "[DONE]"))
 
-    def second(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content))
-        return httpx.Response(200, content=sse(event("c", [8]), "[DONE]"))
+    def check(self, texts: list[str], resumed_texts: list[str], resumed: Stream | AsyncStream) -> None:
+        assert texts == ["a", "b"]      # (the token with no text yet made no chunk, and is resumed after)
+        assert resumed_texts == ["c"] and resumed.resumable.token_ids == [8]
+        assert self.sent[0]["return_token_ids"] is True
+        assert self.sent[1] == {**self.sent[0], "resume_token_ids": [5, 6, 7]}   # the same request, after its tokens
+        assert resumed.resumable.resumed_body()["resume_token_ids"] == [5, 6, 7, 8]    # and again, after those too
 
-    with serve(first) as a, serve(second) as b:
+
+def test_a_broken_stream_is_resumed_elsewhere_as_the_same_request_after_the_tokens_it_received() -> None:
+    coordinators, texts = _DyingThenLive(), []
+    with serve(coordinators.first) as a, serve(coordinators.second) as b:
         stream = a.generate("hi", model="m", stream=True, max_tokens=9, seed=4, temperature=0.5)
-        texts = []
         with pytest.raises(MeshConnectionError, match="before the server sent"):
             for chunk in stream:
                 texts.append(chunk.text)
-        assert texts == ["a", "b"]      # (the token with no text yet made no chunk, and is resumed after)
         resumed = b.resume(stream)
-        assert [chunk.text for chunk in resumed] == ["c"] and resumed.resumable.token_ids == [8]
-    assert sent[0]["return_token_ids"] is True and stream.resumable.token_ids == [5, 6, 7]
-    assert sent[1] == {**sent[0], "resume_token_ids": [5, 6, 7]}     # the same request, after its tokens
-    assert resumed.resumable.resumed_body()["resume_token_ids"] == [5, 6, 7, 8]     # and again, after those too
+        coordinators.check(texts, [chunk.text for chunk in resumed], resumed)
+    with pytest.raises(ValueError, match="only a stream of generate"):
+        b.resume(Stream(httpx.Response(200), lambda event: None, "GET /"))
+
+
+async def test_an_async_broken_stream_is_resumed_elsewhere_too() -> None:
+    coordinators, texts = _DyingThenLive(), []
+    async with (AsyncMesh("http://a.test", transport=httpx.MockTransport(coordinators.first)) as a,
+                AsyncMesh("http://b.test", transport=httpx.MockTransport(coordinators.second)) as b):
+        stream = await a.generate("hi", model="m", stream=True, max_tokens=9, seed=4, temperature=0.5)
+        with pytest.raises(MeshConnectionError):
+            async for chunk in stream:
+                texts.append(chunk.text)
+        resumed = await b.resume(stream)
+        coordinators.check(texts, [chunk.text async for chunk in resumed], resumed)
 
 
 @pytest.mark.parametrize("status, error, cls, match", [
