@@ -12,7 +12,6 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import uvicorn
@@ -29,6 +28,7 @@ from stratamesh.coordinator.enrollment import MeshCa, default_pki_dir
 from stratamesh.coordinator.fleet_metrics import LeadershipCollector, hop_histogram
 from stratamesh.coordinator.mesh_admin import MeshAdmin
 from stratamesh.coordinator.metrics import ApiMetrics
+from stratamesh.coordinator.options import CoordinatorOptions
 from stratamesh.coordinator.registry_store import RegistryStore, sqlite_path
 from stratamesh.coordinator.serving.origin import Origin
 from stratamesh.coordinator.serving.records import RequestLog
@@ -46,8 +46,6 @@ from stratamesh.fleet.wire import rtc
 from stratamesh.fleet.wire.channels import bind, make_server, revoked, use_tls, warn_insecure
 from stratamesh.fleet.wire.stream import RtcDialer
 
-if TYPE_CHECKING:     # (daemon.py imports this module)
-    from stratamesh.coordinator.daemon import CoordinatorOptions
 
 
 class _Server(uvicorn.Server):

@@ -12,7 +12,6 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -27,6 +26,7 @@ from stratamesh.coordinator.fleet_metrics import (ControlPlaneCollector, FleetCo
                                                   OriginCollector, ReplicaCollector, active_stages)
 from stratamesh.coordinator.front import Front
 from stratamesh.coordinator.linkprobe import OriginLinkProber
+from stratamesh.coordinator.options import CoordinatorOptions
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.coordinator.rollouts import Rollouts
 from stratamesh.coordinator.weights import ModelWeights
@@ -34,8 +34,6 @@ from stratamesh.fleet import discovery
 from stratamesh.fleet.wire import mesh_pb2_grpc as pb_grpc
 from stratamesh.fleet.wire.channels import bind, make_server, revoked
 
-if TYPE_CHECKING:     # (daemon.py imports this module)
-    from stratamesh.coordinator.daemon import CoordinatorOptions
 
 log = logging.getLogger(__name__)
 

@@ -97,12 +97,13 @@ def test_the_checker_catches_violations(module: str, source: str, bad: bool) -> 
 
 
 # The coordinator's gRPC edge: its servicers (control.servicer, enrollment, the origin's Deliver), its clients of the
-# agents' services (KV moves, span fetches) and the daemon that wires them. Only these speak protobuf; the domain code
+# agents' services (KV moves, span fetches) and the modules that wire them into servers (a coordinator's front, and
+# what it starts once it leads). Only these speak protobuf; the domain code
 # (the rest of control/: roster, routes, plans, drains, the deployer; placement, registry, admin, the HTTP API)
 # sends and receives fleet types.
 GRPC_EDGE = {f"stratamesh.coordinator.{m}"
              for m in ("control.servicer", "enrollment", "serving.sessions", "serving.servicer", "serving.kv_moves",
-                       "traces", "daemon")}
+                       "traces", "front", "leader")}
 PROTOBUF = {f"stratamesh.fleet.wire.{m}" for m in ("mesh_pb2", "mesh_pb2_grpc", "convert")}
 
 
