@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 from stratamesh.coordinator.control.load_errors import LoadErrors
 from stratamesh.coordinator.control.roster import AgentNotConnected
@@ -22,25 +24,36 @@ from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 1.0     # how often a standby reads the agents, their telemetry and the links again
+REFRESH_S = 1.0     # how often a standby reads the agents of live plans and their telemetry again
+LINKS_EVERY_S = 30.0    # ... and the links measured (agents re-measure theirs every 300 s: LINK_PROBE_EVERY_S)
 _SERVING = (AgentState.CONNECTED, AgentState.RESTING)    # agents whose stages serve (a resting one's, until moved)
 
 
 class RegistryRoster:
     """The agents as the leader last wrote them: the routes' RosterReads, for a standby."""
 
-    def __init__(self, registry: RegistryStore, agent_lease_s: float) -> None:
+    def __init__(self, registry: RegistryStore, agent_lease_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._registry = registry
+        self._clock = clock
         self.liveness = LivenessConfig(lease_s=agent_lease_s)  # what the origin waits before trusting an address again
         self.telemetry: dict[str, Telemetry] = {}
         self._agents: dict[str, AgentRecord] = {}
         self._bandwidths: dict[tuple[str, str], float] = {}
+        self._links_read_at = float("-inf")
 
     def refresh(self) -> None:
-        """Reads the agents whose stages serve, their newest telemetry, and the links measured."""
-        self._agents = {a.agent_id: a for a in self._registry.agents() if a.state in _SERVING}
-        self.telemetry = {agent_id: t for agent_id, (_, t) in self._registry.latest_telemetry().items()}
-        self._bandwidths = {(m.agent_id, m.peer_agent_id): m.bandwidth_bytes_per_s for m in self._registry.links()}
+        """Reads the agents of the live plans' stages whose stages serve (a few point reads, not the whole fleet:
+        benchmarks/standby_refresh.py), their newest telemetry, and now and then the links measured."""
+        registry = self._registry
+        ids = sorted({s.agent_id for m in registry.models() for p in registry.live_plans(m.model_id)
+                      for s in p.stages})
+        self._agents = {a.agent_id: a for a in map(registry.agent, ids) if a is not None and a.state in _SERVING}
+        self.telemetry = {agent_id: rows[-1][1] for agent_id in self._agents
+                          if (rows := registry.telemetry(agent_id, limit=1))}
+        if self._clock() >= self._links_read_at + LINKS_EVERY_S:
+            self._links_read_at = self._clock()
+            self._bandwidths = {(m.agent_id, m.peer_agent_id): m.bandwidth_bytes_per_s for m in registry.links()}
 
     @property
     def num_agents(self) -> int:
