@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,22 +84,24 @@ class Lease:
         self.epoch: int | None = None       # the epoch it holds the lease in; None: it does not hold it
         self.addresses: tuple[str, str] | None = None   # its (HTTP URL, gRPC address): take and keep announce them
         self._conninfo = conninfo
+        self._lock = threading.Lock()      # the lease's loop and the admin API's reads share the connection
         self._conn = psycopg.connect(conninfo, autocommit=True, application_name="stratamesh-lease")
         self._conn.execute(_SCHEMA)
 
     def _execute(self, sql: str, params: tuple[Any, ...]) -> Any:
         """One statement on the lease's own connection, connecting again first if the last one broke (the database
         restarted, or failed over to its standby)."""
-        if self._conn.closed:
-            import psycopg
+        with self._lock:
+            if self._conn.closed:
+                import psycopg
 
-            self._conn = psycopg.connect(self._conninfo, autocommit=True, application_name="stratamesh-lease")
-        try:
-            return self._conn.execute(sql, params)
-        except Exception:
-            if self._conn.broken:
-                self._conn.close()
-            raise
+                self._conn = psycopg.connect(self._conninfo, autocommit=True, application_name="stratamesh-lease")
+            try:
+                return self._conn.execute(sql, params)
+            except Exception:
+                if self._conn.broken:
+                    self._conn.close()
+                raise
 
     def acquire(self) -> bool:
         """Takes the lease if it is free (never held, or expired), in a new epoch; whether this coordinator holds it
