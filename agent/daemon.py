@@ -77,7 +77,8 @@ class AgentOptions:
     join_token: str = ""                # presented to the coordinator when the agent holds no certificate
     join_token_file: str = ""           # ... or the token in this file, read when enrolling (--join-token-file)
     state_dir: str = ""                 # its key and certificate; default: default_state_dir(mesh)
-    enroll: str | None = None           # host:port of the coordinator's enrollment endpoint; None: zeroconf
+    enroll: str | None = None           # host:port of the coordinator's enrollment endpoint (its standbys' after it,
+                                        # comma-separated); None: zeroconf
     owner_limits: OwnerLimits = field(default_factory=OwnerLimits)   # when the box's owner wants it to rest
     sensor_file: str = ""               # the owner's sensor readings (agent/owner_limits.py Sensors)
     fetch_weights: str = "missing"      # agent.weights.FETCH_MODES: fetch a stage's tensors when its folder is not
@@ -91,20 +92,38 @@ async def _mesh_tls(options: AgentOptions, browser: discovery.Browser) -> MeshTl
     if options.insecure:
         warn_insecure("agent")
         return None
+    state_dir = options.state_dir or default_state_dir(options.mesh)
+    return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token,
+                                    enroll_finder(options, browser), options.join_token_file)
 
-    async def find_enroll() -> str:
-        if options.enroll:
-            return options.enroll
-        if options.coordinator:
+
+def enroll_finder(options: AgentOptions, browser: discovery.Browser) -> Callable[[], Awaitable[str]]:
+    """Where the agent enrolls, asked anew at each try: the --enroll addresses in turn (a coordinator's and its
+    standbys', comma-separated: only the leader's answers), else the one zeroconf finds with the coordinator."""
+    if options.enroll:
+        return _in_turn(options.enroll)
+    if options.coordinator:
+        async def not_given() -> str:
             raise NotEnrolled("--coordinator was given without --enroll (the coordinator's enroll=host:port)")
+        return not_given
+
+    async def found() -> str:
         record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)
         if "enroll" not in record.properties:     # discovery checked it is a port when present
             raise NotEnrolled(f"the coordinator of mesh {options.mesh} offers no enrollment: it runs --insecure")
         return f"{record.host}:{record.properties['enroll']}"
 
-    state_dir = options.state_dir or default_state_dir(options.mesh)
-    return await obtain_credentials(state_dir, options.agent_id, options.mesh, options.join_token, find_enroll,
-                                    options.join_token_file)
+    return found
+
+
+def _in_turn(addresses: str) -> Callable[[], Awaitable[str]]:
+    """Each of the comma-separated addresses in turn, round and round."""
+    cycle = itertools.cycle([a.strip() for a in addresses.split(",") if a.strip()])
+
+    async def next_address() -> str:
+        return next(cycle)
+
+    return next_address
 
 
 def exit_now(reason: str) -> None:
@@ -157,12 +176,7 @@ def coordinator_finder(options: AgentOptions, browser: discovery.Browser) -> Cal
     coordinator and its standbys, comma-separated: a stream that failed or ended goes on at the next), else the one
     of the agent's mesh that zeroconf finds."""
     if options.coordinator:
-        addresses = itertools.cycle([a.strip() for a in options.coordinator.split(",") if a.strip()])
-
-        async def listed() -> str:
-            return next(addresses)
-
-        return listed
+        return _in_turn(options.coordinator)
 
     async def found() -> str:
         record = await browser.find("coordinator", options.mesh, options.discovery_timeout_s)

@@ -206,7 +206,8 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
                        "(default: agent-<mesh> in $STRATAMESH_HOME, else $XDG_STATE_HOME/stratamesh, else "
                        "~/.local/state/stratamesh)")
     agent.add_argument("--enroll", metavar="HOST:PORT",
-                       help="the coordinator's enrollment endpoint; default: zeroconf (needed with --coordinator)")
+                       help="the coordinator's enrollment endpoint (A:P,B:P: its standbys' too, tried in turn); "
+                            "default: zeroconf (needed with --coordinator)")
     _add_insecure_argument(agent)
     agent.add_argument("--mesh", default="default")
     agent.add_argument("--interface", action="append", dest="interfaces")

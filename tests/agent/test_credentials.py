@@ -129,6 +129,30 @@ async def test_an_agent_tries_again_while_the_coordinator_cannot_answer(coordina
     assert pki.cert_info(tls.cert_pem).name == "edge-1"
 
 
+async def test_an_agent_given_several_enrollment_addresses_enrolls_at_the_one_that_answers(
+        coordinator: Coordinator, tmp_path: Path) -> None:
+    """--enroll A,B (a coordinator and its standby, only the leader's answering): tried in turn."""
+    import socket
+
+    from stratamesh.agent.daemon import AgentOptions, enroll_finder
+    from stratamesh.fleet import discovery
+
+    token, _ = coordinator.enroller.create_token(3600)
+    with socket.socket() as probe:          # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    browser = discovery.Browser(["127.0.0.1"])      # (never asked: the addresses were given)
+    try:
+        find = enroll_finder(AgentOptions(mesh="m", enroll=f"{dead}, {coordinator.address}"), browser)
+        assert [await find() for _ in range(3)] == [dead, coordinator.address, dead]
+        tls = await obtain_credentials(str(tmp_path / "agent"), "edge-1", "m", str(token),
+                                       enroll_finder(AgentOptions(mesh="m", enroll=f"{dead},{coordinator.address}"),
+                                                     browser))
+    finally:
+        await browser.close()
+    assert pki.cert_info(tls.cert_pem).name == "edge-1"
+
+
 async def test_without_a_certificate_or_token_the_agent_says_how_to_join(tmp_path: Path) -> None:
     async def find() -> str:
         raise AssertionError("no token: nothing to dial")
