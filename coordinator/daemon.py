@@ -16,14 +16,13 @@ from typing import Any
 from stratamesh.coordinator import leadership
 from stratamesh.coordinator.control.models import check_model
 from stratamesh.coordinator.front import open_front
-from stratamesh.coordinator.leader import LIVENESS_CHECK_S, take_control
+from stratamesh.coordinator.leader import take_control
 from stratamesh.coordinator.leadership import Deposed, Lease, open_lease
-from stratamesh.coordinator.options import CoordinatorOptions, ModelRequest
+from stratamesh.coordinator.options import CoordinatorOptions
 from stratamesh.coordinator.registry_store import RegistryStore, open_registry
 from stratamesh.fleet.state import is_postgres
 
-# (CoordinatorOptions and ModelRequest are options.py's, named here for the CLI)
-__all__ = ["LIVENESS_CHECK_S", "CoordinatorOptions", "ModelRequest", "default_name", "run_coordinator"]
+__all__ = ["default_name", "run_coordinator"]
 
 log = logging.getLogger(__name__)
 

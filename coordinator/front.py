@@ -61,8 +61,9 @@ class Front:
     """A coordinator's serving front; leading says whether it leads (its Control gate open)."""
 
     server: grpc.aio.Server
-    grpc_address: str           # where agents and last stages reach it: advertise host, gRPC port
-    http_url: str
+    host: str                   # where agents, last stages and the other coordinators reach it (--advertise-host)
+    grpc_port: int
+    http_port: int
     http: _Server
     http_task: asyncio.Task[None]
     spans: SpanStore
@@ -79,6 +80,14 @@ class Front:
     leading: bool = False
     control: ControlService | None = None       # the leader's, once it leads
     weights: ModelWeights | None = None         # ... and the folders it serves weights from
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
 
     async def close(self) -> None:
         """Stops the HTTP API, ends the origin's generations, stops the gRPC server and waits for the agents'
@@ -146,9 +155,8 @@ async def open_front(options: CoordinatorOptions, registry: RegistryStore,
     access = None if options.insecure else AccessStore(registry)
     http, http_task, http_port = await _serve_http(options, origin, admin, metrics, access,
                                                    lambda: not (holder and holder[0].leading), leader_url)
-    holder.append(Front(server, f"{advertise_host}:{grpc_port}", f"http://{advertise_host}:{http_port}", http,
-                        http_task, spans, metrics, sessions, requests, router, origin, standby, gate, admin, access,
-                        ca))
+    holder.append(Front(server, advertise_host, grpc_port, http_port, http, http_task, spans, metrics, sessions,
+                        requests, router, origin, standby, gate, admin, access, ca))
     metrics.register(LeadershipCollector(lambda: holder[0].leading, lease_epoch))
     return holder[0]
 

@@ -146,17 +146,16 @@ async def _start_enrollment(options: CoordinatorOptions, ca: MeshCa, registry: R
 
 async def _advertise(options: CoordinatorOptions, front: Front, enroll_port: int | None) -> discovery.Advertiser:
     """Advertises the coordinator on zeroconf, and says where it listens (`up` and LocalMesh read the line)."""
-    host, grpc_port = front.grpc_address.rsplit(":", 1)
-    http_port = front.http_url.rsplit(":", 1)[1]
-    enroll = f"{host}:{enroll_port}" if enroll_port else "-"
+    enroll = f"{front.host}:{enroll_port}" if enroll_port else "-"
     advertiser = discovery.Advertiser(interfaces=list(options.interfaces))
     await advertiser.start(discovery.ServiceRecord(
-        kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh, host=host, port=int(grpc_port),
-        properties={"http": http_port, **({"enroll": str(enroll_port)} if enroll_port else {})}))
-    log.info("coordinator of mesh %s: grpc %s, http %s:%s, enroll %s", options.mesh, front.grpc_address,
-             options.host, http_port, enroll)
-    print(f"stratamesh coordinator: http=http://{options.host}:{http_port} grpc={front.grpc_address} enroll={enroll}",
-          flush=True)
+        kind="coordinator", instance=f"coordinator-{options.mesh}", mesh=options.mesh, host=front.host,
+        port=front.grpc_port, properties={"http": str(front.http_port),
+                                          **({"enroll": str(enroll_port)} if enroll_port else {})}))
+    log.info("coordinator of mesh %s: grpc %s, http %s:%d, enroll %s", options.mesh, front.grpc_address,
+             options.host, front.http_port, enroll)
+    print(f"stratamesh coordinator: http=http://{options.host}:{front.http_port} grpc={front.grpc_address} "
+          f"enroll={enroll}", flush=True)
     return advertiser
 
 

@@ -78,24 +78,25 @@ class Lease:
                 raise InvalidInput(f"lease {what} {value!r} must be 1..200 letters, digits or ._:@-")
         if ttl_s <= 0:
             raise InvalidInput(f"lease ttl_s must be > 0, got {ttl_s}")
-        import psycopg     # (the postgres extra: only a coordinator on PostgreSQL needs it)
-
         self.mesh, self.holder, self.ttl_s = mesh, holder, ttl_s
         self.epoch: int | None = None       # the epoch it holds the lease in; None: it does not hold it
         self.addresses: tuple[str, str] | None = None   # its (HTTP URL, gRPC address): take and keep announce them
         self._conninfo = conninfo
         self._lock = threading.Lock()      # the lease's loop and the admin API's reads share the connection
-        self._conn = psycopg.connect(conninfo, autocommit=True, application_name="stratamesh-lease")
+        self._conn = self._connect()
         self._conn.execute(_SCHEMA)
+
+    def _connect(self) -> Any:
+        import psycopg     # (the postgres extra: only a coordinator on PostgreSQL needs it)
+
+        return psycopg.connect(self._conninfo, autocommit=True, application_name="stratamesh-lease")
 
     def _execute(self, sql: str, params: tuple[Any, ...]) -> Any:
         """One statement on the lease's own connection, connecting again first if the last one broke (the database
         restarted, or failed over to its standby)."""
         with self._lock:
             if self._conn.closed:
-                import psycopg
-
-                self._conn = psycopg.connect(self._conninfo, autocommit=True, application_name="stratamesh-lease")
+                self._conn = self._connect()
             try:
                 return self._conn.execute(sql, params)
             except Exception:
@@ -148,7 +149,7 @@ class Lease:
         """Gives the lease up at once (a clean shutdown: a standby takes over without waiting for it to expire)."""
         if self.epoch is not None:
             self._execute("UPDATE coordinator_lease SET expires = clock_timestamp() WHERE mesh = %s AND "
-                               "holder = %s AND epoch = %s", (self.mesh, self.holder, self.epoch))
+                          "holder = %s AND epoch = %s", (self.mesh, self.holder, self.epoch))
             self.epoch = None
 
     def state(self) -> LeaseState | None:

@@ -218,7 +218,6 @@ class RegistryStore(AgentStore, TelemetryStore, PlanStore, EventLog, SqlTables, 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SQLITE = "sqlite://"
-_POSTGRES = ("postgresql", "postgres")
 
 
 def sqlite_path(location: str) -> str:
@@ -237,7 +236,7 @@ def sqlite_path(location: str) -> str:
             return path[1:]
         raise UnsupportedStore(f"the registry URL {location!r} names no SQLite file: write sqlite:///RELATIVE/PATH, "
                                "sqlite:////ABSOLUTE/PATH or sqlite:// (in memory)")
-    if scheme in _POSTGRES:
+    if is_postgres(location):
         raise UnsupportedStore("a registry on PostgreSQL is no SQLite file")
     if scheme == "etcd":
         raise UnsupportedStore(f"the registry {location!r} is on etcd, which this coordinator cannot open: SQLite "

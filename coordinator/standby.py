@@ -13,14 +13,13 @@ import time
 from collections.abc import Callable
 
 from stratamesh.coordinator.control.load_errors import LoadErrors
-from stratamesh.coordinator.control.roster import AgentNotConnected
+from stratamesh.coordinator.control.roster import AgentNotConnected, on_one_box
 from stratamesh.coordinator.control.routes import Routes
 from stratamesh.coordinator.liveness import LivenessConfig
 from stratamesh.coordinator.records import AgentRecord, StageRecord
 from stratamesh.coordinator.registry_store import RegistryStore
 from stratamesh.fleet.boxes import Telemetry
 from stratamesh.fleet.states import AgentState, StageState
-from stratamesh.fleet.wire.stream import address_host
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,8 @@ class RegistryRoster:
 
     def same_box(self, a: str, b: str) -> bool:
         x, y = self._agents.get(a), self._agents.get(b)
-        return (x is not None and y is not None and x.capabilities.hostname == y.capabilities.hostname
-                and address_host(x.address) == address_host(y.address))
+        return (x is not None and y is not None
+                and on_one_box(x.capabilities.hostname, x.address, y.capabilities.hostname, y.address))
 
 
 class Standby:

@@ -508,7 +508,8 @@ def _add_trace_export_arguments(parser: argparse.ArgumentParser) -> None:
 def _coordinator(args: argparse.Namespace) -> None:
     from stratamesh.coordinator.api.admission import Limits
     from stratamesh.coordinator.serving.router import Disaggregation
-    from stratamesh.coordinator.daemon import CoordinatorOptions, ModelRequest, run_coordinator
+    from stratamesh.coordinator.daemon import run_coordinator
+    from stratamesh.coordinator.options import CoordinatorOptions, ModelRequest
     from stratamesh.coordinator.liveness import LivenessConfig
     from stratamesh.coordinator.placement import SitePins
 

@@ -175,8 +175,7 @@ class LocalMesh:
         """Starts another coordinator of this mesh on its PostgreSQL registry (the model and everything else from
         there), and waits until it stands by; returns it and the URL of its HTTP API, which serves while it stands
         by. take_over waits for it to lead."""
-        args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), "--http-port", str(http_port),
-                "--grpc-port", str(grpc_port), *(["--insecure"] if self.insecure else ["--pki-dir", self.pki_dir()])]
+        args = self._coordinator_args(["--http-port", str(http_port), "--grpc-port", str(grpc_port)])
         standby = self._spawn(f"coordinator-{http_port}", [*args, *patient_coordinator_args(), *self.coordinator_args])
         self.standbys.append(standby)
         url, _ = self._await_line(standby, _STANDBY_LINE, timeout_s)
@@ -201,19 +200,23 @@ class LocalMesh:
                 and all(self._same_site(self.agent_hosts.get(i)) for i in range(self.num_agents)))
 
     def _spawn_coordinator(self, deploy: bool, ports: list[str], bootstrap: bool = True) -> None:
-        args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
-        if is_postgres(self.registry_path()) and not self.insecure:
-            args += ["--pki-dir", self.pki_dir()]
+        args = self._coordinator_args(ports)
         if deploy:
             args += ["--model", self.model_dir, "--stages", str(self.num_stages or self.num_agents)]
         if self.coordinator_host is not None:
             args += _on_host(self.coordinator_host)
-        if self.insecure:
-            args += ["--insecure"]
-        elif bootstrap:    # a join token, operator key and admin password: those in the file that still work, or new
+        if not self.insecure and bootstrap:   # a join token, operator key, admin password: those still working, or new
             args += ["--bootstrap-file", self._bootstrap_path()]
         self.coordinator = self._spawn("coordinator", [*args, *patient_coordinator_args(), *self.coordinator_args],
                                        host=self.coordinator_host)
+
+    def _coordinator_args(self, ports: list[str]) -> list[str]:
+        """A coordinator of this mesh on its registry, on ports: insecure, or with the mesh's CA where it is not
+        beside the registry (a PostgreSQL one)."""
+        args = ["coordinator", "--mesh", self.mesh, "--db", self.registry_path(), *ports]
+        if self.insecure:
+            return [*args, "--insecure"]
+        return [*args, "--pki-dir", self.pki_dir()] if is_postgres(self.registry_path()) else args
 
     def _coordinator_started(self, timeout_s: float) -> None:
         """Waits for the coordinator to print its addresses; takes its bootstrap credentials."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import os
 import pwd
-import secrets
 import shutil
 import socket
 import subprocess
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from stratamesh.testbed.databases import scratch_database
 
 DATABASE = "stratamesh"
 
@@ -87,10 +88,6 @@ def _serve(bin_dir: Path, folder: Path, data: Path, port: int, owner: str | None
 @pytest.fixture
 def postgres_database(postgres_url: str) -> Iterator[str]:
     """postgresql://... of a database of one test's own on the session's server, dropped after it."""
-    psycopg = pytest.importorskip("psycopg")
-    name = f"test_{secrets.token_hex(6)}"
-    with psycopg.connect(postgres_url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    yield postgres_url.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(postgres_url, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    pytest.importorskip("psycopg")
+    with scratch_database(postgres_url, "test") as url:
+        yield url

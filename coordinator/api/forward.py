@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stratamesh.coordinator.api.errors import ApiError
+
 log = logging.getLogger(__name__)
 
 ADMIN_API = "/admin/api/"
@@ -83,7 +85,7 @@ async def _body(receive: Receive) -> bytes:
 
 
 async def _error(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "unavailable", "code": "no_leader"}}).encode()
+    body = json.dumps(ApiError(status, message, "unavailable", code="no_leader").body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"retry-after", b"2")]})
     await send({"type": "http.response.body", "body": body})

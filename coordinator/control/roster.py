@@ -266,8 +266,8 @@ class Roster:
         Their link is a copy through that box's loopback, whose probe measures how busy the box is, not a network.
         (Both, because network namespaces on one box share its hostname, and sites behind NAT may reuse addresses.)"""
         x, y = self._links.get(a), self._links.get(b)
-        return (x is not None and y is not None and x.capabilities.hostname == y.capabilities.hostname
-                and address_host(x.stage_address) == address_host(y.stage_address))
+        return (x is not None and y is not None
+                and on_one_box(x.capabilities.hostname, x.stage_address, y.capabilities.hostname, y.stage_address))
 
     def tick(self) -> None:
         """Writes the heartbeats taken, prunes old telemetry, and re-probes links when due."""
@@ -319,3 +319,9 @@ def _better(newest: tuple[float, float], earlier: tuple[float, float] | None) ->
     if earlier is None:
         return newest
     return min(newest[0], earlier[0]), max(newest[1], earlier[1])
+
+
+def on_one_box(hostname_a: str, stage_address_a: str, hostname_b: str, stage_address_b: str) -> bool:
+    """Whether two agents run on one box: the same hostname, and Stage services on the same IP address (Roster.same_box
+    says why both)."""
+    return hostname_a == hostname_b and address_host(stage_address_a) == address_host(stage_address_b)

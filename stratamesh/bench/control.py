@@ -34,12 +34,9 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stratamesh.bench.metrics import percentile
 from stratamesh.bench.sim_agents import issue_certificates
 from stratamesh.fleet.state import is_postgres
+from stratamesh.testbed.databases import scratch_database
 from stratamesh.launcher import LocalMesh
 
 log = logging.getLogger(__name__)
@@ -147,22 +145,6 @@ def timed(call) -> tuple[float, httpx.Response | None]:  # noqa: ANN001
         log.warning("API request failed: %s", e)
         response = None
     return (time.perf_counter() - started) * 1e3, response
-
-
-@contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    """A database of its own on the PostgreSQL server of server_url (whose user may create databases), dropped
-    after: the URL of it."""
-    import psycopg
-
-    name = f"stratamesh_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    try:
-        yield urlunsplit(urlsplit(server_url)._replace(path=f"/{name}"))
-    finally:
-        with psycopg.connect(server_url, autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def database_cpu_s(url: str) -> float:
@@ -296,7 +278,8 @@ def control_main(model_dir: str, sizes: list[int], processes: int = 0, window_s:
         for store in ("sqlite", "postgresql") if registry else ("sqlite",):
             logs = f"{log_dir}/{size}-agents-{store}" if log_dir else None
             with ExitStack() as database:        # a mesh of its own, on a registry of its own
-                url = database.enter_context(scratch_database(registry)) if store == "postgresql" else None
+                url = (database.enter_context(scratch_database(registry, "stratamesh_bench"))
+                       if store == "postgresql" else None)
                 rows.append(run_size(model_dir, size, processes, window_s, join_timeout_s, churn_per_min, mtls,
                                      logs, capable, url))
             log.warning("%d simulated agents on %s: done", size, store)

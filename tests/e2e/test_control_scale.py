@@ -18,7 +18,7 @@ from stratamesh.bench.control import LoadProcess
 from stratamesh.bench.datasets import regular_token_ids
 from stratamesh.bench.margins import decisive
 from stratamesh.bench.sim_agents import agent_id
-from stratamesh.coordinator.daemon import LIVENESS_CHECK_S
+from stratamesh.coordinator.leader import LIVENESS_CHECK_S
 from stratamesh.launcher import LocalMesh
 
 from .streams import held, settled_requests
